@@ -1,0 +1,359 @@
+"""Future and Promise: a value that will be ready, failed or discarded.
+
+Rules (libprocess ``process/future.hpp``):
+- A Future starts PENDING and moves once to READY (a value), FAILED (an
+  exception) or DISCARDED. Later attempts to complete it are ignored and
+  return False.
+- Callbacks (``on_ready``, ``on_failed``, ``on_discarded``, ``on_any``) run
+  synchronously, in registration order, in whatever code completes the
+  Future; one registered on a completed Future runs at once. An exception in
+  a callback is logged, never propagated into the completer.
+- ``then(fn)``: when READY, ``fn(value)``; a returned Future is followed.
+  Failure and discard pass through unchanged. ``recover(fn)``: when FAILED or
+  DISCARDED, ``fn(exception)`` supplies the value (or a Future of it).
+  ``after(seconds, fn)``: if still pending after ``seconds`` on the runtime
+  ``Clock``, ``fn(self)`` supplies the result instead.
+- ``discard()`` is a request, not a state change: it marks the Future and
+  runs the producer's ``on_discard`` callbacks (``Promise.on_discard``); the
+  producer decides whether to call ``Promise.discard()``. Futures derived with
+  ``then``/``recover``/``after`` pass a discard request to their source.
+- A Future is awaitable under asyncio and trio. Awaiting a READY Future returns
+  the value without suspending; FAILED raises the original exception;
+  DISCARDED raises ``Discarded``. Cancelling the awaiting task does not discard
+  the Future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Generic, Iterable, TypeVar
+
+from ._errors import Discarded
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PENDING = "pending"
+READY = "ready"
+FAILED = "failed"
+DISCARDED = "discarded"
+
+_get_running_loop = asyncio._get_running_loop  # C fast path; None under trio
+
+
+class Future(Generic[T]):
+    """The result of an asynchronous operation (see the module rules)."""
+
+    __slots__ = ("_state", "_value", "_callbacks", "_discard_requested", "_discard_callbacks")
+
+    def __init__(self) -> None:
+        self._state = PENDING
+        self._value: Any = None
+        self._callbacks: list | None = None
+        self._discard_requested = False
+        self._discard_callbacks: list | None = None
+
+    # -- construction ----------------------------------------------------
+    @classmethod
+    def ready(cls, value: T = None) -> "Future[T]":
+        """A Future that is already READY with ``value``."""
+        f = cls()
+        f._state = READY
+        f._value = value
+        return f
+
+    @classmethod
+    def failed(cls, error: BaseException | str) -> "Future[T]":
+        """A Future that already FAILED with ``error`` (a str becomes Failure)."""
+        from ._errors import Failure
+
+        f = cls()
+        f._state = FAILED
+        f._value = Failure(error) if isinstance(error, str) else error
+        return f
+
+    # -- state -----------------------------------------------------------
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def is_pending(self) -> bool:
+        return self._state is PENDING
+
+    def is_ready(self) -> bool:
+        return self._state is READY
+
+    def is_failed(self) -> bool:
+        return self._state is FAILED
+
+    def is_discarded(self) -> bool:
+        return self._state is DISCARDED
+
+    def has_discard(self) -> bool:
+        """True once somebody asked to discard this Future."""
+        return self._discard_requested
+
+    def get(self) -> T:
+        """The value of a READY Future; raises the failure otherwise."""
+        if self._state is READY:
+            return self._value
+        if self._state is FAILED:
+            raise self._value
+        if self._state is DISCARDED:
+            raise Discarded("Future was discarded")
+        raise RuntimeError("Future is still pending: await it instead of calling get()")
+
+    result = get
+
+    def failure(self) -> BaseException | None:
+        """The exception of a FAILED Future, else None."""
+        return self._value if self._state is FAILED else None
+
+    exception = failure
+
+    # -- completion (used by Promise) -------------------------------------
+    def _complete(self, state: str, value: Any) -> bool:
+        if self._state is not PENDING:
+            return False
+        self._state = state
+        self._value = value
+        callbacks = self._callbacks
+        if callbacks:
+            self._callbacks = None
+            for cb in callbacks:
+                try:
+                    cb(self)
+                except Exception:  # a callback never breaks the completer
+                    logger.exception("Future callback %r raised", cb)
+        self._discard_callbacks = None
+        return True
+
+    # -- callbacks -------------------------------------------------------
+    def on_any(self, callback: Callable[["Future[T]"], Any]) -> "Future[T]":
+        """Run ``callback(self)`` once this Future leaves PENDING."""
+        if self._state is PENDING:
+            if self._callbacks is None:
+                self._callbacks = [callback]
+            else:
+                self._callbacks.append(callback)
+        else:
+            try:
+                callback(self)
+            except Exception:
+                logger.exception("Future callback %r raised", callback)
+        return self
+
+    def on_ready(self, callback: Callable[[T], Any]) -> "Future[T]":
+        """Run ``callback(value)`` when READY."""
+        return self.on_any(lambda f: callback(f._value) if f._state is READY else None)
+
+    def on_failed(self, callback: Callable[[BaseException], Any]) -> "Future[T]":
+        """Run ``callback(exception)`` when FAILED."""
+        return self.on_any(lambda f: callback(f._value) if f._state is FAILED else None)
+
+    def on_discarded(self, callback: Callable[[], Any]) -> "Future[T]":
+        """Run ``callback()`` when DISCARDED."""
+        return self.on_any(lambda f: callback() if f._state is DISCARDED else None)
+
+    def on_discard(self, callback: Callable[[], Any]) -> "Future[T]":
+        """Run ``callback()`` when a discard is requested (for producers)."""
+        if self._discard_requested:
+            callback()
+        elif self._state is PENDING:
+            if self._discard_callbacks is None:
+                self._discard_callbacks = [callback]
+            else:
+                self._discard_callbacks.append(callback)
+        return self
+
+    def discard(self) -> bool:
+        """Request that the producer stop; True if the request was recorded."""
+        if self._state is not PENDING or self._discard_requested:
+            return False
+        self._discard_requested = True
+        callbacks, self._discard_callbacks = self._discard_callbacks, None
+        for cb in callbacks or ():
+            try:
+                cb()
+            except Exception:
+                logger.exception("on_discard callback %r raised", cb)
+        return True
+
+    # -- composition -----------------------------------------------------
+    def then(self, fn: Callable[[T], Any]) -> "Future[Any]":
+        """A Future of ``fn(value)`` once this one is READY (see rules)."""
+        promise: Promise[Any] = Promise()
+
+        def _next(f: Future) -> None:
+            if f._state is READY:
+                try:
+                    promise.set_value(fn(f._value))
+                except Exception as e:
+                    promise.fail(e)
+            elif f._state is FAILED:
+                promise.fail(f._value)
+            else:
+                promise.discard()
+
+        promise.future.on_discard(self.discard)
+        self.on_any(_next)
+        return promise.future
+
+    def recover(self, fn: Callable[[BaseException], Any]) -> "Future[Any]":
+        """A Future that is this one's value, or ``fn(exception)`` on failure/discard."""
+        promise: Promise[Any] = Promise()
+
+        def _next(f: Future) -> None:
+            if f._state is READY:
+                promise.set_value(f._value)
+                return
+            error = f._value if f._state is FAILED else Discarded("Future was discarded")
+            try:
+                promise.set_value(fn(error))
+            except Exception as e:
+                promise.fail(e)
+
+        promise.future.on_discard(self.discard)
+        self.on_any(_next)
+        return promise.future
+
+    def after(self, seconds: float, fn: Callable[["Future[T]"], Any]) -> "Future[Any]":
+        """This Future's outcome, or ``fn(self)``'s if ``seconds`` pass first."""
+        from ._clock import Clock
+
+        promise: Promise[Any] = Promise()
+
+        def _timeout() -> None:
+            if self._state is PENDING and promise.future._state is PENDING:
+                try:
+                    promise.set_value(fn(self))
+                except Exception as e:
+                    promise.fail(e)
+
+        timer = Clock.timer(seconds, _timeout)
+
+        def _next(f: Future) -> None:
+            timer.cancel()
+            promise.associate(f)
+
+        promise.future.on_discard(self.discard)
+        self.on_any(_next)
+        return promise.future
+
+    # -- awaiting --------------------------------------------------------
+    def __await__(self):
+        if self._state is PENDING:
+            loop = _get_running_loop()
+            if loop is not None:
+                waiter = loop.create_future()
+                self.on_any(lambda _f: waiter.done() or waiter.set_result(None))
+                yield from waiter.__await__()
+            else:
+                yield from self._wait_generic().__await__()
+        if self._state is READY:
+            return self._value
+        if self._state is FAILED:
+            raise self._value
+        raise Discarded("Future was discarded")
+
+    async def _wait_generic(self) -> None:
+        import anyio
+
+        event = anyio.Event()
+        self.on_any(lambda _f: event.set())
+        await event.wait()
+
+    def __repr__(self) -> str:
+        if self._state is PENDING:
+            return "<Future pending>"
+        return f"<Future {self._state} {self._value!r}>"
+
+
+class Promise(Generic[T]):
+    """The producer side of a Future: ``set_value``, ``fail``, ``discard``."""
+
+    __slots__ = ("future",)
+
+    def __init__(self) -> None:
+        self.future: Future[T] = Future()
+
+    def set_value(self, value: Any = None) -> bool:
+        """Complete with ``value``; a Future value is followed (``associate``)."""
+        if isinstance(value, Future):
+            return self.associate(value)
+        return self.future._complete(READY, value)
+
+    def fail(self, error: BaseException | str) -> bool:
+        """Complete with a failure (a str becomes ``Failure(str)``)."""
+        if isinstance(error, str):
+            from ._errors import Failure
+
+            error = Failure(error)
+        return self.future._complete(FAILED, error)
+
+    def discard(self) -> bool:
+        """Complete as DISCARDED."""
+        return self.future._complete(DISCARDED, None)
+
+    def associate(self, other: Future[Any]) -> bool:
+        """Complete like ``other`` once it completes; discards pass to it."""
+        if self.future._state is not PENDING:
+            return False
+        target = self.future
+        target.on_discard(other.discard)
+        other.on_any(lambda f: target._complete(f._state, f._value))
+        return True
+
+    def on_discard(self, callback: Callable[[], Any]) -> None:
+        """Run ``callback()`` when a consumer asks to discard the Future."""
+        self.future.on_discard(callback)
+
+
+def collect(futures: Iterable[Future[Any]]) -> Future[list[Any]]:
+    """READY with every value (in order) once all are READY; the first failure
+    (or discard) fails it and discards the rest."""
+    futures = list(futures)
+    promise: Promise[list[Any]] = Promise()
+    if not futures:
+        promise.set_value([])
+        return promise.future
+    remaining = [len(futures)]
+
+    def _one(f: Future) -> None:
+        if promise.future._state is not PENDING:
+            return
+        if f._state is READY:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                promise.set_value([g._value for g in futures])
+        else:
+            promise.fail(f._value if f._state is FAILED else Discarded("A collected Future was discarded"))
+            for g in futures:
+                g.discard()
+
+    promise.future.on_discard(lambda: [g.discard() for g in futures])
+    for f in futures:
+        f.on_any(_one)
+    return promise.future
+
+
+def await_all(futures: Iterable[Future[Any]]) -> Future[list[Future[Any]]]:
+    """READY with the Futures themselves once every one has settled."""
+    futures = list(futures)
+    promise: Promise[list[Future[Any]]] = Promise()
+    remaining = [len(futures)]
+    if not futures:
+        promise.set_value([])
+        return promise.future
+
+    def _one(_f: Future) -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            promise.set_value(futures)
+
+    promise.future.on_discard(lambda: [g.discard() for g in futures])
+    for f in futures:
+        f.on_any(_one)
+    return promise.future

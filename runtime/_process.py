@@ -1,0 +1,229 @@
+"""Process: an actor with a mailbox, run one event at a time.
+
+Rules (libprocess ``process/process.hpp``):
+- Subclass ``Process``. ``initialize()`` runs before any dispatched event (an
+  async ``initialize`` holds the mailbox until it returns); ``finalize()``
+  runs once at termination; ``exited(pid)`` runs when a linked process
+  terminates. ``self.pid`` is the PID once spawned.
+- Events start in arrival order, one at a time. A sync method runs to the end
+  inside the drain. An async method holds the process only until its first
+  ``await``: its code up to there never interleaves with another event of
+  this process; while it waits, later events run (re-check state after an
+  ``await``).
+- A method's exception fails its Future and the process keeps serving.
+- At termination, queued events fail with ``ProcessTerminated`` and async
+  methods still suspended are cancelled, their Futures failed the same way.
+- The mailbox is a deque drained by one scheduled callback while the process
+  has work (no queue object, no task per idle message).
+- Named messages: ``install(name, handler, type)`` registers a handler called
+  ``handler(from_pid, body)`` for bodies decoding (msgspec) to ``type``.
+  A body that does not decode is logged and counted, never raised here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable
+
+import msgspec
+
+from ._errors import ProcessTerminated
+from ._future import FAILED, PENDING, READY, Future
+from ._pid import PID, generate_id
+
+if TYPE_CHECKING:
+    from ._runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+_CoroutineType = types.CoroutineType
+
+RUNNING = "running"
+TERMINATING = "terminating"
+TERMINATED = "terminated"
+
+
+def _terminate_marker(process: "Process") -> None:  # identity only
+    raise AssertionError("unreachable")
+
+
+def _initialize_event(process: "Process") -> Any:
+    return process.initialize()
+
+
+def _exited_event(process: "Process", pid: PID) -> Any:
+    return process.exited(pid)
+
+
+def complete(future: Future, value: Any) -> None:
+    """Complete ``future`` with ``value`` (following it when it is a Future)."""
+    if isinstance(value, Future):
+        if value._state is PENDING:
+            value.on_any(lambda f: future._complete(f._state, f._value))
+            future.on_discard(value.discard)
+        else:
+            future._complete(value._state, value._value)
+    else:
+        future._complete(READY, value)
+
+
+class Process:
+    """Base class of every actor (see module rules)."""
+
+    def __init__(self, id: str | None = None) -> None:
+        self._pid = PID(id if id is not None else generate_id(type(self).__name__))
+        self._explicit_id = id is not None
+        self._mailbox: deque = deque()
+        self._scheduled = False
+        self._state = RUNNING
+        self._runtime: "Runtime | None" = None
+        self._tasks: dict[Any, tuple[Future, Any]] = {}
+        self._linkers: set[PID] = set()
+        self._handlers: dict[str, tuple[Callable, type]] = {}
+        self._handled = 0
+        self._failures = 0
+        self._rejected = 0
+        self._terminated: Future[None] = Future()
+
+    # -- hooks ------------------------------------------------------------
+    @property
+    def pid(self) -> PID:
+        return self._pid
+
+    def initialize(self) -> Any:
+        """Runs first, before any dispatched event."""
+
+    def finalize(self) -> Any:
+        """Runs once at termination."""
+
+    def exited(self, pid: PID) -> Any:
+        """Runs when a linked process terminates."""
+
+    # -- links and messages ----------------------------------------------
+    def link(self, pid: PID) -> None:
+        """Have ``exited(pid)`` dispatched here when ``pid`` terminates
+        (at once when it is already gone)."""
+        rt = self._runtime
+        target = rt._processes.get(pid) if rt is not None else None
+        if target is None or target._state is not RUNNING:
+            if rt is not None:
+                rt._enqueue(self, _exited_event, (pid,), None, None)
+            return
+        target._linkers.add(self._pid)
+
+    def install(self, name: str, handler: Callable[..., Any], type: Any = Any) -> None:
+        """Handle messages called ``name``; bodies decode to ``type``."""
+        self._handlers[name] = (handler, type)
+
+    def send(self, to: PID, name: str, body: Any = None) -> None:
+        """Send a named message from this process."""
+        self._runtime.send(to, name, body, from_=self._pid)
+
+    # -- the drain --------------------------------------------------------
+    def _drain(self) -> None:
+        mailbox = self._mailbox
+        while mailbox:
+            fn, args, kwargs, future = mailbox.popleft()
+            if fn is _terminate_marker:
+                self._terminate_now()
+                return
+            try:
+                if kwargs:
+                    result = fn(self, *args, **kwargs)
+                else:
+                    result = fn(self, *args)
+            except Exception as e:
+                self._handled += 1
+                self._failures += 1
+                if future is not None:
+                    future._complete(FAILED, e)
+                else:
+                    logger.exception("Process %s: event %s failed", self._pid, getattr(fn, "__name__", fn))
+                if fn is _initialize_event:
+                    logger.error("Process %s: initialize failed; terminating it", self._pid)
+                    self._terminate_now()
+                    return
+                continue
+            self._handled += 1
+            if type(result) is _CoroutineType:
+                self._runtime._start_async(self, result, future, hold=fn is _initialize_event)
+                return  # the task resumes the drain after its first step
+            if future is not None:
+                if type(result) is Future or isinstance(result, Future):
+                    complete(future, result)
+                else:
+                    future._complete(READY, result)
+        self._scheduled = False
+
+    def _terminate_now(self) -> None:
+        if self._state is TERMINATED:
+            return
+        self._state = TERMINATED
+        self._scheduled = False
+        rt = self._runtime
+        rt._processes.pop(self._pid, None)
+        error = ProcessTerminated(f"Process {self._pid} terminated before the event ran")
+        while self._mailbox:
+            fn, _args, _kwargs, future = self._mailbox.popleft()
+            if future is not None:
+                future._complete(FAILED, error)
+        tasks, self._tasks = self._tasks, {}
+        for handle, (future, coro) in tasks.items():
+            rt._cancel_task(handle)
+            if future is not None:
+                future._complete(FAILED, ProcessTerminated(f"Process {self._pid} terminated while the event was waiting"))
+            if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                coro.close()
+        try:
+            result = self.finalize()
+        except Exception:
+            logger.exception("Process %s: finalize raised", self._pid)
+            result = None
+        linkers, self._linkers = self._linkers, set()
+        for linker in linkers:
+            proc = rt._processes.get(linker)
+            if proc is not None:
+                rt._enqueue(proc, _exited_event, (self._pid,), None, None)
+        if type(result) is _CoroutineType:
+            rt._start_finalize(self, result)
+        else:
+            self._terminated._complete(READY, None)
+
+    def _decode(self, name: str, body: Any) -> tuple[Callable, Any] | None:
+        entry = self._handlers.get(name)
+        if entry is None:
+            self._rejected += 1
+            logger.error("Process %s: no handler installed for message %r; dropped", self._pid, name)
+            return None
+        handler, kind = entry
+        try:
+            if kind is Any:
+                value = body
+            elif isinstance(body, (bytes, bytearray, memoryview, str)):
+                value = msgspec.json.decode(body, type=kind)
+            elif isinstance(kind, type) and isinstance(body, kind):
+                value = body
+            else:
+                value = msgspec.convert(body, kind)
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as e:
+            self._rejected += 1
+            logger.error("Process %s: message %r rejected: body does not decode: %s", self._pid, name, e)
+            return None
+        return handler, value
+
+    def stats(self) -> dict[str, Any]:
+        """Queue depth, events handled, failures and rejected messages."""
+        return {
+            "state": self._state,
+            "queue_depth": len(self._mailbox),
+            "events_handled": self._handled,
+            "failures": self._failures,
+            "messages_rejected": self._rejected,
+            "suspended": len(self._tasks),
+        }
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._pid}>"
