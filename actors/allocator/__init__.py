@@ -1,0 +1,19 @@
+"""The GPU allocator: which of the node's GPUs are free (R-FL-1, R-AL-1..3).
+
+``NvidiaGpuAllocator`` is the handle (``resources(flags)``, ``create``,
+``allocate``/``deallocate``/``available``); ``GpuAllocatorProcess`` the actor;
+``allocate_best``/``PairScores`` the topology scoring. Rules of each piece
+are at the top of its module.
+"""
+
+from ._errors import AllocatorError, format_gpus
+from ._handle import NvidiaGpuAllocator
+from ._process import AllocatorState, GpuAllocatorProcess, GpuHealth
+from ._resources import enumerate_indices, gpu_resources
+from ._topology import NVLINK_WEIGHT, PCIE_POINTS, PairScores, allocate_best, pair_score
+
+__all__ = [
+    "AllocatorError", "format_gpus", "NvidiaGpuAllocator", "AllocatorState",
+    "GpuAllocatorProcess", "GpuHealth", "enumerate_indices", "gpu_resources",
+    "NVLINK_WEIGHT", "PCIE_POINTS", "PairScores", "allocate_best", "pair_score",
+]

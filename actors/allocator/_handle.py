@@ -1,0 +1,229 @@
+"""NvidiaGpuAllocator: the handle to a GPU allocator process.
+
+Rules (R-AL-1, SPEC section 11; Mesos' ``NvidiaGpuAllocator``):
+- ``NvidiaGpuAllocator.resources(flags)`` computes the node's ``gpus``
+  resource with every R-FL-1 check (a plain call; no Runtime needed; it may
+  ask NVML, which blocks — it is a start-up check).
+- ``await NvidiaGpuAllocator.create(flags, resources)`` reads the NVML
+  inventory (through the Executor), picks the managed GPUs (the devices
+  flag, else indices ``0..gpus-1``) and spawns the allocator process. With
+  no GPU to manage it touches no NVML at all.
+- ``total()`` is the managed set (sync). Every other call dispatches to the
+  process and returns a runtime ``Future``: ``allocate(count) ->
+  Future[set[Gpu]]``, ``allocate(gpus) -> Future[None]``,
+  ``deallocate(gpus)``, ``reclaim(gpus)``, ``available()``,
+  ``allocated()``, health calls. One handle may be shared by several
+  isolators; copies of it address the same process.
+- ``close()`` terminates the process and, if ``create`` opened NVML, shuts
+  it down. Leaving a ``Runtime`` scope terminates the process too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from runtime import PID, Future, dispatch, spawn, terminate, wait
+
+from actors.flags import Flags
+from actors.gpu import Gpu, GpuInfo
+from actors.nvml import Nvml, NodeInventory, NvmlError, NvmlService
+from actors.resources import Resources
+
+from ._errors import AllocatorError
+from ._process import AllocatorState, GpuAllocatorProcess, GpuHealth
+from ._resources import enumerate_indices, gpu_resources
+from ._topology import PairScores
+
+__all__ = ["NvidiaGpuAllocator"]
+
+
+class NvidiaGpuAllocator:
+    """A handle to a ``GpuAllocatorProcess`` (see module rules)."""
+
+    def __init__(
+        self,
+        pid: PID,
+        total: Iterable[Gpu],
+        *,
+        inventory: NodeInventory | None = None,
+        nvml: NvmlService | None = None,
+        owns_nvml: bool = False,
+    ) -> None:
+        self.pid = pid
+        self._total = frozenset(total)
+        self.inventory = inventory
+        """The NVML inventory read at create (None when no GPU is managed)."""
+        self.nvml = nvml
+        """The NVML service (for usage readings); None when no GPU is managed."""
+        self._owns_nvml = owns_nvml
+        self._wrapped_nvml = False
+
+    # ------------------------------------------------------------ creation
+
+    @staticmethod
+    def resources(flags: Flags, nvml: Nvml | None = None) -> Resources:
+        """The node's GPU resources per R-FL-1; raises AllocatorError (Mesos' texts)."""
+        return gpu_resources(flags, nvml)
+
+    @classmethod
+    async def create(
+        cls,
+        flags: Flags,
+        resources: Resources,
+        nvml: NvmlService | Nvml | None = None,
+        *,
+        health_interval: float | None = None,
+    ) -> "NvidiaGpuAllocator":
+        """Spawn an allocator for the GPUs ``flags``/``resources`` select.
+
+        ``nvml``: a service or an initialised port to read the inventory from;
+        default: the port for ``flags.host_file`` (the real NVML when None),
+        which ``close()`` shuts down again. ``health_interval`` overrides
+        ``flags.gpu_health_interval``."""
+        indices = enumerate_indices(flags, resources)
+        interval = health_interval if health_interval is not None else flags.gpu_health_interval
+        if not indices:
+            process = GpuAllocatorProcess((), strategy=flags.gpu_allocation)
+            return cls(spawn(process), ())
+        owns = wrapped = False
+        if nvml is None:
+            service = await NvmlService.open(flags.host_file)
+            owns = True
+        elif isinstance(nvml, NvmlService):
+            service = nvml
+        else:
+            service = NvmlService(nvml)
+            wrapped = True
+        try:
+            inventory = await service.inventory()
+            infos: list[GpuInfo] = []
+            for index in indices:
+                try:
+                    infos.append(inventory.by_index(index))
+                except IndexError:
+                    raise AllocatorError(
+                        f"Failed to nvml::deviceGetHandleByIndex: no GPU with index {index}"
+                        f" (the node has {len(inventory.gpus)} GPUs)"
+                    ) from None
+        except BaseException as exc:
+            if owns:
+                await service.close()
+            elif wrapped:
+                service.executor.shutdown(wait=False)
+            if isinstance(exc, NvmlError):
+                raise AllocatorError(f"Failed to read the GPU inventory from NVML: {exc}") from exc
+            raise
+        gpus = [info.gpu for info in infos]
+        process = GpuAllocatorProcess(
+            gpus,
+            PairScores.from_inventory(inventory, gpus),
+            strategy=flags.gpu_allocation,
+            inventory=inventory,
+            nvml=service,
+            health_interval=interval,
+        )
+        handle = cls(spawn(process), gpus, inventory=inventory, nvml=service, owns_nvml=owns)
+        handle._wrapped_nvml = wrapped
+        return handle
+
+    @classmethod
+    def of(
+        cls,
+        gpus: Iterable[Gpu],
+        scores: PairScores | None = None,
+        *,
+        strategy: str = "topology",
+    ) -> "NvidiaGpuAllocator":
+        """Spawn an allocator for a given set of GPUs (no NVML; a Runtime must be running)."""
+        gpus = list(gpus)
+        return cls(spawn(GpuAllocatorProcess(gpus, scores, strategy=strategy)), gpus)
+
+    # ------------------------------------------------------------ the API
+
+    def total(self) -> set[Gpu]:
+        """The managed GPUs."""
+        return set(self._total)
+
+    def info(self, gpu: Gpu) -> GpuInfo | None:
+        """The inventory record of a managed GPU (None without inventory)."""
+        if self.inventory is None:
+            return None
+        return self.inventory.by_gpu().get(gpu)
+
+    def allocate(self, request: int | Iterable[Gpu]) -> Future[Any]:
+        """``allocate(count) -> Future[set[Gpu]]`` (best-connected available GPUs);
+        ``allocate(gpus) -> Future[None]`` (exactly those)."""
+        if isinstance(request, int) and not isinstance(request, bool):
+            return dispatch(self.pid, GpuAllocatorProcess.allocate_count, request)
+        if isinstance(request, Gpu):
+            return Future.failed(
+                AllocatorError(f"allocate() takes a set of GPUs, got the single GPU {request}")
+            )
+        if isinstance(request, (bool, float, str, bytes)) or not isinstance(request, Iterable):
+            return Future.failed(
+                AllocatorError(f"allocate() takes a count or a set of GPUs, got {request!r}")
+            )
+        return dispatch(self.pid, GpuAllocatorProcess.allocate_gpus, frozenset(request))
+
+    def deallocate(self, gpus: Iterable[Gpu]) -> Future[None]:
+        """Return GPUs; fails naming any not allocated."""
+        return dispatch(self.pid, GpuAllocatorProcess.deallocate, frozenset(gpus))
+
+    def reclaim(self, gpus: Iterable[Gpu]) -> Future[None]:
+        """Recovery: take GPUs a surviving container holds, whatever their health."""
+        return dispatch(self.pid, GpuAllocatorProcess.reclaim, frozenset(gpus))
+
+    def available(self) -> Future[set[Gpu]]:
+        """The GPUs that may be handed out now (free and healthy)."""
+        return dispatch(self.pid, GpuAllocatorProcess.available)
+
+    def allocated(self) -> Future[set[Gpu]]:
+        """The GPUs handed out."""
+        return dispatch(self.pid, GpuAllocatorProcess.allocated_gpus)
+
+    def state(self) -> Future[AllocatorState]:
+        """A snapshot: total, available, allocated, unhealthy."""
+        return dispatch(self.pid, GpuAllocatorProcess.state)
+
+    def mark_unhealthy(self, gpu: Gpu, reason: str = "marked unhealthy by the operator") -> Future[GpuHealth]:
+        """Withhold ``gpu`` from allocation until ``mark_healthy``."""
+        return dispatch(self.pid, GpuAllocatorProcess.mark_unhealthy, gpu, reason)
+
+    def mark_healthy(self, gpu: Gpu) -> Future[GpuHealth]:
+        """Return ``gpu`` to the pool of GPUs that may be handed out."""
+        return dispatch(self.pid, GpuAllocatorProcess.mark_healthy, gpu)
+
+    def unhealthy(self) -> Future[dict[Gpu, str]]:
+        """GPUs withheld as unhealthy, with the reason."""
+        return dispatch(self.pid, GpuAllocatorProcess.unhealthy_gpus)
+
+    def watch(self, gpus: Iterable[Gpu]) -> Future[GpuHealth]:
+        """Completes when any of ``gpus`` turns unhealthy (discard to stop watching)."""
+        return dispatch(self.pid, GpuAllocatorProcess.watch, frozenset(gpus))
+
+    def check_health(self) -> Future[list[GpuHealth]]:
+        """Poll NVML health events now; the changes made."""
+        return dispatch(self.pid, GpuAllocatorProcess.check_health)
+
+    async def close(self) -> None:
+        """Terminate the allocator process (and NVML, when ``create`` opened it)."""
+        terminate(self.pid)
+        await wait(self.pid)
+        if self._owns_nvml and self.nvml is not None:
+            self._owns_nvml = False
+            await self.nvml.close()
+        elif self._wrapped_nvml and self.nvml is not None:
+            self._wrapped_nvml = False
+            self.nvml.executor.shutdown(wait=False)  # ours; the port stays the caller's
+
+    # ------------------------------------------------------------ identity
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NvidiaGpuAllocator) and other.pid == self.pid
+
+    def __hash__(self) -> int:
+        return hash(self.pid)
+
+    def __repr__(self) -> str:
+        return f"NvidiaGpuAllocator({self.pid}, total={sorted(self._total)})"

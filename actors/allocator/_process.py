@@ -1,0 +1,295 @@
+"""GpuAllocatorProcess: the single source of truth for which GPU is free.
+
+Rules (R-AL-1..3; Mesos' ``NvidiaGpuAllocatorProcess``):
+- State: the managed set (``total``), the ``allocated`` set, and GPUs
+  marked unhealthy with a reason. Every GPU of ``total`` is either
+  allocated or free; ``available`` is free and healthy.
+- ``allocate(count)`` takes ``count`` available GPUs, chosen by
+  ``allocate_best`` (topology) or lowest minors first (``lowest``); when
+  short it fails with "Requested N gpus but only M available".
+- ``allocate(gpus)`` takes exactly those or fails with "{...} are not
+  available" naming each missing one and why (allocated, unhealthy, not
+  managed). ``deallocate(gpus)`` returns them or fails with "{...} are not
+  allocated" (a double free, a bogus GPU). ``reclaim(gpus)`` is recovery's
+  allocate: it takes managed GPUs that are not allocated whatever their
+  health (a container that held them is still running).
+- A failed call changes nothing: every check runs before any change.
+- Health (R-AL-3): ``mark_unhealthy`` withholds a GPU from allocation (one
+  already allocated stays with its holder until deallocated, then stays out
+  of the pool); ``mark_healthy`` brings it back. ``watch(gpus)`` is a Future
+  that completes with a ``GpuHealth`` when any of them turns unhealthy.
+  With a health interval, NVML Xid/ECC events are polled on the runtime
+  Clock (one executor job per poll, ``check_health`` polls now); critical
+  ones mark their GPU unhealthy.
+- Every method is synchronous except the poll, so a call is one dispatch
+  hop and never waits on I/O. The choice for a given free set and count is
+  memoised (churn asks the same question again and again).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import msgspec
+
+from runtime import Future, Process, ProcessTerminated, Promise, Timer, delay, generate_id
+
+from actors.gpu import Gpu
+from actors.nvml import HealthEvent, NodeInventory, NvmlService
+
+from ._errors import AllocatorError, format_gpus
+from ._topology import PairScores, allocate_best
+
+__all__ = ["GpuAllocatorProcess", "GpuHealth", "AllocatorState"]
+
+logger = logging.getLogger(__name__)
+
+_MEMO_SIZE = 256
+
+
+class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """A GPU's health changed (``healthy=False``: withheld from allocation)."""
+
+    gpu: Gpu
+    healthy: bool
+    reason: str = ""
+
+
+class AllocatorState(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of the allocator (for inspection and scripts)."""
+
+    total: list[Gpu]
+    available: list[Gpu]
+    allocated: list[Gpu]
+    unhealthy: dict[str, str]
+    """``"195:3"`` -> reason."""
+
+
+class GpuAllocatorProcess(Process):
+    """The allocator actor (see module rules)."""
+
+    def __init__(
+        self,
+        gpus: Iterable[Gpu],
+        scores: PairScores | None = None,
+        *,
+        strategy: str = "topology",
+        inventory: NodeInventory | None = None,
+        nvml: NvmlService | None = None,
+        health_interval: float | None = None,
+    ) -> None:
+        super().__init__(generate_id("gpu-allocator"))
+        if strategy not in ("topology", "lowest"):
+            raise ValueError(f"Unknown allocation strategy {strategy!r}: expected 'topology' or 'lowest'")
+        self.total = frozenset(gpus)
+        self.free: set[Gpu] = set(self.total)
+        self.allocated: set[Gpu] = set()
+        self.unhealthy: dict[Gpu, str] = {}
+        self.scores = scores if scores is not None else PairScores.none(self.total)
+        self.strategy = strategy
+        self.inventory = inventory
+        self.nvml = nvml
+        self.health_interval = health_interval
+        self._watchers: list[tuple[frozenset[Gpu], Promise]] = []
+        self._memo: OrderedDict[tuple[frozenset[Gpu], int], tuple[Gpu, ...]] = OrderedDict()
+        self._timer: Timer | None = None
+        self._by_index = {info.index: info.gpu for info in inventory.gpus} if inventory else {}
+
+    # ------------------------------------------------------------ lifecycle
+
+    def initialize(self) -> None:
+        self._schedule_poll()
+
+    def finalize(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for _gpus, promise in self._watchers:
+            promise.fail(ProcessTerminated(f"GPU allocator {self.pid} terminated"))
+        self._watchers.clear()
+
+    # ------------------------------------------------------------ queries
+
+    def available(self) -> set[Gpu]:
+        return self.free - self.unhealthy.keys()
+
+    def allocated_gpus(self) -> set[Gpu]:
+        return set(self.allocated)
+
+    def unhealthy_gpus(self) -> dict[Gpu, str]:
+        return dict(self.unhealthy)
+
+    def state(self) -> AllocatorState:
+        return AllocatorState(
+            total=sorted(self.total),
+            available=sorted(self.available()),
+            allocated=sorted(self.allocated),
+            unhealthy={str(gpu): reason for gpu, reason in sorted(self.unhealthy.items())},
+        )
+
+    # ------------------------------------------------------------ allocation
+
+    def allocate_count(self, count: int) -> set[Gpu]:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise AllocatorError(f"Requested {count!r} gpus: the count must be a non-negative integer")
+        available = self.available()
+        if len(available) < count:
+            message = f"Requested {count} gpus but only {len(available)} available"
+            withheld = len(self.free) - len(available)
+            if withheld:
+                message += f" ({withheld} more withheld as unhealthy)"
+            raise AllocatorError(message)
+        if count == 0:
+            return set()
+        chosen = self._choose(available, count)
+        self.free.difference_update(chosen)
+        self.allocated.update(chosen)
+        return set(chosen)
+
+    def _choose(self, available: set[Gpu], count: int) -> tuple[Gpu, ...]:
+        if self.strategy == "lowest" or not self.scores.has_topology:
+            return tuple(sorted(available)[:count])
+        key = (frozenset(available), count)
+        chosen = self._memo.get(key)
+        if chosen is None:
+            chosen = tuple(allocate_best(available, count, self.scores))
+            self._memo[key] = chosen
+            if len(self._memo) > _MEMO_SIZE:
+                self._memo.popitem(last=False)
+        else:
+            self._memo.move_to_end(key)
+        return chosen
+
+    def allocate_gpus(self, gpus: Iterable[Gpu]) -> None:
+        wanted = _as_gpu_set(gpus)
+        missing = wanted - self.available()
+        if missing:
+            raise AllocatorError(f"{format_gpus(missing)} are not available ({self._why(missing)})")
+        self.free.difference_update(wanted)
+        self.allocated.update(wanted)
+
+    def reclaim(self, gpus: Iterable[Gpu]) -> None:
+        wanted = _as_gpu_set(gpus)
+        missing = wanted - self.free
+        if missing:
+            raise AllocatorError(f"{format_gpus(missing)} are not available ({self._why(missing)})")
+        self.free.difference_update(wanted)
+        self.allocated.update(wanted)
+
+    def deallocate(self, gpus: Iterable[Gpu]) -> None:
+        returned = _as_gpu_set(gpus)
+        missing = returned - self.allocated
+        if missing:
+            reasons = []
+            for gpu in sorted(missing):
+                reasons.append(f"{gpu} is {'free' if gpu in self.total else 'not managed by this allocator'}")
+            raise AllocatorError(f"{format_gpus(missing)} are not allocated ({'; '.join(reasons)})")
+        self.allocated.difference_update(returned)
+        self.free.update(returned)
+
+    def _why(self, gpus: set[Gpu]) -> str:
+        reasons = []
+        for gpu in sorted(gpus):
+            if gpu not in self.total:
+                reasons.append(f"{gpu} is not managed by this allocator")
+            elif gpu in self.allocated:
+                reasons.append(f"{gpu} is allocated")
+            elif gpu in self.unhealthy:
+                reasons.append(f"{gpu} is unhealthy: {self.unhealthy[gpu]}")
+        return "; ".join(reasons)
+
+    # ------------------------------------------------------------ health
+
+    def mark_unhealthy(self, gpu: Gpu, reason: str = "marked unhealthy by the operator") -> GpuHealth:
+        self._check_managed(gpu)
+        change = GpuHealth(gpu=gpu, healthy=False, reason=reason)
+        if gpu not in self.unhealthy:
+            logger.warning("GPU %s is unhealthy: %s; it is withheld from allocation", gpu, reason)
+        self.unhealthy[gpu] = reason
+        keep = []
+        for gpus, promise in self._watchers:
+            if gpu in gpus:
+                promise.set_value(change)
+            else:
+                keep.append((gpus, promise))
+        self._watchers = keep
+        return change
+
+    def mark_healthy(self, gpu: Gpu) -> GpuHealth:
+        self._check_managed(gpu)
+        if self.unhealthy.pop(gpu, None) is not None:
+            logger.info("GPU %s is healthy again", gpu)
+        return GpuHealth(gpu=gpu, healthy=True)
+
+    def watch(self, gpus: Iterable[Gpu]) -> Future:
+        watched = _as_gpu_set(gpus)
+        for gpu in sorted(watched):
+            if gpu in self.unhealthy:
+                return Future.ready(GpuHealth(gpu=gpu, healthy=False, reason=self.unhealthy[gpu]))
+        promise: Promise = Promise()
+        entry = (frozenset(watched), promise)
+        self._watchers.append(entry)
+
+        def _discarded() -> None:
+            if entry in self._watchers:
+                self._watchers.remove(entry)
+            promise.discard()
+
+        promise.on_discard(_discarded)
+        return promise.future
+
+    async def check_health(self) -> list[GpuHealth]:
+        """Poll NVML's health events now; returns the changes it made."""
+        if self.nvml is None:
+            return []
+        events = await self.nvml.call(_drain_events, self.nvml.nvml)
+        changes = []
+        for event in events:
+            gpu = self._by_index.get(event.index)
+            if gpu is None or gpu not in self.total:
+                continue
+            if not event.critical:
+                logger.info("GPU %s reported %s (caused by an application; GPU kept)", gpu, event.describe())
+                continue
+            changes.append(self.mark_unhealthy(gpu, f"NVML reported {event.describe()}"))
+        return changes
+
+    async def _poll(self) -> None:
+        self._timer = None
+        try:
+            await self.check_health()
+        except Exception as exc:  # noqa: BLE001 - keep polling; say why
+            logger.warning("Polling NVML health events failed: %s", exc)
+        self._schedule_poll()
+
+    def _schedule_poll(self) -> None:
+        if self.health_interval is not None and self.nvml is not None and self._timer is None:
+            self._timer = delay(self.health_interval, self.pid, GpuAllocatorProcess._poll)
+
+    def _check_managed(self, gpu: Gpu) -> None:
+        if not isinstance(gpu, Gpu):
+            raise AllocatorError(f"Expected a Gpu, got {gpu!r}")
+        if gpu not in self.total:
+            raise AllocatorError(f"GPU {gpu} is not managed by this allocator")
+
+
+def _as_gpu_set(gpus: Iterable[Gpu]) -> set[Gpu]:
+    result = set()
+    for gpu in gpus:
+        if not isinstance(gpu, Gpu):
+            raise AllocatorError(f"Expected Gpu values, got {gpu!r}")
+        result.add(gpu)
+    return result
+
+
+def _drain_events(nvml) -> list[HealthEvent]:
+    """Every health event already pending (blocking; one executor job)."""
+    events = []
+    for _ in range(256):
+        event = nvml.wait_event(0)
+        if event is None:
+            break
+        events.append(event)
+    return events

@@ -1,0 +1,320 @@
+"""Flags: the agent's configuration of the GPU isolator (Mesos slave flags).
+
+Rules:
+- ``Flags`` is a msgspec Struct; every field has a default, so ``Flags()`` is
+  a real node with Mesos' default isolation. Build it directly
+  (``Flags(host_file="node.toml")``), from command-line arguments
+  (``Flags.from_args(["--nvidia_gpu_devices=0,1", "--resources=gpus:2"])``,
+  dashes or underscores, ``--name=value`` or ``--name value``, ``--name`` /
+  ``--no-name`` for booleans) or from a TOML/JSON file (``Flags.from_file``).
+- An unknown flag is an error ("Failed to load unknown flag 'x'"); a value of
+  the wrong type names the flag and the value.
+- ``isolation`` is a comma list (Mesos' default
+  ``"filesystem/linux,cgroups/devices,gpu/nvidia"``); ``isolators()`` splits it.
+- ``nvidia_gpu_devices`` is a list of NVML indices (``"0,1"`` on the command
+  line); duplicates are allowed here and rejected by
+  ``NvidiaGpuAllocator.resources`` with Mesos' message.
+- ``cgroups_root`` must be a non-empty relative path of plain components:
+  no ``..`` or ``.``, not absolute, no empty component. Nothing is ever
+  written outside ``<hierarchy>/<cgroups_root>``.
+- ``device_backend`` is one of ``auto``, ``cgroups_v1``, ``cgroups_v2``,
+  ``memory``; ``gpu_allocation`` is ``topology`` (R-AL-2) or ``lowest``
+  (Mesos: lowest minors first).
+- ``reconcile_interval`` and ``gpu_health_interval`` are seconds (``None`` =
+  off); on the command line they also take Mesos durations (``30secs``,
+  ``500ms``, ``2mins``) or ``off``.
+- Validation runs on every construction (``__post_init__``), so a Flags
+  value that exists is a valid one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = ["Flags", "FlagsError", "DEFAULT_ISOLATION", "parse_duration"]
+
+DEFAULT_ISOLATION = "filesystem/linux,cgroups/devices,gpu/nvidia"
+
+DeviceBackend = Literal["auto", "cgroups_v1", "cgroups_v2", "memory"]
+GpuAllocation = Literal["topology", "lowest"]
+
+_BACKENDS = ("auto", "cgroups_v1", "cgroups_v2", "memory")
+_ALLOCATIONS = ("topology", "lowest")
+
+
+class FlagsError(ValueError):
+    """A flag is unknown, malformed or invalid; the message names it."""
+
+
+_DURATION_UNITS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "ms": 1e-3,
+    "secs": 1.0,
+    "sec": 1.0,
+    "s": 1.0,
+    "mins": 60.0,
+    "min": 60.0,
+    "hrs": 3600.0,
+    "hr": 3600.0,
+    "days": 86400.0,
+    "weeks": 604800.0,
+}
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Parse ``"30secs"``, ``"500ms"``, ``"2mins"`` or a bare number of seconds."""
+    match = _DURATION.match(text)
+    if match is None or match.group(2) not in ("", *_DURATION_UNITS):
+        raise ValueError(
+            f"Invalid duration {text!r}: expected seconds or a number with a unit"
+            f" ({', '.join(sorted(set(_DURATION_UNITS)))})"
+        )
+    return float(match.group(1)) * _DURATION_UNITS.get(match.group(2), 1.0)
+
+
+def validate_cgroups_root(root: str) -> str:
+    """Return ``root`` if it is a non-empty relative path of plain components."""
+    if not isinstance(root, str) or not root.strip():
+        raise FlagsError("Invalid '--cgroups_root': it must not be empty")
+    if root.startswith("/"):
+        raise FlagsError(f"Invalid '--cgroups_root' {root!r}: it must be a relative path")
+    if "\x00" in root or any(ord(c) < 32 for c in root):
+        raise FlagsError(f"Invalid '--cgroups_root' {root!r}: control characters are not allowed")
+    for component in root.split("/"):
+        if component in ("", ".", ".."):
+            raise FlagsError(
+                f"Invalid '--cgroups_root' {root!r}: every component must be a plain name"
+                " (no '..', '.' or empty component)"
+            )
+    return root
+
+
+class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The isolator's flags (SPEC section 4); every field has a default."""
+
+    isolation: str = DEFAULT_ISOLATION
+    """Comma list of isolators, as Mesos' ``--isolation``."""
+    resources: str | None = None
+    """The agent's resources in text form (``"cpus:8;gpus:4"``) or None."""
+    nvidia_gpu_devices: list[int] | None = None
+    """NVML indices of the GPUs to manage, or None (all of them)."""
+    cgroups_hierarchy: str | None = None
+    """The devices hierarchy (v1) or the cgroup2 mount (v2); None = detect."""
+    cgroups_root: str = "gpu-isolator"
+    """Containers' cgroups live at ``<hierarchy>/<cgroups_root>/<container id>``."""
+    runtime_dir: str = "/var/run/gpu-isolator"
+    """Per-container runtime files (the devices directory)."""
+    work_dir: str = "/var/lib/gpu-isolator"
+    """Checkpoints live under it."""
+    host_file: str | None = None
+    """A simulated node (TOML/JSON); None = the real NVML."""
+    dev_dir: str = "/dev"
+    """Where ``nvidiactl``, ``nvidia-uvm`` and ``nvidiaN`` are found."""
+    device_backend: DeviceBackend = "auto"
+    """``auto`` | ``cgroups_v1`` | ``cgroups_v2`` | ``memory``."""
+    volume_dir: str = "/var/run/gpu-isolator/volume"
+    """Prefix of the host NVIDIA volume (``<volume_dir>/nvidia_<driver>``)."""
+    ld_cache: str = "/etc/ld.so.cache"
+    """The dynamic loader cache the volume reads the driver libraries from."""
+    reconcile_interval: float | None = None
+    """Seconds between device-rule reconciliations; None = off."""
+    gpu_allocation: GpuAllocation = "topology"
+    """``topology``: best-connected set (R-AL-2); ``lowest``: Mesos' lowest minors first."""
+    gpu_health_interval: float | None = None
+    """Seconds between polls of NVML Xid/ECC events (GPUs raising critical ones
+    are withheld, R-AL-3); None = off."""
+
+    def __post_init__(self) -> None:
+        _check_choice("device_backend", self.device_backend)
+        _check_choice("gpu_allocation", self.gpu_allocation)
+        validate_cgroups_root(self.cgroups_root)
+        if self.nvidia_gpu_devices is not None:
+            for index in self.nvidia_gpu_devices:
+                if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                    raise FlagsError(
+                        f"Invalid '--nvidia_gpu_devices' {self.nvidia_gpu_devices!r}:"
+                        f" {index!r} is not a non-negative integer"
+                    )
+        for name in _INTERVALS:
+            interval = getattr(self, name)
+            if interval is None:
+                continue
+            if (
+                isinstance(interval, bool)
+                or not isinstance(interval, (int, float))
+                or not 0 < interval < float("inf")
+            ):
+                raise FlagsError(
+                    f"Invalid '--{name}' {interval!r}: expected a positive number of"
+                    " seconds (or leave it unset to turn it off)"
+                )
+        if not self.dev_dir:
+            raise FlagsError("Invalid '--dev_dir': it must not be empty")
+
+    # ------------------------------------------------------------- queries
+
+    def isolators(self) -> list[str]:
+        """The ``isolation`` list, split and trimmed, empties dropped."""
+        return [token.strip() for token in self.isolation.split(",") if token.strip()]
+
+    def replace(self, **changes: Any) -> "Flags":
+        """A copy with some fields changed (validated again)."""
+        return msgspec.structs.replace(self, **changes)
+
+    # ------------------------------------------------------------- loading
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "Flags":
+        """Build from a mapping of flag names (dashes or underscores) to values."""
+        normalised: dict[str, Any] = {}
+        for key, value in values.items():
+            name = _flag_name(str(key))
+            normalised[name] = _coerce(name, value)
+        try:
+            return msgspec.convert(normalised, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise FlagsError(_describe(exc, normalised)) from None
+
+    @classmethod
+    def from_args(cls, args: Iterable[str]) -> "Flags":
+        """Build from ``--name=value`` arguments (see module rules)."""
+        values: dict[str, Any] = {}
+        items = list(args)
+        i = 0
+        while i < len(items):
+            arg = items[i]
+            i += 1
+            if not arg.startswith("--") or arg == "--":
+                raise FlagsError(f"Failed to load flag from {arg!r}: expected '--name=value'")
+            body = arg[2:]
+            if "=" in body:
+                name, value = body.split("=", 1)
+                name = _flag_name(name)
+            else:
+                name = _flag_name(body)
+                if name not in _FIELDS and name.startswith("no_") and _flag_name(name[3:]) in _BOOL_FIELDS:
+                    values[_flag_name(name[3:])] = False
+                    continue
+                if name in _BOOL_FIELDS:
+                    values[name] = True
+                    continue
+                if name in _FIELDS and i < len(items) and not items[i].startswith("--"):
+                    value = items[i]
+                    i += 1
+                else:
+                    raise FlagsError(f"Failed to load flag '{name}': missing value ('--{name}=VALUE')")
+            values[name] = value
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> "Flags":
+        """Build from a TOML or JSON file of flag names to values."""
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except OSError as exc:
+            raise FlagsError(f"Failed to read flags file {path!r}: {exc.strerror or exc}") from None
+        values = _decode_document(path, data)
+        if not isinstance(values, dict):
+            raise FlagsError(f"Flags file {path!r} must hold a table of flag names to values")
+        return cls.from_dict(values)
+
+
+_FIELDS = set(Flags.__struct_fields__)
+_INTERVALS = ("reconcile_interval", "gpu_health_interval")
+_CHOICES = {"device_backend": _BACKENDS, "gpu_allocation": _ALLOCATIONS}
+
+
+def _check_choice(name: str, value: Any) -> None:
+    if value not in _CHOICES[name]:
+        raise FlagsError(
+            f"Invalid '--{name}' {value!r}: expected one of {', '.join(_CHOICES[name])}"
+        )
+
+_BOOL_FIELDS = {name for name, hint in typing.get_type_hints(Flags).items() if hint is bool}
+_OPTIONAL_TEXT_NONE = {"", "none", "null"}
+
+
+def _flag_name(name: str) -> str:
+    name = name.strip().replace("-", "_")
+    if name not in _FIELDS and not (name.startswith("no_") and name[3:] in _BOOL_FIELDS):
+        raise FlagsError(f"Failed to load unknown flag '{name}'")
+    return name
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn command-line text into the field's type; other values pass through."""
+    if name == "isolation" and isinstance(value, list):
+        return ",".join(str(item) for item in value)
+    if name in _CHOICES:
+        _check_choice(name, value)
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if name == "nvidia_gpu_devices":
+        body = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+        indices = []
+        for token in body.split(","):
+            token = token.strip()
+            if not token:
+                continue
+            if not re.fullmatch(r"\d+", token):
+                raise FlagsError(
+                    f"Failed to load flag 'nvidia_gpu_devices': {token!r} in {value!r} is not a"
+                    " non-negative integer (expected e.g. '0,1')"
+                )
+            indices.append(int(token))
+        return indices
+    if name in _INTERVALS:
+        if text.lower() in _OPTIONAL_TEXT_NONE | {"off"}:
+            return None
+        try:
+            return parse_duration(text)
+        except ValueError as exc:
+            raise FlagsError(f"Failed to load flag '{name}': {exc}") from None
+    if name in _BOOL_FIELDS:
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise FlagsError(f"Failed to load flag '{name}': {value!r} is not a boolean")
+    if name in ("resources", "host_file", "cgroups_hierarchy") and text.lower() in _OPTIONAL_TEXT_NONE:
+        return None
+    return value
+
+
+def _describe(exc: msgspec.ValidationError, values: Mapping[str, Any]) -> str:
+    message = str(exc)
+    match = re.search(r" - at `\$\.(\w+)(.*)`$", message)
+    if match is None:
+        # A check of __post_init__: its message already names the flag.
+        return message
+    name = match.group(1)
+    detail = message[: match.start()]
+    return f"Failed to load flag '{name}' with value {values.get(name)!r}: {detail}"
+
+
+def _decode_document(path: str, data: bytes) -> Any:
+    lowered = path.lower()
+    is_json = lowered.endswith(".json") or (
+        not lowered.endswith(".toml") and data.lstrip()[:1] in (b"{", b"[")
+    )
+    try:
+        if is_json:
+            return json.loads(data)
+        return tomllib.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        kind = "JSON" if is_json else "TOML"
+        raise FlagsError(f"Flags file {path!r} is not valid {kind}: {exc}") from None

@@ -1,0 +1,53 @@
+"""The NVML port: a node's GPUs as NVML (or a simulated node) reports them.
+
+Two implementations of one port (``Nvml``): ``BindingsNvml`` over the
+``pynvml`` module and ``SimulatedNvml`` from a host file; ``NvmlService``
+runs either off the event loop; ``read_inventory`` turns answers into a
+``NodeInventory``. Rules of each piece are at the top of its module.
+"""
+
+from ._bindings import BindingsNvml
+from ._default_node import EMBEDDED_HOST_FILE, embedded_host_spec
+from ._errors import HostFileError, NvmlError, NvmlNotSupported, NvmlUnavailable
+from ._hostfile import (
+    MAX_GPUS,
+    HostFile,
+    HostGpu,
+    HostSpec,
+    SimGpu,
+    host_spec_from_dict,
+    load_host_file,
+    parse_host_file,
+)
+from ._inventory import GpuUsage, NodeInventory, read_inventory, read_usage
+from ._open import default_simulated_node, nvml_available, open_nvml, open_nvml_or_default
+from ._port import (
+    DEFAULT_CONTROL_DEVICES,
+    NON_CRITICAL_XIDS,
+    NVLINK_MAX_LINKS,
+    TOPOLOGY_HOSTBRIDGE,
+    TOPOLOGY_INTERNAL,
+    TOPOLOGY_MULTIPLE,
+    TOPOLOGY_NAMES,
+    TOPOLOGY_NODE,
+    TOPOLOGY_SINGLE,
+    TOPOLOGY_SYSTEM,
+    HealthEvent,
+    MemoryInfo,
+    Nvml,
+    Utilization,
+)
+from ._service import NvmlService
+from ._simulated import SimulatedNvml
+
+__all__ = [
+    "BindingsNvml", "EMBEDDED_HOST_FILE", "embedded_host_spec", "HostFileError",
+    "NvmlError", "NvmlNotSupported", "NvmlUnavailable", "MAX_GPUS", "HostFile",
+    "HostGpu", "HostSpec", "SimGpu", "host_spec_from_dict", "load_host_file",
+    "parse_host_file", "GpuUsage", "NodeInventory", "read_inventory", "read_usage",
+    "default_simulated_node", "nvml_available", "open_nvml", "open_nvml_or_default",
+    "DEFAULT_CONTROL_DEVICES", "NON_CRITICAL_XIDS", "NVLINK_MAX_LINKS",
+    "TOPOLOGY_HOSTBRIDGE", "TOPOLOGY_INTERNAL", "TOPOLOGY_MULTIPLE", "TOPOLOGY_NAMES",
+    "TOPOLOGY_NODE", "TOPOLOGY_SINGLE", "TOPOLOGY_SYSTEM", "HealthEvent", "MemoryInfo",
+    "Nvml", "Utilization", "NvmlService", "SimulatedNvml",
+]

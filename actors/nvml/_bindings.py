@@ -1,0 +1,248 @@
+"""BindingsNvml: the NVML port over the real bindings (the ``pynvml`` module).
+
+Rules:
+- ``pynvml`` comes from the ``nvidia-ml-py`` distribution; it loads
+  ``libnvidia-ml.so.1`` with ``ctypes.CDLL`` on the first ``nvmlInit`` (a
+  library already loaded under that soname is reused, which is how the
+  tests' fake NVML stands in for the driver).
+- Every ``pynvml.NVMLError`` becomes an ``NvmlError`` naming the C function;
+  a missing library or driver becomes ``NvmlUnavailable``.
+- Handles are pynvml's ``c_nvmlDevice_t``; they are cached per index.
+- NVLink: links ``0..NVML_NVLINK_MAX_LINKS-1`` are probed with
+  ``nvmlDeviceGetNvLinkState``; a link NVML does not know (invalid
+  argument / not supported / not found) ends or skips the probe; the remote
+  end of every active link comes from ``nvmlDeviceGetNvLinkRemotePciInfo_v2``.
+- Health: ``wait_event`` lazily registers Xid and double-bit ECC events on
+  every GPU that supports them and waits with ``nvmlEventSetWait_v2``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from typing import Any, Callable, TypeVar
+
+from ._errors import (
+    NVML_ERROR_FUNCTION_NOT_FOUND,
+    NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_LIBRARY_NOT_FOUND,
+    NVML_ERROR_NOT_FOUND,
+    NVML_ERROR_NOT_SUPPORTED,
+    NVML_ERROR_TIMEOUT,
+    NvmlError,
+)
+from ._port import HealthEvent, MemoryInfo, Nvml, Utilization
+
+__all__ = ["BindingsNvml"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_XID_EVENT = 0x0000000000000008  # nvmlEventTypeXidCriticalError
+_ECC_EVENT = 0x0000000000000002  # nvmlEventTypeDoubleBitEccError
+
+
+def _import_pynvml() -> Any:
+    try:
+        import pynvml
+    except ImportError as exc:  # pragma: no cover - a dependency of the project
+        raise NvmlError.of(
+            "nvmlInit",
+            NVML_ERROR_LIBRARY_NOT_FOUND,
+            detail=f"the NVML bindings are not installed (pip install nvidia-ml-py): {exc}",
+        ) from None
+    return pynvml
+
+
+class BindingsNvml(Nvml):
+    """The real NVML through ``pynvml`` (see module rules)."""
+
+    kind = "nvml"
+    source = "libnvidia-ml.so.1"
+
+    def __init__(self) -> None:
+        self._nvml = _import_pynvml()
+        self._handles: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._event_set: Any = None
+        self._event_lock = threading.Lock()
+
+    def _call(self, function: str, call: Callable[..., T], *args: Any) -> T:
+        try:
+            return call(*args)
+        except self._nvml.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            code = int(code) if code is not None else 999
+            try:
+                text = str(exc)
+            except Exception:  # noqa: BLE001 - str() itself calls into NVML
+                text = None
+            raise NvmlError.of(function, code, text) from None
+
+    # ------------------------------------------------------------ the port
+
+    def init(self) -> None:
+        self._call("nvmlInit", self._nvml.nvmlInit)
+
+    def shutdown(self) -> None:
+        with self._event_lock:
+            event_set, self._event_set = self._event_set, None
+        if event_set is not None:
+            try:
+                self._nvml.nvmlEventSetFree(event_set)
+            except self._nvml.NVMLError:
+                pass
+        with self._lock:
+            self._handles.clear()
+        self._call("nvmlShutdown", self._nvml.nvmlShutdown)
+
+    def driver_version(self) -> str:
+        return self._call("nvmlSystemGetDriverVersion", self._nvml.nvmlSystemGetDriverVersion)
+
+    def device_count(self) -> int:
+        return self._call("nvmlDeviceGetCount_v2", self._nvml.nvmlDeviceGetCount)
+
+    def handle(self, index: int) -> Any:
+        with self._lock:
+            handle = self._handles.get(index)
+        if handle is None:
+            handle = self._call(
+                "nvmlDeviceGetHandleByIndex_v2", self._nvml.nvmlDeviceGetHandleByIndex, index
+            )
+            with self._lock:
+                self._handles[index] = handle
+        return handle
+
+    def minor(self, handle: Any) -> int:
+        return self._call("nvmlDeviceGetMinorNumber", self._nvml.nvmlDeviceGetMinorNumber, handle)
+
+    def uuid(self, handle: Any) -> str:
+        return self._call("nvmlDeviceGetUUID", self._nvml.nvmlDeviceGetUUID, handle)
+
+    def name(self, handle: Any) -> str:
+        return self._call("nvmlDeviceGetName", self._nvml.nvmlDeviceGetName, handle)
+
+    def pci_bus_id(self, handle: Any) -> str:
+        info = self._call("nvmlDeviceGetPciInfo_v3", self._nvml.nvmlDeviceGetPciInfo, handle)
+        return _text(info.busId)
+
+    def memory(self, handle: Any) -> MemoryInfo:
+        info = self._call("nvmlDeviceGetMemoryInfo", self._nvml.nvmlDeviceGetMemoryInfo, handle)
+        return MemoryInfo(total=int(info.total), used=int(info.used))
+
+    def utilization(self, handle: Any) -> Utilization:
+        rates = self._call(
+            "nvmlDeviceGetUtilizationRates", self._nvml.nvmlDeviceGetUtilizationRates, handle
+        )
+        return Utilization(gpu=int(rates.gpu), memory=int(rates.memory))
+
+    def power_mw(self, handle: Any) -> int:
+        return int(self._call("nvmlDeviceGetPowerUsage", self._nvml.nvmlDeviceGetPowerUsage, handle))
+
+    def temperature_c(self, handle: Any) -> int:
+        return int(
+            self._call(
+                "nvmlDeviceGetTemperature",
+                self._nvml.nvmlDeviceGetTemperature,
+                handle,
+                self._nvml.NVML_TEMPERATURE_GPU,
+            )
+        )
+
+    def numa_node(self, handle: Any) -> int:
+        if not hasattr(self._nvml, "nvmlDeviceGetNumaNodeId"):
+            raise NvmlError.of("nvmlDeviceGetNumaNodeId", NVML_ERROR_NOT_SUPPORTED)
+        try:
+            node = self._call("nvmlDeviceGetNumaNodeId", self._nvml.nvmlDeviceGetNumaNodeId, handle)
+        except NvmlError as exc:
+            if exc.code == NVML_ERROR_FUNCTION_NOT_FOUND:  # an older driver
+                raise NvmlError.of("nvmlDeviceGetNumaNodeId", NVML_ERROR_NOT_SUPPORTED) from None
+            raise
+        if node < 0:
+            raise NvmlError.of("nvmlDeviceGetNumaNodeId", NVML_ERROR_NOT_SUPPORTED)
+        return int(node)
+
+    def mig_mode(self, handle: Any) -> bool:
+        current, _pending = self._call("nvmlDeviceGetMigMode", self._nvml.nvmlDeviceGetMigMode, handle)
+        return bool(current)
+
+    def nvlink_remote_bus_ids(self, handle: Any) -> list[str]:
+        remote: list[str] = []
+        for link in range(int(getattr(self._nvml, "NVML_NVLINK_MAX_LINKS", 18))):
+            try:
+                active = self._call("nvmlDeviceGetNvLinkState", self._nvml.nvmlDeviceGetNvLinkState, handle, link)
+            except NvmlError as exc:
+                if exc.code in (NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_NOT_FOUND):
+                    if exc.code == NVML_ERROR_NOT_SUPPORTED and link == 0:
+                        return remote  # no NVLink on this GPU
+                    continue
+                raise
+            if not active:
+                continue
+            info = self._call(
+                "nvmlDeviceGetNvLinkRemotePciInfo_v2", self._nvml.nvmlDeviceGetNvLinkRemotePciInfo, handle, link
+            )
+            remote.append(_text(info.busId))
+        return remote
+
+    def topology_level(self, first: Any, second: Any) -> int:
+        return int(
+            self._call(
+                "nvmlDeviceGetTopologyCommonAncestor",
+                self._nvml.nvmlDeviceGetTopologyCommonAncestor,
+                first,
+                second,
+            )
+        )
+
+    def control_devices(self) -> dict[str, str]:
+        return {}
+
+    # ------------------------------------------------------------ health
+
+    def _events(self) -> Any:
+        with self._event_lock:
+            if self._event_set is not None:
+                return self._event_set
+            event_set = self._call("nvmlEventSetCreate", self._nvml.nvmlEventSetCreate)
+            for index in range(self.device_count()):
+                try:
+                    self._call(
+                        "nvmlDeviceRegisterEvents",
+                        self._nvml.nvmlDeviceRegisterEvents,
+                        self.handle(index),
+                        _XID_EVENT | _ECC_EVENT,
+                        event_set,
+                    )
+                except NvmlError as exc:
+                    if exc.code != NVML_ERROR_NOT_SUPPORTED:
+                        raise
+                    logger.info("GPU %d cannot report Xid/ECC events: %s", index, exc)
+            self._event_set = event_set
+            return event_set
+
+    def wait_event(self, timeout_s: float) -> HealthEvent | None:
+        event_set = self._events()
+        try:
+            data = self._call(
+                "nvmlEventSetWait_v2", self._nvml.nvmlEventSetWait_v2, event_set, max(0, int(timeout_s * 1000))
+            )
+        except NvmlError as exc:
+            if exc.code == NVML_ERROR_TIMEOUT:
+                return None
+            raise
+        address = ctypes.cast(data.device, ctypes.c_void_p).value
+        with self._lock:
+            handles = dict(self._handles)
+        index = next(
+            (i for i, h in handles.items() if ctypes.cast(h, ctypes.c_void_p).value == address), -1
+        )
+        if int(data.eventType) & _ECC_EVENT:
+            return HealthEvent(index=index, kind="ecc")
+        return HealthEvent(index=index, kind="xid", code=int(data.eventData))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,192 @@
+"""NodeInventory: one snapshot of what a node's NVML says about its GPUs.
+
+Rules:
+- ``read_inventory(nvml)`` asks the port everything the allocator and the
+  CLI need, in one blocking pass (run it as ONE executor job): driver
+  version, and per GPU index, minor, UUID, name, bus id, memory, NUMA node,
+  MIG mode and NVLink peers, plus the topology level of every pair.
+- A fact the device cannot tell (``NvmlNotSupported``) is recorded as
+  unknown (None / no links); any other NVML failure propagates, naming the
+  function and the GPU index.
+- NVLink peers are found by matching each active link's remote bus id to a
+  GPU of the node; links to other devices (NVSwitches, CPUs) do not count
+  as GPU peers.
+- ``GpuInfo.pcie_switch`` is derived from the topology alike for both
+  implementations: the lowest index of the GPUs sharing its PCIe switch
+  (level SINGLE or closer), None when it shares a switch with no other GPU.
+- ``topology[i][j]`` is the ``TOPOLOGY_*`` level between GPUs i and j
+  (None: unknown); the diagonal is ``TOPOLOGY_INTERNAL``.
+- ``read_usage(nvml, indices)`` reads memory, utilisation, power and
+  temperature for several GPUs in one pass; unsupported readings are None.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import msgspec
+
+from actors.gpu import NVIDIA_MAJOR, Gpu, GpuInfo
+
+from ._errors import NvmlError, NvmlNotSupported
+from ._port import TOPOLOGY_INTERNAL, TOPOLOGY_SINGLE, Nvml
+
+__all__ = ["NodeInventory", "GpuUsage", "read_inventory", "read_usage"]
+
+_MIB = 1024 * 1024
+
+
+class NodeInventory(msgspec.Struct, frozen=True, kw_only=True):
+    """The GPUs of a node, their facts and the topology between them."""
+
+    kind: str
+    """``"nvml"`` or ``"simulated"``."""
+    source: str
+    driver_version: str
+    gpus: list[GpuInfo]
+    topology: list[list[int | None]]
+    """``topology[i][j]``: the NVML topology level between indices i and j."""
+    control_devices: dict[str, str] = {}
+
+    def by_index(self, index: int) -> GpuInfo:
+        """The GPU at NVML index ``index`` (IndexError if none)."""
+        for info in self.gpus:
+            if info.index == index:
+                return info
+        raise IndexError(f"No GPU with index {index} on this node ({len(self.gpus)} GPUs)")
+
+    def by_gpu(self) -> dict[Gpu, GpuInfo]:
+        """Inventory records keyed by the GPU identity."""
+        return {info.gpu: info for info in self.gpus}
+
+    def level(self, first: int, second: int) -> int | None:
+        """The topology level between two NVML indices (None: unknown)."""
+        return self.topology[first][second]
+
+
+class GpuUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU's current readings; None where NVML cannot tell."""
+
+    gpu: Gpu
+    index: int
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    utilization_gpu_percent: int | None = None
+    utilization_memory_percent: int | None = None
+    power_mw: int | None = None
+    temperature_c: int | None = None
+
+
+def _optional(call, *args):
+    try:
+        return call(*args)
+    except NvmlNotSupported:
+        return None
+
+
+def _at(index: int, error: NvmlError) -> NvmlError:
+    # Keep the type and facts, add which GPU.
+    detail = f"GPU index {index}" + (f"; {error.detail}" if error.detail else "")
+    return type(error)(error.function, error.code, error.text, detail)
+
+
+def read_inventory(nvml: Nvml) -> NodeInventory:
+    """Read a whole node (blocking; see module rules)."""
+    driver = nvml.driver_version()
+    count = nvml.device_count()
+    handles = []
+    records = []
+    for index in range(count):
+        try:
+            handle = nvml.handle(index)
+            handles.append(handle)
+            memory = nvml.memory(handle)
+            records.append(
+                dict(
+                    index=index,
+                    gpu=Gpu(NVIDIA_MAJOR, nvml.minor(handle)),
+                    uuid=nvml.uuid(handle),
+                    name=nvml.name(handle),
+                    pci_bus_id=nvml.pci_bus_id(handle),
+                    memory_total_mib=memory.total // _MIB,
+                    numa_node=_optional(nvml.numa_node, handle),
+                    mig=bool(_optional(nvml.mig_mode, handle)),
+                    remote=_optional(nvml.nvlink_remote_bus_ids, handle) or [],
+                )
+            )
+        except NvmlError as exc:
+            raise _at(index, exc) from None
+    by_bus = {record["pci_bus_id"].upper(): record["index"] for record in records}
+    gpus = []
+    for record in records:
+        remote = record.pop("remote")
+        peers = collections.Counter(by_bus[bus.upper()] for bus in remote if bus.upper() in by_bus)
+        peers.pop(record["index"], None)
+        gpus.append(GpuInfo(**record, nvlink=dict(sorted(peers.items()))))
+    topology: list[list[int | None]] = [[None] * count for _ in range(count)]
+    for i in range(count):
+        topology[i][i] = TOPOLOGY_INTERNAL
+        for j in range(i + 1, count):
+            try:
+                level = _optional(nvml.topology_level, handles[i], handles[j])
+            except NvmlError as exc:
+                raise _at(i, exc) from None
+            topology[i][j] = topology[j][i] = level
+    switches = _switch_groups(topology)
+    gpus = [msgspec.structs.replace(info, pcie_switch=switches[info.index]) for info in gpus]
+    return NodeInventory(
+        kind=nvml.kind,
+        source=nvml.source,
+        driver_version=driver,
+        gpus=gpus,
+        topology=topology,
+        control_devices=nvml.control_devices(),
+    )
+
+
+def _switch_groups(topology: list[list[int | None]]) -> list[int | None]:
+    """Per index: the lowest index sharing its PCIe switch (level SINGLE or
+    closer), None when it shares one with no other GPU."""
+    count = len(topology)
+    parent = list(range(count))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i in range(count):
+        for j in range(i + 1, count):
+            level = topology[i][j]
+            if level is not None and level <= TOPOLOGY_SINGLE:
+                a, b = root(i), root(j)
+                parent[max(a, b)] = min(a, b)
+    groups = [root(i) for i in range(count)]
+    sizes = collections.Counter(groups)
+    return [group if sizes[group] > 1 else None for group in groups]
+
+
+def read_usage(nvml: Nvml, targets: list[tuple[int, Gpu]]) -> list[GpuUsage]:
+    """Readings for ``(index, gpu)`` pairs in one blocking pass."""
+    usages = []
+    for index, gpu in targets:
+        try:
+            handle = nvml.handle(index)
+            memory = _optional(nvml.memory, handle)
+            rates = _optional(nvml.utilization, handle)
+            usages.append(
+                GpuUsage(
+                    gpu=gpu,
+                    index=index,
+                    memory_used_bytes=memory.used if memory else None,
+                    memory_total_bytes=memory.total if memory else None,
+                    utilization_gpu_percent=rates.gpu if rates else None,
+                    utilization_memory_percent=rates.memory if rates else None,
+                    power_mw=_optional(nvml.power_mw, handle),
+                    temperature_c=_optional(nvml.temperature_c, handle),
+                )
+            )
+        except NvmlError as exc:
+            raise _at(index, exc) from None
+    return usages

@@ -1,0 +1,215 @@
+"""The NVML port: the questions the isolator asks a node's GPUs.
+
+Rules:
+- ``Nvml`` mirrors the NVML C API the isolator uses, one method per call:
+  ``init``/``shutdown``, ``driver_version``, ``device_count``,
+  ``handle(index)``, and per handle ``minor``, ``uuid``, ``name``,
+  ``pci_bus_id``, ``memory``, ``utilization``, ``power_mw``,
+  ``temperature_c``, ``numa_node``, ``mig_mode``, ``nvlink_remote_bus_ids``;
+  ``topology_level(h1, h2)`` for a pair; ``control_devices()`` for the
+  control device numbers; ``wait_event(timeout_s)`` for health events.
+- Every method blocks (a real NVML call can take milliseconds): actors call
+  them only through ``NvmlService``, which runs them on the runtime's
+  Executor (R-NV-2).
+- Failures raise ``NvmlError`` naming the NVML function; a question the
+  device cannot answer raises ``NvmlNotSupported``.
+- Two implementations: ``BindingsNvml`` (the ``pynvml`` module) and
+  ``SimulatedNvml`` (a host file). For one host file both answer the same
+  (R-NV-3), which the fake-NVML tests prove.
+- Topology levels are NVML's ``NVML_TOPOLOGY_*`` values: the smaller the
+  closer (INTERNAL 0: same board, SINGLE 10: one PCIe switch, MULTIPLE 20:
+  several switches, HOSTBRIDGE 30, NODE 40: same NUMA node, SYSTEM 50:
+  across sockets).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "Nvml",
+    "DeviceHandle",
+    "MemoryInfo",
+    "Utilization",
+    "HealthEvent",
+    "TOPOLOGY_INTERNAL",
+    "TOPOLOGY_SINGLE",
+    "TOPOLOGY_MULTIPLE",
+    "TOPOLOGY_HOSTBRIDGE",
+    "TOPOLOGY_NODE",
+    "TOPOLOGY_SYSTEM",
+    "TOPOLOGY_NAMES",
+    "NON_CRITICAL_XIDS",
+    "DEFAULT_CONTROL_DEVICES",
+    "NVLINK_MAX_LINKS",
+]
+
+TOPOLOGY_INTERNAL = 0
+TOPOLOGY_SINGLE = 10
+TOPOLOGY_MULTIPLE = 20
+TOPOLOGY_HOSTBRIDGE = 30
+TOPOLOGY_NODE = 40
+TOPOLOGY_SYSTEM = 50
+
+TOPOLOGY_NAMES = {
+    TOPOLOGY_INTERNAL: "BRD",
+    TOPOLOGY_SINGLE: "PIX",
+    TOPOLOGY_MULTIPLE: "PXB",
+    TOPOLOGY_HOSTBRIDGE: "PHB",
+    TOPOLOGY_NODE: "NODE",
+    TOPOLOGY_SYSTEM: "SYS",
+}
+"""Short names as ``nvidia-smi topo -m`` prints them (BRD: same board)."""
+
+NVLINK_MAX_LINKS = 18
+"""Links a GPU may have (NVML_NVLINK_MAX_LINKS on Hopper)."""
+
+NON_CRITICAL_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+"""Xids caused by applications, not the GPU (the NVIDIA device plugin's list)."""
+
+DEFAULT_CONTROL_DEVICES = {
+    "nvidiactl": "195:255",
+    "nvidia-uvm": "235:0",
+    "nvidia-uvm-tools": "235:1",
+    "nvidia-modeset": "195:254",
+}
+"""Control device numbers of a simulated node unless its host file says otherwise."""
+
+DeviceHandle = Any
+"""An implementation's opaque device handle (from ``Nvml.handle``)."""
+
+
+class MemoryInfo(msgspec.Struct, frozen=True):
+    """Device memory in bytes (``nvmlDeviceGetMemoryInfo``)."""
+
+    total: int
+    used: int
+
+    @property
+    def free(self) -> int:
+        return max(0, self.total - self.used)
+
+
+class Utilization(msgspec.Struct, frozen=True):
+    """Percent of time busy over the last sample (``nvmlDeviceGetUtilizationRates``)."""
+
+    gpu: int
+    memory: int
+
+
+class HealthEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """A health event from NVML: an Xid, or an uncorrectable (double-bit) ECC error."""
+
+    index: int
+    kind: str
+    """``"xid"`` or ``"ecc"``."""
+    code: int = 0
+    """The Xid number (0 for ECC)."""
+
+    @property
+    def critical(self) -> bool:
+        """True when the GPU should be withheld (ECC, or an Xid not caused by an app)."""
+        return self.kind != "xid" or self.code not in NON_CRITICAL_XIDS
+
+    def describe(self) -> str:
+        if self.kind == "xid":
+            return f"Xid {self.code}"
+        return "uncorrectable ECC error"
+
+
+class Nvml(abc.ABC):
+    """The NVML port (see module rules). Every method blocks."""
+
+    kind: str = "nvml"
+    """``"nvml"`` (the bindings) or ``"simulated"``."""
+
+    source: str = ""
+    """Where the answers come from (a host file path, or ``libnvidia-ml.so.1``)."""
+
+    @abc.abstractmethod
+    def init(self) -> None:
+        """``nvmlInit``."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """``nvmlShutdown``."""
+
+    @abc.abstractmethod
+    def driver_version(self) -> str:
+        """``nvmlSystemGetDriverVersion``."""
+
+    @abc.abstractmethod
+    def device_count(self) -> int:
+        """``nvmlDeviceGetCount_v2``."""
+
+    @abc.abstractmethod
+    def handle(self, index: int) -> DeviceHandle:
+        """``nvmlDeviceGetHandleByIndex_v2``."""
+
+    @abc.abstractmethod
+    def minor(self, handle: DeviceHandle) -> int:
+        """``nvmlDeviceGetMinorNumber``."""
+
+    @abc.abstractmethod
+    def uuid(self, handle: DeviceHandle) -> str:
+        """``nvmlDeviceGetUUID``."""
+
+    @abc.abstractmethod
+    def name(self, handle: DeviceHandle) -> str:
+        """``nvmlDeviceGetName``."""
+
+    @abc.abstractmethod
+    def pci_bus_id(self, handle: DeviceHandle) -> str:
+        """``nvmlDeviceGetPciInfo_v3().busId`` (``00000000:3B:00.0``)."""
+
+    @abc.abstractmethod
+    def memory(self, handle: DeviceHandle) -> MemoryInfo:
+        """``nvmlDeviceGetMemoryInfo``."""
+
+    @abc.abstractmethod
+    def utilization(self, handle: DeviceHandle) -> Utilization:
+        """``nvmlDeviceGetUtilizationRates``."""
+
+    @abc.abstractmethod
+    def power_mw(self, handle: DeviceHandle) -> int:
+        """``nvmlDeviceGetPowerUsage`` (milliwatts)."""
+
+    @abc.abstractmethod
+    def temperature_c(self, handle: DeviceHandle) -> int:
+        """``nvmlDeviceGetTemperature(NVML_TEMPERATURE_GPU)``."""
+
+    @abc.abstractmethod
+    def numa_node(self, handle: DeviceHandle) -> int:
+        """``nvmlDeviceGetNumaNodeId``."""
+
+    @abc.abstractmethod
+    def mig_mode(self, handle: DeviceHandle) -> bool:
+        """``nvmlDeviceGetMigMode`` (current mode enabled)."""
+
+    @abc.abstractmethod
+    def nvlink_remote_bus_ids(self, handle: DeviceHandle) -> list[str]:
+        """Remote PCI bus id of every active NVLink link (``nvmlDeviceGetNvLinkState``
+        and ``nvmlDeviceGetNvLinkRemotePciInfo_v2`` over links 0..N)."""
+
+    @abc.abstractmethod
+    def topology_level(self, first: DeviceHandle, second: DeviceHandle) -> int:
+        """``nvmlDeviceGetTopologyCommonAncestor``: a ``TOPOLOGY_*`` level."""
+
+    @abc.abstractmethod
+    def control_devices(self) -> dict[str, str]:
+        """Control device name -> ``"major:minor"`` as this node knows them
+        (a real node: empty; the isolator stats ``/dev`` instead)."""
+
+    @abc.abstractmethod
+    def wait_event(self, timeout_s: float) -> HealthEvent | None:
+        """Block up to ``timeout_s`` for the next health event; None on timeout."""
+
+    def close(self) -> None:
+        """Shut down, ignoring errors (idempotent)."""
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - closing must not fail
+            pass

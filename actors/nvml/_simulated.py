@@ -1,0 +1,215 @@
+"""SimulatedNvml: the NVML port served from a host file.
+
+Rules:
+- Answers exactly what the resolved host file (``HostSpec``) says; a handle is
+  the GPU's index. Facts the host file leaves out (power, temperature, NUMA
+  node, topology of a pair with no facts) raise ``NvmlNotSupported``, as a
+  real GPU that cannot tell does.
+- Calls before ``init`` (or after ``shutdown``) fail with
+  NVML_ERROR_UNINITIALIZED; an index past the end fails with
+  NVML_ERROR_INVALID_ARGUMENT, as NVML does.
+- Tests steer it: ``inject_xid(index, xid)`` / ``inject_ecc(index)`` queue
+  a health event for ``wait_event``; ``set_usage`` changes readings;
+  ``fail(function, code)`` makes every later call of that function fail
+  with that NVML code until ``fail(function, None)``.
+- Thread-safe: the executor may call it from several threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+
+import msgspec
+
+from ._errors import (
+    NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_NOT_SUPPORTED,
+    NVML_ERROR_UNINITIALIZED,
+    NvmlError,
+)
+from ._hostfile import HostSpec, SimGpu, load_host_file, parse_host_file
+from ._port import HealthEvent, MemoryInfo, Nvml, Utilization
+
+__all__ = ["SimulatedNvml"]
+
+_MIB = 1024 * 1024
+
+
+class SimulatedNvml(Nvml):
+    """A simulated node (see module rules)."""
+
+    kind = "simulated"
+
+    def __init__(self, spec: HostSpec) -> None:
+        self.spec = spec
+        self.source = spec.source
+        self._gpus = list(spec.gpus)
+        self._lock = threading.Condition()
+        self._initialized = 0
+        self._events: collections.deque[HealthEvent] = collections.deque()
+        self._failures: dict[str, int] = {}
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> "SimulatedNvml":
+        """Load and validate a host file (raises HostFileError)."""
+        return cls(load_host_file(path))
+
+    @classmethod
+    def from_text(cls, text: str, name: str = "<host file>.toml") -> "SimulatedNvml":
+        """Build from host-file text (TOML, or JSON when ``name`` ends in .json)."""
+        return cls(parse_host_file(text, name))
+
+    @classmethod
+    def with_gpus(cls, count: int) -> "SimulatedNvml":
+        """A node of ``count`` plain GPUs (``gpu_count = count``)."""
+        return cls.from_text(f"gpu_count = {int(count)}", "<gpu_count>.toml")
+
+    # ------------------------------------------------------------ steering
+
+    def inject_xid(self, index: int, xid: int) -> None:
+        """Queue an Xid event on GPU ``index`` for ``wait_event``."""
+        self._push(HealthEvent(index=index, kind="xid", code=xid))
+
+    def inject_ecc(self, index: int) -> None:
+        """Queue an uncorrectable ECC event on GPU ``index``."""
+        self._push(HealthEvent(index=index, kind="ecc"))
+
+    def set_usage(self, index: int, **readings: int | None) -> None:
+        """Change readings of GPU ``index`` (``memory_used_mib``, ``utilization_gpu``,
+        ``utilization_memory``, ``power_mw``, ``temperature_c``)."""
+        allowed = {"memory_used_mib", "utilization_gpu", "utilization_memory", "power_mw", "temperature_c"}
+        unknown = set(readings) - allowed
+        if unknown:
+            raise ValueError(f"Unknown readings {sorted(unknown)}; expected some of {sorted(allowed)}")
+        with self._lock:
+            self._gpus[index] = msgspec.structs.replace(self._gpus[index], **readings)
+
+    def fail(self, function: str, code: int | None) -> None:
+        """Make NVML ``function`` (e.g. ``"nvmlDeviceGetMinorNumber"``) fail with
+        ``code`` from now on; ``None`` heals it."""
+        with self._lock:
+            if code is None:
+                self._failures.pop(function, None)
+            else:
+                self._failures[function] = code
+
+    def _push(self, event: HealthEvent) -> None:
+        if not 0 <= event.index < len(self._gpus):
+            raise ValueError(f"No GPU with index {event.index} on this node ({len(self._gpus)} GPUs)")
+        with self._lock:
+            self._events.append(event)
+            self._lock.notify_all()
+
+    # ------------------------------------------------------------ the port
+
+    def _check(self, function: str, initialized: bool = True) -> None:
+        code = self._failures.get(function)
+        if code is not None:
+            raise NvmlError.of(function, code)
+        if initialized and self._initialized <= 0:
+            raise NvmlError.of(function, NVML_ERROR_UNINITIALIZED)
+
+    def _gpu(self, function: str, handle: int) -> SimGpu:
+        self._check(function)
+        if not isinstance(handle, int) or not 0 <= handle < len(self._gpus):
+            raise NvmlError.of(function, NVML_ERROR_INVALID_ARGUMENT, detail=f"no device handle {handle!r}")
+        return self._gpus[handle]
+
+    def init(self) -> None:
+        self._check("nvmlInitWithFlags", initialized=False)
+        with self._lock:
+            self._initialized += 1
+
+    def shutdown(self) -> None:
+        self._check("nvmlShutdown")
+        with self._lock:
+            self._initialized -= 1
+
+    def driver_version(self) -> str:
+        self._check("nvmlSystemGetDriverVersion")
+        return self.spec.driver_version
+
+    def device_count(self) -> int:
+        self._check("nvmlDeviceGetCount_v2")
+        return len(self._gpus)
+
+    def handle(self, index: int) -> int:
+        function = "nvmlDeviceGetHandleByIndex_v2"
+        self._check(function)
+        if not 0 <= index < len(self._gpus):
+            raise NvmlError.of(
+                function, NVML_ERROR_INVALID_ARGUMENT, detail=f"no GPU with index {index} ({len(self._gpus)} GPUs)"
+            )
+        return index
+
+    def minor(self, handle: int) -> int:
+        return self._gpu("nvmlDeviceGetMinorNumber", handle).minor
+
+    def uuid(self, handle: int) -> str:
+        return self._gpu("nvmlDeviceGetUUID", handle).uuid
+
+    def name(self, handle: int) -> str:
+        return self._gpu("nvmlDeviceGetName", handle).name
+
+    def pci_bus_id(self, handle: int) -> str:
+        return self._gpu("nvmlDeviceGetPciInfo_v3", handle).pci_bus_id
+
+    def memory(self, handle: int) -> MemoryInfo:
+        gpu = self._gpu("nvmlDeviceGetMemoryInfo", handle)
+        return MemoryInfo(total=gpu.memory_total_mib * _MIB, used=gpu.memory_used_mib * _MIB)
+
+    def utilization(self, handle: int) -> Utilization:
+        gpu = self._gpu("nvmlDeviceGetUtilizationRates", handle)
+        return Utilization(gpu=gpu.utilization_gpu, memory=gpu.utilization_memory)
+
+    def power_mw(self, handle: int) -> int:
+        function = "nvmlDeviceGetPowerUsage"
+        gpu = self._gpu(function, handle)
+        if gpu.power_mw is None:
+            raise NvmlError.of(function, NVML_ERROR_NOT_SUPPORTED)
+        return gpu.power_mw
+
+    def temperature_c(self, handle: int) -> int:
+        function = "nvmlDeviceGetTemperature"
+        gpu = self._gpu(function, handle)
+        if gpu.temperature_c is None:
+            raise NvmlError.of(function, NVML_ERROR_NOT_SUPPORTED)
+        return gpu.temperature_c
+
+    def numa_node(self, handle: int) -> int:
+        function = "nvmlDeviceGetNumaNodeId"
+        gpu = self._gpu(function, handle)
+        if gpu.numa_node is None:
+            raise NvmlError.of(function, NVML_ERROR_NOT_SUPPORTED)
+        return gpu.numa_node
+
+    def mig_mode(self, handle: int) -> bool:
+        return self._gpu("nvmlDeviceGetMigMode", handle).mig
+
+    def nvlink_remote_bus_ids(self, handle: int) -> list[str]:
+        gpu = self._gpu("nvmlDeviceGetNvLinkState", handle)
+        remote: list[str] = []
+        for peer, links in gpu.nvlink.items():
+            remote.extend([self._gpus[peer].pci_bus_id] * links)
+        return remote
+
+    def topology_level(self, first: int, second: int) -> int:
+        function = "nvmlDeviceGetTopologyCommonAncestor"
+        self._gpu(function, first)
+        self._gpu(function, second)
+        level = self.spec.topology_level(first, second)
+        if level is None:
+            raise NvmlError.of(function, NVML_ERROR_NOT_SUPPORTED)
+        return level
+
+    def control_devices(self) -> dict[str, str]:
+        return dict(self.spec.control_devices)
+
+    def wait_event(self, timeout_s: float) -> HealthEvent | None:
+        self._check("nvmlEventSetWait_v2")
+        with self._lock:
+            if not self._events:
+                self._lock.wait_for(lambda: bool(self._events), timeout=max(0.0, timeout_s))
+            return self._events.popleft() if self._events else None

@@ -1,0 +1,112 @@
+"""Fixtures for the inventory tests: host files, and the fake NVML (C).
+
+The fake NVML (tests/native/fake_nvml.c) is compiled once per session with
+gcc into ``libnvidia-ml.so.1``. The real ``pynvml`` path runs in a separate
+Python process (``nvml_probe.py``) that preloads the fake: pynvml caches its
+library handle in module globals, and loading the fake into the pytest
+process would make every later "is there a driver?" check say yes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actors.nvml import HostSpec
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+DATA = HERE / "data"
+FAKE_NVML_SOURCE = REPO / "tests" / "native" / "fake_nvml.c"
+PROBE = HERE / "nvml_probe.py"
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    return DATA
+
+
+@pytest.fixture(scope="session")
+def fake_nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fake NVML, built with gcc (skips when gcc is absent)."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is not installed: cannot build the fake NVML (tests/native/fake_nvml.c)")
+    out = tmp_path_factory.mktemp("fake-nvml") / "libnvidia-ml.so.1"
+    subprocess.run(
+        [gcc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror",
+         "-Wl,-soname,libnvidia-ml.so.1", "-o", str(out), str(FAKE_NVML_SOURCE)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out
+
+
+def fake_config_text(spec: HostSpec, events: list[tuple[int, str, int]] = ()) -> str:
+    """The fake NVML's line format (see fake_nvml.c) for a resolved host file."""
+    mib = 1024 * 1024
+    lines = [f"driver\t{spec.driver_version}"]
+    for g in spec.gpus:
+        fields = [
+            g.minor, g.memory_total_mib * mib, g.memory_used_mib * mib, g.utilization_gpu,
+            g.utilization_memory, -1 if g.power_mw is None else g.power_mw,
+            -1 if g.temperature_c is None else g.temperature_c,
+            -1 if g.numa_node is None else g.numa_node, int(g.mig), g.pci_bus_id, g.uuid,
+            g.name.replace("\t", " "),
+        ]
+        lines.append("gpu\t" + "\t".join(str(f) for f in fields))
+    for g in spec.gpus:
+        for peer, count in g.nvlink.items():
+            lines += [f"link\t{g.index}\t{peer}"] * count
+    for i in range(len(spec.gpus)):
+        for j in range(i + 1, len(spec.gpus)):
+            level = spec.topology_level(i, j)
+            if level is not None:
+                lines.append(f"topo\t{i}\t{j}\t{level}")
+    for index, kind, code in events:
+        lines.append(f"event\t{index}\t{kind}\t{code}")
+    return "\n".join(lines) + "\n"
+
+
+class Probe:
+    """Runs jobs against the real pynvml + fake NVML in one child process."""
+
+    def __init__(self, lib: Path, tmp: Path) -> None:
+        self.lib = lib
+        self.tmp = tmp
+        self._n = 0
+
+    def config(self, spec: HostSpec, events: list[tuple[int, str, int]] = ()) -> str:
+        self._n += 1
+        path = self.tmp / f"fake-nvml-{self._n}.conf"
+        path.write_text(fake_config_text(spec, events))
+        return str(path)
+
+    def run(self, jobs: list[dict]) -> list[dict]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env.pop("FAKE_NVML_FAIL", None)
+        env.pop("FAKE_NVML_CONFIG", None)
+        done = subprocess.run(
+            [sys.executable, str(PROBE), str(self.lib)],
+            input=json.dumps(jobs),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        if done.returncode != 0:
+            raise AssertionError(f"nvml_probe failed ({done.returncode}):\n{done.stderr}")
+        return json.loads(done.stdout)
+
+
+@pytest.fixture
+def probe(fake_nvml_lib: Path, tmp_path: Path) -> Probe:
+    return Probe(fake_nvml_lib, tmp_path)

@@ -1,0 +1,97 @@
+"""Child process for the fake-NVML tests: the real pynvml over the fake library.
+
+Usage: python nvml_probe.py LIBNVIDIA_ML_PATH < jobs.json > results.json
+
+The fake library is loaded with RTLD_GLOBAL first, so pynvml's
+CDLL("libnvidia-ml.so.1") finds it by soname. Each job sets FAKE_NVML_CONFIG
+/ FAKE_NVML_FAIL and runs against ``BindingsNvml``; results are JSON
+(msgspec builtins), errors as {"error": {type, message, function, code}}.
+Jobs ("op"): "inventory" (inventory, usage, health events), "uninitialized"
+(a call before nvmlInit), "resources" (NvidiaGpuAllocator.resources with
+host_file None), "allocate" (create an allocator on the bindings and
+allocate counts in order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import sys
+
+import msgspec
+
+
+def error_of(exc: BaseException) -> dict:
+    return {
+        "error": {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "function": getattr(exc, "function", None),
+            "code": getattr(exc, "code", None),
+        }
+    }
+
+
+def run_job(job: dict) -> dict:
+    from actors.allocator import NvidiaGpuAllocator
+    from actors.flags import Flags
+    from actors.nvml import BindingsNvml, read_inventory, read_usage
+    from runtime import Runtime
+
+    if job.get("config"):
+        os.environ["FAKE_NVML_CONFIG"] = job["config"]
+    else:
+        os.environ.pop("FAKE_NVML_CONFIG", None)
+    os.environ["FAKE_NVML_FAIL"] = job.get("fail", "")
+    op = job["op"]
+    nvml = BindingsNvml()
+    try:
+        if op == "uninitialized":
+            return {"count": nvml.device_count()}
+        if op == "resources":
+            flags = Flags.from_dict(job["flags"])
+            return {"resources": str(NvidiaGpuAllocator.resources(flags))}
+        nvml.init()
+        try:
+            if job.get("fail_after_init"):
+                os.environ["FAKE_NVML_FAIL"] = job["fail_after_init"]
+            if op == "inventory":
+                inventory = read_inventory(nvml)
+                usage = read_usage(nvml, [(g.index, g.gpu) for g in inventory.gpus])
+                events = []
+                while (event := nvml.wait_event(0)) is not None:
+                    events.append(event)
+                return msgspec.to_builtins({"inventory": inventory, "usage": usage, "events": events})
+            if op == "allocate":
+                async def allocate() -> list:
+                    picks = []
+                    async with Runtime():
+                        flags = Flags.from_dict(job.get("flags", {}))
+                        allocator = await NvidiaGpuAllocator.create(flags, nvml_resources(flags), nvml)
+                        for count in job["counts"]:
+                            picks.append(sorted(g.minor for g in await allocator.allocate(count)))
+                        await allocator.close()
+                    return picks
+
+                def nvml_resources(flags):
+                    return NvidiaGpuAllocator.resources(flags, nvml)
+
+                return {"picks": asyncio.run(allocate())}
+            raise ValueError(f"unknown op {op!r}")
+        finally:
+            os.environ["FAKE_NVML_FAIL"] = ""
+            nvml.close()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return error_of(exc)
+
+
+def main() -> None:
+    ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+    jobs = json.loads(sys.stdin.read())
+    json.dump([run_job(job) for job in jobs], sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

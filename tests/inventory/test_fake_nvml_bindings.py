@@ -1,0 +1,116 @@
+"""R-NV-3: the real pynvml path, against a fake NVML written in C.
+
+Each test converts a host file into the fake's config, runs the real
+``pynvml`` bindings (``BindingsNvml``) over the fake library in a child
+process (``nvml_probe.py``), and compares with ``SimulatedNvml`` reading the
+same host file here.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from actors.nvml import SimulatedNvml, load_host_file, read_inventory, read_usage
+
+HOST_FILES = ["dgx8-nvlink.toml", "pcie4.toml", "mixed.json"]
+EVENTS = [(1, "xid", 79), (0, "xid", 13), (2, "ecc", 0)]
+
+
+def simulated(path, events=()):
+    nvml = SimulatedNvml.from_file(path)
+    nvml.init()
+    for index, kind, code in events:
+        (nvml.inject_ecc(index) if kind == "ecc" else nvml.inject_xid(index, code))
+    inventory = read_inventory(nvml)
+    usage = read_usage(nvml, [(g.index, g.gpu) for g in inventory.gpus])
+    drained = []
+    while (event := nvml.wait_event(0)) is not None:
+        drained.append(event)
+    # Through JSON, as the child's answer travels (NVLink peer keys become text).
+    result = msgspec.json.decode(msgspec.json.encode({"inventory": inventory, "usage": usage, "events": drained}))
+    # Only a simulated node knows its control devices; a real one has /dev.
+    for key in ("kind", "source", "control_devices"):
+        result["inventory"].pop(key)
+    return result
+
+
+def test_both_implementations_report_the_same_inventory(probe, data_dir, tmp_path):
+    plain = tmp_path / "plain.toml"
+    plain.write_text("gpu_count = 3\n")
+    paths = [data_dir / name for name in HOST_FILES] + [plain]
+    jobs = [
+        {"op": "inventory", "config": probe.config(load_host_file(path), EVENTS if i < 3 else ())}
+        for i, path in enumerate(paths)
+    ]
+    results = probe.run(jobs)
+    for i, (path, result) in enumerate(zip(paths, results)):
+        assert "error" not in result, result
+        assert result["inventory"]["kind"] == "nvml"
+        for key in ("kind", "source", "control_devices"):
+            result["inventory"].pop(key)
+        expected = simulated(path, EVENTS if i < 3 else ())
+        assert result == expected, path.name
+    dgx = results[0]["inventory"]
+    assert [g["gpu"]["minor"] for g in dgx["gpus"]] == list(range(8))
+    assert dgx["gpus"][0]["nvlink"] == {"1": 6, "2": 6, "3": 6}
+    assert dgx["topology"][0][1] == 10 and dgx["topology"][0][4] == 50
+    assert results[3]["inventory"]["topology"][0][1] is None  # not supported, as in the simulation
+
+
+def test_allocation_over_the_bindings_picks_the_same_gpus(probe, data_dir):
+    config = probe.config(load_host_file(data_dir / "dgx8-nvlink.toml"))
+    [result] = probe.run([{"op": "allocate", "config": config, "counts": [1, 4, 2]}])
+    assert result == {"picks": [[0], [4, 5, 6, 7], [2, 3]]}
+
+
+def test_nvml_errors_reach_the_caller_as_clear_errors(probe, data_dir):
+    config = probe.config(load_host_file(data_dir / "pcie4.toml"))
+    results = probe.run([
+        {"op": "inventory", "config": config, "fail": "nvmlInitWithFlags=9"},
+        {"op": "inventory", "config": config, "fail_after_init": "nvmlDeviceGetMinorNumber=3"},
+        {"op": "inventory", "config": config, "fail_after_init": "nvmlDeviceGetPciInfo_v3=15"},
+        {"op": "inventory", "config": config, "fail_after_init": "nvmlDeviceGetNumaNodeId=3"},
+        {"op": "uninitialized", "config": config},
+    ])
+    assert results[0]["error"] == {
+        "type": "NvmlUnavailable",
+        "message": "nvmlInit failed: Driver Not Loaded (NVML_ERROR_DRIVER_NOT_LOADED); is the NVIDIA"
+        " driver installed and loaded? Without a GPU, pass '--host_file' to use a simulated node",
+        "function": "nvmlInit",
+        "code": 9,
+    }
+    assert results[1]["error"]["type"] == "NvmlNotSupported"
+    assert results[1]["error"]["message"] == (
+        "nvmlDeviceGetMinorNumber failed: Not Supported (NVML_ERROR_NOT_SUPPORTED); GPU index 0"
+    )
+    assert results[2]["error"]["message"] == (
+        "nvmlDeviceGetPciInfo_v3 failed: GPU is lost (NVML_ERROR_GPU_IS_LOST); GPU index 0"
+    )
+    # An optional fact the GPU cannot give is recorded as unknown, not an error.
+    assert [g["numa_node"] for g in results[3]["inventory"]["gpus"]] == [None] * 4
+    assert results[4]["error"]["message"] == (
+        "nvmlDeviceGetCount_v2 failed: Uninitialized (NVML_ERROR_UNINITIALIZED)"
+    )
+
+
+def test_gpu_resources_over_the_bindings(probe, data_dir):
+    config = probe.config(load_host_file(data_dir / "pcie4.toml"))
+    results = probe.run([
+        {"op": "resources", "config": config, "flags": {}},
+        {"op": "resources", "config": config, "flags": {"resources": "gpus:2", "nvidia_gpu_devices": [0, 3]}},
+        {"op": "resources", "config": config, "flags": {"resources": "gpus:5", "nvidia_gpu_devices": [0, 1, 2, 3, 4]}},
+        # No driver: Mesos passes the gpus resource through unchecked.
+        {"op": "resources", "config": config, "fail": "nvmlInitWithFlags=9",
+         "flags": {"resources": "gpus:5", "nvidia_gpu_devices": [0, 1, 2, 3, 4]}},
+        {"op": "resources", "config": config, "fail": "nvmlInitWithFlags=999", "flags": {}},
+    ])
+    assert results[0] == {"resources": "gpus:4"}
+    assert results[1] == {"resources": "gpus:2"}
+    assert results[2]["error"]["type"] == "AllocatorError"
+    assert results[2]["error"]["message"].startswith(
+        "The number of GPUs requested is greater than the number of GPUs available on the machine"
+    )
+    assert results[3] == {"resources": "gpus:5"}
+    assert results[4]["error"]["message"] == (
+        "Failed to nvml::initialize: nvmlInit failed: Unknown Error (NVML_ERROR_UNKNOWN)"
+    )

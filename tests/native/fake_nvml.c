@@ -1,0 +1,581 @@
+/*
+ * A fake NVML (libnvidia-ml.so.1) for testing the real pynvml path without a GPU.
+ *
+ * Rules:
+ * - Built by the tests: gcc -shared -fPIC -Wl,-soname,libnvidia-ml.so.1.
+ *   Loaded (RTLD_GLOBAL) before pynvml's nvmlInit, so pynvml's
+ *   CDLL("libnvidia-ml.so.1") finds this library by its soname.
+ * - nvmlInitWithFlags reads the node from the file named by $FAKE_NVML_CONFIG
+ *   (written by the tests from a host file), one record per line, fields
+ *   separated by single tabs:
+ *     driver <version>
+ *     gpu    <minor> <mem total B> <mem used B> <util gpu %> <util mem %>
+ *            <power mW|-1> <temp C|-1> <numa|-1> <mig 0|1> <bus id> <uuid> <name>
+ *     link   <gpu index> <peer gpu index>     (one line per link, in link order)
+ *     topo   <gpu index> <gpu index> <level>  (a pair not listed: NOT_SUPPORTED)
+ *     event  <gpu index> <xid|ecc> <code>     (queued health events)
+ *   -1 marks a reading the GPU cannot give (NVML_ERROR_NOT_SUPPORTED).
+ * - Error injection: $FAKE_NVML_FAIL is a comma list of function=code
+ *   (e.g. "nvmlInitWithFlags=9" for NVML_ERROR_DRIVER_NOT_LOADED,
+ *   "nvmlDeviceGetMinorNumber=3" for NVML_ERROR_NOT_SUPPORTED); it is read
+ *   on every call, so a test may change it between calls.
+ * - Like NVML: calls before init fail with NVML_ERROR_UNINITIALIZED, a bad
+ *   handle or index with NVML_ERROR_INVALID_ARGUMENT, a short buffer with
+ *   NVML_ERROR_INSUFFICIENT_SIZE. Init is reference counted; each first init
+ *   re-reads the config, so one process can serve several host files.
+ * - NVLink: links 0..17 exist on a GPU with any link (inactive when not
+ *   listed); links >= 18 are NVML_ERROR_INVALID_ARGUMENT; a GPU with no
+ *   links answers NVML_ERROR_NOT_SUPPORTED.
+ */
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define NVML_SUCCESS 0
+#define NVML_ERROR_UNINITIALIZED 1
+#define NVML_ERROR_INVALID_ARGUMENT 2
+#define NVML_ERROR_NOT_SUPPORTED 3
+#define NVML_ERROR_INSUFFICIENT_SIZE 7
+#define NVML_ERROR_DRIVER_NOT_LOADED 9
+#define NVML_ERROR_TIMEOUT 10
+#define NVML_ERROR_UNKNOWN 999
+
+#define MAX_GPUS 1024
+#define MAX_LINKS 18
+#define MAX_EVENTS 256
+
+#define EVENT_ECC 0x2ULL
+#define EVENT_XID 0x8ULL
+
+typedef int nvmlReturn_t;
+
+struct fake_device {
+    unsigned int index;
+    unsigned int minor;
+    unsigned long long mem_total, mem_used;
+    int util_gpu, util_mem, power_mw, temp_c, numa, mig;
+    char bus_id[32];
+    char uuid[96];
+    char name[96];
+    int links[MAX_LINKS]; /* peer index per link */
+    int link_count;
+    unsigned long long registered;
+};
+
+typedef struct fake_device *nvmlDevice_t;
+
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain;
+    unsigned int bus;
+    unsigned int device;
+    unsigned int pciDeviceId;
+    unsigned int pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+
+typedef struct {
+    unsigned long long total;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_t;
+
+typedef struct {
+    unsigned int gpu;
+    unsigned int memory;
+} nvmlUtilization_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+struct fake_event {
+    int index;
+    unsigned long long type;
+    unsigned long long data;
+};
+
+typedef struct fake_event_set { int unused; } *nvmlEventSet_t;
+
+static struct fake_device devices[MAX_GPUS];
+static unsigned int device_count;
+static signed char *topology; /* device_count * device_count levels, -1 unknown */
+static char driver_version[80] = "0.0";
+static struct fake_event events[MAX_EVENTS];
+static int event_count, event_next;
+static int init_count;
+static struct fake_event_set the_event_set;
+
+static nvmlReturn_t injected(const char *function)
+{
+    const char *spec = getenv("FAKE_NVML_FAIL");
+    size_t length = strlen(function);
+    while (spec != NULL && *spec != '\0') {
+        if (strncmp(spec, function, length) == 0 && spec[length] == '=') {
+            return (nvmlReturn_t)atoi(spec + length + 1);
+        }
+        spec = strchr(spec, ',');
+        if (spec != NULL) {
+            spec++;
+        }
+    }
+    return NVML_SUCCESS;
+}
+
+#define ENTER(name)                                  \
+    do {                                             \
+        nvmlReturn_t _injected = injected(name);     \
+        if (_injected != NVML_SUCCESS) {             \
+            return _injected;                        \
+        }                                            \
+        if (init_count <= 0) {                       \
+            return NVML_ERROR_UNINITIALIZED;         \
+        }                                            \
+    } while (0)
+
+static int valid(nvmlDevice_t device)
+{
+    return device >= devices && device < devices + device_count;
+}
+
+#define ENTER_DEVICE(name, device)                   \
+    do {                                             \
+        ENTER(name);                                 \
+        if (!valid(device)) {                        \
+            return NVML_ERROR_INVALID_ARGUMENT;      \
+        }                                            \
+    } while (0)
+
+static char *field(char **cursor)
+{
+    char *start = *cursor;
+    char *tab;
+    if (start == NULL) {
+        return (char *)""; /* a missing field reads as empty */
+    }
+    tab = strchr(start, '\t');
+    if (tab != NULL) {
+        *tab = '\0';
+        *cursor = tab + 1;
+    } else {
+        *cursor = NULL;
+    }
+    return start;
+}
+
+static void copy_text(char *target, size_t size, const char *source)
+{
+    snprintf(target, size, "%s", source != NULL ? source : "");
+}
+
+static nvmlReturn_t load_config(void)
+{
+    const char *path = getenv("FAKE_NVML_CONFIG");
+    FILE *file;
+    char line[1024];
+    device_count = 0;
+    event_count = 0;
+    event_next = 0;
+    free(topology);
+    topology = NULL;
+    copy_text(driver_version, sizeof driver_version, "0.0");
+    if (path == NULL) {
+        return NVML_SUCCESS; /* a node without GPUs */
+    }
+    file = fopen(path, "r");
+    if (file == NULL) {
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    }
+    /* First pass: GPUs; second pass: links, topology and events. */
+    for (int pass = 0; pass < 2; pass++) {
+        rewind(file);
+        while (fgets(line, sizeof line, file) != NULL) {
+            char *cursor = line;
+            char *kind;
+            line[strcspn(line, "\n")] = '\0';
+            kind = field(&cursor);
+            if (kind[0] == '\0') {
+                continue;
+            }
+            if (pass == 0 && strcmp(kind, "driver") == 0) {
+                copy_text(driver_version, sizeof driver_version, field(&cursor));
+            } else if (pass == 0 && strcmp(kind, "gpu") == 0 && device_count < MAX_GPUS) {
+                struct fake_device *d = &devices[device_count];
+                memset(d, 0, sizeof *d);
+                d->index = device_count;
+                d->minor = (unsigned int)strtoul(field(&cursor), NULL, 10);
+                d->mem_total = strtoull(field(&cursor), NULL, 10);
+                d->mem_used = strtoull(field(&cursor), NULL, 10);
+                d->util_gpu = atoi(field(&cursor));
+                d->util_mem = atoi(field(&cursor));
+                d->power_mw = atoi(field(&cursor));
+                d->temp_c = atoi(field(&cursor));
+                d->numa = atoi(field(&cursor));
+                d->mig = atoi(field(&cursor));
+                copy_text(d->bus_id, sizeof d->bus_id, field(&cursor));
+                copy_text(d->uuid, sizeof d->uuid, field(&cursor));
+                copy_text(d->name, sizeof d->name, field(&cursor));
+                device_count++;
+            } else if (pass == 1 && strcmp(kind, "link") == 0) {
+                unsigned int index = (unsigned int)atoi(field(&cursor));
+                int peer = atoi(field(&cursor));
+                if (index < device_count && devices[index].link_count < MAX_LINKS) {
+                    devices[index].links[devices[index].link_count++] = peer;
+                }
+            } else if (pass == 1 && strcmp(kind, "topo") == 0) {
+                unsigned int a = (unsigned int)atoi(field(&cursor));
+                unsigned int b = (unsigned int)atoi(field(&cursor));
+                int level = atoi(field(&cursor));
+                if (topology == NULL) {
+                    topology = malloc((size_t)device_count * device_count + 1);
+                    memset(topology, -1, (size_t)device_count * device_count + 1);
+                }
+                if (a < device_count && b < device_count) {
+                    topology[a * device_count + b] = (signed char)level;
+                    topology[b * device_count + a] = (signed char)level;
+                }
+            } else if (pass == 1 && strcmp(kind, "event") == 0 && event_count < MAX_EVENTS) {
+                struct fake_event *e = &events[event_count++];
+                const char *type;
+                e->index = atoi(field(&cursor));
+                type = field(&cursor);
+                e->type = strcmp(type, "ecc") == 0 ? EVENT_ECC : EVENT_XID;
+                e->data = strtoull(field(&cursor), NULL, 10);
+            }
+        }
+    }
+    fclose(file);
+    return NVML_SUCCESS;
+}
+
+/* ------------------------------------------------------------ init */
+
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
+{
+    nvmlReturn_t injected_code = injected("nvmlInitWithFlags");
+    (void)flags;
+    if (injected_code != NVML_SUCCESS) {
+        return injected_code;
+    }
+    if (init_count == 0) {
+        nvmlReturn_t loaded = load_config();
+        if (loaded != NVML_SUCCESS) {
+            return loaded;
+        }
+    }
+    init_count++;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
+
+nvmlReturn_t nvmlShutdown(void)
+{
+    ENTER("nvmlShutdown");
+    init_count--;
+    return NVML_SUCCESS;
+}
+
+const char *nvmlErrorString(nvmlReturn_t result)
+{
+    switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    default: return "Unknown Error";
+    }
+}
+
+/* ------------------------------------------------------------ system */
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
+{
+    ENTER("nvmlSystemGetDriverVersion");
+    if (version == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    if (strlen(driver_version) + 1 > length) {
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    copy_text(version, length, driver_version);
+    return NVML_SUCCESS;
+}
+
+/* ------------------------------------------------------------ devices */
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
+{
+    ENTER("nvmlDeviceGetCount_v2");
+    if (count == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    *count = device_count;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+{
+    ENTER("nvmlDeviceGetHandleByIndex_v2");
+    if (device == NULL || index >= device_count) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    *device = &devices[index];
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device)
+{
+    return nvmlDeviceGetHandleByIndex_v2(index, device);
+}
+
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
+{
+    ENTER_DEVICE("nvmlDeviceGetIndex", device);
+    *index = device->index;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minor)
+{
+    ENTER_DEVICE("nvmlDeviceGetMinorNumber", device);
+    if (minor == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    *minor = device->minor;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t give_text(char *target, unsigned int length, const char *text)
+{
+    if (target == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    if (strlen(text) + 1 > length) {
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    copy_text(target, length, text);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
+{
+    ENTER_DEVICE("nvmlDeviceGetUUID", device);
+    return give_text(uuid, length, device->uuid);
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+{
+    ENTER_DEVICE("nvmlDeviceGetName", device);
+    return give_text(name, length, device->name);
+}
+
+static void fill_pci(const struct fake_device *device, nvmlPciInfo_t *pci)
+{
+    unsigned int domain = 0, bus = 0, slot = 0, function = 0;
+    memset(pci, 0, sizeof *pci);
+    sscanf(device->bus_id, "%x:%x:%x.%x", &domain, &bus, &slot, &function);
+    copy_text(pci->busId, sizeof pci->busId, device->bus_id);
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04X:%02X:%02X.%X", domain & 0xFFFF, bus, slot, function);
+    pci->domain = domain;
+    pci->bus = bus;
+    pci->device = slot;
+    pci->pciDeviceId = 0x20B010DE;
+    pci->pciSubSystemId = 0x134F10DE;
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    ENTER_DEVICE("nvmlDeviceGetPciInfo_v3", device);
+    if (pci == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    fill_pci(device, pci);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    return nvmlDeviceGetPciInfo_v3(device, pci);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    ENTER_DEVICE("nvmlDeviceGetMemoryInfo", device);
+    if (memory == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    memory->total = device->mem_total;
+    memory->used = device->mem_used;
+    memory->free = device->mem_total - device->mem_used;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *rates)
+{
+    ENTER_DEVICE("nvmlDeviceGetUtilizationRates", device);
+    if (rates == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    rates->gpu = (unsigned int)device->util_gpu;
+    rates->memory = (unsigned int)device->util_mem;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power)
+{
+    ENTER_DEVICE("nvmlDeviceGetPowerUsage", device);
+    if (device->power_mw < 0) {
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    *power = (unsigned int)device->power_mw;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensor, unsigned int *temperature)
+{
+    ENTER_DEVICE("nvmlDeviceGetTemperature", device);
+    if (sensor != 0) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    if (device->temp_c < 0) {
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    *temperature = (unsigned int)device->temp_c;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node)
+{
+    ENTER_DEVICE("nvmlDeviceGetNumaNodeId", device);
+    if (device->numa < 0) {
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    *node = (unsigned int)device->numa;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, unsigned int *pending)
+{
+    ENTER_DEVICE("nvmlDeviceGetMigMode", device);
+    *current = (unsigned int)device->mig;
+    *pending = (unsigned int)device->mig;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, int *active)
+{
+    ENTER_DEVICE("nvmlDeviceGetNvLinkState", device);
+    if (device->link_count == 0) {
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    if (link >= MAX_LINKS) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    *active = (int)link < device->link_count ? 1 : 0;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned int link, nvmlPciInfo_t *pci)
+{
+    int peer;
+    ENTER_DEVICE("nvmlDeviceGetNvLinkRemotePciInfo_v2", device);
+    if (device->link_count == 0) {
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    if ((int)link >= device->link_count || pci == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    peer = device->links[link];
+    if (peer < 0 || (unsigned int)peer >= device_count) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    fill_pci(&devices[peer], pci);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t first, nvmlDevice_t second, int *level)
+{
+    signed char value;
+    ENTER("nvmlDeviceGetTopologyCommonAncestor");
+    if (!valid(first) || !valid(second) || level == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    if (first == second) {
+        *level = 0;
+        return NVML_SUCCESS;
+    }
+    if (topology == NULL) {
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    value = topology[first->index * device_count + second->index];
+    if (value < 0) {
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    *level = value;
+    return NVML_SUCCESS;
+}
+
+/* ------------------------------------------------------------ events */
+
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    ENTER("nvmlEventSetCreate");
+    *set = &the_event_set;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long types, nvmlEventSet_t set)
+{
+    ENTER_DEVICE("nvmlDeviceRegisterEvents", device);
+    if (set != &the_event_set) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    device->registered |= types;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeout_ms)
+{
+    ENTER("nvmlEventSetWait_v2");
+    if (set != &the_event_set || data == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    while (event_next < event_count) {
+        struct fake_event *e = &events[event_next++];
+        if (e->index < 0 || (unsigned int)e->index >= device_count) {
+            continue;
+        }
+        if ((devices[e->index].registered & e->type) == 0) {
+            continue;
+        }
+        memset(data, 0, sizeof *data);
+        data->device = &devices[e->index];
+        data->eventType = e->type;
+        data->eventData = e->data;
+        data->gpuInstanceId = 0xFFFFFFFFu;
+        data->computeInstanceId = 0xFFFFFFFFu;
+        return NVML_SUCCESS;
+    }
+    usleep((useconds_t)(timeout_ms > 50 ? 50 : timeout_ms) * 1000);
+    return NVML_ERROR_TIMEOUT;
+}
+
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    ENTER("nvmlEventSetFree");
+    (void)set;
+    return NVML_SUCCESS;
+}
