@@ -1,0 +1,229 @@
+"""Device control: the one actor that writes device rules, and its handle.
+
+Rules:
+- ``DeviceControlProcess`` is the single writer of device rules for its
+  root (``<hierarchy>/<cgroups_root>``). All kernel work goes through one
+  ``Executor`` with one worker, so backends see one caller at a time.
+- Group commit: an operation that arrives while an executor job runs is
+  queued; when the job ends, ALL queued operations go to the backend as ONE
+  batch in ONE executor job (``backend.apply_batch``). Operations apply in
+  arrival order (so operations on one cgroup apply in the order they were
+  called); each caller's Future completes with its own result or its own
+  exception: one failure fails no other caller. The in-memory backend is
+  applied inline, on the actor, with no executor hop.
+- A ``SimulatedCrash`` (fault injection) fails every caller of its batch.
+- At termination, every queued or in-flight operation's Future fails with
+  ``ProcessTerminated`` (a job already in its thread still finishes there;
+  its effects stand but are not reported).
+- ``DeviceControl`` is the handle. Its methods return Futures (await them).
+  A cgroup is a relative path under the root (a container id, or
+  ``"parent/child"``): empty, absolute or ``..`` paths are refused before
+  anything is queued, and rules given as v1 lines are parsed there too.
+- ``DeviceControl.create`` picks the backend (``auto``: see
+  ``detect_backend``) and builds it in the executor (v2 reads its
+  checkpoint there, so a bad checkpoint fails ``create``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from runtime import Executor, Future, Process, ProcessTerminated, Promise, dispatch, spawn, terminate, wait
+from runtime import generate_id
+
+from ._backend import DeviceBackend, DeviceOperation, SimulatedCrash, validate_cgroup, validate_cgroups_root
+from ._cgroups_v1 import CgroupsV1Backend
+from ._cgroups_v2 import CgroupsV2Backend
+from ._detect import resolve_backend
+from ._errors import DeviceControlError
+from ._memory import MemoryBackend
+from ._rules import CgroupDeviceAccess, DeviceRule, as_rules, check_diff
+
+logger = logging.getLogger(__name__)
+
+
+class DeviceControlProcess(Process):
+    """The single writer of device rules (see module rules)."""
+
+    def __init__(self, backend: DeviceBackend, executor: Executor | None = None) -> None:
+        super().__init__(id=generate_id("device-control"))
+        self.backend = backend
+        self.executor = executor if executor is not None else Executor(1, name="device-control")
+        self.inline = backend.name == "memory"
+        self._queued: list[tuple[DeviceOperation, Promise]] = []
+        self._in_flight: list[tuple[DeviceOperation, Promise]] = []
+        self._draining = False
+        self.batches = 0
+        """Executor jobs run so far (each one drained batch)."""
+        self.operations = 0
+        """Operations submitted so far."""
+
+    def submit(self, op: DeviceOperation) -> Any:
+        """Queue ``op``; a Future of its result (inline value for in-memory)."""
+        self.operations += 1
+        if self.inline:
+            try:
+                result = self.backend.apply_batch([op])[0]
+            except SimulatedCrash as crash:
+                return Future.failed(crash)
+            if isinstance(result, BaseException):
+                raise result
+            return result
+        promise: Promise = Promise()
+        self._queued.append((op, promise))
+        if not self._draining:
+            self._draining = True
+            dispatch(self.pid, DeviceControlProcess._run_batches)
+        return promise.future
+
+    async def _run_batches(self) -> None:
+        try:
+            while self._queued:
+                batch, self._queued = self._queued, []
+                self._in_flight = batch
+                self.batches += 1
+                try:
+                    results = await self.executor.run(self.backend.apply_batch, [op for op, _ in batch])
+                except (Exception, SimulatedCrash) as error:  # the job broke: every caller hears it
+                    results = [error] * len(batch)
+                self._in_flight = []
+                for (_op, promise), result in zip(batch, results):
+                    if isinstance(result, BaseException):
+                        promise.fail(result)
+                    else:
+                        promise.set_value(result)
+        finally:
+            self._draining = False
+
+    def finalize(self) -> None:
+        error = ProcessTerminated(f"Device control {self.pid} terminated before the operation completed")
+        for _op, promise in self._in_flight + self._queued:
+            promise.fail(error)
+        idle = not self._in_flight
+        self._in_flight, self._queued = [], []
+        self.executor.shutdown(wait=False)
+        close = getattr(self.backend, "close", None)
+        if idle and close is not None:
+            close()  # releases what the backend holds open (v2: cached programs)
+
+
+async def _build_backend(
+    executor: Executor, backend: str, hierarchy: str | None, cgroups_root: str, work_dir: str | None
+) -> DeviceBackend:
+    validate_cgroups_root(cgroups_root)
+    kind, hierarchy = resolve_backend(backend, hierarchy)
+    if kind == "memory":
+        return MemoryBackend(f"memory:{hierarchy or ''}/{cgroups_root}")
+    if kind == "cgroups_v1":
+        return await executor.run(CgroupsV1Backend, hierarchy, cgroups_root)
+    if work_dir is None:
+        raise DeviceControlError("cgroups v2 device control needs a work_dir for its checkpoint")
+    return await executor.run(CgroupsV2Backend, hierarchy, cgroups_root, work_dir)
+
+
+class DeviceControl:
+    """Handle of a ``DeviceControlProcess``; every method returns a Future."""
+
+    def __init__(self, process: DeviceControlProcess) -> None:
+        self._process = process
+        self.pid = process.pid
+        self.backend_name: str = process.backend.name
+        self.root: str = process.backend.root
+
+    @classmethod
+    async def create(
+        cls,
+        backend: str = "auto",
+        hierarchy: str | None = None,
+        cgroups_root: str = "gpu-isolator",
+        work_dir: str | None = None,
+        backend_impl: DeviceBackend | None = None,
+    ) -> "DeviceControl":
+        """Build the backend and spawn the actor (inside a ``runtime.Runtime``)."""
+        executor = Executor(1, name="device-control")
+        if backend_impl is None:
+            try:
+                backend_impl = await _build_backend(executor, backend, hierarchy, cgroups_root, work_dir)
+            except BaseException:
+                executor.shutdown(wait=False)
+                raise
+        process = DeviceControlProcess(backend_impl, executor)
+        spawn(process)
+        logger.info("Device control %s uses %s at %s", process.pid, backend_impl.name, backend_impl.root)
+        return cls(process)
+
+    def _submit(self, kind: str, *args: Any) -> Future:
+        return dispatch(self.pid, DeviceControlProcess.submit, DeviceOperation(kind, args))
+
+    def configure(
+        self, cgroup: str, allow: Iterable[DeviceRule | str], deny: Iterable[DeviceRule | str] = ()
+    ) -> Future[CgroupDeviceAccess]:
+        """Create ``cgroup`` if missing and make its policy ``(allow, deny)``; the normalised policy."""
+        try:
+            return self._submit("configure", validate_cgroup(cgroup), as_rules(allow), as_rules(deny))
+        except DeviceControlError as error:
+            return Future.failed(error)
+
+    def reconfigure(
+        self, cgroup: str, add: Iterable[DeviceRule | str] = (), remove: Iterable[DeviceRule | str] = ()
+    ) -> Future[CgroupDeviceAccess]:
+        """Grant ``add`` and revoke ``remove`` (exact rules); the new policy."""
+        try:
+            return self._submit("reconfigure", validate_cgroup(cgroup), *check_diff(add, remove))
+        except DeviceControlError as error:
+            return Future.failed(error)
+
+    def remove(self, cgroup: str) -> Future[bool]:
+        """Delete ``cgroup``; False (with a warning) while processes remain in it."""
+        try:
+            return self._submit("remove", validate_cgroup(cgroup))
+        except DeviceControlError as error:
+            return Future.failed(error)
+
+    def state(self, cgroup: str) -> Future[CgroupDeviceAccess | None]:
+        """The cgroup's policy (v1: read from the kernel), None when unknown."""
+        try:
+            return self._submit("state", validate_cgroup(cgroup))
+        except DeviceControlError as error:
+            return Future.failed(error)
+
+    def exists(self, cgroup: str) -> Future[bool]:
+        """Whether the cgroup exists."""
+        try:
+            return self._submit("exists", validate_cgroup(cgroup))
+        except DeviceControlError as error:
+            return Future.failed(error)
+
+    def list_cgroups(self) -> Future[list[str]]:
+        """Every cgroup below the root (relative paths, sorted)."""
+        return self._submit("list_cgroups")
+
+    def reconcile(
+        self, cgroup: str, allow: Iterable[DeviceRule | str], deny: Iterable[DeviceRule | str] = ()
+    ) -> Future[list[str]]:
+        """Repair drift: make the kernel enforce ``(allow, deny)``; the repairs, in words."""
+        try:
+            desired = CgroupDeviceAccess.create(as_rules(allow), as_rules(deny))
+            return self._submit("reconcile", validate_cgroup(cgroup), desired)
+        except DeviceControlError as error:
+            return Future.failed(error)
+
+    def path(self, cgroup: str) -> str:
+        """The absolute path of ``cgroup`` (for tests and logs)."""
+        return self._process.backend.path(validate_cgroup(cgroup))
+
+    @property
+    def batches(self) -> int:
+        """Executor jobs run so far (one per drained batch)."""
+        return self._process.batches
+
+    @property
+    def operations(self) -> int:
+        """Operations submitted so far."""
+        return self._process.operations
+
+    async def close(self) -> None:
+        """Terminate the actor and wait for it."""
+        terminate(self.pid)
+        await wait(self.pid)

@@ -1,0 +1,44 @@
+"""Errors of device control.
+
+Rules:
+- ``DeviceControlError`` (a ``runtime.Failure``) is the base of every error
+  device control raises, so callers catch one type.
+- ``DeviceRuleError`` is a malformed rule or an impossible rule list (also a
+  ``ValueError``); ``InvalidCgroupError`` a cgroup path that would leave the
+  managed root (also a ``ValueError``); both are raised before anything is
+  written.
+- ``KernelOperationError`` wraps the ``OSError`` of one kernel operation: its
+  message names the operation and the file or cgroup, ``errno`` is the
+  kernel's, ``__cause__`` the original error.
+- ``CheckpointError`` is a device checkpoint that cannot be read; its message
+  says which file and what an operator should do. A checkpoint is never read
+  as empty: that would free GPUs still in use.
+"""
+
+from __future__ import annotations
+
+from runtime import Failure
+
+
+class DeviceControlError(Failure):
+    """A device control operation failed; the message says which and why."""
+
+
+class DeviceRuleError(DeviceControlError, ValueError):
+    """A device rule, or a list of rules, is malformed or contradictory."""
+
+
+class InvalidCgroupError(DeviceControlError, ValueError):
+    """A cgroup path that is empty, absolute or climbs out of the managed root."""
+
+
+class KernelOperationError(DeviceControlError):
+    """One kernel operation (mkdir, a rule write, bpf(2), ...) failed."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+class CheckpointError(DeviceControlError):
+    """A device checkpoint is truncated, garbled or unreadable."""

@@ -1,0 +1,87 @@
+"""In-memory device backend: the rule model with no kernel (SPEC R-DV-3).
+
+Rules:
+- The same semantics as the kernel backends, kept in a dict
+  ``cgroup -> CgroupDeviceAccess``; for non-root use and the demo.
+- Its pretend kernel operations (``mkdir``, ``apply``, ``rmdir``) still go
+  through the hook, so faults can be injected here too.
+- Processes never live in a memory cgroup, so ``remove`` always succeeds.
+- ``reconcile`` has nothing to drift from: it stores ``desired`` when the
+  record differs and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from ._backend import BackendBase, validate_cgroup
+from ._errors import DeviceControlError
+from ._rules import CgroupDeviceAccess, DeviceRule, apply_diff, check_diff
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryBackend(BackendBase):
+    """Device rules kept in memory (see module rules)."""
+
+    name = "memory"
+
+    def __init__(self, root: str = "memory:/gpu-isolator") -> None:
+        super().__init__(root)
+        self._cgroups: dict[str, CgroupDeviceAccess] = {}
+
+    def _set(self, cgroup: str, access: CgroupDeviceAccess) -> None:
+        self._cgroups[cgroup] = access
+
+    def configure(self, cgroup: str, allow: Iterable[DeviceRule], deny: Iterable[DeviceRule]) -> CgroupDeviceAccess:
+        validate_cgroup(cgroup)
+        access = CgroupDeviceAccess.create(allow, deny)
+        if cgroup not in self._cgroups:
+            self._kernel_op("mkdir", self.path(cgroup), self._set, cgroup, CgroupDeviceAccess())
+            try:
+                self._kernel_op("apply", self.path(cgroup), self._set, cgroup, access)
+            except Exception:
+                self._cgroups.pop(cgroup, None)
+                raise
+        else:
+            self._kernel_op("apply", self.path(cgroup), self._set, cgroup, access)
+        return access
+
+    def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> CgroupDeviceAccess:
+        validate_cgroup(cgroup)
+        add, remove = check_diff(add, remove)
+        current = self._cgroups.get(cgroup)
+        if current is None:
+            raise DeviceControlError(f"Cannot reconfigure cgroup '{cgroup}': it is not configured")
+        access = apply_diff(current, add, remove)
+        self._kernel_op("apply", self.path(cgroup), self._set, cgroup, access)
+        return access
+
+    def remove(self, cgroup: str) -> bool:
+        validate_cgroup(cgroup)
+        if any(other.startswith(cgroup + "/") for other in self._cgroups):
+            logger.warning("Cgroup %s still has child cgroups; keeping it", self.path(cgroup))
+            return False
+        if cgroup in self._cgroups:
+            self._kernel_op("rmdir", self.path(cgroup), self._cgroups.pop, cgroup)
+        return True
+
+    def state(self, cgroup: str) -> CgroupDeviceAccess | None:
+        return self._cgroups.get(validate_cgroup(cgroup))
+
+    def exists(self, cgroup: str) -> bool:
+        return validate_cgroup(cgroup) in self._cgroups
+
+    def list_cgroups(self) -> list[str]:
+        return sorted(self._cgroups)
+
+    def reconcile(self, cgroup: str, desired: CgroupDeviceAccess) -> list[str]:
+        validate_cgroup(cgroup)
+        current = self._cgroups.get(cgroup)
+        if current == desired:
+            return []
+        self._kernel_op("apply", self.path(cgroup), self._set, cgroup, desired)
+        if current is None:
+            return [f"{self.path(cgroup)}: recreated the missing cgroup with its device policy"]
+        return [f"{self.path(cgroup)}: restored the device policy"]

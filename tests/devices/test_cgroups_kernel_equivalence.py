@@ -1,0 +1,98 @@
+"""Equivalence on the real kernel: for random rule sets, what a process in
+the cgroup may do equals ``is_granted`` (root only; fixed seed, bounded).
+
+v2: the compiled eBPF program. v1: the kernel's own rules (allow lists;
+a v1 deny only removes exact entries, so its deny semantics are tested in
+test_cgroups_v1_kernel.py)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from hypothesis import given, settings, strategies as st
+
+from actors.devices import CgroupDeviceAccess, CgroupsV1Backend, CgroupsV2Backend, DeviceRule, DeviceRuleError
+
+MAJORS = [None, 195, 240]
+MINORS = [None, 0, 1, 255]
+ACCESSES = ["r", "w", "m", "rw", "rm", "wm", "rwm"]
+ALLOW = [
+    DeviceRule(t, major, minor, access)
+    for t in ("a", "b", "c")
+    for major in MAJORS
+    for minor in MINORS
+    for access in ACCESSES
+    if t != "a" or (major is None and minor is None)
+]
+DENY = [rule for rule in ALLOW if not rule.has_wildcard]
+OPEN_MODES = [(os.O_RDONLY, "r"), (os.O_WRONLY, "w"), (os.O_RDWR, "rw")]
+MKNOD_DEVICES = [("c", 195, 0), ("c", 240, 9), ("b", 240, 1), ("b", 195, 255)]
+
+
+def check_verdicts(probe, device_nodes, scratch: str, access: CgroupDeviceAccess) -> int:
+    """Compare every probe answer with ``access.is_granted``; the number of checks."""
+    checks = 0
+    for kind, major, minor in sorted(device_nodes.paths):
+        for flags, bits in OPEN_MODES:
+            answer = probe.open(device_nodes[kind, major, minor], flags)
+            assert answer in (errno.ENXIO, errno.EPERM), (kind, major, minor, bits, answer)
+            granted = access.is_granted(kind, major, minor, bits)
+            assert (answer == errno.ENXIO) == granted, (
+                f"{kind} {major}:{minor} {bits}: kernel {errno.errorcode[answer]}, model {granted};"
+                f" allow={[str(r) for r in access.allow]} deny={[str(r) for r in access.deny]}"
+            )
+            checks += 1
+    for kind, major, minor in MKNOD_DEVICES:
+        answer = probe.mknod(scratch, kind, major, minor)
+        assert answer in (0, errno.EPERM)
+        assert (answer == 0) == access.is_granted(kind, major, minor, "m"), (kind, major, minor, access)
+        checks += 1
+    return checks
+
+
+def test_v2_program_verdicts_equal_is_granted(v2_sandbox, device_nodes, tmp_path) -> None:
+    backend = CgroupsV2Backend(v2_sandbox.hierarchy, v2_sandbox.cgroups_root, str(tmp_path / "work"))
+    backend.configure("eq", [], [])
+    probe = v2_sandbox.probe("eq")
+    scratch = str(tmp_path)
+    total = [0, 0]
+
+    @settings(max_examples=100, derandomize=True, deadline=None, database=None)
+    @given(st.lists(st.sampled_from(ALLOW), max_size=8), st.lists(st.sampled_from(DENY), max_size=3))
+    def check(allow: list[DeviceRule], deny: list[DeviceRule]) -> None:
+        try:
+            access = CgroupDeviceAccess.create(allow, deny)
+        except DeviceRuleError:
+            return
+        assert backend.configure("eq", access.allow, access.deny) == access
+        total[0] += 1
+        total[1] += check_verdicts(probe, device_nodes, scratch, access)
+
+    try:
+        check()
+    finally:
+        backend.close()
+    assert total[0] >= 50 and total[1] >= 50 * 31
+
+
+def test_v1_kernel_verdicts_equal_is_granted(v1_sandbox, device_nodes, tmp_path) -> None:
+    backend = CgroupsV1Backend(v1_sandbox.hierarchy, v1_sandbox.cgroups_root)
+    backend.configure("eq", [], [])
+    probe = v1_sandbox.probe("eq")
+    scratch = str(tmp_path)
+
+    @settings(max_examples=40, derandomize=True, deadline=None, database=None)
+    @given(st.lists(st.sampled_from(ALLOW), max_size=8))
+    def check(allow: list[DeviceRule]) -> None:
+        access = CgroupDeviceAccess.create(allow, [])
+        try:
+            state = backend.configure("eq", access.allow, [])
+        except DeviceRuleError as error:  # 'a *:* r' beside 'b *:* w': v1 cannot hold it
+            assert "the kernel would merge them" in str(error)
+            return
+        assert state == backend.state("eq")
+        check_verdicts(probe, device_nodes, scratch, access)
+        check_verdicts(probe, device_nodes, scratch, state)
+
+    check()

@@ -1,0 +1,143 @@
+"""The v2 device program, run by a small reference interpreter (no kernel).
+
+The kernel-level check of the same property is in test_cgroups_v2_equivalence.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from actors.devices import CgroupDeviceAccess, DeviceRule, build_device_program, container_policy, program_instructions
+from actors.devices import _device_program as dp
+from actors.devices._bpf import program_tags
+
+ACCESS = {"m": dp.ACC_MKNOD, "r": dp.ACC_READ, "w": dp.ACC_WRITE}
+
+
+def run(program: bytes, kind: str, major: int, minor: int, access: str) -> int:
+    """Interpret the opcodes the compiler emits, on one device access."""
+    bits = 0
+    for ch in access:
+        bits |= ACCESS[ch]
+    ctx = struct.pack("<III", (bits << 16) | dp.DEVICE_TYPES[kind], major, minor)
+    insns = [struct.unpack_from("<BBhi", program, i) for i in range(0, len(program), 8)]
+    regs = [0] * 11
+    pc = 0
+    for _step in range(10_000):
+        op, regs_byte, off, imm = insns[pc]
+        dst, src = regs_byte & 0xF, regs_byte >> 4
+        pc += 1
+        if op == dp.LDX_MEM_W:
+            regs[dst] = struct.unpack_from("<I", ctx, off)[0]
+        elif op == dp.ALU32_AND_K:
+            regs[dst] = (regs[dst] & imm) & 0xFFFFFFFF
+        elif op == dp.ALU32_RSH_K:
+            regs[dst] = (regs[dst] & 0xFFFFFFFF) >> imm
+        elif op == dp.ALU64_MOV_K:
+            regs[dst] = imm
+        elif op == dp.JMP_JA:
+            pc += off
+        elif op == dp.JMP_JEQ_K:
+            pc += off if regs[dst] == imm else 0
+        elif op == dp.JMP_JNE_K:
+            pc += off if regs[dst] != imm else 0
+        elif op == dp.JMP_JSET_K:
+            pc += off if regs[dst] & imm else 0
+        elif op == dp.JMP_JLT_K:
+            pc += off if regs[dst] < imm else 0
+        elif op == dp.JMP_JLE_K:
+            pc += off if regs[dst] <= imm else 0
+        elif op == dp.JMP_EXIT:
+            return regs[0]
+        else:
+            raise AssertionError(f"unexpected opcode {op:#x}")
+    raise AssertionError("program did not exit")
+
+
+def test_an_empty_allow_list_is_deny_everything() -> None:
+    program = build_device_program(CgroupDeviceAccess())
+    assert len(program) == 16
+    assert run(program, "c", 1, 3, "r") == 0
+
+
+def test_allow_all_with_a_deny() -> None:
+    access = CgroupDeviceAccess.create(["a"], ["c 195:1 w"])
+    program = build_device_program(access)
+    assert run(program, "b", 8, 0, "rwm") == 1
+    assert run(program, "c", 195, 1, "r") == 1
+    assert run(program, "c", 195, 1, "rw") == 0
+
+
+def test_container_policy_verdicts() -> None:
+    allow, deny = container_policy(["c 195:255 rwm"], ["c 195:0 rw", "c 195:1 rw"])
+    program = build_device_program(CgroupDeviceAccess(allow, deny))
+    assert run(program, "c", 1, 3, "rw") == 1
+    assert run(program, "c", 195, 0, "rw") == 1
+    assert run(program, "c", 195, 2, "r") == 0
+    assert run(program, "c", 195, 0, "m") == 1
+    assert run(program, "c", 195, 0, "rwm") == 0  # the GPU rule is rw; no single rule gives rwm
+    assert run(program, "b", 8, 0, "m") == 1 and run(program, "b", 8, 0, "r") == 0
+
+
+def test_program_length_does_not_grow_with_consecutive_gpus() -> None:
+    control = ["c 195:255 rwm", "c 195:254 rwm", "c 235:0 rwm", "c 235:1 rwm"]
+    lengths = {
+        len(program_instructions(CgroupDeviceAccess(*container_policy(control, [f"c 195:{i} rw" for i in range(n)]))))
+        for n in (1, 2, 8, 64)
+    }
+    assert len(lengths) == 1, lengths
+    # One type check per (type, access) group and one compare per major or run.
+    assert lengths.pop() < 40
+
+
+def test_tags_match_the_kernel_hash_of_the_instructions() -> None:
+    program = build_device_program(CgroupDeviceAccess.create(["c 1:3 rwm"]))
+    assert len(program_tags(program)) == 2 and all(len(tag) == 8 for tag in program_tags(program))
+
+
+TYPES = ["a", "b", "c"]
+MAJORS = [None, 0, 1, 195, 196]
+MINORS = [None, 0, 1, 2, 3, 5, 255]
+ACCESSES = ["r", "w", "m", "rw", "rm", "wm", "rwm"]
+ALLOW = [
+    DeviceRule(t, maj, mi, acc)
+    for t in TYPES
+    for maj in MAJORS
+    for mi in MINORS
+    for acc in ACCESSES
+    if t != "a" or (maj is None and mi is None)
+]
+DENY = [rule for rule in ALLOW if not rule.has_wildcard]
+QUERY_DEVICES = list(itertools.product(("b", "c"), (0, 1, 195, 196, 7), (0, 1, 2, 3, 4, 5, 255, 9)))
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(st.lists(st.sampled_from(ALLOW), max_size=10), st.lists(st.sampled_from(DENY), max_size=4))
+def test_program_verdict_equals_is_granted(allow: list[DeviceRule], deny: list[DeviceRule]) -> None:
+    try:
+        access = CgroupDeviceAccess.create(allow, deny)
+    except ValueError:
+        return
+    program = build_device_program(access)
+    for kind, major, minor in QUERY_DEVICES:
+        for acc in ACCESSES:
+            expected = 1 if access.is_granted(kind, major, minor, acc) else 0
+            assert run(program, kind, major, minor, acc) == expected, (str(access.allow), kind, major, minor, acc)
+
+
+def test_jumps_never_go_backwards_or_out_of_the_program() -> None:
+    allow, deny = container_policy(["c 195:255 rwm"], [f"c 195:{i} rw" for i in (0, 2, 4, 5, 6)])
+    insns = program_instructions(CgroupDeviceAccess.create(allow, ["c 1:3 w"]))
+    for index, (op, _dst, _src, off, _imm) in enumerate(insns):
+        if op & 0x07 == 0x05 and op != dp.JMP_EXIT:
+            assert 0 <= off and index + 1 + off < len(insns)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_encode_is_eight_bytes_per_instruction(n: int) -> None:
+    access = CgroupDeviceAccess.create([f"c 195:{i} rw" for i in range(n)])
+    assert len(build_device_program(access)) == 8 * len(program_instructions(access))
