@@ -91,7 +91,7 @@ class DeviceOperation(NamedTuple):
 
 
 OPERATION_KINDS = frozenset(
-    {"configure", "reconfigure", "remove", "state", "exists", "list_cgroups", "reconcile"}
+    {"configure", "reconfigure", "remove", "state", "exists", "list_cgroups", "reconcile", "remove_root"}
 )
 
 
@@ -141,6 +141,9 @@ class DeviceBackend(Protocol):
     def reconcile(self, cgroup: str, desired: CgroupDeviceAccess) -> list[str]:
         """Make the kernel enforce ``desired``; describe each repair made."""
 
+    def remove_root(self) -> bool:
+        """Delete the root itself once no cgroup is left below it; False if some are."""
+
     def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:
         """Apply ``ops`` in order; one value or exception per operation."""
 
@@ -159,6 +162,15 @@ class BackendBase:
 
     def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:
         return [apply_one(self, op) for op in ops]
+
+    def remove_root(self) -> bool:
+        if not os.path.isdir(self.root):
+            return True
+        if self.list_cgroups():
+            logger.warning("Device root %s still has cgroups below it; it stays", self.root)
+            return False
+        self._kernel_op("rmdir", self.root, os.rmdir, self.root)
+        return True
 
     def _kernel_op(self, op: str, target: str, fn: Callable[..., T], *args: Any) -> T:
         """Run one kernel operation through the hook (see module rules)."""
@@ -257,6 +269,9 @@ class FaultInjectingBackend:
 
     def reconcile(self, cgroup: str, desired: CgroupDeviceAccess) -> list[str]:
         return self.inner.reconcile(cgroup, desired)
+
+    def remove_root(self) -> bool:
+        return self.inner.remove_root()
 
     def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:
         return self.inner.apply_batch(ops)

@@ -114,7 +114,7 @@ async def _build_backend(
     validate_cgroups_root(cgroups_root)
     kind, hierarchy = resolve_backend(backend, hierarchy)
     if kind == "memory":
-        return MemoryBackend(f"memory:{hierarchy or ''}/{cgroups_root}")
+        return MemoryBackend(f"memory:{hierarchy or ''}/{cgroups_root}", shared=True)
     if kind == "cgroups_v1":
         return await executor.run(CgroupsV1Backend, hierarchy, cgroups_root)
     if work_dir is None:
@@ -208,6 +208,10 @@ class DeviceControl:
             return self._submit("reconcile", validate_cgroup(cgroup), desired)
         except DeviceControlError as error:
             return Future.failed(error)
+
+    def remove_root(self) -> Future[bool]:
+        """Delete the root itself once no cgroup is left below it."""
+        return self._submit("remove_root")
 
     def path(self, cgroup: str) -> str:
         """The absolute path of ``cgroup`` (for tests and logs)."""

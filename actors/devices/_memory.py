@@ -8,6 +8,10 @@ Rules:
 - Processes never live in a memory cgroup, so ``remove`` always succeeds.
 - ``reconcile`` has nothing to drift from: it stores ``desired`` when the
   record differs and says so.
+- ``shared=True`` (what ``DeviceControl.create`` uses) keeps the cgroups in a
+  per-root table of this OS process that outlives the backend, as the kernel
+  outlives an agent: a restarted isolator recovers from it.
+  ``remove_root`` drops that table once it is empty.
 """
 
 from __future__ import annotations
@@ -22,14 +26,26 @@ from ._rules import CgroupDeviceAccess, DeviceRule, apply_diff, check_diff
 logger = logging.getLogger(__name__)
 
 
+_PRETEND_KERNEL: dict[str, dict[str, CgroupDeviceAccess]] = {}
+"""Shared in-memory cgroups by root (see ``shared``)."""
+
+
 class MemoryBackend(BackendBase):
     """Device rules kept in memory (see module rules)."""
 
     name = "memory"
 
-    def __init__(self, root: str = "memory:/gpu-isolator") -> None:
+    def __init__(self, root: str = "memory:/gpu-isolator", shared: bool = False) -> None:
         super().__init__(root)
-        self._cgroups: dict[str, CgroupDeviceAccess] = {}
+        self._shared = shared
+        self._cgroups: dict[str, CgroupDeviceAccess] = _PRETEND_KERNEL.setdefault(root, {}) if shared else {}
+
+    def remove_root(self) -> bool:
+        if self._cgroups:
+            return False
+        if self._shared:
+            _PRETEND_KERNEL.pop(self.root, None)
+        return True
 
     def _set(self, cgroup: str, access: CgroupDeviceAccess) -> None:
         self._cgroups[cgroup] = access

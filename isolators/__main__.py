@@ -1,0 +1,7 @@
+"""``python -m isolators`` is the ``gpu-isolator`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

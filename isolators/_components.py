@@ -1,0 +1,58 @@
+"""NvidiaComponents: the actors an NVIDIA GPU isolator shares with its agent.
+
+Rules (Mesos ``gpu/components.hpp``):
+- ``await NvidiaComponents.create(flags)`` opens the node's NVML off the
+  event loop (the simulated node of ``flags.host_file``; without one, the real
+  bindings, or the embedded simulated node when no NVIDIA driver is present),
+  computes the GPU resources (R-FL-1: invalid flags raise before any actor
+  is spawned), spawns the allocator actor over the managed GPUs, and builds
+  the NVIDIA volume for the driver version once.
+- The allocator may be shared by several isolators; the components hold no
+  per-container state.
+- ``close()`` terminates what it spawned and shuts NVML down (an agent
+  restart drops them).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from actors import Flags, NodeInventory, NvidiaGpuAllocator, NvidiaVolume, NvmlService, Resources
+
+logger = logging.getLogger(__name__)
+
+
+class NvidiaComponents:
+    """The allocator, volume and NVML service of one node."""
+
+    def __init__(self, flags: Flags, resources: Resources, allocator: NvidiaGpuAllocator,
+                 volume: NvidiaVolume, nvml: NvmlService, inventory: NodeInventory) -> None:
+        self.flags = flags
+        self.resources = resources
+        self.allocator = allocator
+        self.volume = volume
+        self.nvml = nvml
+        self.inventory = inventory
+
+    @classmethod
+    async def create(cls, flags: Flags) -> "NvidiaComponents":
+        """Build the components for ``flags`` (see the module rules)."""
+        nvml = await NvmlService.open(flags.host_file, fallback=True)
+        allocator = volume = None
+        try:
+            resources = await nvml.call(NvidiaGpuAllocator.resources, flags, nvml.nvml)
+            inventory = await nvml.inventory()
+            allocator = await NvidiaGpuAllocator.create(flags, resources, nvml=nvml)
+            volume = await NvidiaVolume.create(flags.volume_dir, inventory.driver_version, ld_cache=flags.ld_cache)
+        except BaseException:
+            if allocator is not None:
+                await allocator.close()
+            await nvml.close()
+            raise
+        return cls(flags, resources, allocator, volume, nvml, inventory)
+
+    async def close(self) -> None:
+        """Terminate the component actors and shut NVML down."""
+        await self.volume.close()
+        await self.allocator.close()
+        await self.nvml.close()

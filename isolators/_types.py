@@ -1,0 +1,187 @@
+"""The Mesos data types the isolator speaks, as msgspec Structs.
+
+Rules:
+- Field names are snake_case; every type decodes from JSON/YAML/TOML data
+  with ``msgspec.convert`` (``Resources`` fields also take the text form
+  ``"cpus:1;gpus:2"`` through ``decode_hook``).
+- ``ContainerID`` is an identity (frozen, hashable). It validates on
+  construction and on decode (R-TY-1): non-empty, at most 242 characters, not
+  ``.``/``..``, no ``/``, ``\\``, ``.``, space or control character; a parent
+  obeys the same. ``str(id)`` joins the chain with ``.`` (parent first), which
+  cannot collide because ``.`` is refused inside a value.
+- ``ContainerID.path()`` is the relative path used for cgroups and runtime
+  directories (``parent/child`` for nested ids), built only from validated ids.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from actors import ImageManifest, Resources
+
+from ._errors import InvalidContainerID
+
+MAX_CONTAINER_ID_LENGTH = 242
+
+# mount(2) flags used in launch infos.
+MS_RDONLY = 1
+MS_BIND = 4096
+MS_REC = 16384
+
+
+def validate_container_id_value(value: Any) -> str:
+    """Return ``value`` if it is a valid container id, else raise InvalidContainerID."""
+    if not isinstance(value, str):
+        raise InvalidContainerID(f"Invalid container id {value!r}: expected a string")
+    if not value:
+        raise InvalidContainerID("Invalid container id '': it must not be empty")
+    if len(value) > MAX_CONTAINER_ID_LENGTH:
+        raise InvalidContainerID(
+            f"Invalid container id {value[:32]!r}...: it is {len(value)} characters long,"
+            f" the limit is {MAX_CONTAINER_ID_LENGTH}"
+        )
+    if value in (".", ".."):
+        raise InvalidContainerID(f"Invalid container id {value!r}: '.' and '..' are not allowed")
+    for ch in value:
+        if ch in "/\\. " or ord(ch) < 32 or ord(ch) == 127:
+            raise InvalidContainerID(
+                f"Invalid container id {value!r}: it contains {ch!r};"
+                " '/', '\\\\', '.', spaces and control characters are not allowed"
+            )
+    return value
+
+
+class ContainerID(msgspec.Struct, frozen=True, order=True):
+    """A container's id; nested containers name their ``parent``."""
+
+    value: str
+    parent: "ContainerID | None" = None
+
+    def __post_init__(self) -> None:
+        validate_container_id_value(self.value)
+
+    def has_parent(self) -> bool:
+        return self.parent is not None
+
+    def root(self) -> "ContainerID":
+        """The top-level ancestor (self when not nested)."""
+        cid = self
+        while cid.parent is not None:
+            cid = cid.parent
+        return cid
+
+    def path(self) -> str:
+        """Relative path of this id (``parent/child`` when nested)."""
+        if self.parent is None:
+            return self.value
+        return f"{self.parent.path()}/{self.value}"
+
+    def __str__(self) -> str:
+        if self.parent is None:
+            return self.value
+        return f"{self.parent}.{self.value}"
+
+    @classmethod
+    def parse(cls, text: str) -> "ContainerID":
+        """Parse ``parent.child`` (the ``str`` form) back into an id."""
+        if not isinstance(text, str) or not text:
+            raise InvalidContainerID(f"Invalid container id {text!r}: it must not be empty")
+        cid: ContainerID | None = None
+        for part in text.split("."):
+            cid = cls(part, cid)
+        return cid  # type: ignore[return-value]
+
+
+class ContainerClass(str, enum.Enum):
+    DEFAULT = "DEFAULT"
+    DEBUG = "DEBUG"
+
+
+class ContainerConfig(msgspec.Struct, kw_only=True):
+    """What the containerizer tells an isolator about a container to prepare."""
+
+    resources: Resources = Resources()
+    rootfs: str | None = None
+    docker_manifest: ImageManifest | None = None
+    container_class: ContainerClass = ContainerClass.DEFAULT
+    has_task_info: bool = False
+    user: str | None = None
+
+
+class ContainerMountInfo(msgspec.Struct, frozen=True):
+    """A mount the launcher performs: ``source`` onto ``target`` with mount(2) ``flags``."""
+
+    source: str
+    target: str
+    flags: int = 0
+
+    def flag_names(self) -> list[str]:
+        names = []
+        for bit, name in ((MS_RDONLY, "MS_RDONLY"), (MS_BIND, "MS_BIND"), (MS_REC, "MS_REC")):
+            if self.flags & bit:
+                names.append(name)
+        return names
+
+
+class ContainerLaunchInfo(msgspec.Struct, kw_only=True):
+    """What the isolator asks the launcher to do (mounts, environment)."""
+
+    mounts: list[ContainerMountInfo] = []
+    environment: dict[str, str] | None = None
+    task_environment: dict[str, str] | None = None
+
+
+class ContainerState(msgspec.Struct):
+    """A container the agent knew about before a restart."""
+
+    container_id: ContainerID
+    pid: int = 0
+    directory: str = ""
+
+
+class GpuStatistics(msgspec.Struct, kw_only=True):
+    """NVML's view of one GPU held by a container (None where NVML has no answer)."""
+
+    minor: int
+    uuid: str | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    utilization_gpu_percent: int | None = None
+    utilization_memory_percent: int | None = None
+    power_milliwatts: int | None = None
+    temperature_celsius: int | None = None
+
+
+class ResourceStatistics(msgspec.Struct, kw_only=True):
+    """Usage of a container; Mesos' fields this isolator fills, plus per-GPU stats."""
+
+    timestamp: float = 0.0
+    gpus_allocated: int = 0
+    gpus: list[GpuStatistics] = []
+
+
+class ContainerLimitation(msgspec.Struct, kw_only=True):
+    """A reason the container must be stopped (e.g. its GPU became unhealthy)."""
+
+    resources: Resources = Resources()
+    message: str = ""
+    reason: str = "REASON_GPU_UNHEALTHY"
+
+
+class Repair(msgspec.Struct, frozen=True):
+    """One drift repair done by ``reconcile``."""
+
+    container_id: str
+    description: str
+
+
+def decode_hook(type_: type, obj: Any) -> Any:
+    """msgspec ``dec_hook``: ``Resources`` from text, ``ContainerID`` from ``a.b``."""
+    if type_ is Resources:
+        return Resources.coerce(obj)
+    if type_ is ContainerID and isinstance(obj, str):
+        return ContainerID.parse(obj)
+    raise NotImplementedError(f"Objects of type {type_} are not supported")
