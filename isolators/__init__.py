@@ -10,7 +10,16 @@ from actors import Flags, Gpu, ImageManifest, NvidiaGpuAllocator, NvidiaVolume, 
 from ._components import NvidiaComponents
 from ._errors import InvalidContainerID, IsolatorError
 from ._isolator import MesosIsolator, NvidiaGpuIsolatorProcess
-from ._script import Script, ScriptError, ScriptReport, load_script, load_script_file, run_script
+from ._script import (
+    Script,
+    ScriptError,
+    ScriptReport,
+    ScriptRunner,
+    StepResult,
+    load_script,
+    load_script_file,
+    run_script,
+)
 from ._types import (
     ContainerClass,
     ContainerConfig,
@@ -27,7 +36,7 @@ from ._types import (
 __all__ = [
     "Flags", "Gpu", "ImageManifest", "NvidiaGpuAllocator", "NvidiaVolume", "Resources",
     "NvidiaComponents", "InvalidContainerID", "IsolatorError", "MesosIsolator",
-    "NvidiaGpuIsolatorProcess", "Script", "ScriptError", "ScriptReport", "load_script",
+    "NvidiaGpuIsolatorProcess", "Script", "ScriptError", "ScriptReport", "ScriptRunner", "StepResult", "load_script",
     "load_script_file", "run_script", "ContainerClass", "ContainerConfig", "ContainerID",
     "ContainerLaunchInfo", "ContainerLimitation", "ContainerMountInfo", "ContainerState",
     "GpuStatistics", "Repair", "ResourceStatistics",

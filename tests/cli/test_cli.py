@@ -1,0 +1,245 @@
+"""The ``gpu-isolator`` command line through its entry point.
+
+``isolators.cli.main(argv)`` returns the exit code: 0 when every expectation
+held, 1 when one did not, 2 for bad arguments or a bad script (one line on
+stderr, never a traceback). One real subprocess checks ``python -m isolators``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from isolators import cli
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(err: str, *needles: str) -> None:
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("gpu-isolator"), err
+    for needle in needles:
+        assert needle in lines[0], err
+
+
+# -- demo -------------------------------------------------------------------------
+def test_demo_tells_the_story_and_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "demo")
+    assert code == 0, out + err
+    assert out.startswith("gpu-isolator demo\n  A simulated node with 8 GPUs in two NVLink islands")
+    for line in (
+        "prepare train (cpus:4;mem:8192;gpus:2) -> train holds GPUs [0, 1]",
+        "prepare big (gpus:4) -> big holds GPUs [4, 5, 6, 7]",
+        "update train to gpus:3 -> train holds GPUs [0, 1, 2]",
+        "prepare greedy (gpus:2) -> refused as expected: Requested 2 gpus but only 1 available",
+        "usage of big -> 4 GPUs: GPU 4 12288/40960 MiB 42% busy 180 W 48 C;",
+        "agent restart: drop every actor, rebuild, recover -> recovered ['big', 'train']",
+        "cleanup train -> train gone; free GPUs now [0, 1, 2, 3, 4, 5, 6, 7]",
+    ):
+        assert line in out, line
+    assert "FAIL" not in out
+    assert "demo on memory: 13 steps, 13 passed, 0 failed in " in out
+    assert "every expectation held" in out
+
+
+# -- run --------------------------------------------------------------------------
+def test_run_a_passing_script(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "run", str(EXAMPLES / "quickstart.yaml"))
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert lines[0] == f"{EXAMPLES / 'quickstart.yaml'}: quickstart on memory, 6 steps"
+    assert "  ok     1  line 14   c1 asks for 2 GPUs and gets two joined by NVLink" in lines
+    assert lines[-1].startswith("quickstart on memory: 6 steps, 6 passed, 0 failed in ")
+    assert err == ""
+
+
+def test_run_a_failing_script_exits_1_with_expected_and_actual(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    script = tmp_path / "wrong.yaml"
+    script.write_text(
+        "node: {gpus: 4}\n"
+        "steps:\n"
+        "  - prepare: {id: a, resources: 'gpus:2'}\n"
+        "    expect: {gpus: [0, 1]}\n"
+        "  - name: over-allocation\n"
+        "    prepare: {id: b, resources: 'gpus:3'}\n"
+        "    expect: {error: 'no such message'}\n"
+        "  - free: [3]\n"
+    )
+    code, out, err = run(capsys, "run", str(script))
+    assert code == 1
+    assert "  ok     1  line 3    prepare a (gpus:2) -> a holds GPUs [0, 1]" in out
+    assert "  FAIL   2  line 5    over-allocation" in out
+    assert "expected: an error containing 'no such message'" in out
+    assert "actual:   error: Requested 3 gpus but only 2 available" in out
+    assert "  FAIL   3  line 8    free GPUs -> the free GPUs differ" in out
+    assert "expected: free GPUs [3]" in out and "actual:   free GPUs [2, 3]" in out
+    summary = out.splitlines()[-1]
+    assert summary.startswith("wrong on memory: 3 steps, 1 passed, 2 failed in ")
+    assert summary.endswith(": FAILED (lines 5, 8)")
+    assert "Traceback" not in out + err
+
+
+def test_run_a_bad_script_exits_2_with_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    script = tmp_path / "bad.yaml"
+    script.write_text("node: {gpus: 4}\nsteps:\n  - prepare:\n      id: a\n      resources: 5\n")
+    code, out, err = run(capsys, "run", str(script))
+    assert code == 2
+    assert out == ""
+    assert_one_line_error(
+        err, f"gpu-isolator: error: {script}:5: $.steps[0].prepare.resources: Expected `str`, got `int`"
+    )
+
+
+def test_run_a_json_script(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    script = tmp_path / "s.json"
+    script.write_text(
+        '{\n\t"node": {"gpus": 2},\n\t"steps": [\n'
+        '\t\t{"prepare": {"id": "a", "resources": "gpus:1"}, "expect": {"gpus": [0]}},\n'
+        '\t\t{"free": [1]}\n\t]\n}\n'
+    )
+    code, out, err = run(capsys, "run", str(script))
+    assert code == 0, out + err
+    assert "  ok     1  line 4    prepare a (gpus:1) -> a holds GPUs [0]" in out
+    assert "  ok     2  line 5    free GPUs -> [1]" in out
+
+
+def test_host_files_are_relative_to_the_script(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "node").mkdir()
+    (tmp_path / "node" / "two.toml").write_text("gpu_count = 2\n")
+    (tmp_path / "node" / "s.yaml").write_text("node: {host_file: two.toml}\nsteps:\n  - free: [0, 1]\n")
+    monkeypatch.chdir(REPO)
+    code, out, err = run(capsys, "run", str(tmp_path / "node" / "s.yaml"))
+    assert code == 0, out + err
+
+
+def test_run_with_a_missing_host_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "s.yaml").write_text("node:\n  host_file: nowhere.toml\nsteps:\n  - free: []\n")
+    code, _, err = run(capsys, "run", str(tmp_path / "s.yaml"))
+    assert code == 2
+    assert_one_line_error(err, "s.yaml:2: $.node.host_file: Cannot read host file", "nowhere.toml")
+
+
+def test_backend_override_and_root_check(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, out, _ = run(capsys, "run", str(EXAMPLES / "quickstart.yaml"), "--backend", "memory")
+    assert code == 0 and "quickstart on memory" in out
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    code, out, err = run(capsys, "run", str(EXAMPLES / "quickstart.yaml"), "--backend", "cgroups_v2")
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "gpu-isolator run: error: the cgroups_v2 backend needs root")
+
+
+# -- inspect ----------------------------------------------------------------------
+def test_inspect_a_host_file(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "inspect", "--host-file", str(EXAMPLES / "dgx-8gpu.toml"))
+    assert code == 0, err
+    assert out.startswith(f"simulated node ({EXAMPLES / 'dgx-8gpu.toml'}), driver 535.161.08, 8 GPUs")
+    assert "Tesla V100-SXM2-32GB" in out
+    assert "GPU0  X     NV6   NV6   NV6   SYS   SYS   SYS   SYS   0" in out
+
+
+def test_inspect_the_pcie_box(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "inspect", "--host-file", str(EXAMPLES / "pcie-4gpu.toml"))
+    assert code == 0
+    assert "GPU0  X     PIX   SYS   SYS   0" in out
+
+
+def test_inspect_a_bad_host_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "h.toml").write_text("gpu_count = -1\n")
+    code, out, err = run(capsys, "inspect", "--host-file", str(tmp_path / "h.toml"))
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "gpu-isolator: error: Invalid host file", "gpu_count")
+
+
+# -- help and bad arguments -----------------------------------------------------------
+@pytest.mark.parametrize("argv, usage", [
+    (["--help"], "usage: gpu-isolator [-h] [-v] COMMAND ..."),
+    (["demo", "--help"], "usage: gpu-isolator demo [-h]"),
+    (["run", "--help"], "usage: gpu-isolator run [-h] [--backend {memory,cgroups_v1,cgroups_v2}] SCRIPT"),
+    (["inspect", "--help"], "usage: gpu-isolator inspect [-h] [--host-file FILE]"),
+])
+def test_help(capsys: pytest.CaptureFixture[str], argv: list[str], usage: str) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and err == ""
+    assert out.startswith(usage)
+
+
+def test_bench_help_is_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("benchmarks.churn")
+    code, out, _ = run(capsys, "bench", "--help")
+    assert code == 0
+    assert out.startswith("usage:") and "--workers" in out
+
+
+def test_bench_without_the_benchmarks(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "benchmarks", None)
+    code, out, err = run(capsys, "bench", "--workers", "2")
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "the churn benchmark is not installed", "python -m benchmarks.churn")
+    code, out, err = run(capsys, "bench", "--help")
+    assert code == 2
+    assert out.startswith("usage: gpu-isolator bench")
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "gpu-isolator: error: the following arguments are required: COMMAND (see 'gpu-isolator --help')"),
+    (["frobnicate"], "gpu-isolator: error: argument COMMAND: invalid choice: 'frobnicate'"),
+    (["run"], "gpu-isolator run: error: the following arguments are required: SCRIPT"),
+    (["run", "x.yaml", "--backend", "gpu"], "gpu-isolator run: error: argument --backend: invalid choice: 'gpu'"),
+    (["inspect", "--host-file"], "gpu-isolator inspect: error: argument --host-file: expected one argument"),
+    (["demo", "extra"], "gpu-isolator: error: unrecognized arguments: extra"),
+    (["run", "/no/such/script.yaml"], "gpu-isolator: error: Cannot read script '/no/such/script.yaml'"),
+])
+def test_bad_arguments(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert_one_line_error(err, message)
+
+
+def test_an_internal_error_is_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import isolators._script as script_module
+
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("something broke")
+
+    monkeypatch.setattr(script_module, "run_script", broken)
+    code, _, err = run(capsys, "run", str(EXAMPLES / "quickstart.yaml"))
+    assert code == 2
+    assert_one_line_error(err, "gpu-isolator: internal error: RuntimeError: something broke",
+                          "run with --verbose for the traceback")
+
+
+# -- a real process -------------------------------------------------------------------
+def test_python_m_isolators(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    demo = subprocess.run([sys.executable, "-m", "isolators", "demo"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "every expectation held" in demo.stdout
+    (tmp_path / "bad.yaml").write_text("node: {gpus: 2}\nsteps:\n  - reboot: {}\n")
+    bad = subprocess.run([sys.executable, "-m", "isolators", "run", "bad.yaml"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip() == (
+        "gpu-isolator: error: bad.yaml:3: $.steps[0].reboot: unknown step 'reboot': a step holds one action"
+        " (prepare, update, usage, cleanup, recover, create, concurrent, advance, restart, free, held,"
+        " reconcile, mark_unhealthy) plus optional 'name' and 'expect'"
+    )
