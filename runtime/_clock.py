@@ -9,7 +9,8 @@ Rules (libprocess ``process/clock.hpp``):
   frozen instant (time never jumps back), and due timers fire.
 - ``await Clock.settle()`` returns once every process of the current runtime
   is idle with an empty mailbox and no executor job is running (a method
-  suspended in an ``await`` counts as idle).
+  suspended in an ``await`` counts as idle; so does a process whose async
+  ``initialize`` is suspended, though events wait behind it).
 - A cancelled timer never fires; cancelling a fired timer is a no-op.
 - Leaving a ``Runtime`` scope resumes the clock and drops its timers.
 """

@@ -58,7 +58,8 @@ class Executor:
 
             if self._limiter is None:
                 self._limiter = anyio.CapacityLimiter(self.max_workers)
-            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+            # abandon_on_cancel: the caller stops waiting at once (module rules)
+            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
         finally:
             _in_flight[0] -= 1
 

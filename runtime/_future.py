@@ -20,7 +20,11 @@ Rules (libprocess ``process/future.hpp``):
 - A Future is awaitable under asyncio and trio. Awaiting a READY Future returns
   the value without suspending; FAILED raises the original exception;
   DISCARDED raises ``Discarded``. Cancelling the awaiting task does not discard
-  the Future.
+  the Future. Under asyncio, awaiting a PENDING Future first gives the loop
+  one turn (a dispatch to a free process is usually done by then) and only
+  then parks the task on a plain loop future. While an asyncio ``Runtime`` is
+  current, its Futures are awaited in that runtime's loop (the loop is not
+  looked up per await).
 """
 
 from __future__ import annotations
@@ -40,18 +44,28 @@ READY = "ready"
 FAILED = "failed"
 DISCARDED = "discarded"
 
-_get_running_loop = asyncio._get_running_loop  # C fast path; None under trio
+_get_running_loop = asyncio._get_running_loop  # None under trio; ~0.2 µs a call
+# ``loop.create_future`` of the current asyncio Runtime's loop, set by
+# Runtime (bind_loop) so that awaiting skips the running-loop lookup.
+_create_waiter: Callable[[], asyncio.Future] | None = None
+
+
+def bind_loop(loop: asyncio.AbstractEventLoop | None) -> None:
+    """Awaits use ``loop`` (the current runtime's) without looking it up."""
+    global _create_waiter
+    _create_waiter = loop.create_future if loop is not None else None
 
 
 class Future(Generic[T]):
     """The result of an asynchronous operation (see the module rules)."""
 
-    __slots__ = ("_state", "_value", "_callbacks", "_discard_requested", "_discard_callbacks")
+    __slots__ = ("_state", "_value", "_callbacks", "_waiter", "_discard_requested", "_discard_callbacks")
 
     def __init__(self) -> None:
         self._state = PENDING
         self._value: Any = None
         self._callbacks: list | None = None
+        self._waiter: Any = None  # the first asyncio awaiter's loop future
         self._discard_requested = False
         self._discard_callbacks: list | None = None
 
@@ -127,6 +141,13 @@ class Future(Generic[T]):
                     cb(self)
                 except Exception:  # a callback never breaks the completer
                     logger.exception("Future callback %r raised", cb)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if state is READY and not waiter.done():
+                waiter.set_result(value)
+            else:
+                _wake(waiter, state, value)
         self._discard_callbacks = None
         return True
 
@@ -245,30 +266,74 @@ class Future(Generic[T]):
     # -- awaiting --------------------------------------------------------
     def __await__(self):
         if self._state is PENDING:
-            loop = _get_running_loop()
-            if loop is not None:
-                waiter = loop.create_future()
-                self.on_any(lambda _f: waiter.done() or waiter.set_result(None))
-                yield from waiter.__await__()
-            else:
-                yield from self._wait_generic().__await__()
-        if self._state is READY:
+            create = _create_waiter
+            if create is None:
+                loop = _get_running_loop()
+                if loop is None:  # trio
+                    return (yield from self._wait_generic().__await__())
+                create = loop.create_future
+            # asyncio: first give the loop one turn (a bare yield). A dispatch
+            # to a free process is usually done by then -- its drain was
+            # scheduled before this task -- and no loop future is needed.
+            yield
+            if self._state is PENDING:
+                # Still pending: wait on an exact loop future (asyncio's C fast
+                # path) that _complete settles with this Future's outcome.
+                waiter = create()
+                if self._waiter is None:
+                    self._waiter = waiter
+                else:  # a second awaiter
+                    self.on_any(lambda f: _wake(waiter, f._state, f._value))
+                return (yield from waiter)
+        state = self._state
+        if state is READY:
             return self._value
-        if self._state is FAILED:
+        if state is FAILED:
             raise self._value
         raise Discarded("Future was discarded")
 
-    async def _wait_generic(self) -> None:
-        import anyio
+    async def _wait_generic(self) -> Any:
+        # trio: park the task until _complete reschedules it (a cancelled
+        # wait unregisters itself so it is never rescheduled twice).
+        import trio
 
-        event = anyio.Event()
-        self.on_any(lambda _f: event.set())
-        await event.wait()
+        lowlevel = trio.lowlevel
+        parked = [lowlevel.current_task()]
+
+        def _wake(_f: Future) -> None:
+            task = parked[0]
+            if task is not None:
+                parked[0] = None
+                lowlevel.reschedule(task)
+
+        def _abort(_raise_cancel: Any) -> Any:
+            parked[0] = None
+            return lowlevel.Abort.SUCCEEDED
+
+        self.on_any(_wake)
+        if parked[0] is not None:  # not already woken (a completed Future)
+            await lowlevel.wait_task_rescheduled(_abort)
+        return self.get()
 
     def __repr__(self) -> str:
         if self._state is PENDING:
             return "<Future pending>"
         return f"<Future {self._state} {self._value!r}>"
+
+
+def _wake(waiter: asyncio.Future, state: str, value: Any) -> None:
+    """Settle an awaiting task's loop future like the runtime Future."""
+    if waiter.done():  # the awaiting task was cancelled
+        return
+    if state is READY:
+        waiter.set_result(value)
+    elif state is FAILED:
+        try:
+            waiter.set_exception(value)
+        except TypeError:  # StopIteration cannot travel through a future
+            waiter.set_exception(RuntimeError(f"Future failed with {value!r}"))
+    else:
+        waiter.set_exception(Discarded("Future was discarded"))
 
 
 class Promise(Generic[T]):

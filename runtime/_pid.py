@@ -4,7 +4,8 @@ Rules (libprocess ``process/pid.hpp``):
 - A PID is an ``id`` unique within its runtime and, for a remote process, an
   address ``host:port``. ``str(pid)`` is ``id@host:port``, or just ``id`` for a
   local process; ``PID.parse`` reverses ``str``.
-- PIDs are frozen, hashable, ordered by (id, host, port) and encode with
+- PIDs are frozen, hashable, totally ordered by (id, host, port) with a local
+  PID (no address) before a remote one of the same id, and encode with
   msgspec like any Struct.
 - Generated ids read ``name(N)`` with N counting up per runtime process-wide.
 """
@@ -23,12 +24,28 @@ def generate_id(name: str) -> str:
     return f"{name}({next(_counter)})"
 
 
-class PID(msgspec.Struct, frozen=True, order=True):
+class PID(msgspec.Struct, frozen=True):
     """The address of a process: ``id`` and, when remote, ``host``/``port``."""
 
     id: str
     host: str | None = None
     port: int | None = None
+
+    def _key(self) -> tuple[str, bool, str, int]:
+        # msgspec's order=True would compare None with str and raise.
+        return (self.id, self.host is not None, self.host or "", self.port or 0)
+
+    def __lt__(self, other: object) -> bool:
+        return self._key() < other._key() if isinstance(other, PID) else NotImplemented
+
+    def __le__(self, other: object) -> bool:
+        return self._key() <= other._key() if isinstance(other, PID) else NotImplemented
+
+    def __gt__(self, other: object) -> bool:
+        return self._key() > other._key() if isinstance(other, PID) else NotImplemented
+
+    def __ge__(self, other: object) -> bool:
+        return self._key() >= other._key() if isinstance(other, PID) else NotImplemented
 
     def __str__(self) -> str:
         if self.host is None:

@@ -14,10 +14,20 @@ Rules (libprocess ``process/process.hpp``):
 - At termination, queued events fail with ``ProcessTerminated`` and async
   methods still suspended are cancelled, their Futures failed the same way.
 - The mailbox is a deque drained by one scheduled callback while the process
-  has work (no queue object, no task per idle message).
+  has work (no queue object, no task per idle message). Under asyncio an
+  async method's first step (up to its first suspension) runs inside the
+  drain: no task for a method that never suspends, and the next event is
+  served in the same loop turn.
 - Named messages: ``install(name, handler, type)`` registers a handler called
-  ``handler(from_pid, body)`` for bodies decoding (msgspec) to ``type``.
-  A body that does not decode is logged and counted, never raised here.
+  ``handler(from_pid, body)`` for bodies decoding (msgspec) to ``type`` (a
+  function of the process's class is called ``handler(process, from_pid,
+  body)``, like a dispatched method). A message is an event in the mailbox:
+  its body is decoded and its handler looked up when it is delivered. A body
+  that does not decode is logged and counted, never raised here; a handler
+  that raises is logged and counted as a failure.
+- A process stays registered (its id in use, ``wait`` pending) until its
+  ``finalize`` has returned, an async ``finalize`` included; linked
+  processes get ``exited`` then.
 """
 
 from __future__ import annotations
@@ -58,6 +68,31 @@ def _exited_event(process: "Process", pid: PID) -> Any:
     return process.exited(pid)
 
 
+def _message_event(process: "Process", name: str, body: Any, from_: PID | None) -> Any:
+    decoded = process._decode(name, body)
+    if decoded is None:
+        return None  # rejected: logged and counted
+    handler, value = decoded
+    try:
+        return handler(process, from_, value)
+    except Exception:
+        process._failures += 1
+        logger.exception("Process %s: handler of message %r from %s raised", process._pid, name, from_)
+        return None
+
+
+def is_class_function(cls: type, fn: Any) -> bool:
+    """True when ``fn`` is a plain function defined on ``cls`` or a base
+    (so it is called with the process as its first argument)."""
+    name = getattr(fn, "__name__", None)
+    if name is None:
+        return False
+    for klass in cls.__mro__:
+        if vars(klass).get(name) is fn:
+            return True
+    return False
+
+
 def complete(future: Future, value: Any) -> None:
     """Complete ``future`` with ``value`` (following it when it is a Future)."""
     if isinstance(value, Future):
@@ -78,6 +113,7 @@ class Process:
         self._explicit_id = id is not None
         self._mailbox: deque = deque()
         self._scheduled = False
+        self._held = False  # an async initialize is suspended, holding the mailbox
         self._state = RUNNING
         self._runtime: "Runtime | None" = None
         self._tasks: dict[Any, tuple[Future, Any]] = {}
@@ -107,16 +143,26 @@ class Process:
         """Have ``exited(pid)`` dispatched here when ``pid`` terminates
         (at once when it is already gone)."""
         rt = self._runtime
-        target = rt._processes.get(pid) if rt is not None else None
-        if target is None or target._state is not RUNNING:
-            if rt is not None:
-                rt._enqueue(self, _exited_event, (pid,), None, None)
+        if rt is None:
+            raise RuntimeError(f"Process {self._pid} is not spawned: link from initialize() or a method, not __init__")
+        target = rt._processes.get(pid)
+        if target is None:  # already gone (or never existed): exited at once
+            rt._enqueue(self, _exited_event, (pid,), None, None)
             return
-        target._linkers.add(self._pid)
+        target._linkers.add(self._pid)  # notified once it has finalized
 
     def install(self, name: str, handler: Callable[..., Any], type: Any = Any) -> None:
-        """Handle messages called ``name``; bodies decode to ``type``."""
-        self._handlers[name] = (handler, type)
+        """Handle messages called ``name``; bodies decode to ``type``.
+
+        ``handler(from_pid, body)``, or ``handler(process, from_pid, body)``
+        when it is a function of the process's class."""
+        if is_class_function(self.__class__, handler):
+            fn = handler
+        else:
+            def fn(_process: "Process", from_: Any, body: Any) -> Any:
+                return handler(from_, body)
+            fn.__name__ = getattr(handler, "__name__", name)
+        self._handlers[name] = (fn, type)
 
     def send(self, to: PID, name: str, body: Any = None) -> None:
         """Send a named message from this process."""
@@ -133,6 +179,8 @@ class Process:
             try:
                 if kwargs:
                     result = fn(self, *args, **kwargs)
+                elif len(args) == 1:  # a plain call: no argument list built
+                    result = fn(self, args[0])
                 else:
                     result = fn(self, *args)
             except Exception as e:
@@ -149,11 +197,23 @@ class Process:
                 continue
             self._handled += 1
             if type(result) is _CoroutineType:
-                self._runtime._start_async(self, result, future, hold=fn is _initialize_event)
+                if self._runtime._start_async(self, result, future, hold=fn is _initialize_event):
+                    continue  # its first step ran here (asyncio): serve the next event
                 return  # the task resumes the drain after its first step
             if future is not None:
-                if type(result) is Future or isinstance(result, Future):
+                if isinstance(result, Future):
                     complete(future, result)
+                elif future._callbacks is None and future._state is PENDING:
+                    # Future._complete(READY, result) inlined for the common
+                    # case: nothing registered but (maybe) one awaiting task.
+                    future._state = READY
+                    future._value = result
+                    waiter = future._waiter
+                    if waiter is not None:
+                        future._waiter = None
+                        if not waiter.done():
+                            waiter.set_result(result)
+                    future._discard_callbacks = None
                 else:
                     future._complete(READY, result)
         self._scheduled = False
@@ -164,7 +224,6 @@ class Process:
         self._state = TERMINATED
         self._scheduled = False
         rt = self._runtime
-        rt._processes.pop(self._pid, None)
         error = ProcessTerminated(f"Process {self._pid} terminated before the event ran")
         while self._mailbox:
             fn, _args, _kwargs, future = self._mailbox.popleft()
@@ -182,15 +241,22 @@ class Process:
         except Exception:
             logger.exception("Process %s: finalize raised", self._pid)
             result = None
-        linkers, self._linkers = self._linkers, set()
-        for linker in linkers:
-            proc = rt._processes.get(linker)
-            if proc is not None:
-                rt._enqueue(proc, _exited_event, (self._pid,), None, None)
         if type(result) is _CoroutineType:
-            rt._start_finalize(self, result)
+            rt._start_finalize(self, result)  # calls _finalized when done
         else:
-            self._terminated._complete(READY, None)
+            self._finalized()
+
+    def _finalized(self) -> None:
+        """After finalize: unregister, tell linked processes, wake waiters."""
+        rt = self._runtime
+        if rt._processes.get(self._pid) is self:
+            del rt._processes[self._pid]
+        linkers, self._linkers = self._linkers, set()
+        for linker in sorted(linkers):
+            proc = rt._processes.get(linker)
+            if proc is not None and proc._state is not TERMINATED:
+                rt._enqueue(proc, _exited_event, (self._pid,), None, None)
+        self._terminated._complete(READY, None)
 
     def _decode(self, name: str, body: Any) -> tuple[Callable, Any] | None:
         entry = self._handlers.get(name)
@@ -208,7 +274,7 @@ class Process:
                 value = body
             else:
                 value = msgspec.convert(body, kind)
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, RecursionError) as e:
             self._rejected += 1
             logger.error("Process %s: message %r rejected: body does not decode: %s", self._pid, name, e)
             return None

@@ -7,14 +7,17 @@ Rules (libprocess's process manager, scoped):
   ``send``) use the current runtime. One runtime is current at a time; a
   nested scope is current until it exits.
 - On exit every process is terminated (queued events fail with
-  ``ProcessTerminated``) and awaited; the clock resumes and forgets timers.
+  ``ProcessTerminated``) and awaited, async ``finalize`` included (and any
+  process spawned meanwhile); the clock resumes and forgets timers.
 - ``spawn(process)`` registers and starts it: ``initialize`` runs before any
   event. A second live process with an explicit id already in use is an error.
 - ``dispatch(pid, method, *args, **kwargs)`` queues ``method(process, *args)``
   and returns its Future; an unknown or terminated target gives a Future
   failed with ``ProcessTerminated``. Every Future completes.
 - ``terminate(pid, inject=True)``: with ``inject`` termination is delivered
-  before events already queued, otherwise after them. Unknown PID: no-op.
+  before events already queued, otherwise after them; either way after a
+  pending ``initialize`` (``finalize`` never runs without it). Unknown PID:
+  no-op.
   ``wait(pid)`` is READY once the process has finalized (at once if unknown).
 - ``defer(pid, fn)`` returns a callable that dispatches ``fn(*args)`` onto
   ``pid`` (as a method when ``fn`` belongs to its class).
@@ -27,19 +30,29 @@ Rules (libprocess's process manager, scoped):
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import logging
+from collections import deque
 from typing import Any, Callable
 
 import anyio
-import sniffio
 
-from . import _clock
+from . import _clock, _future
 from ._clock import Clock, Timer
 from ._errors import Failure, ProcessTerminated
 from ._executor import in_flight
-from ._future import FAILED, READY, Future
+from ._future import FAILED, Future
 from ._pid import PID
-from ._process import RUNNING, TERMINATED, Process, _terminate_marker, complete
+from ._process import (
+    RUNNING,
+    TERMINATED,
+    Process,
+    _initialize_event,
+    _message_event,
+    _terminate_marker,
+    complete,
+    is_class_function,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,29 +73,32 @@ class Runtime:
         self._processes: dict[PID, Process] = {}
         self._filters: list[Any] = []
         self._call_soon: Callable[..., Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._backend = ""
         self._previous: Runtime | None = None
         self._timer_scope: anyio.CancelScope | None = None
         self._timer_wake: anyio.Event | None = None
         self._task_group: Any = None
+        self._finalizers: set[Any] = set()  # asyncio tasks of async finalize
 
     # -- scope ------------------------------------------------------------
     async def __aenter__(self) -> "Runtime":
         global _current
-        self._backend = sniffio.current_async_library()
-        if self._backend == "asyncio":
-            loop = asyncio.get_running_loop()
+        loop = asyncio._get_running_loop()
+        if loop is not None:
+            self._backend = "asyncio"
             self._call_soon = loop.call_soon
             self._loop = loop
-        elif self._backend == "trio":
-            import trio
-
-            self._call_soon = trio.lowlevel.current_trio_token().run_sync_soon
         else:
-            raise RuntimeError(f"Unsupported async library {self._backend!r}: use asyncio or trio")
+            self._loop = None
+            self._backend = "trio"
+            self._call_soon = soon = _TrioSoon()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
+        if self._backend == "trio":
+            self._task_group.start_soon(soon.run)
         self._previous, _current = _current, self
+        _future.bind_loop(self._loop)
         _clock._state.wakeup = self._wake_timers
         self._timer_wake = anyio.Event()
         self._task_group.start_soon(self._timer_loop)
@@ -91,14 +107,16 @@ class Runtime:
     async def __aexit__(self, *exc: Any) -> None:
         global _current
         try:
-            for pid in list(self._processes):
-                self.terminate(pid, inject=True)
-            for proc in list(self._processes.values()):
-                await proc._terminated
+            while self._processes:  # finalize may spawn or still be running
+                for pid in list(self._processes):
+                    self.terminate(pid, inject=True)
+                for proc in list(self._processes.values()):
+                    await proc._terminated
         finally:
             self._task_group.cancel_scope.cancel()
             await self._task_group.__aexit__(None, None, None)
             _current = self._previous
+            _future.bind_loop(_current._loop if _current is not None else None)
             _clock._state.reset()
             if _current is not None:
                 _clock._state.wakeup = _current._wake_timers
@@ -133,8 +151,6 @@ class Runtime:
             raise Failure(f"A process with id {pid} is already running: give each live process a unique id")
         process._runtime = self
         self._processes[pid] = process
-        from ._process import _initialize_event
-
         process._mailbox.appendleft((_initialize_event, (), None, None))
         process._scheduled = True
         self._call_soon(process._drain)
@@ -166,7 +182,11 @@ class Runtime:
         proc._state = "terminating"
         event = (_terminate_marker, (), None, None)
         if inject:
-            proc._mailbox.appendleft(event)
+            mailbox = proc._mailbox
+            if mailbox and mailbox[0][0] is _initialize_event:
+                mailbox.insert(1, event)  # initialize still runs first
+            else:
+                mailbox.appendleft(event)
         else:
             proc._mailbox.append(event)
         if not proc._scheduled:
@@ -174,6 +194,7 @@ class Runtime:
             self._call_soon(proc._drain)
 
     def wait(self, pid: PID) -> Future[None]:
+        """READY once ``pid`` has finalized; at once when it is unknown."""
         proc = self._processes.get(pid)
         if proc is None:
             return Future.ready(None)
@@ -186,18 +207,37 @@ class Runtime:
             return
         if self._filters and self._filter_message(to, name, body, from_):
             return
-        decoded = proc._decode(name, body)
-        if decoded is None:
-            return
-        handler, value = decoded
-        if getattr(handler, "__self__", None) is proc:
-            fn = lambda _p, f, v: handler(f, v)  # noqa: E731 - bound handler
-        else:
-            fn = handler
-        self._enqueue(proc, fn, (from_, value), None, Future())
+        # decoded on delivery, in the mailbox's order: handlers installed by
+        # initialize() see messages sent right after spawn
+        self._enqueue(proc, _message_event, (name, body, from_), None, None)
 
     # -- async methods ----------------------------------------------------
-    def _start_async(self, proc: Process, coro: Any, future: Future | None, hold: bool) -> None:
+    def _start_async(self, proc: Process, coro: Any, future: Future | None, hold: bool) -> bool:
+        """Start an async method; True when the drain may go on at once.
+
+        Under asyncio (not for an async ``initialize``) the first step runs
+        right here, inside the drain: a method that never suspends completes
+        with no task at all, and one that does is continued by a task
+        (``_Continuation``) while the drain serves the next event in the
+        same loop turn. Otherwise a task runs it and resumes the drain after
+        its first step."""
+        proc._held = hold  # an async initialize holds the mailbox (settle: idle)
+        if self._backend == "asyncio" and not hold:
+            try:
+                yielded = coro.send(None)
+            except StopIteration as stop:
+                if future is not None:
+                    complete(future, stop.value)
+                return True
+            except (KeyboardInterrupt, SystemExit):
+                self._call_soon(proc._drain)  # the rest of the mailbox still runs
+                raise
+            except BaseException as e:  # noqa: BLE001 - every Future completes
+                _async_failed(proc, coro, future, e)
+                return True
+            task = self._loop.create_task(_Continuation(proc, coro, yielded, future))
+            proc._tasks[task] = (future, coro)
+            return True
         if self._backend == "asyncio":
             task = self._loop.create_task(self._run_async(proc, coro, future, hold, None))
             proc._tasks[task] = (future, coro)
@@ -205,34 +245,40 @@ class Runtime:
             handle = _TrioHandle()
             proc._tasks[handle] = (future, coro)
             self._task_group.start_soon(self._run_async, proc, coro, future, hold, handle)
+        return False
 
     async def _run_async(self, proc: Process, coro: Any, future: Future | None, hold: bool, handle: Any) -> None:
+        if handle is not None and handle.cancelled:  # trio: terminated before it started
+            coro.close()
+            return
         if not hold:
             self._call_soon(proc._drain)
         key = handle if handle is not None else asyncio.current_task()
-        scope = None
         try:
-            if handle is not None:
-                if handle.cancelled:
-                    coro.close()
-                    return
+            if handle is None:
+                try:
+                    result = await coro
+                except asyncio.CancelledError:
+                    if proc._state is TERMINATED:
+                        return  # cancelled by termination: its Future already failed
+                    # cancelled from inside (it awaited something cancelled):
+                    # its Future must still complete.
+                    raise Failure(f"Process {proc.pid}: {_name(coro)} was cancelled") from None
+            else:
                 scope = handle.scope = anyio.CancelScope()
                 with scope:
                     result = await coro
                 if scope.cancelled_caught:
                     return
-            else:
-                result = await coro
-        except asyncio.CancelledError:
-            return
         except Exception as e:
             proc._failures += 1
             if future is not None:
                 future._complete(FAILED, e)
             else:
-                logger.exception("Process %s: async event failed", proc.pid)
+                logger.error("Process %s: async event %s failed", proc.pid, _name(coro), exc_info=e)
             if hold:
                 logger.error("Process %s: initialize failed; terminating it", proc.pid)
+                proc._held = False
                 proc._tasks.pop(key, None)
                 proc._terminate_now()
                 return
@@ -241,8 +287,10 @@ class Runtime:
                 complete(future, result)
         finally:
             proc._tasks.pop(key, None)
-        if hold and proc._state is not TERMINATED:
-            self._call_soon(proc._drain)
+        if hold:
+            proc._held = False
+            if proc._state is not TERMINATED:
+                self._call_soon(proc._drain)
 
     def _cancel_task(self, handle: Any) -> None:
         if isinstance(handle, _TrioHandle):
@@ -259,9 +307,16 @@ class Runtime:
             except Exception:
                 logger.exception("Process %s: finalize raised", proc.pid)
             finally:
-                proc._terminated._complete(READY, None)
+                proc._finalized()
 
-        self._task_group.start_soon(_run)
+        if self._backend == "asyncio":
+            # called from the drain (a loop callback, no current task), where
+            # anyio's task group cannot start tasks
+            task = self._loop.create_task(_run())
+            self._finalizers.add(task)
+            task.add_done_callback(self._finalizers.discard)
+        else:
+            self._task_group.start_soon(_run)
 
     # -- testing and introspection ----------------------------------------
     def _filter_dispatch(self, pid: PID, method: Any, args: tuple, kwargs: dict, future: Future) -> bool:
@@ -278,7 +333,7 @@ class Runtime:
         if in_flight():
             return False
         for proc in self._processes.values():
-            if proc._scheduled or proc._mailbox:
+            if (proc._scheduled or proc._mailbox) and not proc._held:
                 return False
         return True
 
@@ -296,12 +351,133 @@ class Runtime:
         return list(self._processes)
 
 
+def _async_failed(proc: Process, coro: Any, future: Future | None, error: BaseException) -> None:
+    """An async method (asyncio) ended with ``error``: fail its Future (a
+    cancellation from inside becomes a ``Failure``; one by termination is
+    already reported)."""
+    if isinstance(error, asyncio.CancelledError):
+        if proc._state is TERMINATED:
+            return
+        error = Failure(f"Process {proc.pid}: {_name(coro)} was cancelled")
+    proc._failures += 1
+    if future is not None:
+        future._complete(FAILED, error)
+    else:
+        logger.error("Process %s: async event %s failed", proc.pid, _name(coro), exc_info=error)
+
+
+class _Continuation(collections.abc.Coroutine):
+    """What an asyncio task runs for an async method whose first step already
+    ran inside the drain (``Runtime._start_async``): it hands the task what
+    that step yielded, then drives the coroutine on (a cancellation is
+    thrown into it, even before the task's first step), and completes the
+    method's Future."""
+
+    __slots__ = ("_proc", "_coro", "_yielded", "_future", "_started")
+
+    def __init__(self, proc: Process, coro: Any, yielded: Any, future: Future | None) -> None:
+        self._proc = proc
+        self._coro = coro
+        self._yielded = yielded
+        self._future = future
+        self._started = False
+
+    def send(self, value: Any) -> Any:
+        if not self._started:
+            self._started = True
+            if self._yielded is not None:  # wait on what the first step waits on
+                yielded, self._yielded = self._yielded, None
+                return yielded
+            # a bare yield: the task's first step is the loop turn it asked for
+        try:
+            return self._coro.send(value)
+        except BaseException as e:  # noqa: BLE001
+            self._finish(e)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        self._started = True
+        self._yielded = None
+        try:
+            if val is None and tb is None:
+                return self._coro.throw(typ)
+            return self._coro.throw(typ, val, tb)
+        except BaseException as e:  # noqa: BLE001
+            self._finish(e)
+
+    def close(self) -> None:
+        self._coro.close()
+
+    def __await__(self) -> Any:  # the task drives send/throw; never awaited
+        raise TypeError("_Continuation is driven by its task, not awaited")
+
+    def _finish(self, outcome: BaseException) -> None:
+        """The coroutine ended: complete the Future, end the task quietly."""
+        proc = self._proc
+        proc._tasks.pop(asyncio.current_task(), None)
+        if isinstance(outcome, StopIteration):
+            if self._future is not None:
+                complete(self._future, outcome.value)
+            raise StopIteration
+        if isinstance(outcome, (KeyboardInterrupt, SystemExit)):
+            raise outcome
+        _async_failed(proc, self._coro, self._future, outcome)
+        raise StopIteration
+
+
 class _TrioHandle:
     __slots__ = ("scope", "cancelled")
 
     def __init__(self) -> None:
         self.scope: Any = None
         self.cancelled = False
+
+
+class _TrioSoon:
+    """``call_soon`` for trio: callbacks run in order in one runtime task,
+    in batches, yielding to other tasks between batches. Unlike
+    ``TrioToken.run_sync_soon`` it is loop-thread only and needs no wakeup
+    write (a syscall) per call."""
+
+    def __init__(self) -> None:
+        try:
+            import trio
+
+            trio.lowlevel.current_trio_token()
+        except (ImportError, RuntimeError):
+            raise RuntimeError(
+                "Runtime needs a running asyncio or trio event loop: use `async with Runtime():` inside async code"
+            ) from None
+        self._lowlevel = trio.lowlevel
+        self._queue: deque[Callable[[], Any]] = deque()
+        self._parked: Any = None
+
+    def __call__(self, fn: Callable[[], Any]) -> None:
+        self._queue.append(fn)
+        task = self._parked
+        if task is not None:
+            self._parked = None
+            self._lowlevel.reschedule(task)
+
+    def _abort(self, _raise_cancel: Any) -> Any:
+        self._parked = None
+        return self._lowlevel.Abort.SUCCEEDED
+
+    async def run(self) -> None:
+        lowlevel = self._lowlevel
+        queue = self._queue
+        while True:
+            if not queue:
+                self._parked = lowlevel.current_task()
+                await lowlevel.wait_task_rescheduled(self._abort)
+                continue
+            for _ in range(len(queue)):  # what is queued now; later calls wait a turn
+                fn = queue.popleft()
+                try:
+                    fn()
+                except Exception:
+                    logger.exception("Runtime callback %r raised", fn)
+            if queue:  # more came meanwhile: let other tasks run first
+                await lowlevel.checkpoint()
 
 
 def _name(method: Any) -> str:
@@ -343,12 +519,17 @@ def send(to: PID, name: str, body: Any = None, from_: PID | None = None) -> None
 def defer(pid: PID, fn: Callable[..., Any]) -> Callable[..., Future]:
     """A callable that dispatches ``fn(*args)`` onto ``pid`` when called."""
 
+    def call(_process: Process, *args: Any) -> Any:
+        return fn(*args)
+
+    call.__name__ = call.__qualname__ = getattr(fn, "__name__", "deferred")  # what filters see
+
     def deferred(*args: Any) -> Future:
         rt = _current
         proc = rt._processes.get(pid) if rt is not None else None
-        if proc is not None and getattr(type(proc), getattr(fn, "__name__", ""), None) is fn:
+        if proc is not None and is_class_function(type(proc), fn):
             return dispatch(pid, fn, *args)
-        return dispatch(pid, lambda _proc, *a: fn(*a), *args)
+        return dispatch(pid, call, *args)
 
     return deferred
 

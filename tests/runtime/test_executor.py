@@ -1,0 +1,190 @@
+"""R-RT-10: Executor -- results, exceptions, bounded concurrency, caller
+cancellation (both backends). Threads are synchronised with threading
+Events, never with sleeps."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import anyio
+import pytest
+
+from runtime import Clock, Executor, Process, Runtime, dispatch, spawn
+
+pytestmark = pytest.mark.anyio
+
+GUARD = 10  # seconds: a hang guard for waits on threads, never asserted on
+
+
+async def _wait_in_thread(event: threading.Event) -> None:
+    """Wait for a threading.Event without blocking the event loop."""
+    assert await anyio.to_thread.run_sync(event.wait, GUARD), "helper thread never got there"
+
+
+async def test_run_returns_the_result_of_a_blocking_call() -> None:
+    executor = Executor(max_workers=2)
+    try:
+        assert await executor.run(sum, [1, 2, 3]) == 6
+        assert await executor.run(int, "ff", base=16) == 255
+        assert await executor.run(threading.get_ident) != threading.get_ident()
+    finally:
+        executor.shutdown()
+
+
+async def test_an_exception_is_carried_back_unchanged() -> None:
+    executor = Executor(max_workers=1)
+    error = PermissionError(13, "Permission denied", "/sys/fs/cgroup/devices/x/devices.allow")
+
+    def write() -> None:
+        raise error
+
+    try:
+        with pytest.raises(PermissionError) as info:
+            await executor.run(write)
+        assert info.value is error
+    finally:
+        executor.shutdown()
+
+
+async def test_at_most_max_workers_calls_run_at_once() -> None:
+    executor = Executor(max_workers=2)
+    lock = threading.Lock()
+    running = [0]
+    peak = [0]
+    two_running = threading.Event()
+    release = threading.Event()
+
+    def job(i: int) -> int:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            if running[0] == 2:
+                two_running.set()
+        release.wait(GUARD)
+        with lock:
+            running[0] -= 1
+        return i
+
+    results: list[int] = []
+
+    async def call(i: int) -> None:
+        results.append(await executor.run(job, i))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(call, i)
+            await _wait_in_thread(two_running)
+            assert peak[0] == 2
+            release.set()
+        assert sorted(results) == [0, 1, 2, 3, 4]
+        assert peak[0] == 2
+    finally:
+        release.set()
+        executor.shutdown()
+
+
+async def test_the_callers_cancellation_is_honoured_at_once() -> None:
+    executor = Executor(max_workers=1)
+    started = threading.Event()
+    release = threading.Event()
+    finished = threading.Event()
+
+    def blocking() -> str:
+        started.set()
+        release.wait(GUARD)
+        finished.set()
+        return "dropped"
+
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def caller(scope: anyio.CancelScope) -> None:
+                with scope:
+                    await executor.run(blocking)
+                    pytest.fail("the cancelled caller must not get the result")
+
+            scope = anyio.CancelScope()
+            tg.start_soon(caller, scope)
+            await _wait_in_thread(started)
+            scope.cancel()
+        # the caller is gone while the call still runs in its thread
+        assert scope.cancelled_caught
+        assert not finished.is_set()
+    finally:
+        release.set()
+        executor.shutdown()
+
+
+async def test_a_cancelled_call_that_had_not_started_never_runs() -> None:
+    executor = Executor(max_workers=1)
+    started = threading.Event()
+    release = threading.Event()
+    ran: list[str] = []
+
+    def first() -> None:
+        started.set()
+        release.wait(GUARD)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(executor.run, first)
+            await _wait_in_thread(started)
+            scope = anyio.CancelScope()
+
+            async def cancel() -> None:  # runs while the call waits for the worker
+                scope.cancel()
+
+            with scope:
+                tg.start_soon(cancel)
+                await executor.run(ran.append, "queued")
+            release.set()
+        assert scope.cancelled_caught
+        await executor.run(ran.append, "after")  # one worker, in order: "queued" would come first
+        assert ran == ["after"]
+    finally:
+        release.set()
+        executor.shutdown()
+
+
+async def test_max_workers_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_workers >= 1, got 0"):
+        Executor(max_workers=0)
+
+
+async def test_an_async_method_awaits_the_executor_without_holding_its_process() -> None:
+    release = threading.Event()
+    started = threading.Event()
+
+    def blocking_read(path: str) -> str:
+        started.set()
+        release.wait(GUARD)
+        return f"read {path}"
+
+    class Reader(Process):
+        def __init__(self) -> None:
+            super().__init__()
+            self.executor = Executor(max_workers=1)
+
+        async def read(self, path: str) -> str:
+            return await self.executor.run(blocking_read, path)
+
+        def ping(self) -> str:
+            return "pong"
+
+        def finalize(self) -> None:
+            self.executor.shutdown(wait=False)
+
+    try:
+        async with Runtime():
+            pid = spawn(Reader())
+            read: Callable[..., Any] = Reader.read
+            pending = dispatch(pid, read, "/proc/driver/nvidia/version")
+            await _wait_in_thread(started)
+            assert await dispatch(pid, Reader.ping) == "pong"
+            release.set()
+            assert await pending == "read /proc/driver/nvidia/version"
+            await Clock.settle()
+    finally:
+        release.set()
