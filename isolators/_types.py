@@ -7,15 +7,22 @@ Rules:
 - ``ContainerID`` is an identity (frozen, hashable). It validates on
   construction and on decode (R-TY-1): non-empty, at most 242 characters, not
   ``.``/``..``, no ``/``, ``\\``, ``.``, space or control character; a parent
-  obeys the same. ``str(id)`` joins the chain with ``.`` (parent first), which
+  obeys the same. Since an id becomes a directory name, it must also be
+  valid Unicode of at most 255 bytes in UTF-8. ``str(id)`` joins the chain with ``.`` (parent first), which
   cannot collide because ``.`` is refused inside a value.
+- ``parent`` must be a ``ContainerID`` (or None): a bare string is refused,
+  it would escape the validation above.
 - ``ContainerID.path()`` is the relative path used for cgroups and runtime
-  directories (``parent/child`` for nested ids), built only from validated ids.
+  directories (``parent/child`` for nested ids); it validates the whole chain
+  again first (``check_container_id``), so an id changed after construction
+  (``msgspec.structs.force_setattr``) never becomes a path. The isolator calls
+  ``check_container_id`` at every entry point.
 """
 
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any
 
 import msgspec
@@ -25,6 +32,9 @@ from actors import ImageManifest, Resources
 from ._errors import InvalidContainerID
 
 MAX_CONTAINER_ID_LENGTH = 242
+MAX_NAME_BYTES = 255
+_FORBIDDEN = re.compile(r"[/\\. \x00-\x1f\x7f]")
+"""Characters never allowed in a container id value."""
 
 # mount(2) flags used in launch infos.
 MS_RDONLY = 1
@@ -45,13 +55,38 @@ def validate_container_id_value(value: Any) -> str:
         )
     if value in (".", ".."):
         raise InvalidContainerID(f"Invalid container id {value!r}: '.' and '..' are not allowed")
-    for ch in value:
-        if ch in "/\\. " or ord(ch) < 32 or ord(ch) == 127:
+    bad = _FORBIDDEN.search(value)
+    if bad is not None:
+        raise InvalidContainerID(
+            f"Invalid container id {value!r}: it contains {bad.group()!r};"
+            " '/', '\\\\', '.', spaces and control characters are not allowed"
+        )
+    if not value.isascii():  # it becomes a directory name: at most 255 bytes of UTF-8
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidContainerID(f"Invalid container id {value!r}: it is not valid Unicode text") from None
+        if size > MAX_NAME_BYTES:
             raise InvalidContainerID(
-                f"Invalid container id {value!r}: it contains {ch!r};"
-                " '/', '\\\\', '.', spaces and control characters are not allowed"
+                f"Invalid container id {value[:32]!r}...: it is {size} bytes long in UTF-8,"
+                f" a directory name holds at most {MAX_NAME_BYTES}"
             )
     return value
+
+
+def check_container_id(container_id: Any) -> "ContainerID":
+    """Return ``container_id`` if it and every parent are valid ids, else raise
+    InvalidContainerID (re-checks ids that may have been changed after
+    construction; run it before building any path from an id)."""
+    cid = container_id
+    if not isinstance(cid, ContainerID):
+        raise InvalidContainerID(f"Invalid container id {cid!r}: expected a ContainerID")
+    while cid is not None:
+        if not isinstance(cid, ContainerID):
+            raise InvalidContainerID(f"Invalid container id {cid!r}: expected a ContainerID")
+        validate_container_id_value(cid.value)
+        cid = cid.parent
+    return container_id
 
 
 class ContainerID(msgspec.Struct, frozen=True, order=True):
@@ -62,6 +97,10 @@ class ContainerID(msgspec.Struct, frozen=True, order=True):
 
     def __post_init__(self) -> None:
         validate_container_id_value(self.value)
+        if self.parent is not None and not isinstance(self.parent, ContainerID):
+            raise InvalidContainerID(
+                f"Invalid parent {self.parent!r} of container id {self.value!r}: expected a ContainerID"
+            )
 
     def has_parent(self) -> bool:
         return self.parent is not None
@@ -74,10 +113,14 @@ class ContainerID(msgspec.Struct, frozen=True, order=True):
         return cid
 
     def path(self) -> str:
-        """Relative path of this id (``parent/child`` when nested)."""
-        if self.parent is None:
-            return self.value
-        return f"{self.parent.path()}/{self.value}"
+        """Relative path of this id (``parent/child`` when nested), validated."""
+        check_container_id(self)
+        parts = []
+        cid: ContainerID | None = self
+        while cid is not None:
+            parts.append(cid.value)
+            cid = cid.parent
+        return "/".join(reversed(parts))
 
     def __str__(self) -> str:
         if self.parent is None:

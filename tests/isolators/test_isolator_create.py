@@ -1,0 +1,200 @@
+"""R-FL-2 / R-IS-1 / R-IS-2: creating the isolator — the isolation flags it
+needs (Mesos' messages), the control devices it records (from dev_dir, or
+the host file on a simulated node without nodes), and nesting support."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+import runtime
+from actors import DeviceRule
+from isolators import ContainerConfig, ContainerID, IsolatorError, NvidiaComponents, NvidiaGpuIsolatorProcess, Resources
+from isolators._isolator import _devices_subsystem_enabled, find_control_devices
+
+NO_DEVICES = (
+    "The 'cgroups/devices' or 'cgroups/all' isolator must be enabled in order to use the 'gpu/nvidia' isolator"
+)
+NO_FILESYSTEM = "The 'filesystem/linux' isolator must be enabled in order to use the 'gpu/nvidia' isolator"
+
+
+def mknod(path: str, major: int, minor: int) -> None:
+    os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(major, minor))
+
+
+def needs_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mknod device nodes")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "isolation, message",
+    [
+        ("filesystem/linux,gpu/nvidia", NO_DEVICES),
+        ("filesystem/linux,cgroups/cpu,gpu/nvidia", NO_DEVICES),
+        ("cgroups/devices,gpu/nvidia", NO_FILESYSTEM),
+        ("cgroups/all,gpu/nvidia", NO_FILESYSTEM),
+    ],
+)
+async def test_create_refuses_without_the_isolators_it_needs(memory_node, isolation, message) -> None:
+    async with runtime.Runtime():
+        flags = memory_node.flags(isolation=isolation)
+        components = await NvidiaComponents.create(flags)
+        try:
+            with pytest.raises(IsolatorError) as error:
+                await NvidiaGpuIsolatorProcess.create(flags, components)
+            assert str(error.value) == message
+        finally:
+            await components.close()
+
+
+@pytest.mark.asyncio
+async def test_cgroups_all_is_accepted_in_place_of_cgroups_devices(memory_node) -> None:
+    if not _devices_subsystem_enabled():
+        pytest.skip("the devices cgroup subsystem is not enabled on this kernel")
+    async with runtime.Runtime():
+        components, isolator = await memory_node.start(isolation="filesystem/linux,cgroups/all,gpu/nvidia")
+        info = await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=Resources.parse("gpus:1")))
+        assert info is None
+        assert await isolator.containers() == {"c1": [0]}
+        await isolator.cleanup(ContainerID("c1"))
+
+
+@pytest.mark.asyncio
+async def test_supports_nesting_and_standalone(memory_node) -> None:
+    async with runtime.Runtime():
+        components, isolator = await memory_node.start()
+        assert isolator.supports_nesting() is True
+        assert isolator.supports_standalone() is True
+        assert isolator.process.supports_nesting() is True
+        assert isolator.process.supports_standalone() is True
+
+
+@pytest.mark.asyncio
+async def test_control_devices_come_from_the_host_file_when_dev_dir_has_none(memory_node) -> None:
+    dev = memory_node.dev_dir
+    async with runtime.Runtime():
+        components, isolator = await memory_node.start()
+        assert isolator.process.control_devices == {
+            os.path.join(dev, "nvidiactl"): DeviceRule("c", 195, 255, "rwm"),
+            os.path.join(dev, "nvidia-uvm"): DeviceRule("c", 235, 0, "rwm"),
+            os.path.join(dev, "nvidia-uvm-tools"): DeviceRule("c", 235, 1, "rwm"),
+            os.path.join(dev, "nvidia-modeset"): DeviceRule("c", 195, 254, "rwm"),
+        }
+        await isolator.prepare(ContainerID("c1"), ContainerConfig())
+        state = await isolator.devices.state("c1")
+        for major, minor in [(195, 255), (235, 0), (235, 1), (195, 254)]:
+            assert state.is_granted("c", major, minor, "rwm")
+        assert not state.is_granted("c", 195, 0, "r")
+        await isolator.cleanup(ContainerID("c1"))
+
+
+@pytest.mark.asyncio
+async def test_control_device_numbers_from_a_toml_host_file(memory_node) -> None:
+    memory_node.write_host(toml=(
+        'driver_version = "535.1"\n'
+        "gpu_count = 2\n"
+        "[control_devices]\n"
+        'nvidiactl = "195:255"\n'
+        '"nvidia-uvm" = "511:0"\n'
+        '"nvidia-uvm-tools" = "511:1"\n'
+        '"nvidia-modeset" = "195:254"\n'
+    ))
+    async with runtime.Runtime():
+        components, isolator = await memory_node.start()
+        rules = {os.path.basename(p): r for p, r in isolator.process.control_devices.items()}
+        assert rules["nvidia-uvm"] == DeviceRule("c", 511, 0, "rwm")
+        assert rules["nvidia-uvm-tools"] == DeviceRule("c", 511, 1, "rwm")
+        await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=Resources.parse("gpus:2")))
+        state = await isolator.devices.state("c1")
+        assert state.is_granted("c", 511, 0, "rwm") and state.is_granted("c", 195, 1, "rwm")
+        await isolator.cleanup(ContainerID("c1"))
+
+
+@pytest.mark.asyncio
+async def test_control_devices_come_from_dev_dir_nodes(memory_node) -> None:
+    needs_root()
+    dev = memory_node.dev_dir
+    mknod(os.path.join(dev, "nvidiactl"), 195, 255)
+    mknod(os.path.join(dev, "nvidia-uvm"), 509, 0)
+    mknod(os.path.join(dev, "nvidia-uvm-tools"), 509, 1)
+    mknod(os.path.join(dev, "nvidia-modeset"), 195, 254)
+    async with runtime.Runtime():
+        components, isolator = await memory_node.start()
+        # dev_dir wins over the host file's default numbers (235:x).
+        assert isolator.process.control_devices == {
+            os.path.join(dev, "nvidiactl"): DeviceRule("c", 195, 255, "rwm"),
+            os.path.join(dev, "nvidia-uvm"): DeviceRule("c", 509, 0, "rwm"),
+            os.path.join(dev, "nvidia-uvm-tools"): DeviceRule("c", 509, 1, "rwm"),
+            os.path.join(dev, "nvidia-modeset"): DeviceRule("c", 195, 254, "rwm"),
+        }
+        await isolator.prepare(ContainerID("c1"), ContainerConfig())
+        state = await isolator.devices.state("c1")
+        assert state.is_granted("c", 509, 0, "rwm") and not state.is_granted("c", 235, 0, "r")
+        await isolator.cleanup(ContainerID("c1"))
+
+
+def test_optional_control_devices_are_recorded_only_when_present(tmp_path, memory_node) -> None:
+    needs_root()
+    dev = memory_node.dev_dir
+    mknod(os.path.join(dev, "nvidiactl"), 195, 255)
+    mknod(os.path.join(dev, "nvidia-uvm"), 509, 0)
+    rules = find_control_devices(memory_node.flags(), None)
+    assert rules == {
+        os.path.join(dev, "nvidiactl"): DeviceRule("c", 195, 255, "rwm"),
+        os.path.join(dev, "nvidia-uvm"): DeviceRule("c", 509, 0, "rwm"),
+    }
+
+
+def test_missing_nvidiactl_on_a_real_nvml_node_is_an_error(memory_node) -> None:
+    flags = memory_node.flags()
+    with pytest.raises(IsolatorError) as error:
+        find_control_devices(flags, None)
+    path = os.path.join(memory_node.dev_dir, "nvidiactl")
+    assert str(error.value) == f"Failed to obtain device ID for '{path}': No such file or directory"
+
+
+def _fake_modprobe(tmp_path, monkeypatch, body: str) -> str:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    script = bindir / "nvidia-modprobe"
+    log = tmp_path / "modprobe.log"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {log}\n{body}\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ.get('PATH', '')}")
+    return str(log)
+
+
+def test_missing_nvidia_uvm_runs_nvidia_modprobe(tmp_path, monkeypatch, memory_node) -> None:
+    needs_root()
+    dev = memory_node.dev_dir
+    mknod(os.path.join(dev, "nvidiactl"), 195, 255)
+    log = _fake_modprobe(tmp_path, monkeypatch, f"mknod {dev}/nvidia-uvm c 508 0")
+    rules = find_control_devices(memory_node.flags(), None)
+    with open(log) as handle:
+        assert handle.read().split() == ["-u", "-c", "0"]
+    assert rules[os.path.join(dev, "nvidia-uvm")] == DeviceRule("c", 508, 0, "rwm")
+
+
+def test_failing_nvidia_modprobe_is_an_error(tmp_path, monkeypatch, memory_node) -> None:
+    needs_root()
+    dev = memory_node.dev_dir
+    mknod(os.path.join(dev, "nvidiactl"), 195, 255)
+    _fake_modprobe(tmp_path, monkeypatch, "exit 3")
+    with pytest.raises(IsolatorError) as error:
+        find_control_devices(memory_node.flags(), None)
+    assert str(error.value).startswith(f"Failed to load '{os.path.join(dev, 'nvidia-uvm')}': ")
+
+
+def test_nvidia_uvm_still_missing_after_modprobe_is_an_error(tmp_path, monkeypatch, memory_node) -> None:
+    needs_root()
+    dev = memory_node.dev_dir
+    mknod(os.path.join(dev, "nvidiactl"), 195, 255)
+    _fake_modprobe(tmp_path, monkeypatch, "exit 0")
+    with pytest.raises(IsolatorError) as error:
+        find_control_devices(memory_node.flags(), None)
+    path = os.path.join(dev, "nvidia-uvm")
+    assert str(error.value) == f"Failed to obtain device ID for '{path}': No such file or directory"

@@ -1,0 +1,191 @@
+"""R-IS-7: recover after an agent crash (every actor dropped without
+cleanup) — from v1 ``devices.list``, the v2 checkpoint, or the in-memory
+table; nested states skipped; a missing cgroup is a warning; a v2 cgroup
+absent from the checkpoint keeps its GPUs out of the free pool (reported)
+until it is cleaned up; cgroups nobody named are recovered as orphans."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+import runtime
+from actors.devices import checkpoint_file
+from isolators import ContainerConfig, ContainerID, ContainerState, Resources
+
+
+def cfg(text: str) -> ContainerConfig:
+    return ContainerConfig(resources=Resources.parse(text))
+
+
+def states(*names: str) -> list[ContainerState]:
+    return [ContainerState(ContainerID(n), pid=1000 + i, directory=f"/sandbox/{n}") for i, n in enumerate(names)]
+
+
+async def free_minors(components) -> set[int]:
+    return {g.minor for g in await components.allocator.available()}
+
+
+@pytest.mark.asyncio
+async def test_crash_and_recover_finds_the_same_gpus_held(node) -> None:
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(ContainerID("a"), cfg("gpus:3"))
+        await isolator.update(ContainerID("a"), Resources.parse("gpus:1"))       # a: [0]
+        await isolator.prepare(ContainerID("b"), cfg("gpus:2"))                  # b: [1, 2]
+        await isolator.prepare(ContainerID("c"), cfg("cpus:1"))                  # c: []
+        before = await isolator.containers()
+        assert before == {"a": [0], "b": [1, 2], "c": []}
+        await node.crash(components, isolator)
+
+        components, isolator = await node.start()
+        assert await free_minors(components) == {0, 1, 2, 3}  # a fresh allocator knows nothing yet
+        await isolator.recover(states("a", "b", "c"), set())
+        assert await isolator.containers() == before
+        assert await free_minors(components) == {3}
+        assert isolator.recovery_report == []
+
+        with pytest.raises(runtime.Failure, match="Requested 2 gpus but only 1 available"):
+            await isolator.prepare(ContainerID("d"), cfg("gpus:2"))
+        with pytest.raises(runtime.Failure, match="Requested 2 gpus but only 1 available"):
+            await isolator.update(ContainerID("b"), Resources.parse("gpus:4"))
+        # The recovered containers work as before.
+        await isolator.update(ContainerID("b"), Resources.parse("gpus:1"))
+        assert await isolator.containers() == {"a": [0], "b": [1], "c": []}
+        stats = await isolator.usage(ContainerID("a"))
+        assert [g.minor for g in stats.gpus] == [0]
+        for cid in ("a", "b", "c"):
+            await isolator.cleanup(ContainerID(cid))
+            assert not await isolator.devices.exists(cid)
+        assert await free_minors(components) == {0, 1, 2, 3}
+        assert await isolator.containers() == {}
+
+
+@pytest.mark.asyncio
+async def test_recover_twice_across_two_crashes(node) -> None:
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(ContainerID("a"), cfg("gpus:2"))
+        await node.crash(components, isolator)
+        components, isolator = await node.start()
+        await isolator.recover(states("a"), set())
+        await isolator.update(ContainerID("a"), Resources.parse("gpus:3"))
+        await node.crash(components, isolator)
+        components, isolator = await node.start()
+        await isolator.recover(states("a"), set())
+        assert await isolator.containers() == {"a": [0, 1, 2]}
+        assert await free_minors(components) == {3}
+        await isolator.cleanup(ContainerID("a"))
+        assert await free_minors(components) == {0, 1, 2, 3}
+
+
+@pytest.mark.asyncio
+async def test_recover_skips_nested_and_warns_about_missing_cgroups(node, caplog) -> None:
+    caplog.set_level(logging.WARNING)
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(ContainerID("a"), cfg("gpus:1"))
+        await node.crash(components, isolator)
+        components, isolator = await node.start()
+        nested = ContainerState(ContainerID("child", ContainerID("a")))
+        await isolator.recover(states("a", "gone") + [nested], set())
+        assert await isolator.containers() == {"a": [0]}
+        assert any("gone" in r.getMessage() and "couldn't find the cgroup" in r.getMessage()
+                   for r in caplog.records)
+        await isolator.cleanup(ContainerID("gone"))   # unknown: silent
+        await isolator.cleanup(ContainerID("a"))
+        assert await free_minors(components) == {0, 1, 2, 3}
+
+
+@pytest.mark.asyncio
+async def test_cgroups_nobody_named_are_recovered_as_orphans(node) -> None:
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(ContainerID("a"), cfg("gpus:1"))
+        await isolator.prepare(ContainerID("b"), cfg("gpus:2"))
+        await node.crash(components, isolator)
+        components, isolator = await node.start()
+        await isolator.recover(states("a"), set())
+        assert await isolator.containers() == {"a": [0], "b": [1, 2]}
+        assert any("Container b" in line and "orphan" in line for line in isolator.recovery_report)
+        assert await free_minors(components) == {3}
+        await isolator.recover(states("a"), set())  # a second recover changes and reports nothing new
+        assert await isolator.containers() == {"a": [0], "b": [1, 2]}
+        report = isolator.recovery_report
+        assert len(report) == 1
+        await isolator.cleanup(ContainerID("b"))
+        await isolator.cleanup(ContainerID("a"))
+        assert await free_minors(components) == {0, 1, 2, 3}
+
+
+@pytest.mark.asyncio
+async def test_v1_recovers_from_devices_list(node_factory) -> None:
+    node = node_factory("cgroups_v1")
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(ContainerID("a"), cfg("gpus:2"))
+        await node.crash(components, isolator)
+        with open(os.path.join(node.cgroup_dir("a"), "devices.list")) as handle:
+            lines = handle.read().splitlines()
+        assert "c 195:0 rwm" in lines and "c 195:1 rwm" in lines and "c 195:2 rwm" not in lines
+        # Edit the kernel state behind the agent's back: the kernel is the truth on v1.
+        fd = os.open(os.path.join(node.cgroup_dir("a"), "devices.deny"), os.O_WRONLY)
+        try:
+            os.write(fd, b"c 195:0 rwm")
+        finally:
+            os.close(fd)
+        components, isolator = await node.start()
+        await isolator.recover(states("a"), set())
+        assert await isolator.containers() == {"a": [1]}
+        assert await free_minors(components) == {0, 2, 3}
+        await isolator.cleanup(ContainerID("a"))
+
+
+@pytest.mark.asyncio
+async def test_v2_cgroup_absent_from_the_checkpoint_keeps_its_gpus_out(node_factory) -> None:
+    node = node_factory("cgroups_v2")
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(ContainerID("a"), cfg("gpus:1"))
+        await node.crash(components, isolator)
+        os.mkdir(node.cgroup_dir("ghost"))  # made by someone, never checkpointed
+
+        components, isolator = await node.start()
+        await isolator.recover(states("a", "ghost"), set())
+        assert await isolator.containers() == {"a": [0], "ghost": [1, 2, 3]}
+        assert await free_minors(components) == set()
+        report = isolator.recovery_report
+        assert len(report) == 1 and "ghost" in report[0] and "[1, 2, 3]" in report[0]
+        with pytest.raises(runtime.Failure, match="Requested 1 gpus but only 0 available"):
+            await isolator.prepare(ContainerID("new"), cfg("gpus:1"))
+        await isolator.cleanup(ContainerID("a"))
+        assert await free_minors(components) == {0}
+        await isolator.cleanup(ContainerID("ghost"))
+        assert not os.path.isdir(node.cgroup_dir("ghost"))
+        assert await free_minors(components) == {0, 1, 2, 3}
+
+
+@pytest.mark.asyncio
+async def test_v2_lost_checkpoint_keeps_every_gpu_out_until_all_unknown_are_cleaned(node_factory) -> None:
+    node = node_factory("cgroups_v2")
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(ContainerID("a"), cfg("gpus:1"))
+        await isolator.prepare(ContainerID("b"), cfg("gpus:2"))
+        await node.crash(components, isolator)
+        os.unlink(checkpoint_file(node.work_dir))
+
+        components, isolator = await node.start()
+        await isolator.recover(states("a", "b"), set())
+        assert await free_minors(components) == set()
+        assert len(isolator.recovery_report) == 2
+        # Either unknown container may hold any of the GPUs: none is free until both are gone.
+        await isolator.cleanup(ContainerID("a"))
+        assert await free_minors(components) == set()
+        with pytest.raises(runtime.Failure, match="only 0 available"):
+            await isolator.prepare(ContainerID("new"), cfg("gpus:1"))
+        await isolator.cleanup(ContainerID("b"))
+        assert await free_minors(components) == {0, 1, 2, 3}
+        assert await isolator.devices.list_cgroups() == []

@@ -1,0 +1,150 @@
+"""R-IS-4 / R-IS-5: update (Mesos' errors; grow; shrink releasing the highest
+minors first; a failed update changes nothing) and usage (Mesos' errors;
+NVML readings per allocated GPU from the simulated node)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import runtime
+from isolators import ContainerConfig, ContainerID, GpuStatistics, IsolatorError, Resources
+
+MIB = 1 << 20
+
+
+def gpus(text: str) -> Resources:
+    return Resources.parse(text)
+
+
+async def granted(isolator, cid: str) -> list[int]:
+    state = await isolator.devices.state(cid)
+    return [m for m in range(4) if state.is_granted("c", 195, m, "rw")]
+
+
+@pytest.mark.asyncio
+async def test_update_errors_use_mesos_wording(node) -> None:
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=gpus("gpus:1")))
+        with pytest.raises(IsolatorError) as error:
+            await isolator.update(ContainerID("n1", ContainerID("c1")), gpus("gpus:1"))
+        assert str(error.value) == "Not supported for nested containers"
+        with pytest.raises(IsolatorError) as error:
+            await isolator.update(ContainerID("nobody"), gpus("gpus:1"))
+        assert str(error.value) == "Unknown container"
+        with pytest.raises(IsolatorError) as error:
+            await isolator.update(ContainerID("c1"), gpus("gpus:2.5"))
+        assert str(error.value) == "The 'gpus' resource must be an unsigned integer"
+        with pytest.raises(runtime.Failure) as error:
+            await isolator.update(ContainerID("c1"), gpus("gpus:5"))
+        assert "Requested 4 gpus but only 3 available" in str(error.value)
+        # Nothing changed.
+        assert await isolator.containers() == {"c1": [0]}
+        assert await granted(isolator, "c1") == [0]
+        assert {g.minor for g in await components.allocator.available()} == {1, 2, 3}
+        await isolator.cleanup(ContainerID("c1"))
+
+
+@pytest.mark.asyncio
+async def test_update_grows_and_shrinks_highest_minors_first(node, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="isolators._isolator")
+    cid = ContainerID("c1")
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(cid, ContainerConfig(resources=gpus("gpus:1")))
+        await isolator.update(cid, gpus("cpus:4;gpus:3"))
+        assert await isolator.containers() == {"c1": [0, 1, 2]}
+        assert await granted(isolator, "c1") == [0, 1, 2]
+        assert await isolator.reconcile() == []  # the isolator's own writes are no drift
+        assert {g.minor for g in await components.allocator.available()} == {3}
+
+        await isolator.update(cid, gpus("gpus:1"))
+        assert await isolator.containers() == {"c1": [0]}
+        assert await granted(isolator, "c1") == [0]
+        assert {g.minor for g in await components.allocator.available()} == {1, 2, 3}
+        assert any("released GPUs [1, 2], highest minors first" in r.getMessage() for r in caplog.records)
+        assert await isolator.reconcile() == []
+
+        await isolator.update(cid, gpus("gpus:1"))  # same count: nothing to do
+        assert await isolator.containers() == {"c1": [0]}
+        await isolator.update(cid, gpus("cpus:1"))  # no gpus: zero
+        assert await isolator.containers() == {"c1": []}
+        assert await granted(isolator, "c1") == []
+        state = await isolator.devices.state("c1")
+        assert state.is_granted("c", 195, 255, "rwm")  # control devices stay
+        await isolator.update(cid, gpus("gpus:4"))
+        assert await granted(isolator, "c1") == [0, 1, 2, 3]
+        assert await isolator.reconcile() == []
+        await isolator.cleanup(cid)
+        assert await components.allocator.available() == components.allocator.total()
+
+
+@pytest.mark.asyncio
+async def test_shrink_picks_the_highest_minors_held(memory_node) -> None:
+    async with runtime.Runtime():
+        components, isolator = await memory_node.start()
+        await isolator.prepare(ContainerID("a"), ContainerConfig(resources=gpus("gpus:1")))   # [0]
+        await isolator.prepare(ContainerID("b"), ContainerConfig(resources=gpus("gpus:1")))   # [1]
+        await isolator.update(ContainerID("a"), gpus("gpus:3"))                              # [0, 2, 3]
+        assert await isolator.containers() == {"a": [0, 2, 3], "b": [1]}
+        await isolator.update(ContainerID("a"), gpus("gpus:2"))
+        assert await isolator.containers() == {"a": [0, 2], "b": [1]}
+        for cid in ("a", "b"):
+            await isolator.cleanup(ContainerID(cid))
+
+
+@pytest.mark.asyncio
+async def test_usage_errors_use_mesos_wording(memory_node) -> None:
+    async with runtime.Runtime():
+        components, isolator = await memory_node.start()
+        with pytest.raises(IsolatorError) as error:
+            await isolator.usage(ContainerID("n1", ContainerID("c1")))
+        assert str(error.value) == "Not supported for nested containers"
+        with pytest.raises(IsolatorError) as error:
+            await isolator.usage(ContainerID("c1"))
+        assert str(error.value) == "Unknown container"
+
+
+@pytest.mark.asyncio
+async def test_usage_reports_nvml_readings_per_gpu(node) -> None:
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=gpus("gpus:2")))
+        await isolator.prepare(ContainerID("c2"), ContainerConfig())
+        stats = await isolator.usage(ContainerID("c1"))
+        assert stats.gpus_allocated == 2
+        uuids = {info.gpu.minor: info.uuid for info in components.inventory.gpus}
+        assert stats.gpus == [
+            GpuStatistics(
+                minor=i,
+                uuid=uuids[i],
+                memory_used_bytes=100 * (i + 1) * MIB,
+                memory_total_bytes=16384 * MIB,
+                utilization_gpu_percent=10 + i,
+                utilization_memory_percent=20 + i,
+                power_milliwatts=50000 + i,
+                temperature_celsius=40 + i,
+            )
+            for i in (0, 1)
+        ]
+        assert stats.timestamp > 0
+        empty = await isolator.usage(ContainerID("c2"))
+        assert empty.gpus_allocated == 0 and empty.gpus == []
+        await isolator.update(ContainerID("c1"), gpus("gpus:1"))
+        assert [g.minor for g in (await isolator.usage(ContainerID("c1"))).gpus] == [0]
+        for cid in ("c1", "c2"):
+            await isolator.cleanup(ContainerID(cid))
+
+
+@pytest.mark.asyncio
+async def test_usage_leaves_out_what_nvml_does_not_report(memory_node) -> None:
+    memory_node.write_host({"gpu_count": 2})
+    async with runtime.Runtime():
+        components, isolator = await memory_node.start()
+        await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=gpus("gpus:1")))
+        (stat,) = (await isolator.usage(ContainerID("c1"))).gpus
+        assert stat.memory_total_bytes == 16384 * MIB and stat.memory_used_bytes == 0
+        assert stat.power_milliwatts is None and stat.temperature_celsius is None
+        await isolator.cleanup(ContainerID("c1"))
