@@ -365,6 +365,8 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, _Marks]:
         mark = e.problem_mark or e.context_mark
         where = f"{source}:{mark.line + 1}" if mark is not None else source
         problem = " ".join(p for p in (e.context, e.problem) if p)
+        if "nesting depth" in problem:  # PyYAML >= 6.0.4 stops deep nesting in its scanner
+            raise ScriptError(f"{where}: the script is nested more than {MAX_DEPTH} levels deep") from None
         raise ScriptError(f"{where}: not valid YAML: {problem}") from None
     except yaml.YAMLError as e:
         raise ScriptError(f"{source}: not valid YAML: {' '.join(str(e).split())}") from None
