@@ -9,9 +9,12 @@ Rules (Mesos ``Resources::parse``, simple text form):
 - A value is a scalar (a finite, non-negative number, kept to Mesos' three
   decimal places), a range list ``[31000-32000, 33000-33010]`` or a set
   ``{a,b}``; ranges and sets are kept verbatim and passed through. Anything
-  else (``gpus:abc``, ``nan``, ``inf``, ``-1``) is an error naming the entry.
+  else (``gpus:abc``, ``nan``, ``inf``, ``-1``, more than ``MAX_SCALAR``) is an
+  error naming the entry.
 - The same scalar named twice adds up (``cpus:1;cpus:2`` is ``cpus:3``), as
   Mesos adds resources; a range or set named twice is an error.
+- ``gpus()`` of a ``gpus`` range or set (``gpus:[1-2]``) raises
+  ``ResourcesError``: a garbled GPU count is never read as "no GPUs".
 - An explicit zero is kept (``"gpus:0"`` has ``gpus() == 0``): Mesos tells
   "gpus:0" from "no gpus" by looking at the text, this value remembers it.
 - ``str()`` gives the text form back (scalars first, in insertion order);
@@ -32,6 +35,11 @@ from typing import Any
 import msgspec
 
 __all__ = ["Resources", "ResourcesError"]
+
+
+MAX_SCALAR = 1e15
+"""The largest scalar accepted: beyond it a float cannot keep Mesos' three
+decimal places (and ``1e308 * 1000`` overflows)."""
 
 
 class ResourcesError(ValueError):
@@ -60,6 +68,11 @@ def _parse_scalar(name: str, text: str, entry: str) -> float:
         raise ResourcesError(
             f"Bad value for resource '{name}' in '{entry}': '{text}' is negative;"
             " a scalar resource must be non-negative"
+        )
+    if value > MAX_SCALAR:
+        raise ResourcesError(
+            f"Bad value for resource '{name}' in '{entry}': '{text}' is too large"
+            f" (at most {MAX_SCALAR:.0e}, where three decimal places still fit)"
         )
     # Mesos keeps scalar values to three decimal places.
     return round(value * 1000) / 1000
@@ -144,7 +157,13 @@ class Resources(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # ---------------------------------------------------------------- queries
 
     def gpus(self) -> float | None:
-        """The ``gpus`` scalar, or None when not given (``0.0`` when given as 0)."""
+        """The ``gpus`` scalar, or None when not given (``0.0`` when given as 0).
+        A ``gpus`` range or set (``gpus:[1-2]``) raises: it is never read as none."""
+        if "gpus" in self.others:
+            raise ResourcesError(
+                f"Bad value for resource 'gpus': {self.others['gpus']!r} is not a scalar"
+                " (expected a whole number of GPUs like 'gpus:2')"
+            )
         return self.scalars.get("gpus")
 
     def get(self, name: str, default: float | None = None) -> float | None:

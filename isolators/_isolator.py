@@ -208,6 +208,8 @@ class NvidiaGpuIsolatorProcess(Process):
         self.control_devices = control_devices
         self.infos: dict[ContainerID, _Info] = {}
         self._tails: dict[ContainerID, Future] = {}
+        self._policies: dict[frozenset[Gpu], tuple[tuple[DeviceRule, ...], tuple[DeviceRule, ...]]] = {}
+        """Container policies by GPU set (pure; churn repeats a few)."""
         self._executor = Executor(max_workers=2, name="gpu-isolator")
         self.recovery_report: list[str] = []
         self._quarantine: set[Gpu] = set()
@@ -319,9 +321,15 @@ class NvidiaGpuIsolatorProcess(Process):
     def _gpu_rules(self, gpus: Iterable[Gpu]) -> list[DeviceRule]:
         return [gpu_rule(g) for g in sorted(gpus)]
 
-    def _policy(self, gpus: Iterable[Gpu]) -> tuple[list[DeviceRule], list[DeviceRule]]:
-        allow, deny = container_policy(list(self.control_devices.values()), self._gpu_rules(gpus))
-        return list(allow), list(deny)
+    def _policy(self, gpus: Iterable[Gpu]) -> tuple[tuple[DeviceRule, ...], tuple[DeviceRule, ...]]:
+        key = frozenset(gpus)
+        policy = self._policies.get(key)
+        if policy is None:
+            allow, deny = container_policy(list(self.control_devices.values()), self._gpu_rules(key))
+            if len(self._policies) >= 256:
+                self._policies.clear()
+            policy = self._policies[key] = (tuple(allow), tuple(deny))
+        return policy
 
     # -- recover --------------------------------------------------------------
     async def recover(self, states: list[ContainerState], orphans: set[ContainerID]) -> None:

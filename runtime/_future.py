@@ -22,7 +22,10 @@ Rules (libprocess ``process/future.hpp``):
   DISCARDED raises ``Discarded``. Cancelling the awaiting task does not discard
   the Future. Under asyncio, awaiting a PENDING Future first gives the loop
   one turn (a dispatch to a free process is usually done by then) and only
-  then parks the task on a plain loop future. While an asyncio ``Runtime`` is
+  then parks the task on a plain loop future. Inside an async method that its
+  process steps itself (asyncio), awaiting a PENDING Future suspends the
+  method instead, and the process resumes it (a mailbox event) once the
+  Future completes. While an asyncio ``Runtime`` is
   current, its Futures are awaited in that runtime's loop (the loop is not
   looked up per await).
 """
@@ -48,6 +51,21 @@ _get_running_loop = asyncio._get_running_loop  # None under trio; ~0.2 µs a cal
 # ``loop.create_future`` of the current asyncio Runtime's loop, set by
 # Runtime (bind_loop) so that awaiting skips the running-loop lookup.
 _create_waiter: Callable[[], asyncio.Future] | None = None
+
+
+_parking = [False]
+"""True while a process steps one of its async methods (``Runtime._step``):
+awaiting a pending Future then yields a ``_Park`` to that process instead
+of parking an asyncio task."""
+
+
+class _Park:
+    """What an async method stepped by its process yields to wait on a Future."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: "Future[Any]") -> None:
+        self.future = future
 
 
 def bind_loop(loop: asyncio.AbstractEventLoop | None) -> None:
@@ -265,7 +283,12 @@ class Future(Generic[T]):
 
     # -- awaiting --------------------------------------------------------
     def __await__(self):
-        if self._state is PENDING:
+        if self._state is PENDING and _parking[0]:
+            # A process is stepping the awaiting async method itself (asyncio,
+            # ``Runtime._step``): hand it this Future; it resumes the method
+            # through its mailbox once the Future completes.
+            yield _Park(self)
+        elif self._state is PENDING:
             create = _create_waiter
             if create is None:
                 loop = _get_running_loop()

@@ -17,7 +17,10 @@ Rules (libprocess ``process/process.hpp``):
   has work (no queue object, no task per idle message). Under asyncio an
   async method's first step (up to its first suspension) runs inside the
   drain: no task for a method that never suspends, and the next event is
-  served in the same loop turn.
+  served in the same loop turn. While such a method awaits runtime Futures
+  only, each later step is a mailbox event too, queued when the awaited
+  Future completes (libprocess runs continuations so); awaiting anything
+  else hands it to an asyncio task.
 - Named messages: ``install(name, handler, type)`` registers a handler called
   ``handler(from_pid, body)`` for bodies decoding (msgspec) to ``type`` (a
   function of the process's class is called ``handler(process, from_pid,

@@ -41,12 +41,13 @@ from . import _clock, _future
 from ._clock import Clock, Timer
 from ._errors import Failure, ProcessTerminated
 from ._executor import in_flight
-from ._future import FAILED, Future
+from ._future import FAILED, Future, _Park
 from ._pid import PID
 from ._process import (
     RUNNING,
     TERMINATED,
     Process,
+    _CoroutineType,
     _initialize_event,
     _message_event,
     _terminate_marker,
@@ -215,28 +216,13 @@ class Runtime:
     def _start_async(self, proc: Process, coro: Any, future: Future | None, hold: bool) -> bool:
         """Start an async method; True when the drain may go on at once.
 
-        Under asyncio (not for an async ``initialize``) the first step runs
-        right here, inside the drain: a method that never suspends completes
-        with no task at all, and one that does is continued by a task
-        (``_Continuation``) while the drain serves the next event in the
-        same loop turn. Otherwise a task runs it and resumes the drain after
-        its first step."""
+        Under asyncio (not for an async ``initialize``) the process steps
+        the method itself (``_step``) and serves its next event in the same
+        loop turn. Otherwise a task runs it and resumes the drain after its
+        first step."""
         proc._held = hold  # an async initialize holds the mailbox (settle: idle)
         if self._backend == "asyncio" and not hold:
-            try:
-                yielded = coro.send(None)
-            except StopIteration as stop:
-                if future is not None:
-                    complete(future, stop.value)
-                return True
-            except (KeyboardInterrupt, SystemExit):
-                self._call_soon(proc._drain)  # the rest of the mailbox still runs
-                raise
-            except BaseException as e:  # noqa: BLE001 - every Future completes
-                _async_failed(proc, coro, future, e)
-                return True
-            task = self._loop.create_task(_Continuation(proc, coro, yielded, future))
-            proc._tasks[task] = (future, coro)
+            self._step(proc, coro, future)
             return True
         if self._backend == "asyncio":
             task = self._loop.create_task(self._run_async(proc, coro, future, hold, None))
@@ -246,6 +232,37 @@ class Runtime:
             proc._tasks[handle] = (future, coro)
             self._task_group.start_soon(self._run_async, proc, coro, future, hold, handle)
         return False
+
+    def _step(self, proc: Process, coro: Any, future: Future | None) -> None:
+        """Run an async method (asyncio) on its process up to its next
+        suspension, inside the drain. Awaiting a pending runtime Future
+        parks it: once that Future completes, a mailbox event
+        (``_resume_event``) steps it again -- the libprocess continuation,
+        with no task, no loop future and no extra loop turn. Awaiting
+        anything else hands it to a task (``_Continuation``) that drives it
+        to the end. A method that ends completes its Future here."""
+        parking = _future._parking
+        parking[0] = True
+        try:
+            yielded = coro.send(None)
+        except StopIteration as stop:
+            if future is not None:
+                complete(future, stop.value)
+            return
+        except (KeyboardInterrupt, SystemExit):
+            self._call_soon(proc._drain)  # the rest of the mailbox still runs
+            raise
+        except BaseException as e:  # noqa: BLE001 - every Future completes
+            _async_failed(proc, coro, future, e)
+            return
+        finally:
+            parking[0] = False
+        if type(yielded) is _Park:
+            proc._tasks[coro] = (future, coro)
+            yielded.future.on_any(_resumer(self, proc, coro))
+            return
+        task = self._loop.create_task(_Continuation(proc, coro, yielded, future))
+        proc._tasks[task] = (future, coro)
 
     async def _run_async(self, proc: Process, coro: Any, future: Future | None, hold: bool, handle: Any) -> None:
         if handle is not None and handle.cancelled:  # trio: terminated before it started
@@ -293,6 +310,9 @@ class Runtime:
                 self._call_soon(proc._drain)
 
     def _cancel_task(self, handle: Any) -> None:
+        if type(handle) is _CoroutineType:  # parked by ``_step``: cancel it now
+            _cancel_parked(self, handle)
+            return
         if isinstance(handle, _TrioHandle):
             handle.cancelled = True
             if handle.scope is not None:
@@ -349,6 +369,45 @@ class Runtime:
 
     def processes(self) -> list[PID]:
         return list(self._processes)
+
+
+def _resumer(rt: Runtime, proc: Process, coro: Any) -> Callable[[Future], None]:
+    """The callback that queues the resumption of a parked async method."""
+
+    def resume(_future: Future) -> None:
+        if proc._state is not TERMINATED and coro in proc._tasks:
+            rt._enqueue(proc, _resume_event, (coro,), None, None)
+
+    return resume
+
+
+def _resume_event(proc: Process, coro: Any) -> None:
+    """A mailbox event: step a parked async method again (see ``Runtime._step``)."""
+    entry = proc._tasks.pop(coro, None)
+    if entry is not None:
+        proc._runtime._step(proc, coro, entry[0])
+
+
+def _cancel_parked(rt: Runtime, coro: Any) -> None:
+    """Termination: throw ``CancelledError`` into a parked async method (its
+    Future is failed by the caller); one that awaits again while handling it
+    is driven on by a task, as a cancelled task would be."""
+    try:
+        yielded = coro.throw(asyncio.CancelledError())
+    except BaseException:  # noqa: BLE001 - it ended: nothing more to do
+        return
+    rt._loop.create_task(_Continuation(_Detached(), coro, yielded, None))
+
+
+class _Detached:
+    """Stands in for a terminated process while a cancelled method finishes."""
+
+    _state = TERMINATED
+    pid = None
+
+    def __init__(self) -> None:
+        self._tasks: dict[Any, Any] = {}
+        self._failures = 0
 
 
 def _async_failed(proc: Process, coro: Any, future: Future | None, error: BaseException) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import errno as errno_module
 import logging
 import os
+import re
 from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, TypeVar, runtime_checkable
 
 from ._errors import InvalidCgroupError, KernelOperationError
@@ -44,25 +45,44 @@ T = TypeVar("T")
 KernelHook = Callable[[str, str], None]
 
 
+def _show(value: object) -> str:
+    """``repr(value)``, cut short so that a hostile path cannot make a huge message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
+
+
 def _check_relative(value: object, what: str) -> str:
     if not isinstance(value, str) or not value:
-        raise InvalidCgroupError(f"Invalid {what} {value!r}: must be a non-empty relative path")
+        raise InvalidCgroupError(f"Invalid {what} {_show(value)}: must be a non-empty relative path")
     if value.startswith("/"):
-        raise InvalidCgroupError(f"Invalid {what} {value!r}: must be relative, not absolute")
+        raise InvalidCgroupError(f"Invalid {what} {_show(value)}: must be relative, not absolute")
     for component in value.split("/"):
         if component in ("", ".", ".."):
             raise InvalidCgroupError(
-                f"Invalid {what} {value!r}: every component must be a plain name (no '', '.' or '..')"
+                f"Invalid {what} {_show(value)}: every component must be a plain name (no '', '.' or '..')"
             )
-        if "\0" in component or "\\" in component or len(component.encode()) > 255:
+        if (
+            "\\" in component
+            or not component.strip()
+            or any(ord(ch) < 32 or ord(ch) == 127 for ch in component)
+            or len(component.encode()) > 255
+        ):
             raise InvalidCgroupError(
-                f"Invalid {what} {value!r}: component {component!r} is not a valid directory name"
+                f"Invalid {what} {_show(value)}: component {_show(component)} is not a valid directory name"
+                " (no control characters, backslashes or blank names; at most 255 bytes)"
             )
     return value
 
 
+_PLAIN_PATH = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,254}(?:/[A-Za-z0-9_-][A-Za-z0-9_.-]{0,254})*")
+"""Paths every check below accepts (ASCII names, no '.'/'..'): the common case,
+recognised in one match (this runs several times per container operation)."""
+
+
 def validate_cgroup(cgroup: object) -> str:
     """Return ``cgroup`` if it is a plain relative path (``"c1"``, ``"parent/child"``), else raise."""
+    if type(cgroup) is str and _PLAIN_PATH.fullmatch(cgroup):
+        return cgroup
     return _check_relative(cgroup, "cgroup")
 
 

@@ -37,11 +37,12 @@ Backend rules:
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
-from ._backend import BackendBase, SimulatedCrash, list_cgroup_dirs, validate_cgroups_root
+from ._backend import BackendBase, SimulatedCrash, list_cgroup_dirs, validate_cgroup, validate_cgroups_root
 from ._errors import DeviceControlError, DeviceRuleError, KernelOperationError
 from ._rules import CgroupDeviceAccess, DeviceRule, check_diff, normalize
 
@@ -100,6 +101,52 @@ def parse_devices_list(text: str) -> ExceptionTable:
     return table
 
 
+@functools.lru_cache(maxsize=256)
+def _parsed_list(text: str) -> ExceptionTable:
+    # Cached: containers repeat a few policies, so devices.list texts repeat.
+    # Callers get a copy (``_read_table``).
+    return parse_devices_list(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _policy(allow: tuple[DeviceRule, ...], deny: tuple[DeviceRule, ...]) -> CgroupDeviceAccess:
+    # Cached: ``CgroupDeviceAccess.create`` (its errors are not cached).
+    return CgroupDeviceAccess.create(allow, deny)
+
+
+class _FreshPlan(NamedTuple):
+    """How a policy is written to a new cgroup (see ``_fresh_plan``)."""
+
+    target: ExceptionTable
+    writes: list[tuple[str, str]]
+    groups: tuple[tuple[str, tuple[bytes, ...]], ...]
+    """The same writes as runs of ``(file, lines)``, in order."""
+    enforced: CgroupDeviceAccess
+
+
+@functools.lru_cache(maxsize=1024)
+def _fresh_plan(access: CgroupDeviceAccess) -> _FreshPlan:
+    """For a new cgroup: the exception table, the writes from nothing, and
+    the policy the kernel then enforces (cached: containers repeat policies)."""
+    target = v1_exceptions(access)
+    writes = plan_writes(None, target)
+    groups: list[tuple[str, list[bytes]]] = []
+    for name, line in writes:
+        if not groups or groups[-1][0] != name:
+            groups.append((name, []))
+        groups[-1][1].append(line.encode())
+    if not access.deny and all(rule.type != "a" for rule in access.allow):
+        enforced = access  # the kernel holds exactly these rules
+    else:
+        enforced = table_access(target)
+    return _FreshPlan(target, writes, tuple((name, tuple(lines)) for name, lines in groups), enforced)
+
+
+@functools.lru_cache(maxsize=1024)
+def _table_access(items: tuple[tuple[Selector, str], ...]) -> CgroupDeviceAccess:
+    return table_access(dict(items))
+
+
 def table_rules(table: ExceptionTable) -> list[DeviceRule]:
     """The table as rules, in order."""
     return [DeviceRule(kind, major, minor, access) for (kind, major, minor), access in table.items()]
@@ -146,13 +193,18 @@ class CgroupsV1Backend(BackendBase):
             )
         super().__init__(os.path.join(hierarchy, validate_cgroups_root(cgroups_root)))
         self.hierarchy = hierarchy
+        self._plans: dict[tuple[int, int], tuple[tuple, tuple, _FreshPlan]] = {}
+        self._prefix = self.root.rstrip("/") + "/"
+
+    def path(self, cgroup: str) -> str:
+        return self._prefix + validate_cgroup(cgroup)  # os.path.join's result, on the hot path
 
     # -- kernel operations -------------------------------------------------
 
     def _read_table(self, path: str) -> ExceptionTable:
         file = os.path.join(path, "devices.list")
         text = self._kernel_op("read", file, _read_text, file)
-        return parse_devices_list(text)
+        return dict(_parsed_list(text))
 
     def _write(self, path: str, writes: list[tuple[str, str]]) -> None:
         fds: dict[str, int] = {}
@@ -164,6 +216,27 @@ class CgroupsV1Backend(BackendBase):
                     file = path + "/" + name
                     fd = fds[name] = op("open", file, os.open, file, os.O_WRONLY | os.O_CLOEXEC)
                 op(f"write '{line}' to", path + "/" + name, os.write, fd, line.encode())
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _write_groups(self, path: str, groups: tuple[tuple[str, tuple[bytes, ...]], ...]) -> None:
+        """``_write`` for a cached plan with no hook set: the same syscalls,
+        the same errors, without a wrapper call per rule."""
+        fds: dict[str, int] = {}
+        write = os.write
+        try:
+            for name, lines in groups:
+                fd = fds.get(name)
+                file = path + "/" + name
+                if fd is None:
+                    fd = fds[name] = self._kernel_op("open", file, os.open, file, os.O_WRONLY | os.O_CLOEXEC)
+                data = b""
+                try:
+                    for data in lines:
+                        write(fd, data)
+                except OSError as error:  # reported exactly as _kernel_op does
+                    self._kernel_op(f"write '{data.decode()}' to", file, _reraise, error)
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -208,13 +281,53 @@ class CgroupsV1Backend(BackendBase):
 
     def configure(self, cgroup: str, allow: Iterable[DeviceRule], deny: Iterable[DeviceRule]) -> CgroupDeviceAccess:
         path = self.path(cgroup)
-        access = CgroupDeviceAccess.create(allow, deny)
-        target = v1_exceptions(access)
-        current = self._read_table(path) if os.path.isdir(path) else None
-        self._apply(path, current, target)
-        if not access.deny and all(rule.type != "a" for rule in access.allow):
-            return access  # the kernel holds exactly these rules
-        return table_access(target)
+        plan = self._plan(allow, deny)
+        if self.kernel_hook is not None:  # every kernel operation told, in the plain order
+            current = self._read_table(path) if os.path.isdir(path) else None
+        elif self._create(path):
+            # The common case, a new cgroup: mkdir and the writes, nothing else.
+            try:
+                self._write_groups(path, plan.groups)
+            except BaseException as error:
+                self._rollback(path, None, error)
+                raise
+            return plan.enforced
+        else:
+            current = self._read_table(path)
+        self._apply(path, current, plan.target)
+        return plan.enforced
+
+    def _plan(self, allow: Iterable[DeviceRule], deny: Iterable[DeviceRule]) -> _FreshPlan:
+        """``_fresh_plan`` of the policy; the same tuples (device control
+        passes the same ones again and again) are looked up by identity."""
+        hit = self._plans.get((id(allow), id(deny)))
+        if hit is not None and hit[0] is allow and hit[1] is deny:
+            return hit[2]
+        plan = _fresh_plan(_policy(tuple(allow), tuple(deny)))
+        if type(allow) is tuple and type(deny) is tuple:  # immutable: safe to remember
+            if len(self._plans) >= 256:
+                self._plans.clear()
+            self._plans[(id(allow), id(deny))] = (allow, deny, plan)
+        return plan
+
+    def _create(self, path: str) -> bool:
+        """mkdir ``path`` (and the root when missing); False if it already exists."""
+        try:
+            os.mkdir(path)
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError:
+            self._ensure_root()
+        except OSError as error:
+            self._kernel_op("mkdir", path, _reraise, error)
+        try:
+            self._mkdir(path)
+        except KernelOperationError as error:
+            if error.errno == errno.EEXIST:
+                return False
+            raise
+        return True
 
     def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> CgroupDeviceAccess:
         path = self.path(cgroup)
@@ -239,7 +352,7 @@ class CgroupsV1Backend(BackendBase):
             if not isinstance(error, SimulatedCrash):
                 self._rollback(path, current, error)
             raise
-        return table_access(target)
+        return _table_access(tuple(target.items()))
 
     def remove(self, cgroup: str) -> bool:
         path = self.path(cgroup)
@@ -288,6 +401,10 @@ class CgroupsV1Backend(BackendBase):
                 f"{path}: {'allowed' if name == 'devices.allow' else 'denied'} '{line}'" for name, line in writes
             )
         return repairs
+
+
+def _reraise(error: OSError) -> None:
+    raise error
 
 
 def _read_text(file: str) -> str:

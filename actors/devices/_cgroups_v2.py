@@ -28,7 +28,8 @@ Rules:
   and is pruned when a backend loads the file).
 - A loaded program is kept (up to ``PROGRAM_CACHE_SIZE``, least recently
   used out) and attached again to every cgroup whose policy compiles to the
-  same instructions: one load per distinct policy, not per cgroup.
+  same instructions: one load per distinct policy, not per cgroup. The
+  compiled instructions are cached by policy too.
 - ``reconcile`` makes the kernel match the given policy: it re-attaches a
   missing program, replaces one whose instructions differ (by tag), detaches
   leaked extra own programs, recreates a missing cgroup, and records the
@@ -38,6 +39,7 @@ Rules:
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import weakref
@@ -106,6 +108,7 @@ class CgroupsV2Backend(BackendBase):
         super().__init__(os.path.join(hierarchy, validate_cgroups_root(cgroups_root)))
         self.hierarchy = hierarchy
         self.program_name = program_name
+        self._prefix = self.root.rstrip("/") + "/"
         self.checkpoint = DeviceCheckpoint(checkpoint_file(work_dir), self.root)
         self._states: dict[str, CgroupDeviceAccess] = self.checkpoint.load()
         self._on_disk: dict[str, CgroupDeviceAccess] = dict(self._states)
@@ -114,6 +117,9 @@ class CgroupsV2Backend(BackendBase):
         for cgroup in [c for c in self._states if not os.path.isdir(os.path.join(self.root, c))]:
             logger.info("Dropping checkpoint entry of %s: the cgroup no longer exists", self.path(cgroup))
             del self._states[cgroup]
+
+    def path(self, cgroup: str) -> str:
+        return self._prefix + validate_cgroup(cgroup)  # os.path.join's result, on the hot path
 
     # -- the port ------------------------------------------------------------
 
@@ -193,7 +199,7 @@ class CgroupsV2Backend(BackendBase):
     def _plan(self, op: DeviceOperation, scratch: dict[str, CgroupDeviceAccess]) -> CgroupDeviceAccess:
         cgroup = validate_cgroup(op.cgroup)
         if op.kind == "configure":
-            return CgroupDeviceAccess.create(op.args[1], op.args[2])
+            return _policy(tuple(op.args[1]), tuple(op.args[2]))
         if op.kind == "reconcile":
             desired = op.args[1]
             if not isinstance(desired, CgroupDeviceAccess):
@@ -221,7 +227,10 @@ class CgroupsV2Backend(BackendBase):
         if op.kind == "reconcile" and previous != access:
             repairs.append(f"{path}: recorded the desired device rules in the checkpoint")
         created = False
-        if not os.path.isdir(path):
+        if op.kind == "configure" and previous is None and self.kernel_hook is None:
+            # A new container's cgroup, the common case: mkdir first, no stat.
+            created = self._create(path)
+        elif not os.path.isdir(path):
             if op.kind == "reconfigure":
                 raise DeviceControlError(f"Cannot reconfigure cgroup '{cgroup}': {path} does not exist")
             self._ensure_root()
@@ -251,6 +260,25 @@ class CgroupsV2Backend(BackendBase):
             if isinstance(error, Exception):
                 error.add_note(f"Rollback failed too, {path} may be left part-way: {rollback_error}")
 
+    def _create(self, path: str) -> bool:
+        """mkdir ``path`` (and the root when missing); False if it already exists."""
+        try:
+            os.mkdir(path)
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError:
+            self._ensure_root()
+        except OSError as error:
+            self._kernel_op("mkdir", path, _reraise, error)
+        try:
+            self._kernel_op("mkdir", path, os.mkdir, path)
+        except KernelOperationError as error:
+            if error.errno == errno.EEXIST:
+                return False
+            raise
+        return True
+
     def _ensure_root(self) -> None:
         if not os.path.isdir(self.root):
             try:
@@ -263,8 +291,7 @@ class CgroupsV2Backend(BackendBase):
         """Leave exactly one own program, compiled from ``access``, on ``path``.
 
         Returns what it had to change beyond the normal replace, in words."""
-        code = build_device_program(access)
-        tags = _bpf.program_tags(code)
+        code, tags = _compiled(access)
         op = self._kernel_op
         fds: list[int] = []
         repairs: list[str] = []
@@ -384,6 +411,24 @@ class CgroupsV2Backend(BackendBase):
                 raise
         self._states.pop(cgroup, None)
         return True
+
+
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def _compiled(access: CgroupDeviceAccess) -> tuple[bytes, frozenset[bytes]]:
+    """The program of a policy and the tags the kernel may give it (pure,
+    cached: containers repeat a few policies, compiling is Python work)."""
+    code = build_device_program(access)
+    return code, _bpf.program_tags(code)
+
+
+@functools.lru_cache(maxsize=1024)
+def _policy(allow: tuple[DeviceRule, ...], deny: tuple[DeviceRule, ...]) -> CgroupDeviceAccess:
+    # Cached: ``CgroupDeviceAccess.create`` (its errors are not cached).
+    return CgroupDeviceAccess.create(allow, deny)
+
+
+def _reraise(error: OSError) -> None:
+    raise error
 
 
 def _close_programs(programs: "OrderedDict[bytes, tuple[int, int]]") -> None:

@@ -17,6 +17,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Mapping
 
@@ -42,6 +43,14 @@ class _File(msgspec.Struct, forbid_unknown_fields=True):
 
 _decoder = msgspec.json.Decoder(_File)
 _encoder = msgspec.json.Encoder()
+
+
+@functools.lru_cache(maxsize=1024)
+def _entry(access: CgroupDeviceAccess) -> _Entry:
+    # Cached: the whole file is written per batch, and containers repeat a
+    # few policies (entries are only ever encoded, never changed).
+    allow, deny = access.lines()
+    return _Entry(allow, deny)
 
 
 class DeviceCheckpoint:
@@ -92,10 +101,7 @@ class DeviceCheckpoint:
 
     def encode(self, states: Mapping[str, CgroupDeviceAccess]) -> bytes:
         """The file's bytes for ``states``."""
-        cgroups = {}
-        for cgroup in sorted(states):
-            allow, deny = states[cgroup].lines()
-            cgroups[cgroup] = _Entry(allow, deny)
+        cgroups = {cgroup: _entry(states[cgroup]) for cgroup in sorted(states)}
         return _encoder.encode(_File(VERSION, self.root, cgroups))
 
     def write(self, states: Mapping[str, CgroupDeviceAccess]) -> None:

@@ -128,6 +128,7 @@ class DeviceControl:
     def __init__(self, process: DeviceControlProcess) -> None:
         self._process = process
         self.pid = process.pid
+        self._checked: dict[int, tuple[tuple, tuple[DeviceRule, ...]]] = {}
         self.backend_name: str = process.backend.name
         self.root: str = process.backend.root
 
@@ -156,12 +157,26 @@ class DeviceControl:
     def _submit(self, kind: str, *args: Any) -> Future:
         return dispatch(self.pid, DeviceControlProcess.submit, DeviceOperation(kind, args))
 
+    def _rules(self, rules: Iterable[DeviceRule | str]) -> tuple[DeviceRule, ...]:
+        """``as_rules(rules)``; a tuple seen before (callers pass the same
+        policy tuples again and again) is found by identity, unchecked."""
+        if type(rules) is not tuple:
+            return as_rules(rules)
+        hit = self._checked.get(id(rules))
+        if hit is not None and hit[0] is rules:
+            return hit[1]
+        checked = as_rules(rules)
+        if len(self._checked) >= 256:
+            self._checked.clear()
+        self._checked[id(rules)] = (rules, checked)  # keeps ``rules`` alive: its id stays its own
+        return checked
+
     def configure(
         self, cgroup: str, allow: Iterable[DeviceRule | str], deny: Iterable[DeviceRule | str] = ()
     ) -> Future[CgroupDeviceAccess]:
         """Create ``cgroup`` if missing and make its policy ``(allow, deny)``; the normalised policy."""
         try:
-            return self._submit("configure", validate_cgroup(cgroup), as_rules(allow), as_rules(deny))
+            return self._submit("configure", validate_cgroup(cgroup), self._rules(allow), self._rules(deny))
         except DeviceControlError as error:
             return Future.failed(error)
 

@@ -8,6 +8,8 @@ Rules:
 - Processes never live in a memory cgroup, so ``remove`` always succeeds.
 - ``reconcile`` has nothing to drift from: it stores ``desired`` when the
   record differs and says so.
+- ``remove`` finds child cgroups by a count kept per parent (O(depth), not
+  a scan of every cgroup: churn keeps thousands).
 - ``shared=True`` (what ``DeviceControl.create`` uses) keeps the cgroups in a
   per-root table of this OS process that outlives the backend, as the kernel
   outlives an agent: a restarted isolator recovers from it.
@@ -29,6 +31,9 @@ logger = logging.getLogger(__name__)
 _PRETEND_KERNEL: dict[str, dict[str, CgroupDeviceAccess]] = {}
 """Shared in-memory cgroups by root (see ``shared``)."""
 
+_PRETEND_CHILDREN: dict[str, dict[str, int]] = {}
+"""How many cgroups lie below each parent cgroup, by root (kept with the table)."""
+
 
 class MemoryBackend(BackendBase):
     """Device rules kept in memory (see module rules)."""
@@ -39,16 +44,47 @@ class MemoryBackend(BackendBase):
         super().__init__(root)
         self._shared = shared
         self._cgroups: dict[str, CgroupDeviceAccess] = _PRETEND_KERNEL.setdefault(root, {}) if shared else {}
+        self._children: dict[str, int] = _PRETEND_CHILDREN.setdefault(root, {}) if shared else {}
+        if not self._children:
+            for cgroup in self._cgroups:
+                self._count(cgroup, 1)
 
     def remove_root(self) -> bool:
         if self._cgroups:
             return False
         if self._shared:
             _PRETEND_KERNEL.pop(self.root, None)
+            _PRETEND_CHILDREN.pop(self.root, None)
         return True
 
     def _set(self, cgroup: str, access: CgroupDeviceAccess) -> None:
+        if cgroup not in self._cgroups:
+            self._count(cgroup, 1)
         self._cgroups[cgroup] = access
+
+    def _drop(self, cgroup: str) -> None:
+        if self._cgroups.pop(cgroup, None) is not None:
+            self._count(cgroup, -1)
+
+    def _count(self, cgroup: str, delta: int) -> None:
+        """Add ``delta`` to the count of cgroups below each parent of ``cgroup``."""
+        if "/" not in cgroup:
+            return
+        parts = cgroup.split("/")
+        for depth in range(1, len(parts)):
+            parent = "/".join(parts[:depth])
+            left = self._children.get(parent, 0) + delta
+            if left > 0:
+                self._children[parent] = left
+            else:
+                self._children.pop(parent, None)
+
+    def _has_children(self, cgroup: str) -> bool:
+        # The count, confirmed: a table changed from outside (tests fake drift
+        # that way) must not keep a cgroup that has no child left.
+        return bool(self._children.get(cgroup)) and any(
+            other.startswith(cgroup + "/") for other in self._cgroups
+        )
 
     def configure(self, cgroup: str, allow: Iterable[DeviceRule], deny: Iterable[DeviceRule]) -> CgroupDeviceAccess:
         validate_cgroup(cgroup)
@@ -58,7 +94,7 @@ class MemoryBackend(BackendBase):
             try:
                 self._kernel_op("apply", self.path(cgroup), self._set, cgroup, access)
             except Exception:
-                self._cgroups.pop(cgroup, None)
+                self._drop(cgroup)
                 raise
         else:
             self._kernel_op("apply", self.path(cgroup), self._set, cgroup, access)
@@ -76,11 +112,11 @@ class MemoryBackend(BackendBase):
 
     def remove(self, cgroup: str) -> bool:
         validate_cgroup(cgroup)
-        if any(other.startswith(cgroup + "/") for other in self._cgroups):
+        if self._has_children(cgroup):
             logger.warning("Cgroup %s still has child cgroups; keeping it", self.path(cgroup))
             return False
         if cgroup in self._cgroups:
-            self._kernel_op("rmdir", self.path(cgroup), self._cgroups.pop, cgroup)
+            self._kernel_op("rmdir", self.path(cgroup), self._drop, cgroup)
         return True
 
     def state(self, cgroup: str) -> CgroupDeviceAccess | None:

@@ -21,8 +21,8 @@ Rules (SPEC section 4):
   sides must agree.
 - Loading validates everything and fails with ONE ``HostFileError`` naming
   the file and the field: unreadable file, bad TOML/JSON, wrong types,
-  unknown keys, negative or duplicate minors, a minor that is a control
-  device's, duplicate UUIDs or bus ids, malformed bus ids or device numbers,
+  unknown keys (control devices too: only the four above), negative or
+  duplicate minors, a minor that is a control device's, duplicate UUIDs or bus ids, malformed bus ids or device numbers,
   NVLink peers out of range or to itself, and absurd sizes (more than
   ``MAX_GPUS`` GPUs, more than ``NVLINK_MAX_LINKS`` links on one GPU).
 - The result, ``HostSpec``, is fully resolved (every default filled in) and
@@ -222,9 +222,14 @@ def host_spec_from_dict(document: Any, path: str = "<host file>") -> HostSpec:
 
     control: dict[str, str] = dict(DEFAULT_CONTROL_DEVICES)
     for name, number in raw.control_devices.items():
+        if name not in DEFAULT_CONTROL_DEVICES:
+            raise fail(
+                f"control_devices.{name[:40]}",
+                f"unknown control device {name[:40]!r} (known: {', '.join(DEFAULT_CONTROL_DEVICES)})",
+            )
         match = _DEVICE_NUMBER.match(number)
         if match is None or int(match.group(2)) > MAX_MINOR:
-            raise fail(f"control_devices.{name}", f"expected 'major:minor' like '195:255', got {number!r}")
+            raise fail(f"control_devices.{name}", f"expected 'major:minor' like '195:255', got {_short(number)}")
         control[name] = f"{int(match.group(1))}:{int(match.group(2))}"
     reserved = {}
     for name, number in control.items():
@@ -256,7 +261,7 @@ def host_spec_from_dict(document: Any, path: str = "<host file>") -> HostSpec:
             if bus_id is None:
                 raise fail(
                     f"{at}.pci_bus_id",
-                    f"expected a PCI bus id like '00000000:3B:00.0', got {entry.pci_bus_id!r}",
+                    f"expected a PCI bus id like '00000000:3B:00.0', got {_short(entry.pci_bus_id)}",
                 )
         if bus_id in bus_ids:
             raise fail(f"{at}.pci_bus_id", f"bus id {bus_id!r} is already used by gpus[{bus_ids[bus_id]}]")
@@ -374,16 +379,26 @@ def _explain(exc: msgspec.ValidationError, document: Any) -> tuple[str, str]:
         path = match.group(1).lstrip(".")
     unknown = re.match(r"Object contains unknown field `(.*)`", message)
     if unknown is not None:
-        field = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
-        return field, f"unknown key {unknown.group(1)!r} (check the spelling; see the host-file schema)"
+        key = unknown.group(1) if len(unknown.group(1)) <= 40 else unknown.group(1)[:40] + "..."
+        field = f"{path}.{key}" if path else key
+        return field, f"unknown key {key!r} (check the spelling; see the host-file schema)"
     message = message.replace(" | null", "")
     value = _lookup(document, path)
     if value is not _MISSING:
-        message = message.split(", got `")[0] + f", got {value!r}"
+        message = message.split(", got `")[0] + f", got {_short(value)}"
     return path.replace("[...]", "") or "(top level)", message[0].lower() + message[1:]
 
 
 _MISSING = object()
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut short: a hostile file must not make a huge message."""
+    text = repr(value)
+    if len(text) <= 80:
+        return text
+    size = f" ({type(value).__name__} of {len(value)} items)" if isinstance(value, (list, dict, str)) else ""
+    return text[:60] + "..." + size
 
 
 def _lookup(document: Any, path: str) -> Any:

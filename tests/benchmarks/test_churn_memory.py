@@ -1,0 +1,45 @@
+"""Per-container state does not grow with churn: after 10,000 lifecycles
+(prepare -> usage -> update(gpus:0) -> cleanup, GPU and CPU-only containers,
+on the in-memory backend) the isolator, the allocator and device control
+hold nothing for the cleaned-up containers."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.churn import ChurnNode, churn
+from runtime import Runtime, current_runtime
+
+LIFECYCLES = 10_000
+
+
+@pytest.mark.asyncio
+async def test_ten_thousand_lifecycles_leave_nothing_behind() -> None:
+    async with Runtime():
+        async with ChurnNode("memory") as node:
+            isolator = node.isolator
+            process = isolator.process
+            run = await churn(isolator, workers=16, lifecycles=LIFECYCLES, gpu_workers=4)
+            assert run.errors == []
+            assert run.lifecycles == LIFECYCLES and 0 < run.gpu_lifecycles < LIFECYCLES
+
+            # The isolator: no record, no per-id queue, nothing lingering.
+            assert process.infos == {} and process._tails == {}
+            assert process._lingering == set() and process._device_dirs == set()
+            assert await isolator.containers() == {}
+            assert len(process._policies) <= 1 + 8  # by GPU set (none, or one of 8), not by container
+
+            # The allocator: every GPU is back.
+            state = await node.components.allocator.state()
+            assert state.allocated == [] and state.available == state.total and len(state.total) == 8
+
+            # Device control: no cgroup, nothing queued.
+            assert await isolator.devices.list_cgroups() == []
+            control = current_runtime()._processes[isolator.devices.pid]
+            assert control.backend._cgroups == {}
+            assert control._queued == [] and control._in_flight == []
+
+            # No process keeps a suspended call or a queued event.
+            for pid in (process.pid, isolator.devices.pid, node.components.allocator.pid):
+                stats = current_runtime()._processes[pid].stats()
+                assert (stats["suspended"], stats["queue_depth"]) == (0, 0), (pid, stats)

@@ -1,0 +1,452 @@
+"""Hostile input (issue 9): each is rejected with ONE clear error and nothing
+written — cgroup roots that are empty, absolute or climb out; resources that
+are not a whole number of GPUs; host files with wrong types, duplicate
+minors or a million GPUs; named-message bodies that do not decode; a
+truncated or garbled v2 checkpoint (never read as empty); scripts that are
+huge, deeply nested or wrongly typed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any
+
+import msgspec
+import pytest
+
+from actors import Flags, FlagsError, Resources, ResourcesError
+from actors.devices import CheckpointError, CgroupsV1Backend, CgroupsV2Backend, DeviceControl, InvalidCgroupError
+from actors.devices import checkpoint_file
+from actors.nvml import HostFileError
+from isolators import (
+    ContainerConfig,
+    ContainerID,
+    NvidiaComponents,
+    NvidiaGpuIsolatorProcess,
+    ScriptError,
+    load_script,
+)
+from runtime import Clock, Process, Runtime, dispatch, send, snapshot, spawn
+
+TOKEN = f"rel-hostile-{uuid.uuid4().hex[:8]}"
+
+
+def one_line(error: BaseException, limit: int = 400) -> str:
+    message = str(error)
+    assert message and "\n" not in message and len(message) <= limit, repr(message[:600])
+    return message
+
+
+# -- cgroups_root ---------------------------------------------------------------------
+
+BAD_ROOTS = [
+    "",
+    "   ",
+    "/",
+    f"/{TOKEN}",
+    f"/sys/fs/cgroup/devices/{TOKEN}",
+    "..",
+    ".",
+    f"../{TOKEN}",
+    f"../../{TOKEN}",
+    f"{TOKEN}/../../{TOKEN}-x",
+    f"{TOKEN}/..",
+    f"./{TOKEN}",
+    f"{TOKEN}//x",
+    f"{TOKEN}/./x",
+    f"{TOKEN}/",
+    f"{TOKEN}\x00x",
+    f"{TOKEN}\nx",
+]
+
+
+def listing(hierarchy: str) -> set[str]:
+    """The hierarchy and its parent, two levels deep (other tests' roots excluded)."""
+    seen = set()
+    for top in (os.path.dirname(hierarchy), hierarchy):
+        for name in os.listdir(top):
+            if name.startswith("gpu-isolator-test-"):
+                continue  # concurrent test runs come and go; our token is checked apart
+            seen.add(os.path.join(top, name))
+    return seen
+
+
+def token_paths(hierarchy: str) -> list[str]:
+    found = []
+    for top in (os.path.dirname(os.path.dirname(hierarchy)), os.path.dirname(hierarchy), hierarchy, "/"):
+        found += [os.path.join(top, n) for n in os.listdir(top) if TOKEN in n]
+    return found
+
+
+@pytest.mark.parametrize("root", BAD_ROOTS, ids=lambda r: repr(r.replace(TOKEN, "T"))[1:-1] or "empty")
+def test_a_bad_cgroups_root_is_refused_by_the_flags(root: str, tmp_path: Any) -> None:
+    with pytest.raises(FlagsError) as caught:
+        Flags(cgroups_root=root)
+    message = one_line(caught.value)
+    assert "cgroups_root" in message
+    with pytest.raises(FlagsError):
+        Flags.from_args([f"--cgroups_root={root}"])
+    with pytest.raises(FlagsError):
+        Flags().replace(cgroups_root=root)
+    flags_file = tmp_path / "flags.json"
+    flags_file.write_text(json.dumps({"cgroups_root": root}))
+    with pytest.raises(FlagsError):
+        Flags.from_file(str(flags_file))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["memory", "cgroups_v1", "cgroups_v2"])
+async def test_a_bad_cgroups_root_writes_nothing_anywhere(backend: str, kit: Any, tmp_path: Any) -> None:
+    """Bypassing the flags (a Flags value mutated after validation, or the device
+    control built directly): refused before anything is created."""
+    reason = kit.skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    hierarchy = kit.hierarchy_of(backend)
+    before = listing(hierarchy) if hierarchy else set()
+    node = kit.Node(str(tmp_path), backend)
+    async with Runtime():
+        components = await NvidiaComponents.create(node.flags())
+        try:
+            for root in BAD_ROOTS + [f"{TOKEN}\\..\\x", "x" * 300]:
+                with pytest.raises(InvalidCgroupError) as caught:
+                    await DeviceControl.create(backend, hierarchy, root, node.work_dir)
+                assert "cgroups_root" in one_line(caught.value)
+                flags = node.flags()
+                flags.cgroups_root = root  # msgspec Structs are mutable: no validation here
+                with pytest.raises(InvalidCgroupError):
+                    await NvidiaGpuIsolatorProcess.create(flags, components)
+                if backend == "cgroups_v1":
+                    with pytest.raises(InvalidCgroupError):
+                        CgroupsV1Backend(hierarchy, root)
+                if backend == "cgroups_v2":
+                    with pytest.raises(InvalidCgroupError):
+                        CgroupsV2Backend(hierarchy, root, node.work_dir)
+        finally:
+            await components.close()
+        assert snapshot() == {}, "an actor outlived a refused start"
+    if hierarchy:
+        assert listing(hierarchy) == before
+        assert token_paths(hierarchy) == []
+    assert not os.path.exists(node.work_dir)
+
+
+@pytest.mark.parametrize("value", ["../x", "..", ".", "a/b", "a\\b", "a.b", "a b", "a\x00", "", "x" * 243])
+def test_a_container_id_that_would_become_a_path_is_refused(value: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        ContainerID(value)
+    one_line(caught.value)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"value": value}, ContainerID)
+    with pytest.raises(ValueError):
+        ContainerID("child", ContainerID(value))
+
+
+# -- resources -------------------------------------------------------------------------
+
+BAD_RESOURCES = {
+    "gpus:nan": "not a finite number",
+    "gpus:inf": "not a finite number",
+    "gpus:-inf": "not a finite number",
+    "gpus:-1": "negative",
+    "gpus:abc": "not a number",
+    "gpus": "missing or extra ':'",
+    "gpus:": "empty value",
+    "gpus:1:2": "missing or extra ':'",
+    "gpus:1e308": "too large",
+    "gpus:1e400": "not a finite number",
+    "gpus:0x10": "not a number",
+}
+
+
+@pytest.mark.parametrize("text", list(BAD_RESOURCES))
+def test_a_gpus_value_that_is_not_a_number_is_one_clear_error(text: str) -> None:
+    with pytest.raises(ResourcesError) as caught:
+        Resources.parse(text)
+    message = one_line(caught.value)
+    assert BAD_RESOURCES[text] in message and "gpus" in message
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("text", ["gpus:nan", "gpus:-1", "gpus:abc", "gpus", "gpus:[1-2]", "gpus:{a,b}"])
+async def test_bad_agent_resources_stop_the_start(text: str, kit: Any, tmp_path: Any) -> None:
+    node = kit.Node(str(tmp_path), "memory")
+    async with Runtime():
+        with pytest.raises(ValueError) as caught:  # ResourcesError (a ValueError)
+            await NvidiaComponents.create(node.flags(resources=text, nvidia_gpu_devices=[0]))
+        one_line(caught.value)
+        assert snapshot() == {}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["memory", "cgroups_v1", "cgroups_v2"])
+async def test_hostile_gpu_requests_fail_at_prepare_and_update_changing_nothing(
+    backend: str, kit: Any, node_factory: Any
+) -> None:
+    node = node_factory(backend)
+    async with Runtime():
+        _c, isolator = await node.start()
+        await isolator.recover([], set())
+        await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=Resources.parse("gpus:1")))
+        before = await kit.judge(node, {"c1": 1})
+        cases = {
+            "gpus:1e9": "Requested 1000000000 gpus but only 3 available",
+            "gpus:1e15": "Requested 1000000000000000 gpus but only 3 available",
+            "gpus:5": "Requested 5 gpus but only 3 available",
+            "gpus:0.5": "The 'gpus' resource must be an unsigned integer",
+            "gpus:2.25": "The 'gpus' resource must be an unsigned integer",
+            "gpus:[1-2]": "The 'gpus' resource must be an unsigned integer",
+            "gpus:{a,b}": "The 'gpus' resource must be an unsigned integer",
+        }
+        for text, expected in cases.items():
+            with pytest.raises(Exception) as caught:
+                await isolator.prepare(ContainerID("c2"), ContainerConfig(resources=Resources.parse(text)))
+            assert expected in one_line(caught.value), (text, str(caught.value))
+            assert await kit.judge(node, {"c1": 1}) == before
+            assert not node.cgroup_exists("c2")
+            update_expected = expected.replace("Requested 1000000000 ", "Requested 999999999 ").replace(
+                "Requested 1000000000000000 ", "Requested 999999999999999 ").replace("Requested 5 ", "Requested 4 ")
+            with pytest.raises(Exception) as caught:
+                await isolator.update(ContainerID("c1"), Resources.parse(text))
+            assert update_expected in one_line(caught.value), (text, str(caught.value))
+            assert await kit.judge(node, {"c1": 1}) == before
+        await node.clean_all()
+        await node.stop()
+
+
+# -- host files ---------------------------------------------------------------------------
+
+BAD_HOSTS = {
+    "a million GPUs": ({"gpu_count": 1_000_000}, "gpu_count: expected `int` <= 1024, got 1000000"),
+    "a million GPU tables": ({"gpus": [{}] * 100_000}, "gpus: expected `array` of length <= 1024"),
+    "a count in words": ({"gpu_count": "four"}, "gpu_count: expected `int`, got 'four'"),
+    "a boolean count": ({"gpu_count": True}, "gpu_count: expected `int`, got True"),
+    "a negative count": ({"gpu_count": -1}, "gpu_count: expected `int` >= 0"),
+    "gpus not a list": ({"gpus": 5}, "gpus: expected `array`, got 5"),
+    "a minor in words": ({"gpus": [{"minor": "x"}]}, "gpus[0].minor: expected `int`, got 'x'"),
+    "a huge minor": ({"gpus": [{"minor": 10**30}]}, "gpus[0].minor: expected `int` <= 1048575"),
+    "duplicate minors": ({"gpus": [{"minor": 1}, {"minor": 1}]}, "gpus[1].minor: minor 1 is already used by gpus[0]"),
+    "the nvidiactl minor": ({"gpus": [{"minor": 255}]}, "minor 255 is the control device 'nvidiactl'"),
+    "a top-level list": ([1, 2], "expected a table at the top level, got list"),
+    "an unknown key": ({"gpu_count": 1, "gpu_cuont": 2}, "unknown key 'gpu_cuont'"),
+    "a huge unknown key": ({"gpu_count": 1, "q" * 100_000: 1}, "unknown key 'qqqq"),
+    "an unknown control device": (
+        {"gpu_count": 1, "control_devices": {"../../etc/passwd": "1:1"}}, "unknown control device"),
+    "a garbled device number": (
+        {"gpu_count": 1, "control_devices": {"nvidiactl": "x" * 100_000}}, "expected 'major:minor'"),
+    "a garbled bus id": ({"gpus": [{"pci_bus_id": "zz" * 50_000}]}, "expected a PCI bus id"),
+    "memory in words": ({"gpus": [{"memory_total_mib": "lots"}]}, "gpus[0].memory_total_mib: expected `int`"),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", list(BAD_HOSTS))
+async def test_a_hostile_host_file_stops_the_start_with_one_error(case: str, kit: Any, tmp_path: Any) -> None:
+    document, expected = BAD_HOSTS[case]
+    node = kit.Node(str(tmp_path), "memory")
+    with open(node.host_file, "w") as handle:
+        json.dump(document, handle)
+    async with Runtime():
+        with pytest.raises(HostFileError) as caught:
+            await NvidiaComponents.create(node.flags())
+        message = one_line(caught.value)
+        assert expected in message and node.host_file in message, message
+        assert snapshot() == {}, "an actor outlived a refused start"
+    assert sorted(os.listdir(tmp_path)) == ["dev", "host.json"]  # nothing written
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (b"\xff\xfe\x00gpu_count", "not UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000, "not valid"),
+        (b"gpu_count = ", "not valid TOML"),
+        (b"", "missing: give 'gpu_count = N'"),
+    ],
+    ids=["binary", "deep", "truncated", "empty"],
+)
+async def test_a_garbled_host_file_stops_the_start(text: bytes, expected: str, kit: Any, tmp_path: Any) -> None:
+    node = kit.Node(str(tmp_path), "memory")
+    node.host_file = str(tmp_path / "host.toml")
+    (tmp_path / "host.toml").write_bytes(text)
+    async with Runtime():
+        with pytest.raises(HostFileError) as caught:
+            await NvidiaComponents.create(node.flags())
+        assert expected in one_line(caught.value)
+        assert snapshot() == {}
+
+
+# -- named messages -------------------------------------------------------------------------
+
+
+class Allocate(msgspec.Struct, frozen=True):
+    container: str
+    gpus: int
+
+
+class Receiver(Process):
+    def __init__(self) -> None:
+        super().__init__(id="receiver")
+        self.got: list[Allocate] = []
+
+    def initialize(self) -> None:
+        self.install("allocate", self.on_allocate, Allocate)
+
+    def on_allocate(self, sender: Any, body: Allocate) -> None:
+        self.got.append(body)
+
+    def ping(self) -> str:
+        return "pong"
+
+
+@pytest.mark.asyncio
+async def test_message_bodies_that_do_not_decode_are_counted_and_the_receiver_keeps_serving() -> None:
+    selfref: dict[str, Any] = {}
+    selfref["x"] = selfref
+    hostile = [
+        b"\xff\xfe\x00",
+        b'{"container": "c1", "gpus": 2',  # truncated
+        b'{"container": 1, "gpus": 2}',  # wrong type
+        b'{"container": "c1", "gpus": 1e400}',
+        b'{"container": "c1", "gpus": 2, "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b"[" * 100_000 + b"]" * 100_000,  # deeply nested
+        b"x" * 1_000_000,
+        '{"container": "c1"}',  # missing field
+        selfref,
+        object(),
+        None,
+        12,
+        {"container": "c1", "gpus": "2"},
+    ]
+    async with Runtime():
+        receiver = Receiver()
+        pid = spawn(receiver)
+        await Clock.settle()
+        for body in hostile:
+            send(pid, "allocate", body)
+        send(pid, "no-such-message", b"{}")
+        send(pid, "allocate", b'{"container": "c1", "gpus": 2}')
+        await Clock.settle()
+        assert await dispatch(pid, Receiver.ping) == "pong"
+        assert receiver.got == [Allocate("c1", 2)]
+        stats = receiver.stats()
+        assert stats["messages_rejected"] == len(hostile) + 1, stats
+        assert stats["state"] == "running" and stats["failures"] == 0, stats
+
+
+# -- the v2 checkpoint ----------------------------------------------------------------------
+
+CORRUPTIONS = {
+    "truncated": lambda data, root: data[: len(data) // 2],
+    "empty": lambda data, root: b"",
+    "garbled": lambda data, root: bytes(b ^ 0x5A for b in data),
+    "nul bytes": lambda data, root: b"\x00" * len(data),
+    "not an object": lambda data, root: b"[]",
+    "another version": lambda data, root: data.replace(b'"version":1', b'"version":7'),
+    "another root": lambda data, root: data.replace(root.encode(), b"/sys/fs/cgroup/unified/elsewhere"),
+    "a bad rule": lambda data, root: data.replace(b"c 195:255 rwm", b"c 195:255 rwx"),
+    "a cgroup climbing out": lambda data, root: data.replace(b'"c1":', b'"../c1":'),
+    "an unknown field": lambda data, root: data[:-1] + b',"extra":1}',
+}
+
+
+def attached(node: Any, cgroup: str) -> list[int]:
+    """Ids of the device programs the kernel runs for ``cgroup``."""
+    from actors.devices import _bpf
+
+    fd = os.open(os.path.join(node.root, cgroup), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return _bpf.prog_query(fd)[1]
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.asyncio
+async def test_a_bad_v2_checkpoint_stops_the_start_and_is_never_read_as_empty(
+    kit: Any, node_factory: Any
+) -> None:
+    node = node_factory("cgroups_v2")
+    file = checkpoint_file(node.work_dir)
+    async with Runtime():
+        _c, isolator = await node.start()
+        await isolator.recover([], set())
+        await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=Resources.parse("gpus:2")))
+        held = await kit.judge(node, {"c1": 2})
+        await node.stop()  # the agent goes away; c1 keeps running
+        with open(file, "rb") as handle:
+            good = handle.read()
+        programs = attached(node, "c1")
+        assert len(programs) == 1
+        for name, corrupt in CORRUPTIONS.items():
+            bad = corrupt(good, node.root)
+            assert bad != good, name
+            with open(file, "wb") as handle:
+                handle.write(bad)
+            components = await NvidiaComponents.create(node.flags())
+            try:
+                with pytest.raises(CheckpointError) as caught:
+                    await NvidiaGpuIsolatorProcess.create(node.flags(), components)
+                message = one_line(caught.value, limit=1000)
+                assert file in message and "never read as empty" in message, message
+                assert "Restore it from a backup" in message, message  # the operator hint
+                with pytest.raises(CheckpointError):
+                    await DeviceControl.create("cgroups_v2", kit.V2_HIERARCHY, node.cgroups_root, node.work_dir)
+            finally:
+                await components.close()
+            assert snapshot() == {}
+            with open(file, "rb") as handle:
+                assert handle.read() == bad, f"{name}: the checkpoint was rewritten"
+            assert node.cgroup_exists("c1") and attached(node, "c1") == programs, name
+        with open(file, "wb") as handle:
+            handle.write(good)
+        _c, isolator = await node.restart(["c1"])
+        assert await kit.judge(node, {"c1": 2}) == held
+        await node.clean_all()
+        await node.stop()
+
+
+# -- scripts -----------------------------------------------------------------------------------
+
+BAD_SCRIPTS = {
+    "huge": ("steps: []\n" + "# padding\n" * 200_000, "limit"),
+    "deep flow lists": ("steps: " + "[" * 1000 + "]" * 1000, "nested"),
+    "deep JSON": ('{"steps": ' + "[" * 1000 + "]" * 1000 + "}", "nested"),
+    "deep mappings": ("node: " + "{a: " * 200 + "1" + "}" * 200, "nested"),
+    "steps not a list": ("steps: 5", "$.steps"),
+    "an id that is a number": ("steps:\n  - prepare: {id: 3}\n", "$.steps[0].prepare.id"),
+    "resources that are a list": ("steps:\n  - prepare: {id: c1, resources: [1, 2]}\n", "resources"),
+    "an unknown action": ("steps:\n  - explode: {id: c1}\n", "explode"),
+    "two actions in a step": ("steps:\n  - prepare: {id: c1}\n    cleanup: {id: c1}\n", "exactly one action"),
+    "a list at the top": ("- 1\n- 2\n", "mapping"),
+    "a number at the top": ("42", "mapping"),
+    "an unknown top-level key": ("stepz: []\n", "stepz"),
+    "a node of the wrong type": ("node: 5\nsteps: []\n", "$.node"),
+    "a huge repeat": ("steps:\n  - concurrent: {repeat: 100000000, steps: []}\n", "repeat"),
+    "an alias bomb": (
+        "a: &a [1,1,1,1,1,1,1,1,1]\n"
+        + "".join(f"l{i}: &l{i} [{','.join([f'*{p}'] * 9)}]\n" for i, p in enumerate(["a"] + [f"l{j}" for j in range(7)]))
+        + "steps: []\n",
+        "expands",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SCRIPTS))
+def test_a_hostile_script_is_one_script_error(case: str) -> None:
+    text, expected = BAD_SCRIPTS[case]
+    with pytest.raises(ScriptError) as caught:
+        load_script(text)
+    message = one_line(caught.value, limit=600)
+    assert expected in message, message
+
+
+@pytest.mark.parametrize(
+    "text", ["steps: [\n  - prepare: {id: c1\n", "steps: []\x00", b"\xff\xfe\x00steps"], ids=["unclosed", "nul", "binary"]
+)
+def test_a_script_with_a_syntax_error_is_one_line(text: str) -> None:
+    with pytest.raises(ScriptError) as caught:
+        load_script(text)
+    one_line(caught.value)
