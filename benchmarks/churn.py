@@ -10,8 +10,9 @@ Rules of the measurement:
   time until the last one ended.
 - Backends (``--backends``): ``memory``, ``cgroups_v1``, ``cgroups_v2``. The
   kernel ones need root and their hierarchy (else they are skipped, and
-  said so); they use a cgroups root ``gpu-isolator-bench-<hex>`` of their own,
-  removed at the end, also on Ctrl-C or an error.
+  said so); they use a cgroups root ``gpu-isolator-bench-<hex>`` of their own
+  (``--cgroups-root``; an existing one is refused), removed at the end, also
+  on Ctrl-C or an error.
 - The floor, measured in the same run right before each isolator run, is the
   same kernel work done directly in one synchronous loop, with the same mix
   of GPU and CPU-only containers. v1: mkdir, ``a`` to devices.deny, each
@@ -25,7 +26,10 @@ Rules of the measurement:
 - ``ratio`` = isolator lifecycles/s / floor lifecycles/s, per repetition
   (each pair measured back to back), median of ``--repeat`` (3). Latency
   percentiles (µs, per call) are those of the median repetition. Peak RSS is
-  the process's high-water mark (``getrusage``) after that backend's runs.
+  the process's high-water mark (``getrusage``) after that backend's runs
+  (``peak_rss_mb_before``: before the first). ``device_ops_per_batch`` is
+  how many operations device control applied per executor job (group
+  commit).
 - Output: a table, then one JSON line (``--json-only``: only the JSON
   line). A progress line on stderr while it runs (``--no-progress``).
 

@@ -291,31 +291,31 @@ class NvidiaGpuIsolatorProcess(Process):
         previous = self._tails.get(container_id)
         done: Promise = Promise()
         self._tails[container_id] = done.future
+        return self._in_order(container_id, previous, done, operation, args)
 
-        async def run() -> Any:
-            try:
-                if previous is not None and previous.is_pending():
-                    await previous
-                if self._crashed is not None:
-                    raise SimulatedCrash(f"the agent crashed earlier ({self._crashed})")
-                return await operation(*args)
-            except SimulatedCrash as crash:
-                # Fault injection: the agent "died" in this call. Fail it as an
-                # Exception (a BaseException would never complete its Future)
-                # and refuse every later call; drop every actor and recover.
-                while isinstance(crash.__context__, SimulatedCrash):  # an undo hit the dead backend
-                    crash = crash.__context__
-                self._crashed = self._crashed or crash
-                raise IsolatorError(
-                    f"Container {container_id}: simulated crash of the agent: {crash};"
-                    " drop every actor and recover"
-                ) from crash
-            finally:
-                done.set_value(None)
-                if self._tails.get(container_id) is done.future:
-                    del self._tails[container_id]
-
-        return run()
+    async def _in_order(self, container_id: ContainerID, previous: Future | None, done: Promise,
+                        operation: Any, args: tuple) -> Any:
+        try:
+            if previous is not None and previous.is_pending():
+                await previous
+            if self._crashed is not None:
+                raise SimulatedCrash(f"the agent crashed earlier ({self._crashed})")
+            return await operation(*args)
+        except SimulatedCrash as crash:
+            # Fault injection: the agent "died" in this call. Fail it as an
+            # Exception (a BaseException would never complete its Future)
+            # and refuse every later call; drop every actor and recover.
+            while isinstance(crash.__context__, SimulatedCrash):  # an undo hit the dead backend
+                crash = crash.__context__
+            self._crashed = self._crashed or crash
+            raise IsolatorError(
+                f"Container {container_id}: simulated crash of the agent: {crash};"
+                " drop every actor and recover"
+            ) from crash
+        finally:
+            done.set_value(None)
+            if self._tails.get(container_id) is done.future:
+                del self._tails[container_id]
 
     # -- the policy ---------------------------------------------------------
     def _gpu_rules(self, gpus: Iterable[Gpu]) -> list[DeviceRule]:
@@ -450,7 +450,7 @@ class NvidiaGpuIsolatorProcess(Process):
             allow, deny = self._policy(gpus)
             await self.devices.configure(info.cgroup, allow, deny)
             configured = True
-            launch = await self._launch_info(container_id, config)
+            launch = await self._launch_info(container_id, config) if config.rootfs is not None else None
         except BaseException as e:
             await self._undo_prepare(info, configured)
             logger.warning("Container %s: prepare failed and was undone: %s", container_id, e)
@@ -504,6 +504,10 @@ class NvidiaGpuIsolatorProcess(Process):
         check_container_id(container_id)
         if container_id.has_parent():
             raise IsolatorError("Not supported for nested containers")
+        info = self.infos.get(container_id)
+        if (info is not None and container_id not in self._tails and self._crashed is None
+                and not info.unknown_state and requested_gpus(resources) == len(info.allocated)):
+            return None  # nothing to change, and no earlier call on it in flight: done now
         return self._serialized(container_id, self._update, container_id, resources)
 
     async def _update(self, container_id: ContainerID, resources: Resources) -> None:
@@ -627,7 +631,8 @@ class NvidiaGpuIsolatorProcess(Process):
             gpus, info.allocated = info.allocated, set()
         if gpus:
             await self.allocator.deallocate(gpus)
-        await self._remove_device_copies(container_id)
+        if container_id in self._device_dirs:
+            await self._remove_device_copies(container_id)
         logger.info("Container %s: cleaned up, released GPUs %s", container_id, _minors(gpus))
 
     async def _retry_lingering(self, container_id: ContainerID) -> bool:

@@ -19,8 +19,9 @@ Rules (libprocess ``process/process.hpp``):
   drain: no task for a method that never suspends, and the next event is
   served in the same loop turn. While such a method awaits runtime Futures
   only, each later step is a mailbox event too, queued when the awaited
-  Future completes (libprocess runs continuations so); awaiting anything
-  else hands it to an asyncio task.
+  Future completes (libprocess runs continuations so; such a step runs in
+  the drain, where ``asyncio.current_task()`` is None); awaiting anything
+  else hands it to an asyncio task for the rest of the method.
 - Named messages: ``install(name, handler, type)`` registers a handler called
   ``handler(from_pid, body)`` for bodies decoding (msgspec) to ``type`` (a
   function of the process's class is called ``handler(process, from_pid,

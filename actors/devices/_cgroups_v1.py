@@ -32,6 +32,11 @@ Backend rules:
   ``a *:* rwm``.
 - A failed operation converges the cgroup back to the list it had (or
   removes the cgroup it created) and re-raises.
+- Hot path (churn): the writes of a policy to a new cgroup are planned once
+  per policy (cached); with no ``kernel_hook`` set, ``configure`` tries
+  mkdir first (EEXIST: an existing cgroup) instead of a stat, and writes a
+  cached plan without a wrapper call per rule. The syscalls and errors are
+  the same; with a hook set every operation is reported in the plain order.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ Rules:
 - ``DeviceControl`` is the handle. Its methods return Futures (await them).
   A cgroup is a relative path under the root (a container id, or
   ``"parent/child"``): empty, absolute or ``..`` paths are refused before
-  anything is queued, and rules given as v1 lines are parsed there too.
+  anything is queued, and rules given as v1 lines are parsed there too (a
+  tuple of rules seen before is recognised by identity: callers pass the
+  same policy tuples again and again).
 - ``DeviceControl.create`` picks the backend (``auto``: see
   ``detect_backend``) and builds it in the executor (v2 reads its
   checkpoint there, so a bad checkpoint fails ``create``).
