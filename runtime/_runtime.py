@@ -299,6 +299,10 @@ class Runtime:
                 proc._tasks.pop(key, None)
                 proc._terminate_now()
                 return
+        except BaseException as e:  # e.g. KeyboardInterrupt: still, every Future completes
+            if future is not None:
+                future._complete(FAILED, Failure(f"Process {proc.pid}: {_name(coro)} was interrupted by {type(e).__name__}"))
+            raise
         else:
             if future is not None:
                 complete(future, result)
