@@ -18,7 +18,8 @@ Rules:
   no ``..`` or ``.``, not absolute, no empty component. Nothing is ever
   written outside ``<hierarchy>/<cgroups_root>``.
 - ``device_backend`` is one of ``auto``, ``cgroups_v1``, ``cgroups_v2``,
-  ``memory``; ``gpu_allocation`` is ``topology`` (R-AL-2) or ``lowest``
+  ``memory``; ``device_worker`` is ``process`` (default: the kernel work
+  in a child process) or ``thread``; ``gpu_allocation`` is ``topology`` (R-AL-2) or ``lowest``
   (Mesos: lowest minors first).
 - ``reconcile_interval`` and ``gpu_health_interval`` are seconds (``None`` =
   off); on the command line they also take Mesos durations (``30secs``,
@@ -45,9 +46,11 @@ DEFAULT_ISOLATION = "filesystem/linux,cgroups/devices,gpu/nvidia"
 
 DeviceBackend = Literal["auto", "cgroups_v1", "cgroups_v2", "memory"]
 GpuAllocation = Literal["topology", "lowest"]
+DeviceWorker = Literal["process", "thread"]
 
 _BACKENDS = ("auto", "cgroups_v1", "cgroups_v2", "memory")
 _ALLOCATIONS = ("topology", "lowest")
+_WORKERS = ("process", "thread")
 
 
 class FlagsError(ValueError):
@@ -133,10 +136,14 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu_health_interval: float | None = None
     """Seconds between polls of NVML Xid/ECC events (GPUs raising critical ones
     are withheld, R-AL-3); None = off."""
+    device_worker: DeviceWorker = "process"
+    """Where the kernel device work runs: ``process`` (a device worker process
+    of its own, overlapping the event loop) or ``thread`` (a thread here)."""
 
     def __post_init__(self) -> None:
         _check_choice("device_backend", self.device_backend)
         _check_choice("gpu_allocation", self.gpu_allocation)
+        _check_choice("device_worker", self.device_worker)
         validate_cgroups_root(self.cgroups_root)
         if self.nvidia_gpu_devices is not None:
             for index in self.nvidia_gpu_devices:
@@ -233,7 +240,7 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 _FIELDS = set(Flags.__struct_fields__)
 _INTERVALS = ("reconcile_interval", "gpu_health_interval")
-_CHOICES = {"device_backend": _BACKENDS, "gpu_allocation": _ALLOCATIONS}
+_CHOICES = {"device_backend": _BACKENDS, "gpu_allocation": _ALLOCATIONS, "device_worker": _WORKERS}
 
 
 def _check_choice(name: str, value: Any) -> None:

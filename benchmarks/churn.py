@@ -30,6 +30,10 @@ Rules of the measurement:
   (``peak_rss_mb_before``: before the first). ``device_ops_per_batch`` is
   how many operations device control applied per executor job (group
   commit).
+- ``--device-worker`` (the isolator's ``device_worker`` flag): ``process``
+  (default) runs the kernel work in a device worker process, ``thread`` in
+  a thread of this process. ``worker_peak_rss_mb`` is the worker process's
+  own peak (the table's peak RSS is this process's).
 - Output: a table, then one JSON line (``--json-only``: only the JSON
   line). A progress line on stderr while it runs (``--no-progress``).
 
@@ -138,6 +142,22 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+def worker_peak_rss_mb(devices: Any) -> float | None:
+    """The device worker process's peak resident set (MiB), None without one."""
+    pid = getattr(getattr(devices, "_process", None), "backend", None)
+    pid = getattr(pid, "pid", None)
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
+
+
 # -- the node -------------------------------------------------------------------
 def write_host_file(directory: str, gpus: int = GPUS) -> str:
     """A simulated node of ``gpus`` GPUs; returns the host file's path."""
@@ -153,7 +173,7 @@ class ChurnNode:
     Inside a ``runtime.Runtime``. On exit it cleans up what is left, removes
     its cgroups root and its temp dir, and stops the actors."""
 
-    def __init__(self, backend: str, cgroups_root: str | None = None) -> None:
+    def __init__(self, backend: str, cgroups_root: str | None = None, device_worker: str = "process") -> None:
         self.backend = backend
         self.cgroups_root = cgroups_root or ROOT_PREFIX + uuid.uuid4().hex[:12]
         self.tmp = tempfile.mkdtemp(prefix="gpu-isolator-bench-")
@@ -166,6 +186,7 @@ class ChurnNode:
             volume_dir=os.path.join(self.tmp, "volume"),
             device_backend=backend,
             cgroups_root=self.cgroups_root,
+            device_worker=device_worker,
         )
         self.components: NvidiaComponents | None = None
         self.isolator: Any = None
@@ -432,12 +453,13 @@ async def measure_backend(backend: str, args: argparse.Namespace, cgroups_root: 
     runs: list[ChurnRun] = []
     floors: list[ChurnRun] = []
     cached_floors: list[ChurnRun] = []
+    worker_rss: list[float | None] = []
     hierarchy = default_hierarchy(backend)
     warmup = min(0.5, max(0.05, args.seconds / 10))
     for rep in range(args.repeat):
         tag = f"{backend} {rep + 1}/{args.repeat}"
         async with Runtime():
-            async with ChurnNode(backend, cgroups_root) as node:
+            async with ChurnNode(backend, cgroups_root, args.device_worker) as node:
                 if backend != "memory":
                     control = node.control_rules
                     floor = floor_v1 if backend == "cgroups_v1" else floor_v2
@@ -450,6 +472,7 @@ async def measure_backend(backend: str, args: argparse.Namespace, cgroups_root: 
                 await churn(node.isolator, args.workers, seconds=warmup, prefix="w")
                 runs.append(await churn(node.isolator, args.workers, seconds=args.seconds,
                                         progress=lambda f, n: progress.show(f"{tag} isolator", f, n)))
+                worker_rss.append(worker_peak_rss_mb(node.isolator.devices))
     progress.clear()
     rates = [run.per_second for run in runs]
     median_index = sorted(range(len(runs)), key=lambda i: rates[i])[len(runs) // 2]
@@ -460,6 +483,7 @@ async def measure_backend(backend: str, args: argparse.Namespace, cgroups_root: 
         "runs_per_s": [round(r, 1) for r in rates],
         "latency_us": middle.percentiles_us(),
         "peak_rss_mb": peak_rss_mb(),
+        "worker_peak_rss_mb": max((r for r in worker_rss if r is not None), default=None),
         "lifecycles": middle.lifecycles,
         "gpu_lifecycles": middle.gpu_lifecycles,
         "device_ops_per_batch": round(middle.device_operations / middle.device_batches, 1)
@@ -482,10 +506,11 @@ async def measure_backend(backend: str, args: argparse.Namespace, cgroups_root: 
 
 
 # -- output ---------------------------------------------------------------------------
-def format_table(rows: list[dict[str, Any]], workers: int) -> str:
+def format_table(rows: list[dict[str, Any]], workers: int, device_worker: str = "process") -> str:
     header = (f"{'backend':<11} {'lifecycles/s':>12} {'floor/s':>9} {'ratio':>6}  "
               + "  ".join(f"{call + ' p50/p99 µs':>22}" for call in CALLS) + f"  {'peak RSS':>9}")
-    lines = [f"container churn, {workers} workers ({min(GPUS, workers)} with gpus:1), simulated {GPUS}-GPU node",
+    lines = [f"container churn, {workers} workers ({min(GPUS, workers)} with gpus:1), simulated {GPUS}-GPU node,"
+             f" device work in a {device_worker}",
              header, "-" * len(header)]
     for row in rows:
         if "skipped" in row:
@@ -498,6 +523,8 @@ def format_table(rows: list[dict[str, Any]], workers: int) -> str:
         )
         lines.append(f"{row['backend']:<11} {row['lifecycles_per_s']:>12,.0f} {floor} {ratio}  {cells}"
                      f"  {row['peak_rss_mb']:>6.1f} MiB")
+        if row.get("worker_peak_rss_mb") is not None:
+            lines.append(f"{'':<11} device worker process: peak RSS {row['worker_peak_rss_mb']:.1f} MiB")
         if "floor_cached_per_s" in row:
             lines.append(f"{'':<11} {'':>12} {row['floor_cached_per_s']:>9,.0f} {row['ratio_cached']:>6.2f}"
                          "  (floor with programs loaded once, as the device layer caches them)")
@@ -517,6 +544,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--backends", default=",".join(BACKENDS),
                         help="comma list of memory, cgroups_v1, cgroups_v2 (default: all; kernel ones need root)")
     parser.add_argument("--repeat", type=int, default=3, help="repetitions; the median is reported (default 3)")
+    parser.add_argument("--device-worker", choices=("process", "thread"), default="process",
+                        help="where the kernel device work runs (the isolator's --device_worker; default process)")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     parser.add_argument("--cgroups-root", default=None,
@@ -567,13 +596,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if hierarchy is not None and os.geteuid() == 0:
                 remove_cgroup_tree(os.path.join(hierarchy, roots[backend]))
     if not args.json_only:
-        print(format_table(rows, args.workers))
+        print(format_table(rows, args.workers, args.device_worker))
     print(json.dumps({
         "benchmark": "container_churn",
         "workers": args.workers,
         "gpu_workers": min(GPUS, args.workers),
         "seconds": args.seconds,
         "repeat": args.repeat,
+        "device_worker": args.device_worker,
         "python": platform.python_version(),
         "kernel": platform.release(),
         "cpus": os.cpu_count(),

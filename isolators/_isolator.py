@@ -246,6 +246,7 @@ class NvidiaGpuIsolatorProcess(Process):
                 hierarchy=flags.cgroups_hierarchy,
                 cgroups_root=flags.cgroups_root,
                 work_dir=flags.work_dir,
+                worker=flags.device_worker,
             )
         process = cls(flags, components, devices, control)
         spawn(process)
@@ -862,7 +863,11 @@ class MesosIsolator:
 
     async def close(self) -> None:
         """Terminate the isolator and its device control actor (no cleanup)."""
-        for pid in (self.pid, getattr(self.devices, "pid", None)):
-            if pid is not None:
-                terminate(pid)
-                await wait(pid)
+        terminate(self.pid)
+        await wait(self.pid)
+        close = getattr(self.devices, "close", None)
+        if close is not None:
+            await close()  # its device worker process, if any, has exited when this returns
+        elif getattr(self.devices, "pid", None) is not None:
+            terminate(self.devices.pid)
+            await wait(self.devices.pid)

@@ -4,7 +4,8 @@ One actor (``DeviceControl`` / ``DeviceControlProcess``) owns every device
 rule write, behind one port with three backends: cgroups v1 (files), cgroups
 v2 (an eBPF program per cgroup, checkpointed) and in-memory. Shaped like
 runc's ``libcontainer/cgroups/devices``: a pure rule model (``_rules``), a
-compiler of it to eBPF (``_device_program``), and backends that only apply.
+compiler of it to eBPF (``_device_program``), and backends that only apply,
+in a thread or in a device worker process of their own (``_worker``).
 Each module states its rules at the top.
 """
 
@@ -29,6 +30,7 @@ from ._errors import (
     KernelOperationError,
 )
 from ._memory import MemoryBackend
+from ._worker import WorkerBackend, WorkerError
 from ._rules import (
     STANDARD_CONTAINER_DEVICES,
     CgroupDeviceAccess,
@@ -45,6 +47,6 @@ __all__ = [
     "checkpoint_file", "DeviceControl", "DeviceControlProcess", "detect_backend",
     "resolve_backend", "build_device_program", "program_instructions", "CheckpointError",
     "DeviceControlError", "DeviceRuleError", "InvalidCgroupError", "KernelOperationError",
-    "MemoryBackend", "STANDARD_CONTAINER_DEVICES", "CgroupDeviceAccess", "DeviceRule",
+    "MemoryBackend", "WorkerBackend", "WorkerError", "STANDARD_CONTAINER_DEVICES", "CgroupDeviceAccess", "DeviceRule",
     "apply_diff", "container_policy", "is_granted", "normalize",
 ]

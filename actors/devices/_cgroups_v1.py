@@ -189,6 +189,9 @@ class CgroupsV1Backend(BackendBase):
     """Device rules through the cgroups v1 devices controller (see module rules)."""
 
     name = "cgroups_v1"
+    applies_each = True
+    """Operations are independent (no batch-wide write): a device worker may
+    apply them one by one and report as it goes."""
 
     def __init__(self, hierarchy: str, cgroups_root: str = "gpu-isolator") -> None:
         if not os.path.isfile(os.path.join(hierarchy, "devices.allow")):

@@ -3,7 +3,9 @@
 Rules:
 - ``DeviceControlProcess`` is the single writer of device rules for its
   root (``<hierarchy>/<cgroups_root>``). All kernel work goes through one
-  ``Executor`` with one worker, so backends see one caller at a time.
+  ``Executor`` with one worker, so backends see one caller at a time; or,
+  with ``worker="process"``, to one device worker process (``_worker``),
+  one batch at a time, awaited without a thread.
 - Group commit: an operation that arrives while an executor job runs is
   queued; when the job ends, ALL queued operations go to the backend as ONE
   batch in ONE executor job (``backend.apply_batch``). Operations apply in
@@ -22,13 +24,15 @@ Rules:
   tuple of rules seen before is recognised by identity: callers pass the
   same policy tuples again and again).
 - ``DeviceControl.create`` picks the backend (``auto``: see
-  ``detect_backend``) and builds it in the executor (v2 reads its
-  checkpoint there, so a bad checkpoint fails ``create``).
+  ``detect_backend``) and builds it in the executor, or in the worker
+  process (v2 reads its checkpoint there, so a bad checkpoint fails
+  ``create`` either way).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any, Iterable
 
 from runtime import Executor, Future, Process, ProcessTerminated, Promise, dispatch, spawn, terminate, wait
@@ -41,6 +45,7 @@ from ._detect import resolve_backend
 from ._errors import DeviceControlError
 from ._memory import MemoryBackend
 from ._rules import CgroupDeviceAccess, DeviceRule, as_rules, check_diff
+from ._worker import WorkerBackend
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +58,16 @@ class DeviceControlProcess(Process):
         self.backend = backend
         self.executor = executor if executor is not None else Executor(1, name="device-control")
         self.inline = backend.name == "memory"
+        self.remote = isinstance(backend, WorkerBackend)
         self._queued: list[tuple[DeviceOperation, Promise]] = []
         self._in_flight: list[tuple[DeviceOperation, Promise]] = []
         self._draining = False
+        self._sent: deque[list[tuple[DeviceOperation, Promise]]] = deque()
+        """Worker process: the batches sent to it, oldest first."""
+        self.window = WINDOW
+        self._reading = False
+        self._flush_scheduled = False
+        self._restarting = False
         self.batches = 0
         """Executor jobs run so far (each one drained batch)."""
         self.operations = 0
@@ -74,7 +86,13 @@ class DeviceControlProcess(Process):
             return result
         promise: Promise = Promise()
         self._queued.append((op, promise))
-        if not self._draining:
+        if self.remote:
+            if not self._sent:
+                self._pump()  # the worker is idle: at once
+            elif len(self._sent) < self.window and not self._flush_scheduled:
+                self._flush_scheduled = True  # with what else comes in this drain
+                dispatch(self.pid, DeviceControlProcess._flush)
+        elif not self._draining:
             self._draining = True
             dispatch(self.pid, DeviceControlProcess._run_batches)
         return promise.future
@@ -82,45 +100,142 @@ class DeviceControlProcess(Process):
     async def _run_batches(self) -> None:
         try:
             while self._queued:
-                batch, self._queued = self._queued, []
-                self._in_flight = batch
-                self.batches += 1
+                batch = self._take()
                 try:
                     results = await self.executor.run(self.backend.apply_batch, [op for op, _ in batch])
                 except (Exception, SimulatedCrash) as error:  # the job broke: every caller hears it
                     results = [error] * len(batch)
                 self._in_flight = []
-                for (_op, promise), result in zip(batch, results):
-                    if isinstance(result, BaseException):
-                        promise.fail(result)
-                    else:
-                        promise.set_value(result)
+                _resolve(batch, results)
         finally:
             self._draining = False
 
+    def _take(self) -> list[tuple[DeviceOperation, Promise]]:
+        batch, self._queued = self._queued, []
+        self._in_flight = batch
+        self.batches += 1
+        return batch
+
+    # -- worker process: at most ``window`` batches in the worker -------------
+    def _pump(self) -> None:
+        """Send what is queued now (the worker has room); start a new worker
+        first if the last one went away."""
+        worker: WorkerBackend = self.backend  # type: ignore[assignment]
+        if worker.process is None:
+            if not self._restarting:
+                self._restarting = True
+                dispatch(self.pid, DeviceControlProcess._restart)
+            return
+        batch = self._take()
+        self._in_flight = []
+        try:
+            worker.send([op for op, _ in batch])
+        except Exception as error:
+            _resolve(batch, [error] * len(batch))
+            return
+        self._sent.append(batch)
+        if not self._reading:
+            self._reading = True
+            dispatch(self.pid, DeviceControlProcess._read)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._queued and len(self._sent) < self.window:
+            self._pump()
+
+    async def _restart(self) -> None:
+        worker: WorkerBackend = self.backend  # type: ignore[assignment]
+        try:
+            await worker.restart()
+        except Exception as error:  # what waited for it hears why
+            batch = self._take()
+            self._in_flight = []
+            _resolve(batch, [error] * len(batch))
+            return
+        finally:
+            self._restarting = False
+        if self._queued and len(self._sent) < self.window:
+            self._pump()
+
+    async def _read(self) -> None:
+        """Results of the batches in the worker, oldest first, as they come
+        (a batch's results may come in parts); what queued meanwhile is sent
+        before the callers are told, so the worker and the event loop work
+        at the same time."""
+        worker: WorkerBackend = self.backend  # type: ignore[assignment]
+        told = 0  # callers of the oldest batch told so far
+        try:
+            while self._sent:
+                batch = self._sent[0]
+                try:
+                    done, results = await worker.receive_part(len(batch))
+                except Exception as error:  # the worker went away: every batch in it fails
+                    lost, self._sent = list(self._sent), deque()
+                    lost[0] = lost[0][told:]
+                    told = 0
+                    for each in lost:
+                        _resolve(each, [error] * len(each))
+                    if self._queued:
+                        self._pump()
+                    continue
+                part = batch[told:told + len(results)]
+                if done:
+                    self._sent.popleft()
+                    told = 0
+                    if self._queued and len(self._sent) < self.window:
+                        self._pump()
+                else:
+                    told += len(results)
+                _resolve(part, results)
+        finally:
+            self._reading = False
+
     def finalize(self) -> None:
         error = ProcessTerminated(f"Device control {self.pid} terminated before the operation completed")
-        for _op, promise in self._in_flight + self._queued:
+        for _op, promise in [*self._in_flight, *(item for batch in self._sent for item in batch), *self._queued]:
             promise.fail(error)
         idle = not self._in_flight
-        self._in_flight, self._queued = [], []
+        self._in_flight, self._queued, self._sent = [], [], deque()
         self.executor.shutdown(wait=False)
         close = getattr(self.backend, "close", None)
-        if idle and close is not None:
-            close()  # releases what the backend holds open (v2: cached programs)
+        if (idle or self.remote) and close is not None:
+            close()  # releases what the backend holds open (v2: cached programs; a worker: its pipes)
+
+
+WINDOW = 2
+"""Batches in a device worker process at once: one it applies, one waiting,
+so that it goes straight on to the next."""
+
+WORKERS = ("thread", "process")
+"""Where a kernel backend runs: a thread of this process, or a device worker
+process of its own (see ``_worker``)."""
+
+
+def _resolve(batch: list[tuple[DeviceOperation, Promise]], results: list[Any]) -> None:
+    for (_op, promise), result in zip(batch, results):
+        if isinstance(result, BaseException):
+            promise.fail(result)
+        else:
+            promise.set_value(result)
 
 
 async def _build_backend(
-    executor: Executor, backend: str, hierarchy: str | None, cgroups_root: str, work_dir: str | None
-) -> DeviceBackend:
+    executor: Executor, backend: str, hierarchy: str | None, cgroups_root: str, work_dir: str | None,
+    worker: str = "thread",
+) -> Any:
     validate_cgroups_root(cgroups_root)
+    if worker not in WORKERS:
+        raise DeviceControlError(f"Unknown device worker {worker!r}: expected one of {', '.join(WORKERS)}")
     kind, hierarchy = resolve_backend(backend, hierarchy)
     if kind == "memory":
         return MemoryBackend(f"memory:{hierarchy or ''}/{cgroups_root}", shared=True)
+    if kind == "cgroups_v2" and work_dir is None:
+        raise DeviceControlError("cgroups v2 device control needs a work_dir for its checkpoint")
+    assert hierarchy is not None
+    if worker == "process":
+        return await WorkerBackend.start(kind, hierarchy, cgroups_root, work_dir)
     if kind == "cgroups_v1":
         return await executor.run(CgroupsV1Backend, hierarchy, cgroups_root)
-    if work_dir is None:
-        raise DeviceControlError("cgroups v2 device control needs a work_dir for its checkpoint")
     return await executor.run(CgroupsV2Backend, hierarchy, cgroups_root, work_dir)
 
 
@@ -142,12 +257,18 @@ class DeviceControl:
         cgroups_root: str = "gpu-isolator",
         work_dir: str | None = None,
         backend_impl: DeviceBackend | None = None,
+        worker: str = "thread",
     ) -> "DeviceControl":
-        """Build the backend and spawn the actor (inside a ``runtime.Runtime``)."""
+        """Build the backend and spawn the actor (inside a ``runtime.Runtime``).
+
+        ``worker``: ``thread`` runs a kernel backend in this process's
+        executor; ``process`` in a device worker process (``_worker``: the
+        kernel work then overlaps the event loop's). Ignored for in-memory
+        and for ``backend_impl``."""
         executor = Executor(1, name="device-control")
         if backend_impl is None:
             try:
-                backend_impl = await _build_backend(executor, backend, hierarchy, cgroups_root, work_dir)
+                backend_impl = await _build_backend(executor, backend, hierarchy, cgroups_root, work_dir, worker)
             except BaseException:
                 executor.shutdown(wait=False)
                 raise
@@ -245,6 +366,8 @@ class DeviceControl:
         return self._process.operations
 
     async def close(self) -> None:
-        """Terminate the actor and wait for it."""
+        """Terminate the actor and wait for it (and for its worker process to exit)."""
         terminate(self.pid)
         await wait(self.pid)
+        if self._process.remote:
+            await self._process.backend.wait_closed()

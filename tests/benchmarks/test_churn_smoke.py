@@ -86,13 +86,20 @@ def test_the_progress_line_rewrites_itself() -> None:
     assert quiet.getvalue() == ""
 
 
+@pytest.mark.parametrize("worker", ["process", "thread"])
 @pytest.mark.parametrize("backend", kernel_backends())
-def test_kernel_run_measures_the_floor_and_removes_its_root(capsys, backend: str) -> None:
+def test_kernel_run_measures_the_floor_and_removes_its_root(capsys, backend: str, worker: str) -> None:
     root = f"gpu-isolator-test-churn-{uuid.uuid4().hex[:10]}"
     path = os.path.join(churn.default_hierarchy(backend), root)
     try:
-        report = run_json(capsys, "--backends", backend, "--workers", "9", "--cgroups-root", root)
+        report = run_json(capsys, "--backends", backend, "--workers", "9", "--cgroups-root", root,
+                          "--device-worker", worker)
+        assert report["device_worker"] == worker
         (row,) = report["results"]
+        if worker == "process":
+            assert row["worker_peak_rss_mb"] > 0
+        else:
+            assert row["worker_peak_rss_mb"] is None
         assert row["errors"] == 0, row.get("first_error")
         assert row["floor_per_s"] > 0 and row["ratio"] > 0
         if backend == "cgroups_v1":

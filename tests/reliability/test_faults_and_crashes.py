@@ -248,6 +248,7 @@ async def test_a_crash_at_every_step_recovers_consistently(
     async with Runtime():
 
         async def setup() -> Any:
+            await node.stop()  # the isolator the last round recovered with
             _c, isolator = await node.start(fault={})
             await isolator.recover([], set())
             for name, n in before.items():

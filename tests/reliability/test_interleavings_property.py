@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
 from runtime import Runtime
@@ -35,8 +35,15 @@ from runtime import Runtime
 IDS = [f"c{i}" for i in range(5)]
 GPUS = 4
 SCALE = int(os.environ.get("GPU_ISOLATOR_PROPERTY_SCALE", "1"))
-# (examples, steps) per backend; the kernel backends cost ~10x a memory step.
-BUDGET = {"memory": (40, 40), "cgroups_v1": (30, 40), "cgroups_v2": (30, 40)}
+# (examples, steps) per backend and device worker; the kernel backends cost
+# ~10x a memory step, and a device worker process adds ~0.1 s per (re)start.
+BUDGET = {
+    ("memory", "thread"): (40, 40),
+    ("cgroups_v1", "thread"): (30, 40),
+    ("cgroups_v2", "thread"): (30, 40),
+    ("cgroups_v1", "process"): (16, 40),
+    ("cgroups_v2", "process"): (16, 40),
+}
 
 ids = st.sampled_from(IDS)
 counts = st.integers(min_value=0, max_value=GPUS + 1)
@@ -198,6 +205,11 @@ class IsolatorMachine(RuleBasedStateMachine):
     def cleanup(self, cid: str) -> None:
         self.one("cleanup", cid, 0)
 
+    @initialize(ops=st.lists(operation, min_size=2, max_size=8))
+    def first_burst(self, ops: list[tuple[str, str, int]]) -> None:
+        """Every example starts with a burst (small budgets draw few)."""
+        self.burst(ops)
+
     @rule(ops=st.lists(operation, min_size=2, max_size=8))
     def burst(self, ops: list[tuple[str, str, int]]) -> None:
         """Dispatch several calls at once and await them together: calls on one
@@ -235,13 +247,15 @@ class IsolatorMachine(RuleBasedStateMachine):
         self.run(self.kit.judge(self.node, self.model))
 
 
-@pytest.mark.parametrize("backend", ["memory", "cgroups_v1", "cgroups_v2"])
-def test_random_interleavings_never_leak_or_double_grant(backend: str, kit: Any, node_factory: Any) -> None:
+@pytest.mark.parametrize(("backend", "worker"), sorted(BUDGET))
+def test_random_interleavings_never_leak_or_double_grant(
+    backend: str, worker: str, kit: Any, node_factory: Any
+) -> None:
     kit_module = kit
     reason = kit.skip_reason(backend)
     if reason:
         pytest.skip(reason)
-    examples, steps = BUDGET[backend]
+    examples, steps = BUDGET[backend, worker]
     nodes: list[Any] = []
 
     class Machine(IsolatorMachine):
@@ -250,7 +264,7 @@ def test_random_interleavings_never_leak_or_double_grant(backend: str, kit: Any,
 
         def __init__(self) -> None:
             # One fresh node (cgroups root) per example; torn down by the machine.
-            node = node_factory(backend, GPUS)
+            node = node_factory(backend, GPUS, device_worker=worker)
             nodes.append(node)
             type(self).node = node
             super().__init__()
@@ -269,7 +283,7 @@ def test_random_interleavings_never_leak_or_double_grant(backend: str, kit: Any,
     )
     elapsed = time.monotonic() - started
     print(
-        f"\n[{backend}] examples<= {examples * SCALE}, steps<= {steps * SCALE}, nodes {len(nodes)},"
+        f"\n[{backend}, {worker}] examples<= {examples * SCALE}, steps<= {steps * SCALE}, nodes {len(nodes)},"
         f" calls {sum(Machine.stats.values())} {dict(sorted(Machine.stats.items()))}, {elapsed:.1f}s"
     )
     assert Machine.stats.get("restart", 0) > 0 and Machine.stats.get("burst", 0) > 0

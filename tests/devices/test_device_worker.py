@@ -1,0 +1,334 @@
+"""The device worker process: a kernel backend in a child process.
+
+What it must show: the same results and kernel state as the backend in a
+thread (v1 and v2, asyncio and trio), results coming back while a batch is
+still applied, errors that stay with their operation, the backend's warnings
+logged here, a child that dies failing its batch with a clear error and the
+next operation starting a new child, start-up errors raised unchanged, the
+child exiting when closed, and policies sent once then by number.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from actors import Flags, FlagsError
+from actors.devices import (
+    CgroupDeviceAccess,
+    CheckpointError,
+    DeviceControl,
+    DeviceControlError,
+    DeviceOperation,
+    DeviceRule,
+    KernelOperationError,
+    checkpoint_file,
+    container_policy,
+)
+from actors.devices._worker import MAX_FRAME, WorkerBackend, WorkerError, _FrameCodec
+from runtime import Runtime, collect
+
+R = DeviceRule.parse
+
+
+def _wait_exit(pid: int, timeout: float = 5.0) -> bool:
+    """True once ``pid`` is gone (reaped by its Popen, or a zombie no more)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+# -- frames (no kernel) ---------------------------------------------------------------
+def test_policies_go_once_then_by_number_and_come_back_as_the_same_objects() -> None:
+    allow, deny = (tuple(rules) for rules in container_policy(["c 195:255 rwm"], ["c 195:0 rwm"]))
+    sender, receiver = _FrameCodec(), _FrameCodec()
+    first = sender.encode([DeviceOperation("configure", ("c1", allow, deny))])
+    second = sender.encode([DeviceOperation("configure", ("c2", allow, deny))])
+    assert len(second) < len(first) / 3  # the rules went with the first frame only
+    receiver.feed(first + second)
+    one, two = receiver.next(), receiver.next()
+    assert receiver.next() is None
+    assert one[0].args[1] == allow and one[0].args[2] == deny
+    assert two[0].args[1] is one[0].args[1]  # the backends' identity caches hit
+    assert two[0].args[0] == "c2"
+
+
+def test_numbering_starts_again_when_full_and_the_receiver_follows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_FrameCodec, "CAPACITY", 3)
+    sender, receiver = _FrameCodec(), _FrameCodec()
+    policies = [(R(f"c 195:{i} rwm"),) for i in range(7)]
+    for round_ in range(2):
+        for policy in policies:
+            receiver.feed(sender.encode(policy))
+            assert receiver.next() == policy, round_
+
+
+def test_a_frame_arriving_in_pieces_and_an_oversized_frame() -> None:
+    sender, receiver = _FrameCodec(), _FrameCodec()
+    data = sender.encode({"a": list(range(1000))})
+    head, last = data[:-1], data[-1:]
+    for i in range(0, len(head), 7):
+        receiver.feed(head[i : i + 7])
+        assert receiver.next() is None
+    receiver.feed(last)
+    assert receiver.next() == {"a": list(range(1000))}
+    receiver.feed((MAX_FRAME + 1).to_bytes(4, "little") + b"x")
+    with pytest.raises(WorkerError, match="frame of .* bytes .*the peer is broken"):
+        receiver.next()
+
+
+# -- flags and arguments ------------------------------------------------------------
+def test_the_flag_and_the_argument_name_their_choices() -> None:
+    assert Flags().device_worker == "process"
+    assert Flags.from_args(["--device_worker=thread"]).device_worker == "thread"
+    with pytest.raises(FlagsError, match=r"Invalid '--device_worker' 'fork': expected one of process, thread"):
+        Flags(device_worker="fork")
+
+
+@pytest.mark.asyncio
+async def test_an_unknown_worker_and_a_bad_hierarchy_fail_create(tmp_path) -> None:
+    async with Runtime():
+        with pytest.raises(DeviceControlError, match=r"Unknown device worker 'fork': expected one of thread, process"):
+            await DeviceControl.create("memory", worker="fork")
+        if os.geteuid() != 0:
+            pytest.skip("needs root")
+        for worker in ("thread", "process"):
+            with pytest.raises(DeviceControlError, match="is not a cgroups v1 devices hierarchy"):
+                await DeviceControl.create("cgroups_v1", hierarchy=str(tmp_path), worker=worker)
+        memory = await DeviceControl.create("memory", worker="process")  # in memory there is nothing to offload
+        assert memory.backend_name == "memory" and not memory._process.remote
+        await memory.close()
+
+
+@pytest.mark.asyncio
+async def test_a_garbled_v2_checkpoint_fails_create_in_the_worker_too(tmp_path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    hierarchy = next(
+        (h for h in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified") if os.path.isfile(f"{h}/cgroup.controllers")), None
+    )
+    if hierarchy is None:
+        pytest.skip("no cgroup2 hierarchy")
+    file = checkpoint_file(str(tmp_path))
+    os.makedirs(os.path.dirname(file))
+    with open(file, "w") as handle:
+        handle.write('{"version": 1, "root": "')
+    async with Runtime():
+        with pytest.raises(CheckpointError, match="never read as empty"):
+            await DeviceControl.create(
+                "cgroups_v2", hierarchy=hierarchy, cgroups_root="gpu-isolator-test-x", work_dir=str(tmp_path),
+                worker="process",
+            )
+
+
+# -- the kernel --------------------------------------------------------------------------
+async def _v1_control(sandbox: Any) -> DeviceControl:
+    return await DeviceControl.create(
+        "cgroups_v1", hierarchy=sandbox.hierarchy, cgroups_root=sandbox.cgroups_root, worker="process"
+    )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_v1_in_the_worker_enforces_what_the_thread_would(v1_sandbox, device_nodes) -> None:
+    async with Runtime():
+        control = await _v1_control(v1_sandbox)
+        worker: WorkerBackend = control._process.backend  # type: ignore[assignment]
+        assert control._process.remote and worker.pid is not None and worker.pid != os.getpid()
+        assert control.path("c1") == os.path.join(v1_sandbox.root, "c1")
+        states = await collect(
+            [control.configure(f"c{i}", *container_policy([], [f"c 195:{i} rwm"])) for i in range(4)]
+        )
+        probe = v1_sandbox.probe("c1")
+        assert probe.open(device_nodes["c", 195, 1]) == errno.ENXIO
+        assert probe.open(device_nodes["c", 195, 0]) == errno.EPERM
+        assert await control.state("c1") == states[1]
+        await control.reconfigure("c1", ["c 195:0 rwm"], ["c 195:1 rwm"])
+        assert probe.open(device_nodes["c", 195, 0]) == errno.ENXIO
+        assert probe.open(device_nodes["c", 195, 1]) == errno.EPERM
+        probe.close()
+        assert await control.list_cgroups() == ["c0", "c1", "c2", "c3"]
+        assert all(await collect([control.remove(f"c{i}") for i in range(4)]))
+        assert await control.exists("c1") is False
+        pid = worker.pid
+        await control.close()
+    assert _wait_exit(pid), "the device worker process outlived its device control"
+
+
+@pytest.mark.asyncio
+async def test_a_batch_keeps_each_error_with_its_operation_and_results_come_in_parts(
+    v1_sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with Runtime():
+        control = await _v1_control(v1_sandbox)
+        allow, deny = container_policy([], ["c 195:0 rwm"])
+        calls = []
+        for i in range(40):
+            calls.append(control.configure(f"c{i}", allow, deny))
+            if i == 20:
+                calls.append(control.reconfigure("missing", ["c 195:1 rwm"]))
+                calls.append(control.configure("c0", allow, ["c 1:3 rwm"]))  # denies what it allows
+        worker: WorkerBackend = control._process.backend  # type: ignore[assignment]
+        parts = []
+        original = worker.receive_part
+
+        async def counting(batch: int) -> Any:
+            result = await original(batch)
+            parts.append(len(result[1]))
+            return result
+
+        monkeypatch.setattr(worker, "receive_part", counting)
+        results = await collect([call.recover(lambda error: error) for call in calls])
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        assert [i for i, _ in failed] == [21, 22]
+        assert isinstance(failed[0][1], DeviceControlError)
+        assert "Cannot reconfigure cgroup 'missing'" in str(failed[0][1])
+        assert "allow entry 'c 1:3 rwm' cannot be encompassed by deny entry 'c 1:3 rwm'" in str(failed[1][1])
+        assert sum(parts) == len(calls) and len(parts) > 2  # one op sent at once, the rest in parts
+        assert (await control.state("c5")).is_granted("c", 195, 0, "rw")
+        assert all(await collect([control.remove(f"c{i}") for i in range(40)]))
+        await control.close()
+
+
+@pytest.mark.asyncio
+async def test_the_backends_warnings_are_logged_here(v1_sandbox, caplog: pytest.LogCaptureFixture) -> None:
+    async with Runtime():
+        control = await _v1_control(v1_sandbox)
+        await control.configure("busy", *container_policy([], []))
+        probe = v1_sandbox.probe("busy")
+        with caplog.at_level(logging.WARNING, logger="actors.devices"):
+            assert await control.remove("busy") is False
+        warnings = [r for r in caplog.records if r.name == "actors.devices._cgroups_v1"]
+        assert warnings and "still has processes" in warnings[0].getMessage()
+        assert os.path.join(v1_sandbox.root, "busy") in warnings[0].getMessage()
+        probe.close()
+        assert await control.remove("busy") is True
+        await control.close()
+
+
+@pytest.mark.asyncio
+async def test_a_killed_worker_fails_its_batch_and_the_next_call_starts_a_new_one(
+    v1_sandbox, device_nodes, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with Runtime():
+        control = await _v1_control(v1_sandbox)
+        worker: WorkerBackend = control._process.backend  # type: ignore[assignment]
+        await control.configure("kept", *container_policy([], ["c 195:2 rwm"]))
+        first = worker.pid
+        os.kill(first, signal.SIGKILL)
+        assert _wait_exit(first)
+        with pytest.raises(WorkerError, match=rf"Device worker process {first} exited with status -9 before it got a batch of 1 device"
+                           r" operations \(none of them was applied\); the next operation starts a new one"):
+            await control.configure("lost", *container_policy([], []))
+        assert isinstance(WorkerError("x"), DeviceControlError)
+        assert any("Device worker process" in r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
+        # the next call starts a new child; what the kernel held is intact
+        assert await control.exists("kept") is True
+        assert worker.starts == 2 and worker.pid not in (None, first)
+        probe = v1_sandbox.probe("kept")
+        assert probe.open(device_nodes["c", 195, 2]) == errno.ENXIO
+        assert probe.open(device_nodes["c", 195, 0]) == errno.EPERM
+        probe.close()
+        results = await collect([control.remove(name).recover(lambda e: e) for name in ("kept", "lost")])
+        assert results[0] is True
+        assert results[1] is True or isinstance(results[1], KernelOperationError)
+        await control.close()
+
+
+@pytest.mark.asyncio
+async def test_v2_in_the_worker_checkpoints_and_survives_a_restart(v2_sandbox, device_nodes, tmp_path) -> None:
+    kwargs = dict(hierarchy=v2_sandbox.hierarchy, cgroups_root=v2_sandbox.cgroups_root, work_dir=str(tmp_path),
+                  worker="process")
+    async with Runtime():
+        control = await DeviceControl.create("cgroups_v2", **kwargs)
+        assert control._process.remote and control.backend_name == "cgroups_v2"
+        states = await collect([control.configure(f"c{i}", *container_policy([], [f"c 195:{i} rw"])) for i in range(3)])
+        v2_sandbox.attached("c1")
+        await control.close()
+    async with Runtime():
+        control = await DeviceControl.create("cgroups_v2", **{**kwargs, "worker": "thread"})
+        assert [await control.state(f"c{i}") for i in range(3)] == states  # the worker's checkpoint
+        await control.close()
+    async with Runtime():
+        control = await DeviceControl.create("cgroups_v2", **kwargs)
+        assert [await control.state(f"c{i}") for i in range(3)] == states
+        probe = v2_sandbox.probe("c1")
+        assert probe.open(device_nodes["c", 195, 1]) == errno.ENXIO
+        assert probe.open(device_nodes["c", 195, 0]) == errno.EPERM
+        await control.reconfigure("c1", ["c 195:0 rw"], ["c 195:1 rw"])
+        assert probe.open(device_nodes["c", 195, 0]) == errno.ENXIO
+        assert probe.open(device_nodes["c", 195, 1]) == errno.EPERM
+        v2_sandbox.attached("c1")
+        probe.close()
+        assert all(await collect([control.remove(f"c{i}") for i in range(3)]))
+        await control.close()
+
+
+@pytest.mark.asyncio
+async def test_a_worker_killed_mid_batch_fails_only_the_operations_not_yet_reported(
+    v1_sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with Runtime():
+        control = await _v1_control(v1_sandbox)
+        worker: WorkerBackend = control._process.backend  # type: ignore[assignment]
+        await control.exists("warm")  # the next batch is sent whole
+        original = worker.receive_part
+        killed: list[int] = []
+
+        async def kill_after_the_first_part(batch: int) -> Any:
+            result = await original(batch)
+            if not killed and batch > 1:
+                killed.append(worker.pid)
+                os.kill(worker.pid, signal.SIGKILL)
+            return result
+
+        monkeypatch.setattr(worker, "receive_part", kill_after_the_first_part)
+        policy = container_policy([], ["c 195:0 rwm"])
+        hold = control.exists("warm")  # keeps the worker busy so that the 400 go as one batch
+        calls = [control.configure(f"c{i}", *policy) for i in range(400)]
+        await hold
+        results = await collect([call.recover(lambda error: error) for call in calls])
+        reported = [r for r in results if not isinstance(r, BaseException)]
+        lost = [r for r in results if isinstance(r, BaseException)]
+        assert killed and reported and lost, (len(reported), len(lost))
+        assert results[: len(reported)] == reported  # a prefix was told, the rest failed
+        assert all(isinstance(e, WorkerError) for e in lost)
+        assert f"Device worker process {killed[0]} exited with status -9 while applying a batch of 400" in str(lost[0])
+        assert "(their effects are unknown)" in str(lost[0])
+        # a new worker; every cgroup the dead one made can be found and removed
+        made = await control.list_cgroups()
+        assert len(made) >= len(reported)
+        assert all(await collect([control.remove(name) for name in made]))
+        assert worker.starts == 2
+        await control.close()
+
+
+@pytest.mark.asyncio
+async def test_termination_fails_what_the_worker_has_not_reported_and_the_child_exits(v1_sandbox) -> None:
+    from runtime import ProcessTerminated
+
+    async with Runtime():
+        control = await _v1_control(v1_sandbox)
+        pid = control._process.backend.pid
+        policy = container_policy([], [])
+        calls = [control.configure(f"c{i}", *policy) for i in range(200)]
+        await calls[0]
+        await control.close()
+        results = await collect([call.recover(lambda error: error) for call in calls])
+        terminated = [r for r in results if isinstance(r, ProcessTerminated)]
+        assert terminated and all(isinstance(r, (ProcessTerminated, CgroupDeviceAccess)) for r in results)
+        assert "terminated before the operation completed" in str(terminated[0])
+    assert _wait_exit(pid)
