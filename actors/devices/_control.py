@@ -67,6 +67,7 @@ class DeviceControlProcess(Process):
         self.window = WINDOW
         self._reading = False
         self._flush_scheduled = False
+        self._flushing = False
         self._restarting = False
         self.batches = 0
         """Executor jobs run so far (each one drained batch)."""
@@ -129,14 +130,28 @@ class DeviceControlProcess(Process):
         batch = self._take()
         self._in_flight = []
         try:
-            worker.send([op for op, _ in batch])
+            complete = worker.send([op for op, _ in batch])
         except Exception as error:
             _resolve(batch, [error] * len(batch))
             return
         self._sent.append(batch)
+        if not complete and not self._flushing:
+            self._flushing = True
+            dispatch(self.pid, DeviceControlProcess._flush_outbox)
         if not self._reading:
             self._reading = True
             dispatch(self.pid, DeviceControlProcess._read)
+
+    async def _flush_outbox(self) -> None:
+        """Write what did not fit in the pipe; a worker that went away is
+        reported by ``_read`` (end of file), with its batches."""
+        worker: WorkerBackend = self.backend  # type: ignore[assignment]
+        try:
+            await worker.flush()
+        except Exception:
+            pass
+        finally:
+            self._flushing = False
 
     def _flush(self) -> None:
         self._flush_scheduled = False

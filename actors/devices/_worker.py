@@ -23,9 +23,11 @@ Rules:
   errors logged there come back with the results and are logged here under
   the same logger names (the child logs at this process's level for
   ``actors.devices``).
-- ``send(ops)`` / ``receive_part(n)`` are used by the device control actor
-  only (it keeps at most ``WINDOW`` batches in the child, see ``_control``);
-  ``run_batch(ops)`` is both, for one batch. Frames (``_FrameCodec``) are a
+- ``send(ops)`` / ``flush()`` / ``receive_part(n)`` are used by the device
+  control actor only (it keeps at most ``WINDOW`` batches in the child, see
+  ``_control``); ``run_batch(ops)`` is all three, for one batch. The pipe to
+  the child is never written blocking: what does not fit waits in an outbox
+  that ``flush`` writes as the child reads. Frames (``_FrameCodec``) are a
   4-byte length and a pickle, over two private pipes: the only input the
   child reads. It exits when the parent's end closes (the parent exiting
   included). Policies repeat: each goes over once and by number after.
@@ -285,6 +287,8 @@ class WorkerBackend:
         self._loop: "asyncio.AbstractEventLoop | None" = None
         self._eof = False
         self._waiter: Any = None
+        self._write_waiter: Any = None
+        self._outbox = bytearray()
         self._exiting: list[subprocess.Popen] = []
         self.starts = 0
         """Children started so far (1 + restarts)."""
@@ -332,8 +336,10 @@ class WorkerBackend:
         os.close(to_child_r)
         os.close(from_child_w)
         os.set_blocking(from_child_r, False)
+        os.set_blocking(to_child_w, False)
         self.process, self._read_fd, self._write_fd = process, from_child_r, to_child_w
         self._to_child, self._from_child = _FrameCodec(), _FrameCodec()
+        self._outbox = bytearray()
         self._eof = False
         self._loop = asyncio._get_running_loop()
         if self._loop is not None:  # one reader for the child's life, not one per wait
@@ -360,7 +366,8 @@ class WorkerBackend:
         """Apply ``ops`` in the child; one value or exception per operation."""
         if self.process is None:
             await self.restart()
-        self.send(ops)
+        if not self.send(ops):
+            await self.flush()
         results: list[Any] = []
         done = False
         while not done:
@@ -368,14 +375,38 @@ class WorkerBackend:
             results += part
         return results
 
-    def send(self, ops: Sequence[DeviceOperation]) -> None:
-        """Send a batch (the child applies batches in the order sent)."""
+    def send(self, ops: Sequence[DeviceOperation]) -> bool:
+        """Send a batch (the child applies batches in the order sent). True
+        when it is all in the pipe; False when part of it waits for room:
+        then ``await flush()`` (the pipe is never written blocking)."""
         if self.process is None:
             raise WorkerError("The device worker process is not running")
+        data = self._to_child.encode(list(ops))
+        if self._outbox:
+            self._outbox += data
+            return False
         try:
-            self._to_child.write(self._write_fd, list(ops))
+            written = os.write(self._write_fd, data)
+        except BlockingIOError:
+            written = 0
         except OSError:
             raise self._gone(len(ops), applying=False) from None
+        if written < len(data):
+            self._outbox += memoryview(data)[written:]
+            return False
+        return True
+
+    async def flush(self) -> None:
+        """Write what ``send`` left waiting, as the child makes room."""
+        while self._outbox and self._write_fd >= 0:
+            try:
+                written = os.write(self._write_fd, self._outbox)
+            except BlockingIOError:
+                await self._wait_writable()
+                continue
+            except OSError:
+                raise self._gone(0, applying=False) from None
+            del self._outbox[:written]
 
     async def receive_part(self, batch: int) -> tuple[bool, list[Any]]:
         """The next results of the oldest batch sent: ``(done, results)``."""
@@ -389,6 +420,8 @@ class WorkerBackend:
             value = codec.next()
             if value is not None:
                 return value
+            if self._read_fd < 0:
+                raise WorkerError("The device worker process was closed before it answered")
             if self._loop is not None:  # asyncio: the reader callback fills the codec
                 if self._eof:
                     raise self._gone(batch)
@@ -406,6 +439,28 @@ class WorkerBackend:
             if not data:
                 raise self._gone(batch)
             codec.feed(data)
+
+    async def _wait_writable(self) -> None:
+        """Until the pipe to the child has room, or ``close``."""
+        fd, loop = self._write_fd, self._loop
+        if loop is None:
+            import trio
+
+            await trio.lowlevel.wait_writable(fd)
+            return
+        promise = self._write_waiter = _promise()
+
+        def writable() -> None:
+            loop.remove_writer(fd)
+            promise.set_value(None)
+
+        loop.add_writer(fd, writable)
+        try:
+            await promise.future
+        finally:
+            self._write_waiter = None
+            if not loop.is_closed():
+                loop.remove_writer(fd)  # a no-op once it fired
 
     def _on_readable(self) -> None:
         """asyncio reader callback: take what the child wrote; wake ``_receive``."""
@@ -436,8 +491,8 @@ class WorkerBackend:
         pid = process.pid if process is not None else "?"
         status = process.poll() if process is not None else None
         if process is not None and status is None:
-            try:
-                status = process.wait(timeout=1)
+            try:  # its pipe closed as it exited: the status follows within moments
+                status = process.wait(timeout=0.05)
             except subprocess.TimeoutExpired:
                 status = None
         self.close()
@@ -453,9 +508,18 @@ class WorkerBackend:
 
     def close(self) -> None:
         """Close the pipes; the child exits after the operation it applies (if any)."""
-        if self._loop is not None and self._read_fd >= 0 and not self._loop.is_closed():
-            self._loop.remove_reader(self._read_fd)
+        loop = self._loop
+        if loop is not None and self._read_fd >= 0 and not loop.is_closed():
+            loop.remove_reader(self._read_fd)
+            loop.remove_writer(self._write_fd)
+        elif loop is None and self._read_fd >= 0:
+            _trio_notify_closing(self._read_fd, self._write_fd)
         self._loop = None
+        self._outbox = bytearray()
+        for waiter in (self._waiter, self._write_waiter):  # wake them: they see the end
+            if waiter is not None:
+                waiter.set_value(None)
+        self._waiter = self._write_waiter = None
         for fd in (self._read_fd, self._write_fd):
             if fd >= 0:
                 try:
@@ -493,7 +557,20 @@ def _promise() -> Any:
     return Promise()
 
 
+def _trio_notify_closing(*fds: int) -> None:
+    """Tell trio tasks waiting on ``fds`` that they close (they get ClosedResourceError)."""
+    try:
+        import trio
+
+        for fd in fds:
+            trio.lowlevel.notify_closing(fd)
+    except (ImportError, RuntimeError):
+        pass
+
+
 async def _trio_wait_readable(fd: int) -> None:
     import trio
 
     await trio.lowlevel.wait_readable(fd)
+
+

@@ -332,3 +332,29 @@ async def test_termination_fails_what_the_worker_has_not_reported_and_the_child_
         assert terminated and all(isinstance(r, (ProcessTerminated, CgroupDeviceAccess)) for r in results)
         assert "terminated before the operation completed" in str(terminated[0])
     assert _wait_exit(pid)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_batch_larger_than_the_pipe_never_blocks_the_loop(v1_sandbox) -> None:
+    async with Runtime():
+        control = await _v1_control(v1_sandbox)
+        worker: WorkerBackend = control._process.backend  # type: ignore[assignment]
+        names = [f"{'n' * 200}{i}" for i in range(3000)]  # ~0.6 MB of frame, the pipe holds 64 KiB
+        sends: list[tuple[bool, float]] = []
+        original = worker.send
+
+        def timed(ops: Any) -> bool:
+            started = time.perf_counter()
+            complete = original(ops)
+            sends.append((complete, time.perf_counter() - started))
+            return complete
+
+        worker.send = timed  # type: ignore[method-assign]
+        results = await collect([control.exists(name) for name in names])
+        assert results == [False] * len(names)
+        assert any(not complete for complete, _ in sends), "the big batch should not have fit in the pipe"
+        assert max(elapsed for _, elapsed in sends) < 0.5  # a partial write returns; the rest is flushed later
+        assert await control.configure("after", *container_policy([], [])) is not None
+        assert await control.remove("after") is True
+        await control.close()
