@@ -26,7 +26,10 @@ Rules:
 - ``DeviceControl.create`` picks the backend (``auto``: see
   ``detect_backend``) and builds it in the executor, or in the worker
   process (v2 reads its checkpoint there, so a bad checkpoint fails
-  ``create`` either way).
+  ``create`` either way). A device worker process that cannot be started
+  (no ``sys.executable``, a child that dies at start) is logged as a
+  warning and a thread is used instead; the backend's own errors (a bad
+  hierarchy, a bad checkpoint) are raised.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from ._detect import resolve_backend
 from ._errors import DeviceControlError
 from ._memory import MemoryBackend
 from ._rules import CgroupDeviceAccess, DeviceRule, as_rules, check_diff
-from ._worker import WorkerBackend
+from ._worker import WorkerBackend, WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +251,10 @@ async def _build_backend(
         raise DeviceControlError("cgroups v2 device control needs a work_dir for its checkpoint")
     assert hierarchy is not None
     if worker == "process":
-        return await WorkerBackend.start(kind, hierarchy, cgroups_root, work_dir)
+        try:
+            return await WorkerBackend.start(kind, hierarchy, cgroups_root, work_dir)
+        except WorkerError as error:  # no child process here (not the backend's own error): a thread
+            logger.warning("%s; device control for %s uses a thread of this process instead", error, kind)
     if kind == "cgroups_v1":
         return await executor.run(CgroupsV1Backend, hierarchy, cgroups_root)
     return await executor.run(CgroupsV2Backend, hierarchy, cgroups_root, work_dir)

@@ -358,3 +358,22 @@ async def test_a_batch_larger_than_the_pipe_never_blocks_the_loop(v1_sandbox) ->
         assert await control.configure("after", *container_policy([], [])) is not None
         assert await control.remove("after") is True
         await control.close()
+
+
+@pytest.mark.asyncio
+async def test_a_worker_that_cannot_start_leaves_device_control_in_a_thread(
+    v1_sandbox, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sys
+
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    async with Runtime():
+        with caplog.at_level(logging.WARNING, logger="actors.devices"):
+            control = await _v1_control(v1_sandbox)
+        assert not control._process.remote
+        warning = [r.getMessage() for r in caplog.records if r.name == "actors.devices._control"]
+        assert warning and "Failed to start the device worker process" in warning[0]
+        assert "device control for cgroups_v1 uses a thread of this process instead" in warning[0]
+        assert await control.configure("c1", *container_policy([], [])) is not None
+        assert await control.remove("c1") is True
+        await control.close()
