@@ -130,7 +130,11 @@ class DeviceControlProcess(Process):
                 self._restarting = True
                 dispatch(self.pid, DeviceControlProcess._restart)
             return
-        batch = self._take()
+        if len(self._queued) > MAX_WORKER_BATCH:  # frames stay far below the worker's limit
+            batch, self._queued = self._queued[:MAX_WORKER_BATCH], self._queued[MAX_WORKER_BATCH:]
+            self.batches += 1
+        else:
+            batch = self._take()
         self._in_flight = []
         try:
             complete = worker.send([op for op, _ in batch])
@@ -141,6 +145,8 @@ class DeviceControlProcess(Process):
         if not complete and not self._flushing:
             self._flushing = True
             dispatch(self.pid, DeviceControlProcess._flush_outbox)
+        if self._queued and len(self._sent) < self.window:
+            self._pump()
         if not self._reading:
             self._reading = True
             dispatch(self.pid, DeviceControlProcess._read)
@@ -223,6 +229,10 @@ class DeviceControlProcess(Process):
 WINDOW = 2
 """Batches in a device worker process at once: one it applies, one waiting,
 so that it goes straight on to the next."""
+
+MAX_WORKER_BATCH = 4096
+"""Operations in one frame to a device worker process at most (a longer
+queue goes as several batches)."""
 
 WORKERS = ("thread", "process")
 """Where a kernel backend runs: a thread of this process, or a device worker

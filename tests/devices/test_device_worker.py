@@ -377,3 +377,25 @@ async def test_a_worker_that_cannot_start_leaves_device_control_in_a_thread(
         assert await control.configure("c1", *container_policy([], [])) is not None
         assert await control.remove("c1") is True
         await control.close()
+
+
+@pytest.mark.asyncio
+async def test_a_queue_longer_than_a_frame_goes_as_several_batches_in_order(
+    v1_sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actors.devices import _control
+
+    monkeypatch.setattr(_control, "MAX_WORKER_BATCH", 50)
+    async with Runtime():
+        control = await _v1_control(v1_sandbox)
+        worker: WorkerBackend = control._process.backend  # type: ignore[assignment]
+        sizes: list[int] = []
+        original = worker.send
+        worker.send = lambda ops: (sizes.append(len(ops)), original(ops))[1]  # type: ignore[method-assign]
+        policy = container_policy([], [])
+        calls = [control.configure("c1", *policy)] + [control.exists("c1") for _ in range(199)]
+        results = await collect(calls)
+        assert results[1:] == [True] * 199  # in arrival order: every exists sees the configure
+        assert max(sizes) <= 50 and sum(sizes) == 200
+        assert await control.remove("c1") is True
+        await control.close()
