@@ -233,13 +233,14 @@ def serve(spec: dict) -> None:
     clock = time.perf_counter
     try:
         while True:
-            ops = codec.next()
-            if ops is None:
+            frame = codec.next()
+            if frame is None:
                 data = os.read(read_fd, 1 << 20)
                 if not data:
                     return  # the parent closed its end
                 codec.feed(data)
                 continue
+            ops = [DeviceOperation(kind, args) for kind, args in frame]
             if not each:
                 results = backend.apply_batch(ops)
                 codec.write(write_fd, ("done", results, collect.records))
@@ -381,7 +382,7 @@ class WorkerBackend:
         then ``await flush()`` (the pipe is never written blocking)."""
         if self.process is None:
             raise WorkerError("The device worker process is not running")
-        data = self._to_child.encode(list(ops))
+        data = self._to_child.encode([(op.kind, op.args) for op in ops])  # plain tuples pickle twice as fast
         if self._outbox:
             self._outbox += data
             return False
