@@ -25,7 +25,7 @@ Rules:
   ``actors.devices``).
 - ``send(ops)`` / ``flush()`` / ``receive_part(n)`` are used by the device
   control actor only (it keeps at most ``WINDOW`` batches in the child, see
-  ``_control``); ``run_batch(ops)`` is all three, for one batch. The pipe to
+  ``_control``). The pipe to
   the child is never written blocking: what does not fit waits in an outbox
   that ``flush`` writes as the child reads. Frames (``_FrameCodec``) are a
   4-byte length and a pickle, over two private pipes: the only input the
@@ -363,19 +363,6 @@ class WorkerBackend:
         logger.info("Starting a new device worker process for %s at %s", self.name, self.root)
         await self._spawn()
 
-    async def run_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:
-        """Apply ``ops`` in the child; one value or exception per operation."""
-        if self.process is None:
-            await self.restart()
-        if not self.send(ops):
-            await self.flush()
-        results: list[Any] = []
-        done = False
-        while not done:
-            done, part = await self.receive_part(len(ops))
-            results += part
-        return results
-
     def send(self, ops: Sequence[DeviceOperation]) -> bool:
         """Send a batch (the child applies batches in the order sent). True
         when it is all in the pipe; False when part of it waits for room:
@@ -549,7 +536,7 @@ class WorkerBackend:
         self._exiting.clear()
 
     def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:  # the port, for a thread
-        raise DeviceControlError("A WorkerBackend is applied with 'await run_batch(ops)', not in a thread")
+        raise DeviceControlError("A WorkerBackend is driven by device control (send/receive_part), not in a thread")
 
 
 def _promise() -> Any:

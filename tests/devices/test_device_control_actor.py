@@ -205,7 +205,8 @@ async def test_termination_fails_queued_and_in_flight_calls() -> None:
 
 
 @pytest.mark.asyncio
-async def test_v2_needs_a_work_dir_and_a_readable_checkpoint(tmp_path) -> None:
+@pytest.mark.parametrize("worker", ["thread", "process"])
+async def test_v2_needs_a_work_dir_and_a_readable_checkpoint(tmp_path, worker: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root")
     V2_HIERARCHY = next(
@@ -215,14 +216,17 @@ async def test_v2_needs_a_work_dir_and_a_readable_checkpoint(tmp_path) -> None:
         pytest.skip("no cgroup2 hierarchy")
     async with Runtime():
         with pytest.raises(DeviceControlError, match="needs a work_dir"):
-            await DeviceControl.create("cgroups_v2", hierarchy=V2_HIERARCHY, cgroups_root="gpu-isolator-test-x")
+            await DeviceControl.create(
+                "cgroups_v2", hierarchy=V2_HIERARCHY, cgroups_root="gpu-isolator-test-x", worker=worker
+            )
         file = checkpoint_file(str(tmp_path))
         os.makedirs(os.path.dirname(file))
         with open(file, "w") as handle:
             handle.write('{"version": 1, "root": "')
         with pytest.raises(CheckpointError, match="never read as empty"):
             await DeviceControl.create(
-                "cgroups_v2", hierarchy=V2_HIERARCHY, cgroups_root="gpu-isolator-test-x", work_dir=str(tmp_path)
+                "cgroups_v2", hierarchy=V2_HIERARCHY, cgroups_root="gpu-isolator-test-x", work_dir=str(tmp_path),
+                worker=worker,
             )
     with pytest.raises(DeviceControlError, match="Unknown device backend 'v9'"):
         async with Runtime():

@@ -22,13 +22,11 @@ import pytest
 from actors import Flags, FlagsError
 from actors.devices import (
     CgroupDeviceAccess,
-    CheckpointError,
     DeviceControl,
     DeviceControlError,
     DeviceOperation,
     DeviceRule,
     KernelOperationError,
-    checkpoint_file,
     container_policy,
 )
 from actors.devices._worker import MAX_FRAME, WorkerBackend, WorkerError, _FrameCodec
@@ -111,27 +109,6 @@ async def test_an_unknown_worker_and_a_bad_hierarchy_fail_create(tmp_path) -> No
         memory = await DeviceControl.create("memory", worker="process")  # in memory there is nothing to offload
         assert memory.backend_name == "memory" and not memory._process.remote
         await memory.close()
-
-
-@pytest.mark.asyncio
-async def test_a_garbled_v2_checkpoint_fails_create_in_the_worker_too(tmp_path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root")
-    hierarchy = next(
-        (h for h in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified") if os.path.isfile(f"{h}/cgroup.controllers")), None
-    )
-    if hierarchy is None:
-        pytest.skip("no cgroup2 hierarchy")
-    file = checkpoint_file(str(tmp_path))
-    os.makedirs(os.path.dirname(file))
-    with open(file, "w") as handle:
-        handle.write('{"version": 1, "root": "')
-    async with Runtime():
-        with pytest.raises(CheckpointError, match="never read as empty"):
-            await DeviceControl.create(
-                "cgroups_v2", hierarchy=hierarchy, cgroups_root="gpu-isolator-test-x", work_dir=str(tmp_path),
-                worker="process",
-            )
 
 
 # -- the kernel --------------------------------------------------------------------------
