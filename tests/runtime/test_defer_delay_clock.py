@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -145,15 +146,22 @@ async def test_a_cancelled_delay_never_fires() -> None:
         assert proc.log == ["fired"]
 
 
-async def test_a_delay_to_a_terminated_process_is_dropped() -> None:
+async def test_a_delay_to_a_terminated_process_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
     async with Runtime():
         Clock.pause()
-        pid = spawn(Owner())
-        delay(1, pid, Owner.record, "x")
+        gone, alive = Owner(), Owner()
+        pid, alive_pid = spawn(gone), spawn(alive)
+        dropped = delay(1, pid, Owner.record, "x")
+        delivered = delay(1, alive_pid, Owner.record, "y")  # same deadline, a live target
         terminate(pid)
         await wait(pid)
-        Clock.advance(1)  # the dispatch fails quietly; nothing raises here
-        await Clock.settle()
+        with caplog.at_level(logging.WARNING):
+            Clock.advance(1)
+            await Clock.settle()
+        assert dropped.fired and delivered.fired
+        assert alive.log == ["y"]
+        assert gone.log == []  # the method never ran on the terminated process
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 # -- the Clock ------------------------------------------------------------------------
@@ -206,9 +214,14 @@ async def test_advance_needs_a_paused_clock_and_a_non_negative_duration() -> Non
 async def test_a_running_clock_fires_timers_by_itself() -> None:
     async with Runtime():
         fired = anyio.Event()
-        Clock.timer(0.001, fired.set)
+        start = Clock.now()
+        timer = Clock.timer(0.001, fired.set)
+        later = Clock.timer(3600, lambda: None)
         with anyio.fail_after(10):  # a hang guard, not a timing assertion
             await fired.wait()
+        assert not Clock.paused()
+        assert timer.fired and Clock.now() - start >= 0.001  # not before its deadline
+        assert not later.fired  # a timer an hour away waits its turn
 
 
 async def test_a_raising_timer_is_logged_and_others_still_fire(caplog: pytest.LogCaptureFixture) -> None:

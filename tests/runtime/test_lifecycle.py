@@ -119,12 +119,23 @@ async def test_wait_completes_only_once_finalized() -> None:
 
 async def test_terminating_an_unknown_pid_is_a_no_op() -> None:
     async with Runtime():
+        bystander = Recorder()
+        other = spawn(bystander)
         terminate(PID("nobody(0)"))
         terminate(PID("nobody(0)"), inject=False)
-        pid = spawn(Recorder())
+        # No other process was touched: the bystander still serves events.
+        assert await dispatch(other, Recorder.record, "still here") == "still here"
+        proc = Recorder()
+        pid = spawn(proc)
         terminate(pid)
         await wait(pid)
-        terminate(pid)  # already gone
+        assert proc.log == ["finalize"]
+        terminate(pid)  # already gone: finalize does not run again
+        terminate(pid, inject=False)
+        await Clock.settle()
+        assert proc.log == ["finalize"]
+        assert wait(pid).is_ready()
+        assert bystander.log == ["still here"]
 
 
 async def test_a_second_live_process_with_the_same_explicit_id_is_an_error() -> None:
