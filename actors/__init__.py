@@ -36,7 +36,6 @@ from .nvml import (
     SimulatedNvml,
     load_host_file,
     open_nvml,
-    open_nvml_or_default,
 )
 from .resources import Resources, ResourcesError
 from .volume import (
@@ -56,7 +55,7 @@ __all__ = [
     "Flags", "FlagsError", "NVIDIA_MAJOR", "Gpu", "GpuInfo", "render_inventory", "ImageManifest",
     "ManifestError", "BindingsNvml", "GpuUsage", "HealthEvent", "HostFileError", "NodeInventory",
     "Nvml", "NvmlError", "NvmlNotSupported", "NvmlService", "SimulatedNvml", "load_host_file",
-    "open_nvml", "open_nvml_or_default", "Resources", "ResourcesError", "DeviceNode",
+    "open_nvml", "Resources", "ResourcesError", "DeviceNode",
     "DeviceNodeError", "NvidiaVolume", "NvidiaVolumeProcess", "VolumeError", "copy_device_nodes",
     "nvidia_device_nodes",
 ]

@@ -38,7 +38,8 @@ Rules of the measurement:
   line). A progress line on stderr while it runs (``--no-progress``).
 
 Run: ``python -m benchmarks.churn [--workers 64] [--seconds 5] [--repeat 3]
-[--backends memory,cgroups_v1,cgroups_v2]`` (or ``gpu-isolator bench ...``).
+[--backends memory,cgroups_v1,cgroups_v2]`` from a source checkout (the benchmarks
+are not part of the installed package).
 """
 
 from __future__ import annotations

@@ -5,17 +5,22 @@ Commands:
   8-GPU node with in-memory devices: no root, no GPU.
 - ``run SCRIPT [--backend B]``: run a message script, printing each step as it
   completes and a summary.
-- ``inspect [--host-file F]``: the node's GPUs and topology (the real NVML
-  without ``--host-file``; the embedded simulated node when no driver).
-- ``bench [...]``: the container churn benchmark; every argument after
-  ``bench`` goes to ``benchmarks.churn`` (a source checkout only).
+- ``inspect [--host-file F | --simulated]``: the node's GPUs and topology:
+  the real NVML (R-NV-1: without a usable NVML this is an error, never a
+  made-up node), a host file's simulated node, or, when asked for by
+  ``--simulated``, the embedded 8-GPU example node; a simulated node says
+  so on its first line.
+- The churn benchmark is not a command: it lives in the source tree
+  (``python -m benchmarks.churn`` from a checkout), not in the installed
+  package.
 
 Exit codes: 0 when every expectation held (or the command succeeded); 1 when
 a script ran and an expectation did not hold; 2 for bad arguments, a bad
-script or a node that cannot start: one line on stderr
+script or a node that cannot start (no NVML included): one line on stderr
 (``gpu-isolator: error: ...``), never a traceback (``--verbose`` adds one
-for unexpected errors); 130 on Ctrl-C. ``main(argv)`` returns the code
-instead of exiting, so tests call it directly.
+for unexpected errors); 130 on Ctrl-C. Every error of every command exits
+non-zero. ``main(argv)`` returns the code instead of exiting, so tests call
+it directly.
 """
 
 from __future__ import annotations
@@ -83,18 +88,14 @@ def _parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser(
         "inspect", help="show the node's GPUs and topology",
         description="Show the GPUs NVML reports and their topology matrix (like 'nvidia-smi topo -m')."
-                    " Without --host-file: the real NVML, or the embedded simulated node when no"
-                    " NVIDIA driver is present.",
+                    " Without an option: this machine's GPUs through the real NVML (an error when"
+                    " NVML is not available). --host-file or --simulated show a simulated node instead.",
     )
-    inspect.add_argument("--host-file", metavar="FILE", help="a simulated node (TOML or JSON host file)")
+    node = inspect.add_mutually_exclusive_group()
+    node.add_argument("--host-file", metavar="FILE", help="a simulated node (TOML or JSON host file)")
+    node.add_argument("--simulated", action="store_true",
+                      help="the embedded simulated 8-GPU example node (the demo's), not this machine's GPUs")
     inspect.set_defaults(func=_cmd_inspect)
-
-    bench = sub.add_parser(
-        "bench", add_help=False, help="container churn benchmark (benchmarks.churn)",
-        description="Concurrent container churn against the raw-kernel floor. Every argument after"
-                    " 'bench' goes to benchmarks.churn ('%(prog)s --help' shows its options).",
-    )
-    bench.set_defaults(func=_cmd_bench, bench_parser=bench)
     return parser
 
 
@@ -156,10 +157,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from actors import NvmlService, render_inventory
+    from actors import NvmlError, NvmlService, render_inventory
+    from actors.nvml import embedded_simulated_node
 
     async def show() -> int:
-        service = await NvmlService.open(args.host_file, fallback=True)
+        if args.simulated:
+            service = NvmlService(embedded_simulated_node())
+            _print("--simulated: the built-in example node (the demo's), not this machine's GPUs")
+        else:
+            try:
+                service = await NvmlService.open(args.host_file)
+            except NvmlError as e:
+                if args.host_file is not None:
+                    raise
+                raise Failure(
+                    f"cannot read this machine's GPUs: {e.headline}; is the NVIDIA driver installed and"
+                    " loaded? Without one, inspect a simulated node: --host-file FILE, or --simulated"
+                    " for the built-in example"
+                ) from None
         try:
             inventory = await service.inventory()
         finally:
@@ -170,50 +185,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return _run_async(show)
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    bench_args: list[str] = args.bench_args
-    try:
-        from benchmarks import churn
-    except ModuleNotFoundError as e:
-        if e.name not in ("benchmarks", "benchmarks.churn"):
-            raise
-        if any(a in ("-h", "--help") for a in bench_args):
-            args.bench_parser.print_help()
-        raise Failure("the churn benchmark is not installed with this package; run it from a source"
-                      " checkout: python -m benchmarks.churn --help") from None
-    code = churn.main(bench_args)
-    return int(code or 0)
-
-
-def _split_bench(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Everything after ``bench`` belongs to the benchmark, options included."""
-    for i, arg in enumerate(argv):
-        if arg == "bench":
-            return argv[: i + 1], argv[i + 1:]
-        if arg not in _GLOBAL_OPTIONS:
-            break
-    return argv, []
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (see module rules)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    argv, bench_args = _split_bench(argv)
     verbose = any(a in _GLOBAL_OPTIONS for a in argv)
     try:
         try:
             args = _parser().parse_args(argv)
         except SystemExit as e:  # --help
             return int(e.code or 0) if not isinstance(e.code, str) else 2
-        args.bench_args = bench_args
         logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
                             format="%(levelname)s %(name)s: %(message)s")
         return args.func(args)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    except SystemExit as e:  # a delegated command (bench) exiting
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except UsageError as e:
         print(f"{e}", file=sys.stderr)
         return 2

@@ -8,6 +8,11 @@ Rules (R-AL-1, SPEC section 11; Mesos' ``NvidiaGpuAllocator``):
   inventory (through the Executor), picks the managed GPUs (the devices
   flag, else indices ``0..gpus-1``) and spawns the allocator process. With
   no GPU to manage it touches no NVML at all.
+- ``resources`` and ``create`` agree (R-NV-1): without a usable NVML (no
+  host file, no driver) ``resources`` passes ``gpus`` through unchecked, as
+  Mesos does, and ``create`` of the GPUs it names fails with "Failed to
+  nvml::initialize: ..." (NVML's own error); nothing is ever managed that
+  NVML did not report.
 - ``total()`` is the managed set (sync). Every other call dispatches to the
   process and returns a runtime ``Future``: ``allocate(count) ->
   Future[set[Gpu]]``, ``allocate(gpus) -> Future[None]``,
@@ -88,7 +93,10 @@ class NvidiaGpuAllocator:
             return cls(spawn(process), ())
         owns = wrapped = False
         if nvml is None:
-            service = await NvmlService.open(flags.host_file)
+            try:
+                service = await NvmlService.open(flags.host_file)
+            except NvmlError as exc:  # no invented GPUs: the ones resources named cannot be found
+                raise AllocatorError(f"Failed to nvml::initialize: {exc}") from exc
             owns = True
         elif isinstance(nvml, NvmlService):
             service = nvml

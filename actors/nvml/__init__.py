@@ -20,7 +20,7 @@ from ._hostfile import (
     parse_host_file,
 )
 from ._inventory import GpuUsage, NodeInventory, read_inventory, read_usage
-from ._open import default_simulated_node, nvml_available, open_nvml, open_nvml_or_default
+from ._open import embedded_simulated_node, nvml_available, open_nvml
 from ._port import (
     DEFAULT_CONTROL_DEVICES,
     NON_CRITICAL_XIDS,
@@ -45,7 +45,7 @@ __all__ = [
     "NvmlError", "NvmlNotSupported", "NvmlUnavailable", "MAX_GPUS", "HostFile",
     "HostGpu", "HostSpec", "SimGpu", "host_spec_from_dict", "load_host_file",
     "parse_host_file", "GpuUsage", "NodeInventory", "read_inventory", "read_usage",
-    "default_simulated_node", "nvml_available", "open_nvml", "open_nvml_or_default",
+    "embedded_simulated_node", "nvml_available", "open_nvml",
     "DEFAULT_CONTROL_DEVICES", "NON_CRITICAL_XIDS", "NVLINK_MAX_LINKS",
     "TOPOLOGY_HOSTBRIDGE", "TOPOLOGY_INTERNAL", "TOPOLOGY_MULTIPLE", "TOPOLOGY_NAMES",
     "TOPOLOGY_NODE", "TOPOLOGY_SINGLE", "TOPOLOGY_SYSTEM", "HealthEvent", "MemoryInfo",

@@ -1,4 +1,4 @@
-"""The embedded simulated node: what runs when no NVIDIA driver is present.
+"""The embedded simulated node: the demo's node, and ``inspect --simulated``'s.
 
 Rules:
 - ``EMBEDDED_HOST_FILE`` is a host file (TOML) for an 8-GPU node shaped like
@@ -6,6 +6,8 @@ Rules:
   pair inside an island joined by 6 links), pairs of GPUs behind one PCIe
   switch, one NUMA node per island.
 - ``embedded_host_spec()`` parses it (always valid; a test checks it).
+- Only a caller that chose it uses it, and says so on screen (R-NV-1): the
+  library never falls back to it when NVML is missing.
 """
 
 from __future__ import annotations

@@ -88,10 +88,15 @@ class NvmlError(Failure):
         self.code = code
         self.text = text or nvml_error_text(code)
         self.detail = detail
-        message = f"{function} failed: {self.text} ({nvml_error_name(code)})"
+        message = self.headline
         if detail:
             message += f"; {detail}"
         super().__init__(message)
+
+    @property
+    def headline(self) -> str:
+        """The failure without the detail: ``nvmlInit failed: Driver Not Loaded (NVML_ERROR_DRIVER_NOT_LOADED)``."""
+        return f"{self.function} failed: {self.text} ({nvml_error_name(self.code)})"
 
     def __reduce__(self):  # keep pickling (e.g. across processes) lossless
         return (type(self), (self.function, self.code, self.text, self.detail))
@@ -120,8 +125,8 @@ class NvmlUnavailable(NvmlError):
 
 
 _HINT = (
-    "is the NVIDIA driver installed and loaded? Without a GPU, pass"
-    " '--host_file' to use a simulated node"
+    "is the NVIDIA driver installed and loaded? Without one, set '--host_file'"
+    " (Flags.host_file) to a host file to use a simulated node"
 )
 
 

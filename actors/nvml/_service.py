@@ -9,7 +9,8 @@ Rules:
 - ``wait_event`` runs on its own single-thread executor so a health watcher
   blocked in NVML never delays inventory or usage calls.
 - ``NvmlService.open(host_file)`` opens the port in the executor
-  (``open_nvml``; with ``fallback=True``, ``open_nvml_or_default``).
+  (``open_nvml``: the host file's simulated node, or the real NVML when
+  None; never a made-up node).
 - ``close()`` shuts NVML down (once) and stops the executors this service
   created.
 """
@@ -25,7 +26,7 @@ from runtime import Executor
 from actors.gpu import Gpu, GpuInfo
 
 from ._inventory import GpuUsage, NodeInventory, read_inventory, read_usage
-from ._open import open_nvml, open_nvml_or_default
+from ._open import open_nvml
 from ._port import HealthEvent, Nvml
 
 __all__ = ["NvmlService"]
@@ -49,13 +50,11 @@ class NvmlService:
         cls,
         host_file: str | os.PathLike[str] | None,
         executor: Executor | None = None,
-        *,
-        fallback: bool = False,
     ) -> "NvmlService":
         """Open (and init) the port for ``host_file`` in the executor."""
         runner = executor if executor is not None else Executor(max_workers=2, name="nvml")
         try:
-            nvml = await runner.run(open_nvml_or_default if fallback else open_nvml, host_file)
+            nvml = await runner.run(open_nvml, host_file)
         except BaseException:
             if executor is None:
                 runner.shutdown(wait=False)

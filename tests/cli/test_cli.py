@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.nvml.testing import nvml_library_missing
 from isolators import cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -174,7 +175,7 @@ def test_inspect_a_bad_host_file(capsys: pytest.CaptureFixture[str], tmp_path: P
     (["--help"], "usage: gpu-isolator [-h] [-v] COMMAND ..."),
     (["demo", "--help"], "usage: gpu-isolator demo [-h]"),
     (["run", "--help"], "usage: gpu-isolator run [-h] [--backend {memory,cgroups_v1,cgroups_v2}] SCRIPT"),
-    (["inspect", "--help"], "usage: gpu-isolator inspect [-h] [--host-file FILE]"),
+    (["inspect", "--help"], "usage: gpu-isolator inspect [-h] [--host-file FILE | --simulated]"),
 ])
 def test_help(capsys: pytest.CaptureFixture[str], argv: list[str], usage: str) -> None:
     code, out, err = run(capsys, *argv)
@@ -182,21 +183,28 @@ def test_help(capsys: pytest.CaptureFixture[str], argv: list[str], usage: str) -
     assert out.startswith(usage)
 
 
-def test_bench_help_is_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("benchmarks.churn")
-    code, out, _ = run(capsys, "bench", "--help")
-    assert code == 0
-    assert out.startswith("usage:") and "--workers" in out
-
-
-def test_bench_without_the_benchmarks(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "benchmarks", None)
-    code, out, err = run(capsys, "bench", "--workers", "2")
+def test_inspect_without_nvml_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with nvml_library_missing():  # no driver, whatever this machine has
+        code, out, err = run(capsys, "inspect")
     assert code == 2 and out == ""
-    assert_one_line_error(err, "the churn benchmark is not installed", "python -m benchmarks.churn")
-    code, out, err = run(capsys, "bench", "--help")
-    assert code == 2
-    assert out.startswith("usage: gpu-isolator bench")
+    assert_one_line_error(err)
+    assert err.strip() == (
+        "gpu-isolator: error: cannot read this machine's GPUs: nvmlInit failed: NVML Shared Library Not"
+        " Found (NVML_ERROR_LIBRARY_NOT_FOUND); is the NVIDIA driver installed and loaded? Without one,"
+        " inspect a simulated node: --host-file FILE, or --simulated for the built-in example"
+    )
+
+
+def test_inspect_simulated_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    with nvml_library_missing():
+        code, out, err = run(capsys, "inspect", "--simulated")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == "--simulated: the built-in example node (the demo's), not this machine's GPUs"
+    assert lines[1] == "simulated node (<embedded 8-GPU node>.toml), driver 550.54.15, 8 GPUs"
+    code, out, err = run(capsys, "inspect", "--simulated", "--host-file", "x.toml")
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "argument --host-file: not allowed with argument --simulated")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -206,6 +214,7 @@ def test_bench_without_the_benchmarks(capsys: pytest.CaptureFixture[str], monkey
     (["run", "x.yaml", "--backend", "gpu"], "gpu-isolator run: error: argument --backend: invalid choice: 'gpu'"),
     (["inspect", "--host-file"], "gpu-isolator inspect: error: argument --host-file: expected one argument"),
     (["demo", "extra"], "gpu-isolator: error: unrecognized arguments: extra"),
+    (["bench"], "gpu-isolator: error: argument COMMAND: invalid choice: 'bench' (choose from 'demo', 'run', 'inspect')"),
     (["run", "/no/such/script.yaml"], "gpu-isolator: error: Cannot read script '/no/such/script.yaml'"),
 ])
 def test_bad_arguments(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
@@ -214,14 +223,16 @@ def test_bad_arguments(capsys: pytest.CaptureFixture[str], argv: list[str], mess
     assert_one_line_error(err, message)
 
 
-def test_an_internal_error_is_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("argv", [["run", str(EXAMPLES / "quickstart.yaml")], ["demo"]], ids=["run", "demo"])
+def test_an_internal_error_is_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                       argv: list[str]) -> None:
     import isolators._script as script_module
 
     async def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("something broke")
 
     monkeypatch.setattr(script_module, "run_script", broken)
-    code, _, err = run(capsys, "run", str(EXAMPLES / "quickstart.yaml"))
+    code, _, err = run(capsys, *argv)
     assert code == 2
     assert_one_line_error(err, "gpu-isolator: internal error: RuntimeError: something broke",
                           "run with --verbose for the traceback")
@@ -243,3 +254,31 @@ def test_python_m_isolators(tmp_path: Path) -> None:
         " (prepare, update, usage, cleanup, recover, create, concurrent, advance, restart, free, held,"
         " reconcile, mark_unhealthy) plus optional 'name' and 'expect'"
     )
+
+
+def test_the_installed_command_outside_the_source_tree(tmp_path: Path) -> None:
+    """The console script as a user runs it: no source tree on sys.path."""
+    script = Path(sys.executable).parent / "gpu-isolator"
+    if not script.exists():
+        pytest.skip(f"the gpu-isolator console script is not installed next to {sys.executable}"
+                    " (python -m pip install -e .)")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+
+    def run_installed(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(script), *argv], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    demo = run_installed("demo")
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "A simulated node with 8 GPUs" in demo.stdout and "every expectation held" in demo.stdout
+    simulated = run_installed("inspect", "--simulated")
+    assert simulated.returncode == 0, simulated.stderr
+    assert simulated.stdout.startswith("--simulated: the built-in example node")
+    # The benchmark is not part of the installed package: no half-working command.
+    bench = run_installed("bench")
+    assert bench.returncode == 2 and bench.stdout == ""
+    assert bench.stderr.startswith("gpu-isolator: error: argument COMMAND: invalid choice: 'bench'")
+    for argv in (["run", "missing.yaml"], ["inspect", "--host-file", "missing.toml"], ["frobnicate"]):
+        failed = run_installed(*argv)
+        assert failed.returncode == 2, (argv, failed.stdout, failed.stderr)
+        assert len(failed.stderr.strip().splitlines()) == 1, failed.stderr

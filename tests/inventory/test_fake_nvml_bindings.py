@@ -75,7 +75,8 @@ def test_nvml_errors_reach_the_caller_as_clear_errors(probe, data_dir):
     assert results[0]["error"] == {
         "type": "NvmlUnavailable",
         "message": "nvmlInit failed: Driver Not Loaded (NVML_ERROR_DRIVER_NOT_LOADED); is the NVIDIA"
-        " driver installed and loaded? Without a GPU, pass '--host_file' to use a simulated node",
+        " driver installed and loaded? Without one, set '--host_file' (Flags.host_file) to a host file"
+        " to use a simulated node",
         "function": "nvmlInit",
         "code": 9,
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.gpu import Gpu
+from actors.nvml.testing import nvml_library_missing
 from actors.nvml import (
     DEFAULT_CONTROL_DEVICES,
     EMBEDDED_HOST_FILE,
@@ -18,12 +19,11 @@ from actors.nvml import (
     NvmlNotSupported,
     NvmlUnavailable,
     SimulatedNvml,
-    default_simulated_node,
+    embedded_simulated_node,
     embedded_host_spec,
     load_host_file,
     nvml_available,
     open_nvml,
-    open_nvml_or_default,
     parse_host_file,
     read_inventory,
     read_usage,
@@ -75,15 +75,18 @@ def test_pcie_example_and_json_host_file(data_dir):
     assert mixed.gpus[2].mig is True and mixed.driver_version == "470.223.02"
 
 
-def test_embedded_default_node_is_valid_and_used_without_a_driver():
+def test_embedded_node_is_valid_and_never_stands_in_for_a_missing_driver():
     assert "[[gpus]]" in EMBEDDED_HOST_FILE
     assert len(embedded_host_spec().gpus) == 8
-    assert len(read_inventory(default_simulated_node()).gpus) == 8
-    if nvml_available():
-        pytest.skip("a real NVIDIA driver is present here")
-    with pytest.raises(NvmlUnavailable, match="pass '--host_file' to use a simulated node"):
-        open_nvml(None)
-    assert open_nvml_or_default(None).kind == "simulated"
+    assert len(read_inventory(embedded_simulated_node()).gpus) == 8
+    with nvml_library_missing():
+        with pytest.raises(NvmlUnavailable) as caught:
+            open_nvml(None)  # no host file: the real NVML or an error, never the embedded node
+    assert str(caught.value) == (
+        "nvmlInit failed: NVML Shared Library Not Found (NVML_ERROR_LIBRARY_NOT_FOUND); is the NVIDIA"
+        " driver installed and loaded? Without one, set '--host_file' (Flags.host_file) to a host file"
+        " to use a simulated node"
+    )
 
 
 @pytest.mark.parametrize(
