@@ -23,6 +23,7 @@ from .flags import Flags, FlagsError
 from .gpu import NVIDIA_MAJOR, Gpu, GpuInfo
 from .inventory_table import render_inventory
 from .manifest import ImageManifest, ManifestError
+from .mig import MigCapabilities, MigCapabilityError, MigDevice, MigDeviceInfo, read_mig_capabilities
 from .nvml import (
     BindingsNvml,
     GpuUsage,
@@ -53,7 +54,8 @@ __all__ = [
     "CgroupDeviceAccess", "DeviceControl", "DeviceControlError", "DeviceControlProcess", "DeviceRule",
     "FaultInjectingBackend", "KernelOperationError", "container_policy", "detect_backend", "is_granted",
     "Flags", "FlagsError", "NVIDIA_MAJOR", "Gpu", "GpuInfo", "render_inventory", "ImageManifest",
-    "ManifestError", "BindingsNvml", "GpuUsage", "HealthEvent", "HostFileError", "NodeInventory",
+    "ManifestError", "MigCapabilities", "MigCapabilityError", "MigDevice", "MigDeviceInfo",
+    "read_mig_capabilities", "BindingsNvml", "GpuUsage", "HealthEvent", "HostFileError", "NodeInventory",
     "Nvml", "NvmlError", "NvmlNotSupported", "NvmlService", "SimulatedNvml", "load_host_file",
     "open_nvml", "Resources", "ResourcesError", "DeviceNode",
     "DeviceNodeError", "NvidiaVolume", "NvidiaVolumeProcess", "VolumeError", "copy_device_nodes",

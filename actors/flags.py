@@ -21,6 +21,11 @@ Rules:
   ``memory``; ``device_worker`` is ``process`` (default: the kernel work
   in a child process) or ``thread``; ``gpu_allocation`` is ``topology`` (R-AL-2) or ``lowest``
   (Mesos: lowest minors first).
+- ``nvidia_mig_strategy`` (R-MG-3) is ``none`` (MIG-enabled GPUs are
+  handed out whole), ``single`` (every MIG device is one unit of ``gpus``)
+  or ``mixed`` (MIG devices are resources ``mig-<profile>`` beside
+  ``gpus``); ``proc_dir`` (default ``/proc``) is where the MIG capability
+  facts are read (``driver/nvidia-caps/mig-minors``, ``devices``).
 - ``reconcile_interval`` and ``gpu_health_interval`` are seconds (``None`` =
   off); on the command line they also take Mesos durations (``30secs``,
   ``500ms``, ``2mins``) or ``off``.
@@ -47,10 +52,12 @@ DEFAULT_ISOLATION = "filesystem/linux,cgroups/devices,gpu/nvidia"
 DeviceBackend = Literal["auto", "cgroups_v1", "cgroups_v2", "memory"]
 GpuAllocation = Literal["topology", "lowest"]
 DeviceWorker = Literal["process", "thread"]
+MigStrategy = Literal["none", "single", "mixed"]
 
 _BACKENDS = ("auto", "cgroups_v1", "cgroups_v2", "memory")
 _ALLOCATIONS = ("topology", "lowest")
 _WORKERS = ("process", "thread")
+_MIG_STRATEGIES = ("none", "single", "mixed")
 
 
 class FlagsError(ValueError):
@@ -140,7 +147,15 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Where the kernel device work runs: ``process`` (a device worker process
     of its own, overlapping the event loop) or ``thread`` (a thread here)."""
 
+    nvidia_mig_strategy: MigStrategy = "none"
+    """``none`` (MIG GPUs handed out whole) | ``single`` (each MIG device is one
+    unit of ``gpus``) | ``mixed`` (MIG devices as ``mig-<profile>`` resources)."""
+    proc_dir: str = "/proc"
+    """Where the MIG capability facts are read (``driver/nvidia-caps/mig-minors``,
+    ``devices``); tests point it at files of their own."""
+
     def __post_init__(self) -> None:
+        _check_choice("nvidia_mig_strategy", self.nvidia_mig_strategy)
         _check_choice("device_backend", self.device_backend)
         _check_choice("gpu_allocation", self.gpu_allocation)
         _check_choice("device_worker", self.device_worker)
@@ -167,6 +182,8 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 )
         if not self.dev_dir:
             raise FlagsError("Invalid '--dev_dir': it must not be empty")
+        if not self.proc_dir:
+            raise FlagsError("Invalid '--proc_dir': it must not be empty")
 
     # ------------------------------------------------------------- queries
 
@@ -240,7 +257,12 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 _FIELDS = set(Flags.__struct_fields__)
 _INTERVALS = ("reconcile_interval", "gpu_health_interval")
-_CHOICES = {"device_backend": _BACKENDS, "gpu_allocation": _ALLOCATIONS, "device_worker": _WORKERS}
+_CHOICES = {
+    "device_backend": _BACKENDS,
+    "gpu_allocation": _ALLOCATIONS,
+    "device_worker": _WORKERS,
+    "nvidia_mig_strategy": _MIG_STRATEGIES,
+}
 
 
 def _check_choice(name: str, value: Any) -> None:

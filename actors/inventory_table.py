@@ -3,7 +3,10 @@
 Rules:
 - ``render_gpu_table`` lists one GPU a row: NVML index, minor, UUID, name,
   PCI bus id, memory (MiB), NUMA node, MIG; plus a health/allocation column
-  when given. Columns are padded to their widest cell; no colours.
+  when given. Columns are padded to their widest cell; no colours. The MIG
+  devices of a GPU follow its row (R-MG-3): IDX ``<gpu>:<mig index>`` (as
+  NVIDIA names them), UUID ``MIG-…``, NAME ``└ MIG <profile> (GI g, CI c)``,
+  memory; ``status`` may key them by their ``MigDevice``.
 - ``render_topology`` is a matrix like ``nvidia-smi topo -m``: ``X`` on the
   diagonal, ``NV<n>`` for n NVLink links, else the PCIe level (``BRD`` same
   board, ``PIX`` one switch, ``PXB`` several switches, ``PHB`` host bridge,
@@ -16,8 +19,8 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from actors.gpu import Gpu
 from actors.nvml import TOPOLOGY_NAMES, NodeInventory
 
 __all__ = ["render_inventory", "render_gpu_table", "render_topology", "topology_cell"]
@@ -42,7 +45,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def render_gpu_table(inventory: NodeInventory, status: Mapping[Gpu, str] | None = None) -> str:
+def render_gpu_table(inventory: NodeInventory, status: Mapping[Any, str] | None = None) -> str:
     """The GPU table; ``status`` adds a STATUS column (e.g. "free", "allocated")."""
     header = ["IDX", "MINOR", "UUID", "NAME", "BUS ID", "MEMORY", "NUMA", "MIG"]
     if status is not None:
@@ -62,6 +65,14 @@ def render_gpu_table(inventory: NodeInventory, status: Mapping[Gpu, str] | None 
         if status is not None:
             row.append(status.get(info.gpu, ""))
         rows.append(row)
+        for mig in inventory.mig_devices_of(info.index) if inventory.mig_devices else ():
+            row = [
+                f"{info.index}:{mig.index}", "-", mig.uuid, f"└ MIG {mig.profile} (GI {mig.gi}, CI {mig.ci})",
+                "", f"{mig.memory_total_mib} MiB", "", "",
+            ]
+            if status is not None:
+                row.append(status.get(mig.device, ""))
+            rows.append(row)
     if not rows:
         return "No GPUs."
     return _table(header, rows)
@@ -96,13 +107,16 @@ def render_topology(inventory: NodeInventory, legend: bool = True) -> str:
     return f"{text}\n\n{_LEGEND}" if legend else text
 
 
-def render_inventory(inventory: NodeInventory, status: Mapping[Gpu, str] | None = None) -> str:
+def render_inventory(inventory: NodeInventory, status: Mapping[Any, str] | None = None) -> str:
     """Header, GPU table and topology matrix."""
     kind = "simulated node" if inventory.kind == "simulated" else "NVML"
     header = (
         f"{kind} ({inventory.source}), driver {inventory.driver_version},"
         f" {len(inventory.gpus)} GPU{'s' if len(inventory.gpus) != 1 else ''}"
     )
+    if inventory.mig_devices:
+        count = len(inventory.mig_devices)
+        header += f", {count} MIG device{'s' if count != 1 else ''}"
     parts = [header, "", render_gpu_table(inventory, status)]
     if inventory.gpus:
         parts += ["", "Topology:", render_topology(inventory)]

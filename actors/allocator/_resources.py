@@ -15,6 +15,11 @@ Rules (R-FL-1, in Mesos' order, with Mesos' messages):
    device index the node does not have → error (Mesos only found that out
    later, in ``create``).
 7. Neither given → every GPU NVML reports (``gpus:<count>``).
+- MIG (R-MG-3): under ``--nvidia_mig_strategy=single`` or ``mixed`` the
+  rules of ``_mig_resources`` apply (after rules 1-3); under ``none`` a
+  ``mig-<profile>`` resource is an error naming the flag to set. Without
+  the isolator or NVML, ``mig-<profile>`` entries pass through unchecked
+  beside ``gpus``.
 - ``enumerate_indices(flags, resources)``: the NVML indices an allocator
   manages: the devices when given, else ``0..gpus-1``.
 - Mesos names the flag ``'--nvidia_gpus_devices'`` in some messages (a
@@ -30,6 +35,7 @@ from actors.nvml import Nvml, NvmlError, NvmlUnavailable, open_nvml
 from actors.resources import Resources
 
 from ._errors import AllocatorError
+from ._mig_resources import mig_resource_names, mig_strategy_resources
 
 __all__ = ["gpu_resources", "enumerate_indices", "has_explicit_zero_gpus"]
 
@@ -56,10 +62,16 @@ def gpu_resources(flags: Flags, nvml: Nvml | None = None) -> Resources:
         )
 
     parsed = Resources.parse(flags.resources or "")
-    resources = parsed.filter(["gpus"])
+    named_mig = mig_resource_names(parsed)
+    resources = parsed.filter(["gpus", *named_mig])
 
     if "gpu/nvidia" not in isolators:
         return resources
+    if named_mig and flags.nvidia_mig_strategy == "none":
+        raise AllocatorError(
+            f"'--resources' names {', '.join(repr(name) for name in named_mig)}: MIG devices are"
+            " resources of their own only with '--nvidia_mig_strategy=mixed'"
+        )
 
     opened = False
     if nvml is None:
@@ -78,6 +90,13 @@ def gpu_resources(flags: Flags, nvml: Nvml | None = None) -> Resources:
             available = nvml.device_count()
         except NvmlError as exc:
             raise AllocatorError(f"Failed to nvml::deviceGetCount: {exc}") from None
+        if flags.nvidia_mig_strategy != "none":
+            try:
+                mig = mig_strategy_resources(flags, parsed, nvml, available)
+            except NvmlError as exc:
+                raise AllocatorError(f"Failed to read the MIG devices from NVML: {exc}") from None
+            if mig is not None:
+                return mig
     finally:
         if opened:
             nvml.close()

@@ -13,16 +13,19 @@ from ._hostfile import (
     MAX_GPUS,
     HostFile,
     HostGpu,
+    HostMigDevice,
     HostSpec,
     SimGpu,
+    SimMigDevice,
     host_spec_from_dict,
     load_host_file,
     parse_host_file,
 )
-from ._inventory import GpuUsage, NodeInventory, read_inventory, read_usage
+from ._inventory import GpuUsage, NodeInventory, read_inventory, read_mig_devices, read_usage
 from ._open import embedded_simulated_node, nvml_available, open_nvml
 from ._port import (
     DEFAULT_CONTROL_DEVICES,
+    MAX_MIG_DEVICES,
     NON_CRITICAL_XIDS,
     NVLINK_MAX_LINKS,
     TOPOLOGY_HOSTBRIDGE,
@@ -43,10 +46,10 @@ from ._simulated import SimulatedNvml
 __all__ = [
     "BindingsNvml", "EMBEDDED_HOST_FILE", "embedded_host_spec", "HostFileError",
     "NvmlError", "NvmlNotSupported", "NvmlUnavailable", "MAX_GPUS", "HostFile",
-    "HostGpu", "HostSpec", "SimGpu", "host_spec_from_dict", "load_host_file",
-    "parse_host_file", "GpuUsage", "NodeInventory", "read_inventory", "read_usage",
+    "HostGpu", "HostMigDevice", "HostSpec", "SimGpu", "SimMigDevice", "host_spec_from_dict", "load_host_file",
+    "parse_host_file", "GpuUsage", "NodeInventory", "read_inventory", "read_mig_devices", "read_usage",
     "embedded_simulated_node", "nvml_available", "open_nvml",
-    "DEFAULT_CONTROL_DEVICES", "NON_CRITICAL_XIDS", "NVLINK_MAX_LINKS",
+    "DEFAULT_CONTROL_DEVICES", "MAX_MIG_DEVICES", "NON_CRITICAL_XIDS", "NVLINK_MAX_LINKS",
     "TOPOLOGY_HOSTBRIDGE", "TOPOLOGY_INTERNAL", "TOPOLOGY_MULTIPLE", "TOPOLOGY_NAMES",
     "TOPOLOGY_NODE", "TOPOLOGY_SINGLE", "TOPOLOGY_SYSTEM", "HealthEvent", "MemoryInfo",
     "Nvml", "Utilization", "NvmlService", "SimulatedNvml",

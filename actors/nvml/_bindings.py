@@ -12,6 +12,15 @@ Rules:
   ``nvmlDeviceGetNvLinkState``; a link NVML does not know (invalid
   argument / not supported / not found) ends or skips the probe; the remote
   end of every active link comes from ``nvmlDeviceGetNvLinkRemotePciInfo_v2``.
+- MIG: handles of MIG devices are pynvml's ``c_nvmlDevice_t`` too (never
+  cached). A MIG device's profile name is the driver's own name of its GPU
+  instance profile (``nvmlDeviceGetGpuInstanceById`` →
+  ``nvmlGpuInstanceGetInfo`` → the ``nvmlDeviceGetGpuInstanceProfileInfoV``
+  whose id matches; ``MIG 1g.18gb`` → ``1g.18gb``), prefixed ``<C>c.``
+  when ``nvmlDeviceGetAttributes_v2`` says the compute instance has fewer
+  slices; a driver that cannot name it (an older one, or no permission)
+  falls back to NVIDIA's rounding from the attributes and the parent's
+  memory (``actors.mig.profile_from_attributes``).
 - Health: ``wait_event`` lazily registers Xid and double-bit ECC events on
   every GPU that supports them and waits with ``nvmlEventSetWait_v2``.
 """
@@ -23,10 +32,14 @@ import logging
 import threading
 from typing import Any, Callable, TypeVar
 
+from actors.mig import profile_from_attributes
+
 from ._errors import (
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_INVALID_ARGUMENT,
     NVML_ERROR_LIBRARY_NOT_FOUND,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
+    NVML_ERROR_NO_PERMISSION,
     NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
     NVML_ERROR_TIMEOUT,
@@ -168,6 +181,75 @@ class BindingsNvml(Nvml):
         current, _pending = self._call("nvmlDeviceGetMigMode", self._nvml.nvmlDeviceGetMigMode, handle)
         return bool(current)
 
+    # ------------------------------------------------------------ MIG
+
+    def max_mig_device_count(self, handle: Any) -> int:
+        return int(
+            self._call("nvmlDeviceGetMaxMigDeviceCount", self._nvml.nvmlDeviceGetMaxMigDeviceCount, handle)
+        )
+
+    def mig_device_handle(self, handle: Any, index: int) -> Any:
+        return self._call(
+            "nvmlDeviceGetMigDeviceHandleByIndex", self._nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, index
+        )
+
+    def gpu_instance_id(self, mig_handle: Any) -> int:
+        return int(self._call("nvmlDeviceGetGpuInstanceId", self._nvml.nvmlDeviceGetGpuInstanceId, mig_handle))
+
+    def compute_instance_id(self, mig_handle: Any) -> int:
+        return int(
+            self._call("nvmlDeviceGetComputeInstanceId", self._nvml.nvmlDeviceGetComputeInstanceId, mig_handle)
+        )
+
+    def mig_parent_handle(self, mig_handle: Any) -> Any:
+        return self._call(
+            "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
+            self._nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle,
+            mig_handle,
+        )
+
+    def mig_profile(self, mig_handle: Any) -> str:
+        parent = self.mig_parent_handle(mig_handle)
+        get_attributes = getattr(self._nvml, "nvmlDeviceGetAttributes_v2", None) or self._nvml.nvmlDeviceGetAttributes
+        attributes = self._call("nvmlDeviceGetAttributes_v2", get_attributes, mig_handle)
+        gpu_slices = int(attributes.gpuInstanceSliceCount)
+        compute_slices = int(attributes.computeInstanceSliceCount)
+        name = self._gpu_instance_profile_name(parent, self.gpu_instance_id(mig_handle))
+        if name is None:
+            return profile_from_attributes(
+                gpu_slices, compute_slices, int(attributes.memorySizeMB), self.memory(parent).total
+            )
+        return name if compute_slices >= gpu_slices else f"{compute_slices}c.{name}"
+
+    def _gpu_instance_profile_name(self, parent: Any, gi: int) -> str | None:
+        """The driver's name of the profile of GPU instance ``gi`` (None: it cannot tell)."""
+        nvml = self._nvml
+        try:
+            instance = self._call("nvmlDeviceGetGpuInstanceById", nvml.nvmlDeviceGetGpuInstanceById, parent, gi)
+            profile_id = int(self._call("nvmlGpuInstanceGetInfo", nvml.nvmlGpuInstanceGetInfo, instance).profileId)
+            for profile in range(int(getattr(nvml, "NVML_GPU_INSTANCE_PROFILE_COUNT", 0x12))):
+                try:
+                    info = self._call(
+                        "nvmlDeviceGetGpuInstanceProfileInfoV",
+                        nvml.nvmlDeviceGetGpuInstanceProfileInfo,
+                        parent,
+                        profile,
+                        2,
+                    )
+                except NvmlError as exc:
+                    if exc.code in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT):
+                        continue  # a profile this GPU does not have
+                    raise
+                if int(info.id) == profile_id:
+                    name = _text(info.name).strip()
+                    name = name[4:] if name.startswith("MIG ") else name
+                    return name or None
+        except NvmlError as exc:
+            if exc.code in _CANNOT_NAME_PROFILE:
+                return None
+            raise
+        return None
+
     def nvlink_remote_bus_ids(self, handle: Any) -> list[str]:
         remote: list[str] = []
         for link in range(int(getattr(self._nvml, "NVML_NVLINK_MAX_LINKS", 18))):
@@ -242,6 +324,18 @@ class BindingsNvml(Nvml):
         if int(data.eventType) & _ECC_EVENT:
             return HealthEvent(index=index, kind="ecc")
         return HealthEvent(index=index, kind="xid", code=int(data.eventData))
+
+
+_CANNOT_NAME_PROFILE = frozenset(
+    {
+        NVML_ERROR_NOT_SUPPORTED,
+        NVML_ERROR_FUNCTION_NOT_FOUND,
+        NVML_ERROR_NO_PERMISSION,
+        NVML_ERROR_NOT_FOUND,
+        NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
+    }
+)
+"""An older driver, or an unprivileged caller: name the profile from the attributes."""
 
 
 def _text(value: bytes | str) -> str:

@@ -13,6 +13,17 @@ Rules (SPEC section 4):
   topology facts), ``memory_used_mib``, ``utilization_gpu``,
   ``utilization_memory`` (percent), ``power_mw`` and ``temperature_c``
   (usage readings the simulation reports).
+- MIG (R-MG-1): a GPU with ``mig = true`` may list ``mig_devices``, tables
+  of ``gi`` and ``ci`` (GPU- and compute-instance ids), ``profile`` (e.g.
+  ``"1g.18gb"``), and optional ``uuid`` (``MIG-…``; default derived from the
+  GPU's UUID and the ids), ``memory_total_mib`` (default: the profile's GB
+  figure x 960 MiB, a little under it as real MIG memory is) and
+  ``memory_used_mib``. A MIG device's index on its GPU is its position in
+  the list. Checked: ``mig_devices`` only with ``mig = true``; at most
+  ``MAX_MIG_DEVICES`` a GPU; a profile of NVIDIA's form; no (gi, ci) twice;
+  devices of one GPU instance agree on its profile; UUIDs start with
+  ``MIG-`` and are unique among GPUs and MIG devices; the MIG devices'
+  memory (one count per GPU instance) fits in the GPU's.
 - Topology between two GPUs follows from those facts, closest first: same
   ``board`` → INTERNAL; same ``pcie_switch`` → SINGLE; same ``host_bridge``
   → HOSTBRIDGE; same ``numa_node`` → NODE; otherwise SYSTEM. A pair where
@@ -40,9 +51,12 @@ from typing import Annotated, Any
 
 import msgspec
 
+from actors.mig import gpu_instance_profile, parse_profile, profile_memory_mib
+
 from ._errors import HostFileError
 from ._port import (
     DEFAULT_CONTROL_DEVICES,
+    MAX_MIG_DEVICES,
     NVLINK_MAX_LINKS,
     TOPOLOGY_HOSTBRIDGE,
     TOPOLOGY_INTERNAL,
@@ -52,6 +66,8 @@ from ._port import (
 )
 
 __all__ = [
+    "HostMigDevice",
+    "SimMigDevice",
     "HostGpu",
     "HostFile",
     "HostSpec",
@@ -80,6 +96,20 @@ _BUS_ID = re.compile(r"^(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{
 _DEVICE_NUMBER = re.compile(r"^(\d+):(\d+)$")
 
 
+_InstanceId = Annotated[int, msgspec.Meta(ge=0, le=255)]
+
+
+class HostMigDevice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One MIG device as a host file writes it."""
+
+    gi: _InstanceId
+    ci: _InstanceId
+    profile: Annotated[str, msgspec.Meta(min_length=1, max_length=40)]
+    uuid: _Text | None = None
+    memory_total_mib: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)] | None = None
+    memory_used_mib: _NonNegative = 0
+
+
 class HostGpu(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One GPU as a host file writes it (everything optional)."""
 
@@ -95,6 +125,7 @@ class HostGpu(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     board: _Group | None = None
     nvlink: dict[_NonNegative, Annotated[int, msgspec.Meta(ge=1, le=NVLINK_MAX_LINKS)]] = {}
     mig: bool = False
+    mig_devices: Annotated[list[HostMigDevice], msgspec.Meta(max_length=64)] = []
     utilization_gpu: _Percent = 0
     utilization_memory: _Percent = 0
     power_mw: _NonNegative | None = None
@@ -108,6 +139,19 @@ class HostFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpus: Annotated[list[HostGpu], msgspec.Meta(max_length=MAX_GPUS)] | None = None
     driver_version: _Text = DEFAULT_DRIVER_VERSION
     control_devices: dict[str, str] = {}
+
+
+class SimMigDevice(msgspec.Struct, frozen=True, kw_only=True):
+    """One MIG device of a resolved simulated node."""
+
+    index: int
+    """Its position on its GPU (the MIG device index)."""
+    gi: int
+    ci: int
+    profile: str
+    uuid: str
+    memory_total_mib: int
+    memory_used_mib: int
 
 
 class SimGpu(msgspec.Struct, frozen=True, kw_only=True):
@@ -130,6 +174,7 @@ class SimGpu(msgspec.Struct, frozen=True, kw_only=True):
     utilization_memory: int
     power_mw: int | None
     temperature_c: int | None
+    mig_devices: list[SimMigDevice] = []
 
     def has_topology(self) -> bool:
         return any(
@@ -239,7 +284,7 @@ def host_spec_from_dict(document: Any, path: str = "<host file>") -> HostSpec:
 
     gpus: list[SimGpu] = []
     minors: dict[int, int] = {}
-    uuids: dict[str, int] = {}
+    uuids: dict[str, str] = {}  # UUID -> where it is used ("gpus[0]", "gpus[0].mig_devices[1]")
     bus_ids: dict[str, int] = {}
     links: dict[tuple[int, int], int] = {}
     for index, entry in enumerate(entries):
@@ -252,8 +297,8 @@ def host_spec_from_dict(document: Any, path: str = "<host file>") -> HostSpec:
         minors[minor] = index
         gpu_uuid = entry.uuid or _default_uuid(index)
         if gpu_uuid in uuids:
-            raise fail(f"{at}.uuid", f"UUID {gpu_uuid!r} is already used by gpus[{uuids[gpu_uuid]}]")
-        uuids[gpu_uuid] = index
+            raise fail(f"{at}.uuid", f"UUID {gpu_uuid!r} is already used by {uuids[gpu_uuid]}")
+        uuids[gpu_uuid] = at
         if entry.pci_bus_id is None:
             bus_id = _default_bus_id(index)
         else:
@@ -283,6 +328,7 @@ def host_spec_from_dict(document: Any, path: str = "<host file>") -> HostSpec:
                     f"{count_links} links to gpus[{peer}], but gpus[{peer}].nvlink says {links[pair]}",
                 )
             links[pair] = count_links
+        mig_devices = _mig_devices(entry, at, gpu_uuid, uuids, fail)
         gpus.append(
             SimGpu(
                 index=index,
@@ -302,6 +348,7 @@ def host_spec_from_dict(document: Any, path: str = "<host file>") -> HostSpec:
                 utilization_memory=entry.utilization_memory,
                 power_mw=entry.power_mw,
                 temperature_c=entry.temperature_c,
+                mig_devices=mig_devices,
             )
         )
 
@@ -322,6 +369,86 @@ def host_spec_from_dict(document: Any, path: str = "<host file>") -> HostSpec:
 
 
 # ----------------------------------------------------------------- helpers
+
+
+def _mig_devices(entry: HostGpu, at: str, gpu_uuid: str, uuids: dict[str, Any], fail) -> list[SimMigDevice]:
+    """Validate and resolve one GPU's ``mig_devices`` (see module rules)."""
+    if not entry.mig_devices:
+        return []
+    if not entry.mig:
+        raise fail(f"{at}.mig_devices", "MIG devices are listed but 'mig' is not true (MIG mode is off)")
+    if len(entry.mig_devices) > MAX_MIG_DEVICES:
+        raise fail(
+            f"{at}.mig_devices",
+            f"{len(entry.mig_devices)} MIG devices, more than a GPU has ({MAX_MIG_DEVICES})",
+        )
+    devices: list[SimMigDevice] = []
+    places: dict[tuple[int, int], int] = {}
+    instances: dict[int, tuple[str, int, int]] = {}  # gi -> (GI profile, memory, first position)
+    for position, mig in enumerate(entry.mig_devices):
+        where = f"{at}.mig_devices[{position}]"
+        try:
+            parse_profile(mig.profile)
+        except ValueError as exc:
+            raise fail(f"{where}.profile", str(exc)[0].lower() + str(exc)[1:]) from None
+        place = (mig.gi, mig.ci)
+        if place in places:
+            raise fail(
+                f"{where}", f"gi {mig.gi} ci {mig.ci} is already {at}.mig_devices[{places[place]}]"
+            )
+        places[place] = position
+        memory = mig.memory_total_mib if mig.memory_total_mib is not None else profile_memory_mib(mig.profile)
+        gi_profile = gpu_instance_profile(mig.profile)
+        if mig.gi in instances:
+            known, known_memory, first = instances[mig.gi]
+            if known != gi_profile:
+                raise fail(
+                    f"{where}.profile",
+                    f"{mig.profile!r} puts GPU instance {mig.gi} in profile {gi_profile!r}, but"
+                    f" {at}.mig_devices[{first}] puts it in {known!r}",
+                )
+            if known_memory != memory:
+                raise fail(
+                    f"{where}.memory_total_mib",
+                    f"{memory} MiB, but {at}.mig_devices[{first}] of the same GPU instance {mig.gi}"
+                    f" says {known_memory} MiB (compute instances share their GPU instance's memory)",
+                )
+        else:
+            instances[mig.gi] = (gi_profile, memory, position)
+        if mig.memory_used_mib > memory:
+            raise fail(
+                f"{where}.memory_used_mib",
+                f"{mig.memory_used_mib} MiB used is more than its memory_total_mib {memory}",
+            )
+        mig_uuid = mig.uuid or _default_mig_uuid(gpu_uuid, mig.gi, mig.ci)
+        if not mig_uuid.startswith("MIG-"):
+            raise fail(f"{where}.uuid", f"a MIG device UUID starts with 'MIG-', got {_short(mig_uuid)}")
+        if mig_uuid in uuids:
+            raise fail(f"{where}.uuid", f"UUID {mig_uuid!r} is already used by {uuids[mig_uuid]}")
+        uuids[mig_uuid] = where
+        devices.append(
+            SimMigDevice(
+                index=position,
+                gi=mig.gi,
+                ci=mig.ci,
+                profile=mig.profile,
+                uuid=mig_uuid,
+                memory_total_mib=memory,
+                memory_used_mib=mig.memory_used_mib,
+            )
+        )
+    total = sum(memory for _profile, memory, _first in instances.values())
+    if total > entry.memory_total_mib:
+        raise fail(
+            f"{at}.mig_devices",
+            f"the GPU instances need {total} MiB in all, more than the GPU's memory_total_mib"
+            f" {entry.memory_total_mib}",
+        )
+    return devices
+
+
+def _default_mig_uuid(gpu_uuid: str, gi: int, ci: int) -> str:
+    return "MIG-" + str(uuid_module.uuid5(uuid_module.NAMESPACE_URL, f"gpu-isolator/simulated/{gpu_uuid}/gi{gi}/ci{ci}"))
 
 
 def _default_uuid(index: int) -> str:

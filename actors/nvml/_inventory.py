@@ -16,6 +16,10 @@ Rules:
   (level SINGLE or closer), None when it shares a switch with no other GPU.
 - ``topology[i][j]`` is the ``TOPOLOGY_*`` level between GPUs i and j
   (None: unknown); the diagonal is ``TOPOLOGY_INTERNAL``.
+- MIG (R-MG-1): for every GPU with MIG mode on, the MIG devices in each
+  slot ``0..max_mig_device_count-1`` (an empty slot, NVML_ERROR_NOT_FOUND,
+  is skipped): GPU- and compute-instance ids, UUID, profile and memory, as
+  ``NodeInventory.mig_devices`` (parent index, then MIG index order).
 - ``read_usage(nvml, indices)`` reads memory, utilisation, power and
   temperature for several GPUs in one pass; unsupported readings are None.
 """
@@ -27,11 +31,12 @@ import collections
 import msgspec
 
 from actors.gpu import NVIDIA_MAJOR, Gpu, GpuInfo
+from actors.mig import MigDevice, MigDeviceInfo
 
-from ._errors import NvmlError, NvmlNotSupported
+from ._errors import NVML_ERROR_NOT_FOUND, NvmlError, NvmlNotSupported
 from ._port import TOPOLOGY_INTERNAL, TOPOLOGY_SINGLE, Nvml
 
-__all__ = ["NodeInventory", "GpuUsage", "read_inventory", "read_usage"]
+__all__ = ["NodeInventory", "GpuUsage", "read_inventory", "read_mig_devices", "read_usage"]
 
 _MIB = 1024 * 1024
 
@@ -47,6 +52,8 @@ class NodeInventory(msgspec.Struct, frozen=True, kw_only=True):
     topology: list[list[int | None]]
     """``topology[i][j]``: the NVML topology level between indices i and j."""
     control_devices: dict[str, str] = {}
+    mig_devices: list[MigDeviceInfo] = []
+    """Every MIG device of the GPUs with MIG mode on (parent index, then MIG index)."""
 
     def by_index(self, index: int) -> GpuInfo:
         """The GPU at NVML index ``index`` (IndexError if none)."""
@@ -58,6 +65,14 @@ class NodeInventory(msgspec.Struct, frozen=True, kw_only=True):
     def by_gpu(self) -> dict[Gpu, GpuInfo]:
         """Inventory records keyed by the GPU identity."""
         return {info.gpu: info for info in self.gpus}
+
+    def mig_devices_of(self, index: int) -> list[MigDeviceInfo]:
+        """The MIG devices of the GPU at NVML index ``index``."""
+        return [mig for mig in self.mig_devices if mig.parent_index == index]
+
+    def by_mig(self) -> dict[MigDevice, MigDeviceInfo]:
+        """MIG device records keyed by their identity."""
+        return {mig.device: mig for mig in self.mig_devices}
 
     def level(self, first: int, second: int) -> int | None:
         """The topology level between two NVML indices (None: unknown)."""
@@ -134,6 +149,13 @@ def read_inventory(nvml: Nvml) -> NodeInventory:
             topology[i][j] = topology[j][i] = level
     switches = _switch_groups(topology)
     gpus = [msgspec.structs.replace(info, pcie_switch=switches[info.index]) for info in gpus]
+    mig_devices = []
+    for info, handle in zip(gpus, handles):
+        if info.mig:
+            try:
+                mig_devices += _read_mig_devices(nvml, info.index, info.gpu, handle)
+            except NvmlError as exc:
+                raise _at(info.index, exc) from None
     return NodeInventory(
         kind=nvml.kind,
         source=nvml.source,
@@ -141,7 +163,44 @@ def read_inventory(nvml: Nvml) -> NodeInventory:
         gpus=gpus,
         topology=topology,
         control_devices=nvml.control_devices(),
+        mig_devices=mig_devices,
     )
+
+
+def read_mig_devices(nvml: Nvml, index: int) -> list[MigDeviceInfo] | None:
+    """The MIG devices of the GPU at ``index``; None when its MIG mode is off
+    or unknown (blocking; a start-up check asks this without a whole inventory)."""
+    try:
+        handle = nvml.handle(index)
+        if not _optional(nvml.mig_mode, handle):
+            return None
+        return _read_mig_devices(nvml, index, Gpu(NVIDIA_MAJOR, nvml.minor(handle)), handle)
+    except NvmlError as exc:
+        raise _at(index, exc) from None
+
+
+def _read_mig_devices(nvml: Nvml, parent_index: int, parent: Gpu, handle) -> list[MigDeviceInfo]:
+    """The MIG devices of one GPU with MIG mode on (blocking)."""
+    devices = []
+    for slot in range(nvml.max_mig_device_count(handle)):
+        try:
+            mig = nvml.mig_device_handle(handle, slot)
+        except NvmlError as exc:
+            if exc.code == NVML_ERROR_NOT_FOUND:
+                continue  # an empty slot
+            raise
+        identity = MigDevice(parent, nvml.gpu_instance_id(mig), nvml.compute_instance_id(mig))
+        devices.append(
+            MigDeviceInfo(
+                device=identity,
+                parent_index=parent_index,
+                index=slot,
+                uuid=nvml.uuid(mig),
+                profile=nvml.mig_profile(mig),
+                memory_total_mib=nvml.memory(mig).total // _MIB,
+            )
+        )
+    return devices
 
 
 def _switch_groups(topology: list[list[int | None]]) -> list[int | None]:

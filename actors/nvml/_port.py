@@ -8,6 +8,13 @@ Rules:
   ``temperature_c``, ``numa_node``, ``mig_mode``, ``nvlink_remote_bus_ids``;
   ``topology_level(h1, h2)`` for a pair; ``control_devices()`` for the
   control device numbers; ``wait_event(timeout_s)`` for health events.
+- MIG (R-MG-1): per GPU handle ``max_mig_device_count`` and
+  ``mig_device_handle(handle, index)`` (NVML_ERROR_NOT_FOUND for an empty
+  slot); per MIG device handle ``gpu_instance_id``, ``compute_instance_id``,
+  ``mig_parent_handle``, ``mig_profile`` (e.g. ``1g.18gb``), and ``uuid``
+  (``MIG-…``) and ``memory`` as for a GPU. As NVML does, utilization, power
+  and temperature of a MIG device handle are NVML_ERROR_NOT_SUPPORTED, and a
+  MIG handle given to any other per-GPU call is NVML_ERROR_INVALID_ARGUMENT.
 - Every method blocks (a real NVML call can take milliseconds): actors call
   them only through ``NvmlService``, which runs them on the runtime's
   Executor (R-NV-2).
@@ -45,6 +52,7 @@ __all__ = [
     "NON_CRITICAL_XIDS",
     "DEFAULT_CONTROL_DEVICES",
     "NVLINK_MAX_LINKS",
+    "MAX_MIG_DEVICES",
 ]
 
 TOPOLOGY_INTERNAL = 0
@@ -66,6 +74,10 @@ TOPOLOGY_NAMES = {
 
 NVLINK_MAX_LINKS = 18
 """Links a GPU may have (NVML_NVLINK_MAX_LINKS on Hopper)."""
+
+MAX_MIG_DEVICES = 7
+"""MIG device slots of a MIG-enabled GPU (``nvmlDeviceGetMaxMigDeviceCount`` on
+A100/H100/H200/B200: seven compute slices, at most one MIG device each)."""
 
 NON_CRITICAL_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 """Xids caused by applications, not the GPU (the NVIDIA device plugin's list)."""
@@ -188,6 +200,33 @@ class Nvml(abc.ABC):
     @abc.abstractmethod
     def mig_mode(self, handle: DeviceHandle) -> bool:
         """``nvmlDeviceGetMigMode`` (current mode enabled)."""
+
+    # ------------------------------------------------------------ MIG
+
+    @abc.abstractmethod
+    def max_mig_device_count(self, handle: DeviceHandle) -> int:
+        """``nvmlDeviceGetMaxMigDeviceCount``: MIG device slots of a GPU."""
+
+    @abc.abstractmethod
+    def mig_device_handle(self, handle: DeviceHandle, index: int) -> DeviceHandle:
+        """``nvmlDeviceGetMigDeviceHandleByIndex``; NVML_ERROR_NOT_FOUND when the
+        slot ``index`` holds no MIG device."""
+
+    @abc.abstractmethod
+    def gpu_instance_id(self, mig_handle: DeviceHandle) -> int:
+        """``nvmlDeviceGetGpuInstanceId`` of a MIG device handle."""
+
+    @abc.abstractmethod
+    def compute_instance_id(self, mig_handle: DeviceHandle) -> int:
+        """``nvmlDeviceGetComputeInstanceId`` of a MIG device handle."""
+
+    @abc.abstractmethod
+    def mig_parent_handle(self, mig_handle: DeviceHandle) -> DeviceHandle:
+        """``nvmlDeviceGetDeviceHandleFromMigDeviceHandle``."""
+
+    @abc.abstractmethod
+    def mig_profile(self, mig_handle: DeviceHandle) -> str:
+        """The MIG device's profile name, e.g. ``1g.18gb`` (see ``actors.mig``)."""
 
     @abc.abstractmethod
     def nvlink_remote_bus_ids(self, handle: DeviceHandle) -> list[str]:

@@ -12,6 +12,12 @@ Rules:
   a health event for ``wait_event``; ``set_usage`` changes readings;
   ``fail(function, code)`` makes every later call of that function fail
   with that NVML code until ``fail(function, None)``.
+- MIG: a MIG device handle is ``(gpu index, MIG device index)``; it answers
+  the MIG calls, ``uuid`` and ``memory``; utilization, power and
+  temperature are NVML_ERROR_NOT_SUPPORTED and any other per-GPU call
+  NVML_ERROR_INVALID_ARGUMENT, as NVML (and the fake NVML) answer a MIG
+  handle. A GPU with MIG mode on has ``MAX_MIG_DEVICES`` slots; without it
+  ``max_mig_device_count`` is NVML_ERROR_NOT_SUPPORTED.
 - Thread-safe: the executor may call it from several threads.
 """
 
@@ -25,12 +31,13 @@ import msgspec
 
 from ._errors import (
     NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
     NVML_ERROR_UNINITIALIZED,
     NvmlError,
 )
-from ._hostfile import HostSpec, SimGpu, load_host_file, parse_host_file
-from ._port import HealthEvent, MemoryInfo, Nvml, Utilization
+from ._hostfile import HostSpec, SimGpu, SimMigDevice, load_host_file, parse_host_file
+from ._port import MAX_MIG_DEVICES, HealthEvent, MemoryInfo, Nvml, Utilization
 
 __all__ = ["SimulatedNvml"]
 
@@ -117,6 +124,28 @@ class SimulatedNvml(Nvml):
             raise NvmlError.of(function, NVML_ERROR_INVALID_ARGUMENT, detail=f"no device handle {handle!r}")
         return self._gpus[handle]
 
+    def _mig(self, function: str, handle: object) -> tuple[SimGpu, SimMigDevice]:
+        self._check(function)
+        if (
+            isinstance(handle, tuple)
+            and len(handle) == 2
+            and 0 <= handle[0] < len(self._gpus)
+            and 0 <= handle[1] < len(self._gpus[handle[0]].mig_devices)
+        ):
+            gpu = self._gpus[handle[0]]
+            return gpu, gpu.mig_devices[handle[1]]
+        raise NvmlError.of(function, NVML_ERROR_INVALID_ARGUMENT, detail=f"no MIG device handle {handle!r}")
+
+    @staticmethod
+    def _is_mig(handle: object) -> bool:
+        return isinstance(handle, tuple)
+
+    def _whole_gpu_only(self, function: str, handle: object) -> None:
+        """Readings NVML gives for whole GPUs only: a MIG handle is NOT_SUPPORTED."""
+        if self._is_mig(handle):
+            self._mig(function, handle)
+            raise NvmlError.of(function, NVML_ERROR_NOT_SUPPORTED, detail="a MIG device handle")
+
     def init(self) -> None:
         self._check("nvmlInitWithFlags", initialized=False)
         with self._lock:
@@ -147,7 +176,9 @@ class SimulatedNvml(Nvml):
     def minor(self, handle: int) -> int:
         return self._gpu("nvmlDeviceGetMinorNumber", handle).minor
 
-    def uuid(self, handle: int) -> str:
+    def uuid(self, handle: int | tuple[int, int]) -> str:
+        if self._is_mig(handle):
+            return self._mig("nvmlDeviceGetUUID", handle)[1].uuid
         return self._gpu("nvmlDeviceGetUUID", handle).uuid
 
     def name(self, handle: int) -> str:
@@ -156,15 +187,20 @@ class SimulatedNvml(Nvml):
     def pci_bus_id(self, handle: int) -> str:
         return self._gpu("nvmlDeviceGetPciInfo_v3", handle).pci_bus_id
 
-    def memory(self, handle: int) -> MemoryInfo:
+    def memory(self, handle: int | tuple[int, int]) -> MemoryInfo:
+        if self._is_mig(handle):
+            mig = self._mig("nvmlDeviceGetMemoryInfo", handle)[1]
+            return MemoryInfo(total=mig.memory_total_mib * _MIB, used=mig.memory_used_mib * _MIB)
         gpu = self._gpu("nvmlDeviceGetMemoryInfo", handle)
         return MemoryInfo(total=gpu.memory_total_mib * _MIB, used=gpu.memory_used_mib * _MIB)
 
     def utilization(self, handle: int) -> Utilization:
+        self._whole_gpu_only("nvmlDeviceGetUtilizationRates", handle)
         gpu = self._gpu("nvmlDeviceGetUtilizationRates", handle)
         return Utilization(gpu=gpu.utilization_gpu, memory=gpu.utilization_memory)
 
     def power_mw(self, handle: int) -> int:
+        self._whole_gpu_only("nvmlDeviceGetPowerUsage", handle)
         function = "nvmlDeviceGetPowerUsage"
         gpu = self._gpu(function, handle)
         if gpu.power_mw is None:
@@ -172,6 +208,7 @@ class SimulatedNvml(Nvml):
         return gpu.power_mw
 
     def temperature_c(self, handle: int) -> int:
+        self._whole_gpu_only("nvmlDeviceGetTemperature", handle)
         function = "nvmlDeviceGetTemperature"
         gpu = self._gpu(function, handle)
         if gpu.temperature_c is None:
@@ -187,6 +224,39 @@ class SimulatedNvml(Nvml):
 
     def mig_mode(self, handle: int) -> bool:
         return self._gpu("nvmlDeviceGetMigMode", handle).mig
+
+    # ------------------------------------------------------------ MIG
+
+    def max_mig_device_count(self, handle: int) -> int:
+        function = "nvmlDeviceGetMaxMigDeviceCount"
+        gpu = self._gpu(function, handle)
+        if not gpu.mig:
+            raise NvmlError.of(function, NVML_ERROR_NOT_SUPPORTED, detail="MIG mode is off")
+        return MAX_MIG_DEVICES
+
+    def mig_device_handle(self, handle: int, index: int) -> tuple[int, int]:
+        function = "nvmlDeviceGetMigDeviceHandleByIndex"
+        gpu = self._gpu(function, handle)
+        if not gpu.mig:
+            raise NvmlError.of(function, NVML_ERROR_NOT_SUPPORTED, detail="MIG mode is off")
+        if not 0 <= index < MAX_MIG_DEVICES:
+            raise NvmlError.of(function, NVML_ERROR_INVALID_ARGUMENT, detail=f"no MIG device slot {index}")
+        if index >= len(gpu.mig_devices):
+            raise NvmlError.of(function, NVML_ERROR_NOT_FOUND)
+        return (handle, index)
+
+    def gpu_instance_id(self, mig_handle: tuple[int, int]) -> int:
+        return self._mig("nvmlDeviceGetGpuInstanceId", mig_handle)[1].gi
+
+    def compute_instance_id(self, mig_handle: tuple[int, int]) -> int:
+        return self._mig("nvmlDeviceGetComputeInstanceId", mig_handle)[1].ci
+
+    def mig_parent_handle(self, mig_handle: tuple[int, int]) -> int:
+        self._mig("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", mig_handle)
+        return mig_handle[0]
+
+    def mig_profile(self, mig_handle: tuple[int, int]) -> str:
+        return self._mig("nvmlDeviceGetAttributes_v2", mig_handle)[1].profile
 
     def nvlink_remote_bus_ids(self, handle: int) -> list[str]:
         gpu = self._gpu("nvmlDeviceGetNvLinkState", handle)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.mig import gpu_instance_profile, parse_profile
 from actors.nvml import HostSpec
 
 HERE = Path(__file__).resolve().parent
@@ -70,9 +71,30 @@ def fake_config_text(spec: HostSpec, events: list[tuple[int, str, int]] = ()) ->
             level = spec.topology_level(i, j)
             if level is not None:
                 lines.append(f"topo\t{i}\t{j}\t{level}")
+    lines += fake_mig_lines(spec)
     for index, kind, code in events:
         lines.append(f"event\t{index}\t{kind}\t{code}")
     return "\n".join(lines) + "\n"
+
+
+def fake_mig_lines(spec: HostSpec) -> list[str]:
+    """The fake NVML's "mig" lines: one per MIG device, in MIG index order.
+    GPU-instance profiles get slots 0, 1, … per GPU in order of first use, and
+    ids that differ from their slots (as NVML's profile ids do)."""
+    mib = 1024 * 1024
+    lines = []
+    for g in spec.gpus:
+        slots: dict[str, int] = {}
+        for m in g.mig_devices:
+            gi_profile = gpu_instance_profile(m.profile)
+            slot = slots.setdefault(gi_profile, len(slots))
+            numbers = parse_profile(m.profile)
+            fields = [
+                g.index, m.gi, m.ci, slot, 19 + 3 * slot, numbers.gpu_slices, numbers.compute_slices,
+                m.memory_total_mib * mib, m.memory_used_mib * mib, m.uuid, f"MIG {gi_profile}",
+            ]
+            lines.append("mig\t" + "\t".join(str(f) for f in fields))
+    return lines
 
 
 class Probe:

@@ -14,6 +14,10 @@
  *     link   <gpu index> <peer gpu index>     (one line per link, in link order)
  *     topo   <gpu index> <gpu index> <level>  (a pair not listed: NOT_SUPPORTED)
  *     event  <gpu index> <xid|ecc> <code>     (queued health events)
+ *     mig    <gpu index> <gi> <ci> <GI profile slot> <GI profile id>
+ *            <GI slices> <CI slices> <mem total B> <mem used B> <uuid>
+ *            <GI profile name, e.g. "MIG 1g.18gb">   (one MIG device, in
+ *            MIG index order per GPU; see the MIG section at the end)
  *   -1 marks a reading the GPU cannot give (NVML_ERROR_NOT_SUPPORTED).
  * - Error injection: $FAKE_NVML_FAIL is a comma list of function=code
  *   (e.g. "nvmlInitWithFlags=9" for NVML_ERROR_DRIVER_NOT_LOADED,
@@ -112,6 +116,14 @@ static int event_count, event_next;
 static int init_count;
 static struct fake_event_set the_event_set;
 
+/* MIG: defined in the MIG section at the end of this file. */
+static void mig_reset(void);
+static void mig_load(char **cursor);
+static int is_mig(nvmlDevice_t device);
+static nvmlReturn_t mig_uuid(nvmlDevice_t device, char *uuid, unsigned int length);
+static nvmlReturn_t mig_memory(nvmlDevice_t device, void *memory);
+static nvmlReturn_t mig_whole_gpu_only(const char *function, nvmlDevice_t device);
+
 static nvmlReturn_t injected(const char *function)
 {
     const char *spec = getenv("FAKE_NVML_FAIL");
@@ -180,6 +192,7 @@ static nvmlReturn_t load_config(void)
     FILE *file;
     char line[1024];
     device_count = 0;
+    mig_reset();
     event_count = 0;
     event_next = 0;
     free(topology);
@@ -240,6 +253,8 @@ static nvmlReturn_t load_config(void)
                     topology[a * device_count + b] = (signed char)level;
                     topology[b * device_count + a] = (signed char)level;
                 }
+            } else if (pass == 1 && strcmp(kind, "mig") == 0) {
+                mig_load(&cursor);
             } else if (pass == 1 && strcmp(kind, "event") == 0 && event_count < MAX_EVENTS) {
                 struct fake_event *e = &events[event_count++];
                 const char *type;
@@ -372,6 +387,9 @@ static nvmlReturn_t give_text(char *target, unsigned int length, const char *tex
 
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
+    if (is_mig(device)) {
+        return mig_uuid(device, uuid, length);
+    }
     ENTER_DEVICE("nvmlDeviceGetUUID", device);
     return give_text(uuid, length, device->uuid);
 }
@@ -413,6 +431,9 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_t *pci)
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
+    if (is_mig(device)) {
+        return mig_memory(device, memory);
+    }
     ENTER_DEVICE("nvmlDeviceGetMemoryInfo", device);
     if (memory == NULL) {
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -425,6 +446,9 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 
 nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *rates)
 {
+    if (is_mig(device)) {
+        return mig_whole_gpu_only("nvmlDeviceGetUtilizationRates", device);
+    }
     ENTER_DEVICE("nvmlDeviceGetUtilizationRates", device);
     if (rates == NULL) {
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -436,6 +460,9 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_
 
 nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power)
 {
+    if (is_mig(device)) {
+        return mig_whole_gpu_only("nvmlDeviceGetPowerUsage", device);
+    }
     ENTER_DEVICE("nvmlDeviceGetPowerUsage", device);
     if (device->power_mw < 0) {
         return NVML_ERROR_NOT_SUPPORTED;
@@ -446,6 +473,9 @@ nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power)
 
 nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensor, unsigned int *temperature)
 {
+    if (is_mig(device)) {
+        return mig_whole_gpu_only("nvmlDeviceGetTemperature", device);
+    }
     ENTER_DEVICE("nvmlDeviceGetTemperature", device);
     if (sensor != 0) {
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -578,4 +608,326 @@ nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
     ENTER("nvmlEventSetFree");
     (void)set;
     return NVML_SUCCESS;
+}
+
+/* ------------------------------------------------------------ MIG
+ *
+ * MIG devices of the GPUs with MIG mode on, from the config's "mig" lines.
+ * A MIG device handle points into migs[]; it answers the MIG calls below,
+ * nvmlDeviceGetUUID and nvmlDeviceGetMemoryInfo; utilization, power and
+ * temperature answer NVML_ERROR_NOT_SUPPORTED, and every other per-GPU call
+ * NVML_ERROR_INVALID_ARGUMENT (it is not a GPU handle). A GPU with MIG mode
+ * on has MAX_MIG_SLOTS slots; a slot without a MIG device answers
+ * NVML_ERROR_NOT_FOUND. A GPU instance handle is the handle of its first
+ * MIG device. GPU instance profiles are the config's slots and ids.
+ */
+
+#define MAX_MIGS (MAX_GPUS * 7)
+#define MAX_MIG_SLOTS 7
+#define NVML_ERROR_NOT_FOUND 6
+#define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
+#define GI_PROFILE_INFO_V2 0x02000098u
+#define GI_PROFILE_COUNT 0x12u
+
+struct fake_mig {
+    struct fake_device *parent;
+    unsigned int index; /* MIG device index on its parent */
+    unsigned int gi, ci;
+    unsigned int gi_profile_slot, gi_profile_id;
+    unsigned int gi_slices, ci_slices;
+    unsigned long long mem_total, mem_used;
+    char uuid[96];
+    char gi_profile_name[96];
+};
+
+typedef struct fake_mig *nvmlGpuInstance_t;
+
+typedef struct {
+    unsigned int multiprocessorCount;
+    unsigned int sharedCopyEngineCount;
+    unsigned int sharedDecoderCount;
+    unsigned int sharedEncoderCount;
+    unsigned int sharedJpegCount;
+    unsigned int sharedOfaCount;
+    unsigned int gpuInstanceSliceCount;
+    unsigned int computeInstanceSliceCount;
+    unsigned long long memorySizeMB;
+} nvmlDeviceAttributes_t;
+
+typedef struct {
+    unsigned int start;
+    unsigned int size;
+} nvmlGpuInstancePlacement_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned int id;
+    unsigned int profileId;
+    nvmlGpuInstancePlacement_t placement;
+} nvmlGpuInstanceInfo_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned int id;
+    unsigned int isP2pSupported;
+    unsigned int sliceCount;
+    unsigned int instanceCount;
+    unsigned int multiprocessorCount;
+    unsigned int copyEngineCount;
+    unsigned int decoderCount;
+    unsigned int encoderCount;
+    unsigned int jpegCount;
+    unsigned int ofaCount;
+    unsigned long long memorySizeMB;
+    char name[96];
+} nvmlGpuInstanceProfileInfo_v2_t;
+
+static struct fake_mig migs[MAX_MIGS];
+static unsigned int mig_count;
+
+static void mig_reset(void)
+{
+    mig_count = 0;
+}
+
+static void mig_load(char **cursor)
+{
+    unsigned int parent = (unsigned int)atoi(field(cursor));
+    struct fake_mig *m;
+    unsigned int index = 0;
+    if (parent >= device_count || mig_count >= MAX_MIGS) {
+        return;
+    }
+    for (unsigned int i = 0; i < mig_count; i++) {
+        if (migs[i].parent == &devices[parent]) {
+            index++;
+        }
+    }
+    m = &migs[mig_count++];
+    memset(m, 0, sizeof *m);
+    m->parent = &devices[parent];
+    m->index = index;
+    m->gi = (unsigned int)strtoul(field(cursor), NULL, 10);
+    m->ci = (unsigned int)strtoul(field(cursor), NULL, 10);
+    m->gi_profile_slot = (unsigned int)strtoul(field(cursor), NULL, 10);
+    m->gi_profile_id = (unsigned int)strtoul(field(cursor), NULL, 10);
+    m->gi_slices = (unsigned int)strtoul(field(cursor), NULL, 10);
+    m->ci_slices = (unsigned int)strtoul(field(cursor), NULL, 10);
+    m->mem_total = strtoull(field(cursor), NULL, 10);
+    m->mem_used = strtoull(field(cursor), NULL, 10);
+    copy_text(m->uuid, sizeof m->uuid, field(cursor));
+    copy_text(m->gi_profile_name, sizeof m->gi_profile_name, field(cursor));
+}
+
+static struct fake_mig *as_mig(const void *handle)
+{
+    const char *p = (const char *)handle;
+    const char *first = (const char *)migs;
+    if (p < first || p >= (const char *)(migs + mig_count) || (size_t)(p - first) % sizeof(struct fake_mig) != 0) {
+        return NULL;
+    }
+    return (struct fake_mig *)handle;
+}
+
+static int is_mig(nvmlDevice_t device)
+{
+    return as_mig(device) != NULL;
+}
+
+#define ENTER_MIG(name, handle, mig)                 \
+    do {                                             \
+        ENTER(name);                                 \
+        (mig) = as_mig(handle);                      \
+        if ((mig) == NULL) {                         \
+            return NVML_ERROR_INVALID_ARGUMENT;      \
+        }                                            \
+    } while (0)
+
+static nvmlReturn_t mig_uuid(nvmlDevice_t device, char *uuid, unsigned int length)
+{
+    struct fake_mig *m;
+    ENTER_MIG("nvmlDeviceGetUUID", device, m);
+    return give_text(uuid, length, m->uuid);
+}
+
+static nvmlReturn_t mig_memory(nvmlDevice_t device, void *out)
+{
+    struct fake_mig *m;
+    nvmlMemory_t *memory = out;
+    ENTER_MIG("nvmlDeviceGetMemoryInfo", device, m);
+    if (memory == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    memory->total = m->mem_total;
+    memory->used = m->mem_used;
+    memory->free = m->mem_total - m->mem_used;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t mig_whole_gpu_only(const char *function, nvmlDevice_t device)
+{
+    struct fake_mig *m;
+    ENTER_MIG(function, device, m);
+    (void)m;
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
+nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
+{
+    ENTER_DEVICE("nvmlDeviceGetMaxMigDeviceCount", device);
+    if (count == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    if (!device->mig) {
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    *count = MAX_MIG_SLOTS;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index, nvmlDevice_t *mig)
+{
+    ENTER_DEVICE("nvmlDeviceGetMigDeviceHandleByIndex", device);
+    if (mig == NULL || index >= MAX_MIG_SLOTS) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    if (!device->mig) {
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    for (unsigned int i = 0; i < mig_count; i++) {
+        if (migs[i].parent == device && migs[i].index == index) {
+            *mig = (nvmlDevice_t)(void *)&migs[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *is_mig_device)
+{
+    ENTER("nvmlDeviceIsMigDeviceHandle");
+    if (is_mig_device == NULL || (!is_mig(device) && !valid(device))) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    *is_mig_device = (unsigned int)is_mig(device);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    struct fake_mig *m;
+    ENTER_MIG("nvmlDeviceGetGpuInstanceId", device, m);
+    if (id == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    *id = m->gi;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    struct fake_mig *m;
+    ENTER_MIG("nvmlDeviceGetComputeInstanceId", device, m);
+    if (id == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    *id = m->ci;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t device, nvmlDevice_t *parent)
+{
+    struct fake_mig *m;
+    ENTER_MIG("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", device, m);
+    if (parent == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    *parent = m->parent;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
+{
+    struct fake_mig *m;
+    ENTER("nvmlDeviceGetAttributes_v2");
+    if (attributes == NULL || (!is_mig(device) && !valid(device))) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    m = as_mig(device);
+    if (m == NULL) {
+        return NVML_ERROR_NOT_SUPPORTED; /* whole-GPU attributes are not served */
+    }
+    memset(attributes, 0, sizeof *attributes);
+    attributes->multiprocessorCount = 16 * m->ci_slices;
+    attributes->sharedCopyEngineCount = m->gi_slices;
+    attributes->gpuInstanceSliceCount = m->gi_slices;
+    attributes->computeInstanceSliceCount = m->ci_slices;
+    attributes->memorySizeMB = m->mem_total / (1024ULL * 1024ULL);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id, nvmlGpuInstance_t *instance)
+{
+    ENTER_DEVICE("nvmlDeviceGetGpuInstanceById", device);
+    if (instance == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    if (!device->mig) {
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    for (unsigned int i = 0; i < mig_count; i++) {
+        if (migs[i].parent == device && migs[i].gi == id) {
+            *instance = &migs[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+nvmlReturn_t nvmlGpuInstanceGetInfo(nvmlGpuInstance_t instance, nvmlGpuInstanceInfo_t *info)
+{
+    struct fake_mig *m;
+    ENTER_MIG("nvmlGpuInstanceGetInfo", instance, m);
+    if (info == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    memset(info, 0, sizeof *info);
+    info->device = m->parent;
+    info->id = m->gi;
+    info->profileId = m->gi_profile_id;
+    info->placement.start = 0;
+    info->placement.size = m->gi_slices;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device, unsigned int profile,
+                                                  nvmlGpuInstanceProfileInfo_v2_t *info)
+{
+    ENTER_DEVICE("nvmlDeviceGetGpuInstanceProfileInfoV", device);
+    if (info == NULL || profile >= GI_PROFILE_COUNT) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    if (info->version != GI_PROFILE_INFO_V2) {
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    }
+    if (!device->mig) {
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    for (unsigned int i = 0; i < mig_count; i++) {
+        const struct fake_mig *m = &migs[i];
+        if (m->parent == device && m->gi_profile_slot == profile) {
+            unsigned int version = info->version;
+            memset(info, 0, sizeof *info);
+            info->version = version;
+            info->id = m->gi_profile_id;
+            info->sliceCount = m->gi_slices;
+            info->instanceCount = m->gi_slices > 0 ? MAX_MIG_SLOTS / m->gi_slices : 0;
+            info->multiprocessorCount = 16 * m->gi_slices;
+            info->copyEngineCount = m->gi_slices;
+            info->memorySizeMB = m->mem_total / (1024ULL * 1024ULL);
+            copy_text(info->name, sizeof info->name, m->gi_profile_name);
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_SUPPORTED; /* a profile no MIG device of this GPU uses */
 }
