@@ -20,7 +20,7 @@ from ._backend import (
 from ._cgroups_v1 import CgroupsV1Backend
 from ._cgroups_v2 import PROGRAM_NAME, CgroupsV2Backend, checkpoint_file
 from ._control import DeviceControl, DeviceControlProcess
-from ._detect import detect_backend, resolve_backend
+from ._detect import default_hierarchy, detect_backend, resolve_backend
 from ._device_program import build_device_program, program_instructions
 from ._errors import (
     CheckpointError,
@@ -44,7 +44,7 @@ from ._rules import (
 __all__ = [
     "DeviceBackend", "DeviceOperation", "FaultInjectingBackend", "SimulatedCrash", "validate_cgroup",
     "validate_cgroups_root", "CgroupsV1Backend", "CgroupsV2Backend", "PROGRAM_NAME",
-    "checkpoint_file", "DeviceControl", "DeviceControlProcess", "detect_backend",
+    "checkpoint_file", "DeviceControl", "DeviceControlProcess", "default_hierarchy", "detect_backend",
     "resolve_backend", "build_device_program", "program_instructions", "CheckpointError",
     "DeviceControlError", "DeviceRuleError", "InvalidCgroupError", "KernelOperationError",
     "MemoryBackend", "WorkerBackend", "WorkerError", "STANDARD_CONTAINER_DEVICES", "CgroupDeviceAccess", "DeviceRule",

@@ -13,7 +13,10 @@ Rules:
 - ``shared=True`` (what ``DeviceControl.create`` uses) keeps the cgroups in a
   per-root table of this OS process that outlives the backend, as the kernel
   outlives an agent: a restarted isolator recovers from it.
-  ``remove_root`` drops that table once it is empty.
+  ``remove_root`` drops that table once it is empty. ``shared_table(root)``
+  is that table, live (tests change it to fake drift: a reload, a lost
+  cgroup); ``shared_roots()`` lists the tables; ``drop_shared(root)``
+  forgets one whatever it holds (as removing a cgroup tree from a kernel).
 """
 
 from __future__ import annotations
@@ -48,6 +51,22 @@ class MemoryBackend(BackendBase):
         if not self._children:
             for cgroup in self._cgroups:
                 self._count(cgroup, 1)
+
+    @staticmethod
+    def shared_table(root: str) -> dict[str, CgroupDeviceAccess] | None:
+        """The live shared table of ``root`` (cgroup -> access), None when there is none."""
+        return _PRETEND_KERNEL.get(root)
+
+    @staticmethod
+    def shared_roots() -> list[str]:
+        """The roots that have a shared table in this OS process."""
+        return sorted(_PRETEND_KERNEL)
+
+    @staticmethod
+    def drop_shared(root: str) -> None:
+        """Forget the shared table of ``root`` and every cgroup in it."""
+        _PRETEND_KERNEL.pop(root, None)
+        _PRETEND_CHILDREN.pop(root, None)
 
     def remove_root(self) -> bool:
         if self._cgroups:

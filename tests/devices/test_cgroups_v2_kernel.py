@@ -26,6 +26,7 @@ from actors.devices import (
     container_policy,
 )
 from actors.devices import _bpf
+from tests.support.kernel import attach_program, detach_program
 
 R = DeviceRule.parse
 CONTROL = ["c 195:255 rwm"]
@@ -35,46 +36,22 @@ def backend_for(sandbox, work_dir) -> CgroupsV2Backend:
     return CgroupsV2Backend(sandbox.hierarchy, sandbox.cgroups_root, str(work_dir))
 
 
-def programs(sandbox, cgroup: str) -> list[_bpf.ProgInfo]:
-    infos = []
-    for prog_id in sandbox.attached(cgroup):
-        fd = _bpf.prog_get_fd_by_id(prog_id)
-        try:
-            infos.append(_bpf.prog_info(fd))
-        finally:
-            os.close(fd)
-    return infos
-
-
 def assert_enforces(sandbox, cgroup: str, access: CgroupDeviceAccess) -> int:
     """Exactly one own program is attached and it is the one ``access`` compiles to."""
-    own = [info for info in programs(sandbox, cgroup) if info.name == PROGRAM_NAME]
+    own = [info for info in sandbox.programs(cgroup) if info.name == PROGRAM_NAME]
     assert len(own) == 1, own
     assert own[0].tag in _bpf.program_tags(build_device_program(access))
     return own[0].id
 
 
 def attach_extra(sandbox, cgroup: str, access: CgroupDeviceAccess, name: str = PROGRAM_NAME) -> int:
-    prog_fd = _bpf.prog_load(build_device_program(access), name)
-    cgroup_fd = os.open(os.path.join(sandbox.root, cgroup), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        _bpf.prog_attach(cgroup_fd, prog_fd)
-        prog_id = _bpf.prog_info(prog_fd).id
-        sandbox.program_ids.append(prog_id)
-        return prog_id
-    finally:
-        os.close(cgroup_fd)
-        os.close(prog_fd)
+    prog_id = attach_program(os.path.join(sandbox.root, cgroup), build_device_program(access), name)
+    sandbox.program_ids.append(prog_id)
+    return prog_id
 
 
 def detach(sandbox, cgroup: str, prog_id: int) -> None:
-    prog_fd = _bpf.prog_get_fd_by_id(prog_id)
-    cgroup_fd = os.open(os.path.join(sandbox.root, cgroup), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        _bpf.prog_detach(cgroup_fd, prog_fd)
-    finally:
-        os.close(cgroup_fd)
-        os.close(prog_fd)
+    detach_program(os.path.join(sandbox.root, cgroup), prog_id)
 
 
 def test_configure_reconfigure_remove_as_seen_by_a_process(v2_sandbox, device_nodes, tmp_path) -> None:

@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from actors.devices import PROGRAM_NAME, CgroupDeviceAccess, build_device_program
-from actors.devices import _bpf, _memory
+from actors.devices import PROGRAM_NAME, CgroupDeviceAccess, MemoryBackend, build_device_program
 from isolators import ContainerConfig, ContainerID, NvidiaGpuIsolatorProcess, Resources
 from runtime import Clock, Runtime
+from tests.support.kernel import attach_program, detach_program, program_infos
+from tests.support.nodes import judge
 
 MINORS = (0, 1, 2, 3, 255)
 # c1 holds GPU 0, c2 GPU 1 (lowest-first allocation); 255 is nvidiactl.
@@ -47,25 +48,8 @@ def sees(probe: Any, gpu_nodes: dict[int, str]) -> dict[int, int]:
     return {minor: probe.open(gpu_nodes[minor]) for minor in MINORS}
 
 
-def cgroup_fd(node: Any, name: str) -> int:
-    return os.open(os.path.join(node.root, name), os.O_RDONLY | os.O_DIRECTORY)
-
-
 def own_programs(node: Any, name: str) -> list[int]:
-    fd = cgroup_fd(node, name)
-    try:
-        ids = _bpf.prog_query(fd)[1]
-    finally:
-        os.close(fd)
-    node_ids = []
-    for prog_id in ids:
-        prog_fd = _bpf.prog_get_fd_by_id(prog_id)
-        try:
-            if _bpf.prog_info(prog_fd).name == PROGRAM_NAME:
-                node_ids.append(prog_id)
-        finally:
-            os.close(prog_fd)
-    return node_ids
+    return [info.id for info in program_infos(os.path.join(node.root, name)) if info.name == PROGRAM_NAME]
 
 
 def wipe_v1(node: Any, name: str) -> None:
@@ -79,24 +63,12 @@ def wipe_v1(node: Any, name: str) -> None:
 
 def detach_v2(node: Any, name: str) -> None:
     (prog_id,) = own_programs(node, name)
-    fd, prog_fd = cgroup_fd(node, name), _bpf.prog_get_fd_by_id(prog_id)
-    try:
-        _bpf.prog_detach(fd, prog_fd)
-    finally:
-        os.close(fd)
-        os.close(prog_fd)
+    detach_program(os.path.join(node.root, name), prog_id)
 
 
 def attach_extra_v2(node: Any, name: str, access: CgroupDeviceAccess) -> int:
     """A leaked extra program of our own name (every attached program must allow)."""
-    prog_fd = _bpf.prog_load(build_device_program(access), PROGRAM_NAME)
-    fd = cgroup_fd(node, name)
-    try:
-        _bpf.prog_attach(fd, prog_fd, _bpf.BPF_F_ALLOW_MULTI)
-        return _bpf.prog_info(prog_fd).id
-    finally:
-        os.close(fd)
-        os.close(prog_fd)
+    return attach_program(os.path.join(node.root, name), build_device_program(access), PROGRAM_NAME)
 
 
 def without_gpu(access: CgroupDeviceAccess, minor: int) -> CgroupDeviceAccess:
@@ -105,7 +77,7 @@ def without_gpu(access: CgroupDeviceAccess, minor: int) -> CgroupDeviceAccess:
 
 
 @pytest.mark.asyncio
-async def test_v1_allow_all_from_a_reload_is_repaired(kit: Any, node_factory: Any, probes: Any, gpu_nodes: Any) -> None:
+async def test_v1_allow_all_from_a_reload_is_repaired(node_factory: Any, probes: Any, gpu_nodes: Any) -> None:
     node = node_factory("cgroups_v1")
     async with Runtime():
         isolator = await two_containers(node)
@@ -116,12 +88,12 @@ async def test_v1_allow_all_from_a_reload_is_repaired(kit: Any, node_factory: An
         wipe_v1(node, "c1")
         assert sees(probe, gpu_nodes)[1] == errno.ENXIO  # drift: c1 may use c2's GPU
         with pytest.raises(AssertionError, match="GPU 1 is granted to"):
-            await kit.judge(node)
+            await judge(node)
         repairs = await isolator.reconcile()
         assert [r.container_id for r in repairs] == ["c1"]
         assert "a *:* rwm" in repairs[0].description and "rewrote the rules" in repairs[0].description
         assert sees(probe, gpu_nodes) == BEFORE
-        await kit.judge(node, {"c1": 1, "c2": 1})
+        await judge(node, {"c1": 1, "c2": 1})
         assert await isolator.reconcile() == []
         probe.close()
         await node.clean_all()
@@ -129,7 +101,7 @@ async def test_v1_allow_all_from_a_reload_is_repaired(kit: Any, node_factory: An
 
 
 @pytest.mark.asyncio
-async def test_v1_a_revoked_gpu_is_granted_again(kit: Any, node_factory: Any, probes: Any, gpu_nodes: Any) -> None:
+async def test_v1_a_revoked_gpu_is_granted_again(node_factory: Any, probes: Any, gpu_nodes: Any) -> None:
     node = node_factory("cgroups_v1")
     async with Runtime():
         isolator = await two_containers(node)
@@ -143,14 +115,14 @@ async def test_v1_a_revoked_gpu_is_granted_again(kit: Any, node_factory: Any, pr
             ("c1", "allowed 'c 195:0 rwm'")
         ]
         assert sees(probe, gpu_nodes) == BEFORE
-        await kit.judge(node, {"c1": 1, "c2": 1})
+        await judge(node, {"c1": 1, "c2": 1})
         probe.close()
         await node.clean_all()
         await node.stop()
 
 
 @pytest.mark.asyncio
-async def test_v2_a_detached_program_is_attached_again(kit: Any, node_factory: Any, probes: Any, gpu_nodes: Any) -> None:
+async def test_v2_a_detached_program_is_attached_again(node_factory: Any, probes: Any, gpu_nodes: Any) -> None:
     node = node_factory("cgroups_v2")
     async with Runtime():
         isolator = await two_containers(node)
@@ -161,14 +133,14 @@ async def test_v2_a_detached_program_is_attached_again(kit: Any, node_factory: A
         detach_v2(node, "c1")
         assert sees(probe, gpu_nodes)[1] == errno.ENXIO  # no program: every device allowed
         with pytest.raises(AssertionError, match="GPU 1 is granted to"):
-            await kit.judge(node)
+            await judge(node)
         repairs = await isolator.reconcile()
         assert [(r.container_id, r.description.split(": ", 1)[1]) for r in repairs] == [
             ("c1", "attached the missing device program")
         ]
         assert sees(probe, gpu_nodes) == BEFORE
         assert len(own_programs(node, "c1")) == 1
-        await kit.judge(node, {"c1": 1, "c2": 1})
+        await judge(node, {"c1": 1, "c2": 1})
         assert await isolator.reconcile() == []
         probe.close()
         await node.clean_all()
@@ -177,7 +149,7 @@ async def test_v2_a_detached_program_is_attached_again(kit: Any, node_factory: A
 
 @pytest.mark.asyncio
 async def test_v2_an_extra_program_of_our_name_is_detached(
-    kit: Any, node_factory: Any, probes: Any, gpu_nodes: Any
+    node_factory: Any, probes: Any, gpu_nodes: Any
 ) -> None:
     node = node_factory("cgroups_v2")
     async with Runtime():
@@ -186,7 +158,6 @@ async def test_v2_an_extra_program_of_our_name_is_detached(
         probe.move_to(os.path.join(node.root, "c1"))
         (original,) = own_programs(node, "c1")
         extra = attach_extra_v2(node, "c1", without_gpu(node.checkpoint()["c1"], 0))
-        kit.SEEN_PROGRAMS.add(extra)
         assert sees(probe, gpu_nodes)[0] == errno.EPERM  # drift: the extra program denies c1's GPU
         repairs = await isolator.reconcile()
         assert [(r.container_id, r.description.split(": ", 1)[1]) for r in repairs] == [
@@ -194,18 +165,18 @@ async def test_v2_an_extra_program_of_our_name_is_detached(
         ]
         assert own_programs(node, "c1") == [original]
         assert sees(probe, gpu_nodes) == BEFORE
-        await kit.judge(node, {"c1": 1, "c2": 1})
+        await judge(node, {"c1": 1, "c2": 1})
         probe.close()
         await node.clean_all()
         await node.stop()
 
 
 @pytest.mark.asyncio
-async def test_memory_a_replaced_record_is_restored(kit: Any, node_factory: Any) -> None:
+async def test_memory_a_replaced_record_is_restored(node_factory: Any) -> None:
     node = node_factory("memory")
     async with Runtime():
         isolator = await two_containers(node)
-        table = _memory._PRETEND_KERNEL[node.root]
+        table = MemoryBackend.shared_table(node.root)
         good = table["c1"]
         table["c1"] = CgroupDeviceAccess.create(["a *:* rwm"], [])
         del table["c2"]
@@ -213,13 +184,13 @@ async def test_memory_a_replaced_record_is_restored(kit: Any, node_factory: Any)
         assert sorted(r.container_id for r in repairs) == ["c1", "c2"]
         assert "recreated the missing cgroup" in [r for r in repairs if r.container_id == "c2"][0].description
         assert table["c1"] == good
-        await kit.judge(node, {"c1": 1, "c2": 1})
+        await judge(node, {"c1": 1, "c2": 1})
         await node.clean_all()
         await node.stop()
 
 
 @pytest.mark.asyncio
-async def test_reconcile_never_recreates_a_container_being_cleaned_up(kit: Any, node_factory: Any) -> None:
+async def test_reconcile_never_recreates_a_container_being_cleaned_up(node_factory: Any) -> None:
     """A reconcile that arrives with a cleanup waits behind it and skips the container."""
     node = node_factory("memory")
     async with Runtime():
@@ -228,7 +199,7 @@ async def test_reconcile_never_recreates_a_container_being_cleaned_up(kit: Any, 
         repairs = isolator.reconcile()
         await cleanup
         assert await repairs == []
-        await kit.judge(node, {"c2": 1})
+        await judge(node, {"c2": 1})
         assert not node.cgroup_exists("c1")
         await node.clean_all()
         await node.stop()
@@ -238,13 +209,13 @@ async def test_reconcile_never_recreates_a_container_being_cleaned_up(kit: Any, 
 
 
 @pytest.mark.asyncio
-async def test_periodic_reconcile_runs_on_the_clock_and_stops_with_the_isolator(kit: Any, node_factory: Any) -> None:
+async def test_periodic_reconcile_runs_on_the_clock_and_stops_with_the_isolator(node_factory: Any) -> None:
     node = node_factory("memory")
     async with Runtime():
         Clock.pause()
         isolator = await two_containers(node, reconcile_interval=30.0)
         process: NvidiaGpuIsolatorProcess = isolator.process
-        table = _memory._PRETEND_KERNEL[node.root]
+        table = MemoryBackend.shared_table(node.root)
         good = table["c1"]
         table["c1"] = CgroupDeviceAccess.create(["a *:* rwm"], [])
         Clock.advance(29.5)
@@ -253,7 +224,7 @@ async def test_periodic_reconcile_runs_on_the_clock_and_stops_with_the_isolator(
         Clock.advance(0.5)
         await Clock.settle()
         assert process.reconcile_runs == 1 and table["c1"] == good
-        await kit.judge(node, {"c1": 1, "c2": 1})
+        await judge(node, {"c1": 1, "c2": 1})
         Clock.advance(30)
         await Clock.settle()
         assert process.reconcile_runs == 2  # rescheduled after each run
@@ -270,7 +241,7 @@ async def test_periodic_reconcile_is_off_by_default(node_factory: Any) -> None:
     async with Runtime():
         Clock.pause()
         isolator = await two_containers(node)
-        table = _memory._PRETEND_KERNEL[node.root]
+        table = MemoryBackend.shared_table(node.root)
         table["c1"] = CgroupDeviceAccess.create(["a *:* rwm"], [])
         Clock.advance(3600)
         await Clock.settle()
@@ -283,7 +254,7 @@ async def test_periodic_reconcile_is_off_by_default(node_factory: Any) -> None:
 
 @pytest.mark.asyncio
 async def test_periodic_reconcile_repairs_a_v1_reload_as_a_process_sees_it(
-    kit: Any, node_factory: Any, probes: Any, gpu_nodes: Any
+    node_factory: Any, probes: Any, gpu_nodes: Any
 ) -> None:
     node = node_factory("cgroups_v1")
     async with Runtime():
@@ -298,7 +269,7 @@ async def test_periodic_reconcile_repairs_a_v1_reload_as_a_process_sees_it(
         # container and so finds nothing left to repair.
         assert await isolator.reconcile() == []
         assert sees(probe, gpu_nodes) == BEFORE
-        await kit.judge(node, {"c1": 1, "c2": 1})
+        await judge(node, {"c1": 1, "c2": 1})
         probe.close()
         await node.clean_all()
         await node.stop()

@@ -5,7 +5,7 @@ before every one of them, followed by drop-every-actor / rebuild / recover.
 A ``FaultInjectingBackend`` wraps the node's device backend and is handed to
 ``NvidiaGpuIsolatorProcess.create(..., devices=...)``. First each call runs
 clean to count its kernel operations; then each k in 1..count is injected.
-The kernel is the judge (``kit.judge``): a failed call leaves the previous
+The kernel is the judge (``judge``): a failed call leaves the previous
 state (no GPU leaked, no record, no cgroup for a failed prepare; the previous
 grant for a failed update; a failed cleanup can be retried), and after a
 crash and recovery no GPU is granted twice and cleanups free everything.
@@ -20,6 +20,7 @@ import pytest
 
 from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
 from runtime import Runtime
+from tests.support.nodes import judge
 
 BACKENDS = ["memory", "cgroups_v1", "cgroups_v2"]
 ERRNOS = [errno.EIO, errno.ENOSPC, errno.EBUSY]
@@ -87,16 +88,16 @@ async def fail_everywhere(node: Any, call: Any, check: Any, undo: Any, swallowed
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_a_failed_prepare_leaves_nothing_behind(backend: str, kit: Any, node_factory: Any) -> None:
+async def test_a_failed_prepare_leaves_nothing_behind(backend: str, node_factory: Any) -> None:
     node = node_factory(backend)
     async with Runtime():
         _c, isolator = await node.start(fault={})
         await isolator.recover([], set())
         await isolator.prepare(C("keep"), config(1))
-        before = await kit.judge(node, {"keep": 1})
+        before = await judge(node, {"keep": 1})
 
         async def check(where: str) -> None:
-            assert await kit.judge(node, {"keep": 1}) == before, where
+            assert await judge(node, {"keep": 1}) == before, where
             assert not node.cgroup_exists("c1"), where
 
         injected = await fail_everywhere(
@@ -105,7 +106,7 @@ async def test_a_failed_prepare_leaves_nothing_behind(backend: str, kit: Any, no
         assert injected >= 3
         # and it still works afterwards
         await isolator.prepare(C("c1"), config(2))
-        await kit.judge(node, {"keep": 1, "c1": 2})
+        await judge(node, {"keep": 1, "c1": 2})
         await node.clean_all()
         await node.stop()
 
@@ -114,7 +115,7 @@ async def test_a_failed_prepare_leaves_nothing_behind(backend: str, kit: Any, no
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("start, target", [(1, 3), (3, 1)], ids=["grow", "shrink"])
 async def test_a_failed_update_keeps_the_previous_grant(
-    backend: str, start: int, target: int, kit: Any, node_factory: Any
+    backend: str, start: int, target: int, node_factory: Any
 ) -> None:
     node = node_factory(backend)
     async with Runtime():
@@ -122,51 +123,51 @@ async def test_a_failed_update_keeps_the_previous_grant(
         await isolator.recover([], set())
         await isolator.prepare(C("keep"), config(1))
         await isolator.prepare(C("c1"), config(start))
-        before = await kit.judge(node, {"keep": 1, "c1": start})
+        before = await judge(node, {"keep": 1, "c1": start})
 
         async def check(where: str) -> None:
-            assert await kit.judge(node, {"keep": 1, "c1": start}) == before, where
+            assert await judge(node, {"keep": 1, "c1": start}) == before, where
 
         injected = await fail_everywhere(
             node, lambda: isolator.update(C("c1"), gpus(target)), check, lambda: isolator.update(C("c1"), gpus(start))
         )
         assert injected >= 3
         await isolator.update(C("c1"), gpus(target))
-        await kit.judge(node, {"keep": 1, "c1": target})
+        await judge(node, {"keep": 1, "c1": target})
         await node.clean_all()
         await node.stop()
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_a_failed_cleanup_can_be_retried(backend: str, kit: Any, node_factory: Any) -> None:
+async def test_a_failed_cleanup_can_be_retried(backend: str, node_factory: Any) -> None:
     node = node_factory(backend)
     async with Runtime():
         _c, isolator = await node.start(fault={})
         await isolator.recover([], set())
         await isolator.prepare(C("keep"), config(1))
         await isolator.prepare(C("c1"), config(2))
-        before = await kit.judge(node, {"keep": 1, "c1": 2})
+        before = await judge(node, {"keep": 1, "c1": 2})
 
         async def check(where: str) -> None:
-            assert await kit.judge(node, {"keep": 1, "c1": 2}) == before, where
+            assert await judge(node, {"keep": 1, "c1": 2}) == before, where
 
         async def retry() -> None:  # the cleanup succeeded: prepare c1 again for the next round
-            await kit.judge(node, {"keep": 1})
+            await judge(node, {"keep": 1})
             assert not node.cgroup_exists("c1")
             await node.isolator.prepare(C("c1"), config(2))
-            assert await kit.judge(node, {"keep": 1, "c1": 2}) == before
+            assert await judge(node, {"keep": 1, "c1": 2}) == before
 
         async def busy(code: int, op: str) -> None:
             # EBUSY from rmdir reads as "processes still inside": as in Mesos the
             # GPUs are released anyway, after being denied to the cgroup, which
             # stays (forgotten) until a recovery adopts it as an orphan.
             assert (code, op, backend != "memory") == (errno.EBUSY, "rmdir", True), (code, op)
-            await kit.judge(node, {"keep": 1}, extra_cgroups={"c1"})
+            await judge(node, {"keep": 1}, extra_cgroups={"c1"})
             assert node.cgroup_exists("c1")
             _c, isolator = await node.restart(["keep"])
             assert any("recovered as an orphan" in line for line in isolator.recovery_report)
-            await kit.judge(node, {"keep": 1, "c1": 0})
+            await judge(node, {"keep": 1, "c1": 0})
             await isolator.cleanup(C("c1"))
             await node.restart(["keep"], fault={})
             await retry()
@@ -179,7 +180,7 @@ async def test_a_failed_cleanup_can_be_retried(backend: str, kit: Any, node_fact
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", ["cgroups_v1", "cgroups_v2"])
 async def test_cleanup_with_a_process_inside_denies_then_releases_under_faults(
-    backend: str, kit: Any, node_factory: Any, probes: Any, gpu_nodes: dict[int, str]
+    backend: str, node_factory: Any, probes: Any, gpu_nodes: dict[int, str]
 ) -> None:
     """A process still in the cgroup: rmdir is EBUSY for real, so cleanup denies
     the GPUs to it, then releases them. Every kernel operation of that path fails
@@ -197,14 +198,14 @@ async def test_cleanup_with_a_process_inside_denies_then_releases_under_faults(
             state["probe"] = probe = probes()
             probe.move_to(f"{node.root}/c1")
             assert probe.open(gpu_nodes[1]) == errno.ENXIO  # granted (no driver behind it)
-            state["before"] = await kit.judge(node, {"keep": 1, "c1": 2})
+            state["before"] = await judge(node, {"keep": 1, "c1": 2})
 
         async def check(where: str) -> None:
-            assert await kit.judge(node, {"keep": 1, "c1": 2}) == state["before"], where
+            assert await judge(node, {"keep": 1, "c1": 2}) == state["before"], where
             assert state["probe"].open(gpu_nodes[1]) == errno.ENXIO, where
 
         async def done() -> None:
-            await kit.judge(node, {"keep": 1}, extra_cgroups={"c1"})
+            await judge(node, {"keep": 1}, extra_cgroups={"c1"})
             probe = state["probe"]
             assert probe.open(gpu_nodes[1]) == errno.EPERM and probe.open(gpu_nodes[2]) == errno.EPERM
             assert probe.open(gpu_nodes[255]) == errno.ENXIO  # nvidiactl stays
@@ -241,7 +242,7 @@ SCENARIOS = {
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 async def test_a_crash_at_every_step_recovers_consistently(
-    backend: str, scenario: str, kit: Any, node_factory: Any
+    backend: str, scenario: str, node_factory: Any
 ) -> None:
     before, crashing = SCENARIOS[scenario]
     node = node_factory(backend)
@@ -256,7 +257,7 @@ async def test_a_crash_at_every_step_recovers_consistently(
             return isolator
 
         isolator = await setup()
-        held = await kit.judge(node, before)
+        held = await judge(node, before)
         node.fault.arm(None)
         await crashing(isolator)
         operations = node.fault.operations
@@ -264,7 +265,7 @@ async def test_a_crash_at_every_step_recovers_consistently(
         assert operations >= 1
         for k in range(1, operations + 1):
             isolator = await setup()
-            assert await kit.judge(node, before) == held
+            assert await judge(node, before) == held
             node.fault.arm(None, crash_at=k)
             with pytest.raises(IsolatorError, match="simulated crash of the agent"):
                 await crashing(isolator)
@@ -273,7 +274,7 @@ async def test_a_crash_at_every_step_recovers_consistently(
                 await isolator.cleanup(C("keep"))
             # Drop every actor, rebuild from the same flags, recover what the agent knew.
             _c, isolator = await node.restart(before)
-            after = await kit.judge(node)
+            after = await judge(node)
             assert after["keep"] == held["keep"], f"crash before operation {k}: keep lost its GPU"
             for name in before:
                 assert name in after or (scenario == "cleanup" and name == "c1"), f"{name} lost at {k}"
@@ -283,7 +284,7 @@ async def test_a_crash_at_every_step_recovers_consistently(
                 assert 1 <= len(after["c1"]) <= 3, after
             for name in sorted(after):  # cleanups free everything
                 await isolator.cleanup(C(name))
-            await kit.judge(node, {})
+            await judge(node, {})
             assert {g.minor for g in await node.components.allocator.available()} == set(range(node.gpus))
             await node.clean_all()
             assert not node.root_exists()

@@ -29,6 +29,8 @@ from isolators import (
     load_script,
 )
 from runtime import Clock, Process, Runtime, dispatch, send, snapshot, spawn
+from tests.support.kernel import V2_HIERARCHY, attached_programs, hierarchy_of, skip_reason
+from tests.support.nodes import Node, judge
 
 TOKEN = f"rel-hostile-{uuid.uuid4().hex[:8]}"
 
@@ -98,15 +100,15 @@ def test_a_bad_cgroups_root_is_refused_by_the_flags(root: str, tmp_path: Any) ->
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", ["memory", "cgroups_v1", "cgroups_v2"])
-async def test_a_bad_cgroups_root_writes_nothing_anywhere(backend: str, kit: Any, tmp_path: Any) -> None:
+async def test_a_bad_cgroups_root_writes_nothing_anywhere(backend: str, tmp_path: Any) -> None:
     """Bypassing the flags (a Flags value mutated after validation, or the device
     control built directly): refused before anything is created."""
-    reason = kit.skip_reason(backend)
+    reason = skip_reason(backend)
     if reason:
         pytest.skip(reason)
-    hierarchy = kit.hierarchy_of(backend)
+    hierarchy = hierarchy_of(backend)
     before = listing(hierarchy) if hierarchy else set()
-    node = kit.Node(str(tmp_path), backend)
+    node = Node(str(tmp_path), backend)
     async with Runtime():
         components = await NvidiaComponents.create(node.flags())
         try:
@@ -171,8 +173,8 @@ def test_a_gpus_value_that_is_not_a_number_is_one_clear_error(text: str) -> None
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("text", ["gpus:nan", "gpus:-1", "gpus:abc", "gpus", "gpus:[1-2]", "gpus:{a,b}"])
-async def test_bad_agent_resources_stop_the_start(text: str, kit: Any, tmp_path: Any) -> None:
-    node = kit.Node(str(tmp_path), "memory")
+async def test_bad_agent_resources_stop_the_start(text: str, tmp_path: Any) -> None:
+    node = Node(str(tmp_path), "memory")
     async with Runtime():
         with pytest.raises(ValueError) as caught:  # ResourcesError (a ValueError)
             await NvidiaComponents.create(node.flags(resources=text, nvidia_gpu_devices=[0]))
@@ -183,14 +185,14 @@ async def test_bad_agent_resources_stop_the_start(text: str, kit: Any, tmp_path:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", ["memory", "cgroups_v1", "cgroups_v2"])
 async def test_hostile_gpu_requests_fail_at_prepare_and_update_changing_nothing(
-    backend: str, kit: Any, node_factory: Any
+    backend: str, node_factory: Any
 ) -> None:
     node = node_factory(backend)
     async with Runtime():
         _c, isolator = await node.start()
         await isolator.recover([], set())
         await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=Resources.parse("gpus:1")))
-        before = await kit.judge(node, {"c1": 1})
+        before = await judge(node, {"c1": 1})
         cases = {
             "gpus:1e9": "Requested 1000000000 gpus but only 3 available",
             "gpus:1e15": "Requested 1000000000000000 gpus but only 3 available",
@@ -204,14 +206,14 @@ async def test_hostile_gpu_requests_fail_at_prepare_and_update_changing_nothing(
             with pytest.raises(Exception) as caught:
                 await isolator.prepare(ContainerID("c2"), ContainerConfig(resources=Resources.parse(text)))
             assert expected in one_line(caught.value), (text, str(caught.value))
-            assert await kit.judge(node, {"c1": 1}) == before
+            assert await judge(node, {"c1": 1}) == before
             assert not node.cgroup_exists("c2")
             update_expected = expected.replace("Requested 1000000000 ", "Requested 999999999 ").replace(
                 "Requested 1000000000000000 ", "Requested 999999999999999 ").replace("Requested 5 ", "Requested 4 ")
             with pytest.raises(Exception) as caught:
                 await isolator.update(ContainerID("c1"), Resources.parse(text))
             assert update_expected in one_line(caught.value), (text, str(caught.value))
-            assert await kit.judge(node, {"c1": 1}) == before
+            assert await judge(node, {"c1": 1}) == before
         await node.clean_all()
         await node.stop()
 
@@ -243,9 +245,9 @@ BAD_HOSTS = {
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("case", list(BAD_HOSTS))
-async def test_a_hostile_host_file_stops_the_start_with_one_error(case: str, kit: Any, tmp_path: Any) -> None:
+async def test_a_hostile_host_file_stops_the_start_with_one_error(case: str, tmp_path: Any) -> None:
     document, expected = BAD_HOSTS[case]
-    node = kit.Node(str(tmp_path), "memory")
+    node = Node(str(tmp_path), "memory")
     with open(node.host_file, "w") as handle:
         json.dump(document, handle)
     async with Runtime():
@@ -268,8 +270,8 @@ async def test_a_hostile_host_file_stops_the_start_with_one_error(case: str, kit
     ],
     ids=["binary", "deep", "truncated", "empty"],
 )
-async def test_a_garbled_host_file_stops_the_start(text: bytes, expected: str, kit: Any, tmp_path: Any) -> None:
-    node = kit.Node(str(tmp_path), "memory")
+async def test_a_garbled_host_file_stops_the_start(text: bytes, expected: str, tmp_path: Any) -> None:
+    node = Node(str(tmp_path), "memory")
     node.host_file = str(tmp_path / "host.toml")
     (tmp_path / "host.toml").write_bytes(text)
     async with Runtime():
@@ -355,18 +357,12 @@ CORRUPTIONS = {
 
 def attached(node: Any, cgroup: str) -> list[int]:
     """Ids of the device programs the kernel runs for ``cgroup``."""
-    from actors.devices import _bpf
-
-    fd = os.open(os.path.join(node.root, cgroup), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        return _bpf.prog_query(fd)[1]
-    finally:
-        os.close(fd)
+    return attached_programs(os.path.join(node.root, cgroup))
 
 
 @pytest.mark.asyncio
 async def test_a_bad_v2_checkpoint_stops_the_start_and_is_never_read_as_empty(
-    kit: Any, node_factory: Any
+    node_factory: Any
 ) -> None:
     node = node_factory("cgroups_v2")
     file = checkpoint_file(node.work_dir)
@@ -374,7 +370,7 @@ async def test_a_bad_v2_checkpoint_stops_the_start_and_is_never_read_as_empty(
         _c, isolator = await node.start()
         await isolator.recover([], set())
         await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=Resources.parse("gpus:2")))
-        held = await kit.judge(node, {"c1": 2})
+        held = await judge(node, {"c1": 2})
         await node.stop()  # the agent goes away; c1 keeps running
         with open(file, "rb") as handle:
             good = handle.read()
@@ -393,7 +389,7 @@ async def test_a_bad_v2_checkpoint_stops_the_start_and_is_never_read_as_empty(
                 assert file in message and "never read as empty" in message, message
                 assert "Restore it from a backup" in message, message  # the operator hint
                 with pytest.raises(CheckpointError):
-                    await DeviceControl.create("cgroups_v2", kit.V2_HIERARCHY, node.cgroups_root, node.work_dir)
+                    await DeviceControl.create("cgroups_v2", V2_HIERARCHY, node.cgroups_root, node.work_dir)
             finally:
                 await components.close()
             assert snapshot() == {}
@@ -403,7 +399,7 @@ async def test_a_bad_v2_checkpoint_stops_the_start_and_is_never_read_as_empty(
         with open(file, "wb") as handle:
             handle.write(good)
         _c, isolator = await node.restart(["c1"])
-        assert await kit.judge(node, {"c1": 2}) == held
+        assert await judge(node, {"c1": 2}) == held
         await node.clean_all()
         await node.stop()
 

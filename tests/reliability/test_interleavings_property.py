@@ -31,6 +31,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
 from runtime import Runtime
+from tests.support.kernel import skip_reason
+from tests.support.nodes import judge
 
 IDS = [f"c{i}" for i in range(5)]
 GPUS = 4
@@ -64,7 +66,6 @@ class IsolatorMachine(RuleBasedStateMachine):
     """See the module docstring. ``node`` is set by the test (one per run)."""
 
     node: Any = None
-    kit: Any = None
     stats: dict[str, int] = {}
 
     def __init__(self) -> None:
@@ -244,22 +245,20 @@ class IsolatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_kernel_agrees(self) -> None:
-        self.run(self.kit.judge(self.node, self.model))
+        self.run(judge(self.node, self.model))
 
 
 @pytest.mark.parametrize(("backend", "worker"), sorted(BUDGET))
 def test_random_interleavings_never_leak_or_double_grant(
-    backend: str, worker: str, kit: Any, node_factory: Any
+    backend: str, worker: str, node_factory: Any
 ) -> None:
-    kit_module = kit
-    reason = kit.skip_reason(backend)
+    reason = skip_reason(backend)
     if reason:
         pytest.skip(reason)
     examples, steps = BUDGET[backend, worker]
     nodes: list[Any] = []
 
     class Machine(IsolatorMachine):
-        kit = kit_module
         stats: dict[str, int] = {}
 
         def __init__(self) -> None:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from actors import DeviceControl
+from actors.devices import MemoryBackend
 from isolators import load_script_file, run_script
+from isolators.testing import backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
 from runtime import Runtime
 
 HERE = Path(__file__).resolve().parent
@@ -24,43 +25,11 @@ REPO = HERE.parents[1]
 SCRIPTS = sorted([*HERE.glob("*.yaml"), *HERE.glob("*.json")]) + sorted((REPO / "examples").glob("*.yaml")) + [
     REPO / "isolators" / "demo" / "demo.yaml"
 ]
-CGROUP_MOUNT = "/sys/fs/cgroup"
-
-
-def hierarchy(backend: str) -> str | None:
-    """Where ``backend`` keeps its cgroups (as the device layer picks it)."""
-    if backend == "cgroups_v1":
-        return os.path.join(CGROUP_MOUNT, "devices")
-    if backend == "cgroups_v2":
-        if os.path.isfile(os.path.join(CGROUP_MOUNT, "cgroup.controllers")):
-            return CGROUP_MOUNT
-        return os.path.join(CGROUP_MOUNT, "unified")
-    return None
-
-
-def skip_reason(backend: str) -> str | None:
-    if backend == "memory":
-        return None
-    if os.geteuid() != 0:
-        return f"{backend} needs root"
-    marker = "devices.allow" if backend == "cgroups_v1" else "cgroup.controllers"
-    if not os.path.isfile(os.path.join(hierarchy(backend), marker)):
-        return f"no {backend} hierarchy at {hierarchy(backend)}"
-    return None
-
-
-def remove_tree(path: str) -> None:
-    """Remove a cgroup directory tree, deepest first (cgroups only rmdir)."""
-    for dirpath, _dirs, _files in sorted(os.walk(path), key=lambda entry: -entry[0].count("/")):
-        try:
-            os.rmdir(dirpath)
-        except OSError:
-            pass
 
 
 @pytest.fixture(params=["memory", "cgroups_v1", "cgroups_v2"])
 def backend(request: pytest.FixtureRequest) -> str:
-    reason = skip_reason(request.param)
+    reason = backend_unavailable(request.param)
     if reason is not None:
         pytest.skip(reason)
     return request.param
@@ -70,9 +39,11 @@ def backend(request: pytest.FixtureRequest) -> str:
 def cgroups_root(backend: str):
     root = f"gpu-isolator-test-scripts-{uuid.uuid4().hex[:12]}"
     yield root
-    base = hierarchy(backend)
-    if base is not None and os.path.isdir(os.path.join(base, root)):
-        remove_tree(os.path.join(base, root))
+    base = cgroup_hierarchy(backend)
+    if base is not None:
+        remove_cgroup_tree(os.path.join(base, root))
+    else:
+        MemoryBackend.drop_shared(f"memory:/{root}")
 
 
 @pytest.mark.asyncio
@@ -82,19 +53,14 @@ async def test_script(path: Path, backend: str, cgroups_root: str) -> None:
     lines: list[str] = []
     async with Runtime():
         report = await run_script(script, backend, echo=lines.append, cgroups_root=cgroups_root)
-        # Nothing is left: no cgroup below the run's root, and not the root.
-        if backend == "memory":
-            devices = await DeviceControl.create(backend="memory", cgroups_root=cgroups_root)
-            try:
-                assert await devices.list_cgroups() == []
-                await devices.remove_root()
-            finally:
-                await devices.close()
+    # Nothing is left: no cgroup below the run's root, and not the root.
+    if backend == "memory":
+        assert MemoryBackend.shared_table(f"memory:/{cgroups_root}") is None, "the run left cgroups behind"
     assert report.passed, "\n".join(lines)
     assert report.results and len(report.results) == len(script.steps)
     assert lines[-1].startswith(f"{script.name} on {backend}: ") and lines[-1].endswith("every expectation held")
     if backend != "memory":
-        assert not os.path.exists(os.path.join(hierarchy(backend), cgroups_root)), "the run left cgroups behind"
+        assert not os.path.exists(os.path.join(cgroup_hierarchy(backend), cgroups_root)), "the run left cgroups behind"
 
 
 @pytest.mark.asyncio
@@ -116,6 +82,8 @@ async def test_a_failing_run_still_removes_its_cgroups(backend: str, cgroups_roo
     assert (failure.line, failure.expected, failure.actual) == (4, "b holds GPUs [0]", "b holds GPUs [1]")
     assert "  FAIL   2  line 4    prepare b (gpus:1) -> other GPUs than expected" in lines
     assert lines[-1].endswith("FAILED (line 4)")
-    base = hierarchy(backend)
+    base = cgroup_hierarchy(backend)
     if base is not None:
         assert not os.path.exists(os.path.join(base, cgroups_root))
+    else:
+        assert MemoryBackend.shared_table(f"memory:/{cgroups_root}") is None

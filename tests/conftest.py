@@ -1,0 +1,70 @@
+"""Fixtures every test directory shares; the helpers behind them are in
+``tests.support`` (import them, never copy them).
+
+- ``node_factory(backend, gpus=4, **flags)`` -> a ``tests.support.nodes.Node``
+  in its own sub-directory of ``tmp_path``, its cgroups root named
+  ``<node_root_prefix><hex>``; skips with the reason when ``backend`` cannot
+  run here. Every node made is torn down after the test (its whole cgroups
+  root removed), also when the test failed.
+- ``node_root_prefix``: ``gpu-isolator-test-<pid>-`` (a directory's conftest
+  may narrow it).
+- ``probes()`` spawns a ``DeviceProbe`` (killed at teardown).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from tests.support.kernel import skip_reason
+from tests.support.nodes import TEST_ROOT_PREFIX, Node
+from tests.support.probes import DeviceProbe
+
+
+@pytest.fixture
+def node_root_prefix() -> str:
+    return TEST_ROOT_PREFIX
+
+
+@pytest.fixture
+def node_factory(tmp_path: Any, node_root_prefix: str) -> Iterator[Callable[..., Node]]:
+    made: list[Node] = []
+
+    def make(backend: str, gpus: int = 4, **extra: Any) -> Node:
+        reason = skip_reason(backend)
+        if reason:
+            pytest.skip(reason)
+        sub = tmp_path / f"node{len(made)}"
+        sub.mkdir()
+        node = Node(sub, backend, gpus, root_prefix=node_root_prefix, **extra)
+        made.append(node)
+        return node
+
+    try:
+        yield make
+    finally:
+        errors = []
+        for node in made:
+            try:
+                node.teardown()
+            except Exception as error:  # keep tearing down the others
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+
+@pytest.fixture
+def probes() -> Iterator[Callable[[], DeviceProbe]]:
+    spawned: list[DeviceProbe] = []
+
+    def spawn() -> DeviceProbe:
+        probe = DeviceProbe()
+        spawned.append(probe)
+        return probe
+
+    try:
+        yield spawn
+    finally:
+        for probe in spawned:
+            probe.close()

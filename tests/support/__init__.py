@@ -1,0 +1,31 @@
+"""What tests share, imported (never copied into a conftest, never handed
+out by a fixture): ``kernel`` (hierarchies, skip reasons, cgroup and eBPF
+teardown), ``probes`` (a child that opens device nodes from inside a
+cgroup, mknod'ed nodes), ``nodes`` (a simulated node for one test and the
+kernel as judge of it).
+
+The names below are re-exported for the ``kit`` fixture that older
+reliability tests use; new tests import from the modules.
+"""
+
+from .kernel import (
+    BACKENDS,
+    KERNEL_BACKENDS,
+    NVIDIA,
+    SEEN_PROGRAMS,
+    V1_HIERARCHY,
+    V2_HIERARCHY,
+    available_backends,
+    hierarchy_of,
+    members,
+    remove_test_cgroups,
+    skip_reason,
+)
+from .nodes import Node, judge, usage_host
+from .probes import DeviceProbe
+
+__all__ = [
+    "BACKENDS", "KERNEL_BACKENDS", "NVIDIA", "SEEN_PROGRAMS", "V1_HIERARCHY", "V2_HIERARCHY",
+    "available_backends", "hierarchy_of", "members", "remove_test_cgroups", "skip_reason",
+    "Node", "judge", "usage_host", "DeviceProbe",
+]

@@ -1,0 +1,220 @@
+"""The kernel as tests meet it: hierarchies, skip reasons, teardown, eBPF programs.
+
+Rules:
+- Kernel tests run only as root with the hierarchy present; ``skip_reason``
+  says why not (for v2 also when no cgroup device program can be loaded).
+- Tests create cgroups only under a root of their own and remove it even
+  when they fail: ``remove_test_cgroups`` kills what is inside (only test
+  probes can be there), detaches v2 programs, and removes the cgroups
+  deepest first, waiting (bounded) for killed probes to leave.
+- Every eBPF program id a test sees on a test cgroup goes into
+  ``SEEN_PROGRAMS``, so a session check can find programs that outlived
+  their cgroups.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+from actors.devices import _bpf
+from isolators.testing import backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
+
+BACKENDS = ["memory", "cgroups_v1", "cgroups_v2"]
+KERNEL_BACKENDS = ["cgroups_v1", "cgroups_v2"]
+NVIDIA = 195
+
+V1_HIERARCHY = cgroup_hierarchy("cgroups_v1")
+V2_HIERARCHY = next((h for h in [cgroup_hierarchy("cgroups_v2")]
+                     if h is not None and os.path.isfile(os.path.join(h, "cgroup.controllers"))), None)
+"""The mounted cgroup2 hierarchy, None when there is none."""
+
+SEEN_PROGRAMS: set[int] = set()
+"""Ids of every eBPF program seen attached to a test cgroup."""
+
+_RETURN_ZERO = bytes.fromhex("b7000000000000009500000000000000")  # r0 = 0; exit
+
+
+def hierarchy_of(backend: str) -> str | None:
+    """Where ``backend`` keeps its cgroups (None in memory)."""
+    return {"memory": None, "cgroups_v1": V1_HIERARCHY, "cgroups_v2": V2_HIERARCHY}[backend]
+
+
+def bpf_unusable() -> str | None:
+    """Why no cgroup device program can be loaded here; None when one can."""
+    try:
+        fd = _bpf.prog_load(_RETURN_ZERO, "gpuiso_probe")
+    except OSError as error:
+        return f"cannot load a cgroup device program: {error}"
+    os.close(fd)
+    return None
+
+
+def skip_reason(backend: str) -> str | None:
+    """Why ``backend`` cannot be tested here (None when it can)."""
+    reason = backend_unavailable(backend)
+    if reason is None and backend == "cgroups_v2":
+        reason = bpf_unusable()
+    return reason
+
+
+def available_backends() -> list[str]:
+    return [b for b in BACKENDS if skip_reason(b) is None]
+
+
+def members(cgroup_dir: str) -> list[int]:
+    """The processes in a cgroup ([] when it is gone)."""
+    try:
+        with open(os.path.join(cgroup_dir, "cgroup.procs")) as procs:
+            return [int(line) for line in procs if line.strip()]
+    except OSError:
+        return []
+
+
+def kill_members(cgroup_dir: str) -> None:
+    """SIGKILL the processes in a test cgroup (only test probes can be there)."""
+    for pid in members(cgroup_dir):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def attached_programs(cgroup_dir: str) -> list[int]:
+    """Ids of the device programs attached to a cgroup (kept in ``SEEN_PROGRAMS``)."""
+    fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        ids = _bpf.prog_query(fd)[1]
+    finally:
+        os.close(fd)
+    SEEN_PROGRAMS.update(ids)
+    return ids
+
+
+def program_infos(cgroup_dir: str) -> list[_bpf.ProgInfo]:
+    """What the kernel says of each device program attached to a cgroup."""
+    infos = []
+    for prog_id in attached_programs(cgroup_dir):
+        fd = _bpf.prog_get_fd_by_id(prog_id)
+        try:
+            infos.append(_bpf.prog_info(fd))
+        finally:
+            os.close(fd)
+    return infos
+
+
+def attach_program(cgroup_dir: str, code: bytes, name: str) -> int:
+    """Load ``code`` as a device program called ``name`` and attach it to a
+    cgroup beside what is there (``BPF_F_ALLOW_MULTI``); its id."""
+    prog_fd = _bpf.prog_load(code, name)
+    fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _bpf.prog_attach(fd, prog_fd, _bpf.BPF_F_ALLOW_MULTI)
+        prog_id = _bpf.prog_info(prog_fd).id
+    finally:
+        os.close(fd)
+        os.close(prog_fd)
+    SEEN_PROGRAMS.add(prog_id)
+    return prog_id
+
+
+def detach_program(cgroup_dir: str, prog_id: int) -> None:
+    """Detach one device program from a cgroup."""
+    prog_fd = _bpf.prog_get_fd_by_id(prog_id)
+    fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _bpf.prog_detach(fd, prog_fd)
+    finally:
+        os.close(fd)
+        os.close(prog_fd)
+
+
+def detach_programs(cgroup_dir: str) -> list[int]:
+    """Detach every device program on a test cgroup; their ids ([] when it is gone)."""
+    try:
+        fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return []
+    try:
+        ids = _bpf.prog_query(fd)[1]
+        SEEN_PROGRAMS.update(ids)
+        for prog_id in ids:
+            try:
+                prog_fd = _bpf.prog_get_fd_by_id(prog_id)
+            except OSError:
+                continue
+            try:
+                _bpf.prog_detach(fd, prog_fd)
+            except OSError:
+                pass
+            finally:
+                os.close(prog_fd)
+        return ids
+    finally:
+        os.close(fd)
+
+
+def remove_test_cgroups(root: str, v2: bool) -> list[int]:
+    """Remove a test root and everything below it (see module rules); the ids
+    of the programs detached on the way."""
+    detached: list[int] = []
+
+    def evict(directory: str) -> None:
+        kill_members(directory)
+        if v2:
+            detached.extend(detach_programs(directory))
+
+    remove_cgroup_tree(root, evict, busy_timeout=5.0)
+    return detached
+
+
+def program_exists(prog_id: int) -> bool:
+    try:
+        fd = _bpf.prog_get_fd_by_id(prog_id)
+    except OSError as error:
+        if error.errno == errno.ENOENT:
+            return False
+        raise
+    os.close(fd)
+    return True
+
+
+def wait_until_freed(prog_ids: list[int], timeout: float = 5.0) -> list[int]:
+    """Wait (bounded) for the kernel to free programs (it does so a little
+    after their cgroup goes); those still alive."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in prog_ids if program_exists(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+        alive = [p for p in alive if program_exists(p)]
+    return alive
+
+
+def bpf_fds() -> set[str]:
+    """The eBPF program fds this process holds open."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:bpf-prog":
+                found.add(fd)
+        except OSError:
+            pass
+    return found
+
+
+def children() -> set[int]:
+    """Live (not zombie) child processes of this process."""
+    me = os.getpid()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.add(int(entry))
+    return found

@@ -1,0 +1,102 @@
+"""A process inside a cgroup, asked to open device nodes: the kernel's verdict.
+
+Rules:
+- A ``DeviceProbe`` is a child (``python -I -S``) moved into a cgroup with
+  ``move_to``; ``open(path)`` answers 0 or the errno of opening the node:
+  ENXIO means the kernel allowed it (no driver behind major 195 here),
+  EPERM means the device cgroup denied it. ``mknod`` does the same for
+  creating a node (the ``m`` access).
+- Probes are killed by ``close()``; a test fixture closes every probe it
+  spawned, and the kernel teardown kills whatever is still in a test cgroup.
+- ``mknod_nodes`` makes device nodes in a test's own directory (root only).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterable
+
+_PROBE_SCRIPT = r"""
+import os, sys
+for line in sys.stdin:
+    words = line.split()
+    if not words or words[0] == "exit":
+        break
+    try:
+        if words[0] == "open":
+            os.close(os.open(words[1], int(words[2])))
+        else:
+            path, kind, major, minor = words[1], words[2], int(words[3]), int(words[4])
+            mode = (0o20000 if kind == "c" else 0o60000) | 0o600
+            os.mknod(path, mode, os.makedev(major, minor))
+            os.unlink(path)
+        print(0, flush=True)
+    except OSError as error:
+        print(error.errno, flush=True)
+"""
+
+
+class DeviceProbe:
+    """A child process that opens device nodes on request (see module rules)."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-u", "-c", _PROBE_SCRIPT],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.pid = self.process.pid
+
+    def move_to(self, cgroup_dir: str) -> None:
+        with open(os.path.join(cgroup_dir, "cgroup.procs"), "w") as procs:
+            procs.write(str(self.pid))
+
+    def _ask(self, line: str) -> int:
+        assert self.process.stdin and self.process.stdout
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        return int(self.process.stdout.readline())
+
+    def open(self, path: str, flags: int = os.O_RDWR) -> int:
+        """0 when the open succeeded, else its errno."""
+        return self._ask(f"open {path} {flags}")
+
+    def mknod(self, directory: str, kind: str, major: int, minor: int) -> int:
+        """0 when mknod of a ``kind`` node ``major:minor`` succeeded, else its errno."""
+        return self._ask(f"mknod {directory}/mknod-{uuid.uuid4().hex} {kind} {major} {minor}")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream:
+                stream.close()
+
+
+class DeviceNodes:
+    """Device nodes made in a directory, their paths by ``(kind, major, minor)``."""
+
+    def __init__(self, directory: str, paths: dict[tuple[str, int, int], str]) -> None:
+        self.directory = directory
+        self.paths = paths
+
+    def __getitem__(self, key: tuple[str, int, int]) -> str:
+        return self.paths[key]
+
+
+def mknod_nodes(directory: str, nodes: Iterable[tuple[str, int, int]], name: str = "{kind}{major}_{minor}",
+                mode: int = 0o666) -> DeviceNodes:
+    """Device nodes ``(kind, major, minor)`` (kind ``c`` or ``b``) in
+    ``directory``, named by ``name`` (root only)."""
+    paths = {}
+    for kind, major, minor in nodes:
+        path = os.path.join(directory, name.format(kind=kind, major=major, minor=minor))
+        os.mknod(path, (stat.S_IFCHR if kind == "c" else stat.S_IFBLK) | mode, os.makedev(major, minor))
+        paths[(kind, major, minor)] = path
+    return DeviceNodes(directory, paths)
