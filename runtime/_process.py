@@ -29,6 +29,18 @@ Rules (libprocess ``process/process.hpp``):
   its body is decoded and its handler looked up when it is delivered. A body
   that does not decode is logged and counted, never raised here; a handler
   that raises is logged and counted as a failure.
+- Over the network (``Runtime(listen=...)``) the same holds: a message from
+  another runtime is the same mailbox event with its sender's PID, and
+  ``link`` to a PID at another address gives ``exited(pid)`` when the
+  connection to that address breaks or cannot be made. ``type=bytes``
+  handlers get the body's bytes as they travel on the wire, locally too
+  (``str`` as UTF-8, a Struct or dict as its JSON, ``None`` as ``b""``);
+  ``type=Any`` gets a local body as sent and a remote one as bytes.
+- ``route(path, handler, help="")`` serves HTTP requests for
+  ``/<id><path>`` (and paths below it without a longer route):
+  ``handler(request)`` -- or ``handler(process, request)`` for a function
+  of the class -- runs as an event of this process and returns a
+  ``Response`` (see ``_http``).
 - A process stays registered (its id in use, ``wait`` pending) until its
   ``finalize`` has returned, an async ``finalize`` included; linked
   processes get ``exited`` then.
@@ -85,6 +97,21 @@ def _message_event(process: "Process", name: str, body: Any, from_: PID | None) 
         return None
 
 
+def wire_bytes(body: Any) -> bytes:
+    """A message body as it travels between runtimes: bytes unchanged, str
+    as UTF-8, None empty, anything else (a Struct, a dict...) as msgspec
+    JSON."""
+    if type(body) is bytes:
+        return body
+    if body is None:
+        return b""
+    if isinstance(body, (bytearray, memoryview)):
+        return bytes(body)
+    if isinstance(body, str):
+        return body.encode()
+    return msgspec.json.encode(body)
+
+
 def is_class_function(cls: type, fn: Any) -> bool:
     """True when ``fn`` is a plain function defined on ``cls`` or a base
     (so it is called with the process as its first argument)."""
@@ -123,6 +150,7 @@ class Process:
         self._tasks: dict[Any, tuple[Future, Any]] = {}
         self._linkers: set[PID] = set()
         self._handlers: dict[str, tuple[Callable, type]] = {}
+        self._routes: dict[str, tuple[Callable, str]] = {}
         self._handled = 0
         self._failures = 0
         self._rejected = 0
@@ -149,7 +177,10 @@ class Process:
         rt = self._runtime
         if rt is None:
             raise RuntimeError(f"Process {self._pid} is not spawned: link from initialize() or a method, not __init__")
-        target = rt._processes.get(pid)
+        target = rt._lookup(pid)
+        if target is None and rt._remote(pid, "link to"):
+            rt._network.link(self._pid, pid)  # exited when the connection breaks
+            return
         if target is None:  # already gone (or never existed): exited at once
             rt._enqueue(self, _exited_event, (pid,), None, None)
             return
@@ -167,6 +198,19 @@ class Process:
                 return handler(from_, body)
             fn.__name__ = getattr(handler, "__name__", name)
         self._handlers[name] = (fn, type)
+
+    def route(self, path: str, handler: Callable[..., Any], help: str = "") -> None:
+        """Serve HTTP requests for ``/<id><path>`` with ``handler(request)``
+        (``handler(process, request)`` for a function of the class)."""
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise ValueError(f"Route path must start with '/', got {path!r}")
+        if is_class_function(self.__class__, handler):
+            fn = handler
+        else:
+            def fn(_process: "Process", request: Any) -> Any:
+                return handler(request)
+            fn.__name__ = getattr(handler, "__name__", "route")
+        self._routes[path.rstrip("/") or "/"] = (fn, help)
 
     def send(self, to: PID, name: str, body: Any = None) -> None:
         """Send a named message from this process."""
@@ -272,6 +316,8 @@ class Process:
         try:
             if kind is Any:
                 value = body
+            elif kind is bytes:
+                value = wire_bytes(body)
             elif isinstance(body, (bytes, bytearray, memoryview, str)):
                 value = msgspec.json.decode(body, type=kind)
             elif isinstance(kind, type) and isinstance(body, kind):

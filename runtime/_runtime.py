@@ -24,15 +24,18 @@ Rules (libprocess's process manager, scoped):
 - ``delay(seconds, pid, method, *args)`` dispatches when the Clock says so
   and returns a cancellable ``Timer``.
 - Test filters (``runtime.testing``) see every dispatch and message as it is
-  queued; the newest matching filter wins and matches once.
+  queued (a message to another runtime too); the newest matching filter
+  wins and matches once.
+- ``Runtime(listen="host:port")`` puts it on the network (``_network``):
+  PIDs carry ``address``; a PID without one names a local process. Without
+  ``listen`` local paths pay nothing for it, and a remote PID is an error.
+  ``metrics`` is the runtime's registry (``_metrics``), listening or not.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections.abc
 import logging
-from collections import deque
 from typing import Any, Callable
 
 import anyio
@@ -42,7 +45,11 @@ from ._clock import Clock, Timer
 from ._errors import Failure, ProcessTerminated
 from ._executor import in_flight
 from ._future import FAILED, Future, _Park
+from ._http import Limits
+from ._metrics import Metrics
+from ._network import Network
 from ._pid import PID
+from ._tasks import _async_failed, _Continuation, _Detached, _name, _TrioHandle, _TrioSoon
 from ._process import (
     RUNNING,
     TERMINATED,
@@ -68,9 +75,15 @@ def current_runtime() -> "Runtime":
 
 
 class Runtime:
-    """Hosts processes in the running event loop (see module rules)."""
+    """Hosts processes in the running event loop (see module rules).
+    ``listen``: ``"host:port"`` to serve (port 0: any free one); ``limits``:
+    what one client may cost the server."""
 
-    def __init__(self) -> None:
+    def __init__(self, listen: str | None = None, limits: Limits | None = None) -> None:
+        self._listen = listen
+        self._limits = Network.check(listen, limits)  # bad settings fail here, not in the loop
+        self._network: Network | None = None
+        self.metrics = Metrics()
         self._processes: dict[PID, Process] = {}
         self._filters: list[Any] = []
         self._call_soon: Callable[..., Any] | None = None
@@ -103,7 +116,18 @@ class Runtime:
         _clock._state.wakeup = self._wake_timers
         self._timer_wake = anyio.Event()
         self._task_group.start_soon(self._timer_loop)
+        self.metrics.gauge("runtime/processes", lambda: len(self._processes), "processes in this runtime")
+        if self._listen is not None:
+            try:
+                self._network = await Network.start(self, self._listen, self._limits, self._task_group)
+            except BaseException:
+                await self.__aexit__(None, None, None)
+                raise
         return self
+
+    @property
+    def address(self) -> str | None:  # the bound ``host:port``; None when not listening
+        return self._network.address if self._network is not None else None
 
     async def __aexit__(self, *exc: Any) -> None:
         global _current
@@ -113,6 +137,8 @@ class Runtime:
                     self.terminate(pid, inject=True)
                 for proc in list(self._processes.values()):
                     await proc._terminated
+            if self._network is not None:
+                await self._network.aclose()
         finally:
             self._task_group.cancel_scope.cancel()
             await self._task_group.__aexit__(None, None, None)
@@ -147,9 +173,12 @@ class Runtime:
         if process._runtime is not None:
             raise Failure(f"Process {process.pid} was already spawned")
         pid = process.pid
+        if self._network is not None and pid.host is None:
+            pid = self._network.local(pid)
         existing = self._processes.get(pid)
         if existing is not None:
             raise Failure(f"A process with id {pid} is already running: give each live process a unique id")
+        process._pid = pid
         process._runtime = self
         self._processes[pid] = process
         process._mailbox.appendleft((_initialize_event, (), None, None))
@@ -165,6 +194,8 @@ class Runtime:
 
     def dispatch(self, pid: PID, method: Callable[..., Any], args: tuple, kwargs: dict) -> Future:
         proc = self._processes.get(pid)
+        if proc is None and self._network is not None:
+            proc = self._lookup(pid)
         if proc is None or proc._state is not RUNNING:
             return Future.failed(ProcessTerminated(f"Process {pid} is not running; cannot dispatch {_name(method)}"))
         future = Future()
@@ -177,7 +208,7 @@ class Runtime:
         return future
 
     def terminate(self, pid: PID, inject: bool = True) -> None:
-        proc = self._processes.get(pid)
+        proc = self._lookup(pid)
         if proc is None or proc._state is not RUNNING:
             return
         proc._state = "terminating"
@@ -196,13 +227,18 @@ class Runtime:
 
     def wait(self, pid: PID) -> Future[None]:
         """READY once ``pid`` has finalized; at once when it is unknown."""
-        proc = self._processes.get(pid)
+        proc = self._lookup(pid)
         if proc is None:
             return Future.ready(None)
         return proc._terminated
 
     def send(self, to: PID, name: str, body: Any, from_: PID | None = None) -> None:
         proc = self._processes.get(to)
+        if proc is None:
+            if self._remote(to, "send to"):
+                self._network.send(to, name, body, from_)
+                return
+            proc = self._lookup(to)
         if proc is None or proc._state is not RUNNING:
             logger.warning("Message %r to %s dropped: process is not running", name, to)
             return
@@ -211,6 +247,21 @@ class Runtime:
         # decoded on delivery, in the mailbox's order: handlers installed by
         # initialize() see messages sent right after spawn
         self._enqueue(proc, _message_event, (name, body, from_), None, None)
+
+    def _lookup(self, pid: PID) -> Process | None:
+        """The local process ``pid`` names (with or without our address)."""
+        proc = self._processes.get(pid)
+        if proc is None and self._network is not None and pid.host is None:
+            proc = self._processes.get(self._network.local(pid))
+        return proc
+
+    def _remote(self, pid: PID, what: str) -> bool:
+        """True when ``pid`` is at another address (an error off the network)."""
+        if pid.host is None:
+            return False
+        if self._network is None:
+            raise Failure(f"Cannot {what} {pid}: this runtime is not on the network; create it with Runtime(listen='host:port')")
+        return self._network.is_remote(pid)
 
     # -- async methods ----------------------------------------------------
     def _start_async(self, proc: Process, coro: Any, future: Future | None, hold: bool) -> bool:
@@ -403,150 +454,6 @@ def _cancel_parked(rt: Runtime, coro: Any) -> None:
     rt._loop.create_task(_Continuation(_Detached(), coro, yielded, None))
 
 
-class _Detached:
-    """Stands in for a terminated process while a cancelled method finishes."""
-
-    _state = TERMINATED
-    pid = None
-
-    def __init__(self) -> None:
-        self._tasks: dict[Any, Any] = {}
-        self._failures = 0
-
-
-def _async_failed(proc: Process, coro: Any, future: Future | None, error: BaseException) -> None:
-    """An async method (asyncio) ended with ``error``: fail its Future (a
-    cancellation from inside becomes a ``Failure``; one by termination is
-    already reported)."""
-    if isinstance(error, asyncio.CancelledError):
-        if proc._state is TERMINATED:
-            return
-        error = Failure(f"Process {proc.pid}: {_name(coro)} was cancelled")
-    proc._failures += 1
-    if future is not None:
-        future._complete(FAILED, error)
-    else:
-        logger.error("Process %s: async event %s failed", proc.pid, _name(coro), exc_info=error)
-
-
-class _Continuation(collections.abc.Coroutine):
-    """What an asyncio task runs for an async method whose first step already
-    ran inside the drain (``Runtime._start_async``): it hands the task what
-    that step yielded, then drives the coroutine on (a cancellation is
-    thrown into it, even before the task's first step), and completes the
-    method's Future."""
-
-    __slots__ = ("_proc", "_coro", "_yielded", "_future", "_started")
-
-    def __init__(self, proc: Process, coro: Any, yielded: Any, future: Future | None) -> None:
-        self._proc = proc
-        self._coro = coro
-        self._yielded = yielded
-        self._future = future
-        self._started = False
-
-    def send(self, value: Any) -> Any:
-        if not self._started:
-            self._started = True
-            if self._yielded is not None:  # wait on what the first step waits on
-                yielded, self._yielded = self._yielded, None
-                return yielded
-            # a bare yield: the task's first step is the loop turn it asked for
-        try:
-            return self._coro.send(value)
-        except BaseException as e:  # noqa: BLE001
-            self._finish(e)
-
-    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        self._started = True
-        self._yielded = None
-        try:
-            if val is None and tb is None:
-                return self._coro.throw(typ)
-            return self._coro.throw(typ, val, tb)
-        except BaseException as e:  # noqa: BLE001
-            self._finish(e)
-
-    def close(self) -> None:
-        self._coro.close()
-
-    def __await__(self) -> Any:  # the task drives send/throw; never awaited
-        raise TypeError("_Continuation is driven by its task, not awaited")
-
-    def _finish(self, outcome: BaseException) -> None:
-        """The coroutine ended: complete the Future, end the task quietly."""
-        proc = self._proc
-        proc._tasks.pop(asyncio.current_task(), None)
-        if isinstance(outcome, StopIteration):
-            if self._future is not None:
-                complete(self._future, outcome.value)
-            raise StopIteration
-        if isinstance(outcome, (KeyboardInterrupt, SystemExit)):
-            raise outcome
-        _async_failed(proc, self._coro, self._future, outcome)
-        raise StopIteration
-
-
-class _TrioHandle:
-    __slots__ = ("scope", "cancelled")
-
-    def __init__(self) -> None:
-        self.scope: Any = None
-        self.cancelled = False
-
-
-class _TrioSoon:
-    """``call_soon`` for trio: callbacks run in order in one runtime task,
-    in batches, yielding to other tasks between batches. Unlike
-    ``TrioToken.run_sync_soon`` it is loop-thread only and needs no wakeup
-    write (a syscall) per call."""
-
-    def __init__(self) -> None:
-        try:
-            import trio
-
-            trio.lowlevel.current_trio_token()
-        except (ImportError, RuntimeError):
-            raise RuntimeError(
-                "Runtime needs a running asyncio or trio event loop: use `async with Runtime():` inside async code"
-            ) from None
-        self._lowlevel = trio.lowlevel
-        self._queue: deque[Callable[[], Any]] = deque()
-        self._parked: Any = None
-
-    def __call__(self, fn: Callable[[], Any]) -> None:
-        self._queue.append(fn)
-        task = self._parked
-        if task is not None:
-            self._parked = None
-            self._lowlevel.reschedule(task)
-
-    def _abort(self, _raise_cancel: Any) -> Any:
-        self._parked = None
-        return self._lowlevel.Abort.SUCCEEDED
-
-    async def run(self) -> None:
-        lowlevel = self._lowlevel
-        queue = self._queue
-        while True:
-            if not queue:
-                self._parked = lowlevel.current_task()
-                await lowlevel.wait_task_rescheduled(self._abort)
-                continue
-            for _ in range(len(queue)):  # what is queued now; later calls wait a turn
-                fn = queue.popleft()
-                try:
-                    fn()
-                except Exception:
-                    logger.exception("Runtime callback %r raised", fn)
-            if queue:  # more came meanwhile: let other tasks run first
-                await lowlevel.checkpoint()
-
-
-def _name(method: Any) -> str:
-    return getattr(method, "__qualname__", None) or getattr(method, "__name__", None) or repr(method)
-
-
 # -- module functions (the libprocess free functions) -----------------------
 def spawn(process: Process) -> PID:
     """Register and start ``process``; returns its PID."""
@@ -589,7 +496,7 @@ def defer(pid: PID, fn: Callable[..., Any]) -> Callable[..., Future]:
 
     def deferred(*args: Any) -> Future:
         rt = _current
-        proc = rt._processes.get(pid) if rt is not None else None
+        proc = rt._lookup(pid) if rt is not None else None
         if proc is not None and is_class_function(type(proc), fn):
             return dispatch(pid, fn, *args)
         return dispatch(pid, call, *args)
