@@ -192,7 +192,8 @@ class Metrics:
         for metric in list(self._metrics.values()):
             if type(metric) is Gauge:
                 try:
-                    yield metric, float(metric.current())
+                    value = metric.current()
+                    yield metric, value if type(value) is int else float(value)
                 except Exception:  # noqa: BLE001 - a broken read never breaks a snapshot
                     logger.exception("Metric %s: reading the gauge failed; left out of this snapshot", metric.name)
 
