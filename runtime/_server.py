@@ -16,6 +16,8 @@ Rules:
   status hint where it has one); then the connection closes. A response
   that cannot be written within ``send_timeout`` closes it. With
   ``idle_timeout`` a connection quiet that long between requests closes.
+  A refused connection closes gently: our side ends, what the client still
+  sends is read and dropped for half a second, then it closes.
 - HTTP/1.0 requests that ask for ``Connection: keep-alive`` (compactor's
   messages) keep the connection: h11 does not do 1.0 keep-alive, so a fresh
   parser takes over the bytes already received. Nothing pipelined behind
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 _TIMEOUT = object()
 _RECEIVE_SIZE = 65536
+_LINGER = 0.5
 
 
 class Refused(Exception):
@@ -143,6 +146,11 @@ class ServerConnection:
         target = event.target
         if len(target) > self.limits.max_target_bytes:
             raise Refused(414, f"request target of {len(target)} bytes is over the limit of {self.limits.max_target_bytes}")
+        size = len(target) + 16
+        for name, value in event.headers:
+            size += len(name) + len(value) + 4
+        if size > self.limits.max_header_bytes:  # h11 bounds only a head still incomplete
+            raise Refused(431, f"request head of about {size} bytes is over the limit of {self.limits.max_header_bytes}")
         headers: dict[str, str] = {}
         for name, value in event.headers:
             key = name.decode("latin-1")
@@ -242,7 +250,20 @@ class ServerConnection:
             self._write(_ERROR_HEAD, Response(response.body, status, response.content_type, {"Connection": "close"}))
         except h11.LocalProtocolError:  # h11 cannot answer in this state: nothing more is said
             self.out.clear()
-        await self._flush()
+        if await self._flush():
+            await self._linger()
+
+    async def _linger(self) -> None:
+        """Close gently: end our side, then drop what the client still sends
+        for a moment (at most ``_LINGER`` seconds), so that closing does not
+        reset the connection before the client has read the refusal."""
+        try:
+            await self.stream.send_eof()
+            with anyio.move_on_after(_LINGER):
+                while await self.stream.receive(_RECEIVE_SIZE):
+                    pass
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
 
     async def _flush(self) -> bool:
         if not self.out:
