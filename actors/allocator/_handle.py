@@ -4,6 +4,10 @@ Rules (R-AL-1, SPEC section 11; Mesos' ``NvidiaGpuAllocator``):
 - ``NvidiaGpuAllocator.resources(flags)`` computes the node's ``gpus``
   resource with every R-FL-1 check (a plain call; no Runtime needed; it may
   ask NVML, which blocks — it is a start-up check).
+- Under a MIG strategy (R-MG-3) the allocator's units are the pools of
+  ``managed_units``: ``allocate_resources({"mig-1g.18gb": 1, …})`` takes
+  from them, ``pools()`` lists them, ``info(unit)`` is a ``GpuInfo`` or a
+  ``MigDeviceInfo``; topology scores cover whole GPUs only.
 - ``await NvidiaGpuAllocator.create(flags, resources)`` reads the NVML
   inventory (through the Executor), picks the managed GPUs (the devices
   flag, else indices ``0..gpus-1``) and spawns the allocator process. With
@@ -32,12 +36,14 @@ from runtime import PID, Future, dispatch, spawn, terminate, wait
 
 from actors.flags import Flags
 from actors.gpu import Gpu, GpuInfo
+from actors.mig import MigDevice, MigDeviceInfo, Unit
 from actors.nvml import Nvml, NodeInventory, NvmlError, NvmlService
 from actors.resources import Resources
 
 from ._errors import AllocatorError
 from ._process import AllocatorState, GpuAllocatorProcess, GpuHealth
-from ._resources import enumerate_indices, gpu_resources
+from ._mig_resources import managed_units, needs_inventory
+from ._resources import gpu_resources
 from ._topology import PairScores
 
 __all__ = ["NvidiaGpuAllocator"]
@@ -54,9 +60,13 @@ class NvidiaGpuAllocator:
         inventory: NodeInventory | None = None,
         nvml: NvmlService | None = None,
         owns_nvml: bool = False,
+        pools: dict[str, Iterable[Unit]] | None = None,
     ) -> None:
         self.pid = pid
         self._total = frozenset(total)
+        self._pools = (
+            {name: frozenset(units) for name, units in pools.items()} if pools is not None else {"gpus": self._total}
+        )
         self.inventory = inventory
         """The NVML inventory read at create (None when no GPU is managed)."""
         self.nvml = nvml
@@ -86,9 +96,8 @@ class NvidiaGpuAllocator:
         default: the port for ``flags.host_file`` (the real NVML when None),
         which ``close()`` shuts down again. ``health_interval`` overrides
         ``flags.gpu_health_interval``."""
-        indices = enumerate_indices(flags, resources)
         interval = health_interval if health_interval is not None else flags.gpu_health_interval
-        if not indices:
+        if not needs_inventory(flags, resources):
             process = GpuAllocatorProcess((), strategy=flags.gpu_allocation)
             return cls(spawn(process), ())
         owns = wrapped = False
@@ -105,15 +114,7 @@ class NvidiaGpuAllocator:
             wrapped = True
         try:
             inventory = await service.inventory()
-            infos: list[GpuInfo] = []
-            for index in indices:
-                try:
-                    infos.append(inventory.by_index(index))
-                except IndexError:
-                    raise AllocatorError(
-                        f"Failed to nvml::deviceGetHandleByIndex: no GPU with index {index}"
-                        f" (the node has {len(inventory.gpus)} GPUs)"
-                    ) from None
+            pools = managed_units(flags, resources, inventory)
         except BaseException as exc:
             if owns:
                 await service.close()
@@ -122,16 +123,18 @@ class NvidiaGpuAllocator:
             if isinstance(exc, NvmlError):
                 raise AllocatorError(f"Failed to read the GPU inventory from NVML: {exc}") from exc
             raise
-        gpus = [info.gpu for info in infos]
+        units = [unit for pool in pools.values() for unit in pool]
+        whole = [unit for unit in units if isinstance(unit, Gpu)]
         process = GpuAllocatorProcess(
-            gpus,
-            PairScores.from_inventory(inventory, gpus),
+            units,
+            PairScores.from_inventory(inventory, whole),
             strategy=flags.gpu_allocation,
             inventory=inventory,
             nvml=service,
             health_interval=interval,
+            pools=pools,
         )
-        handle = cls(spawn(process), gpus, inventory=inventory, nvml=service, owns_nvml=owns)
+        handle = cls(spawn(process), units, inventory=inventory, nvml=service, owns_nvml=owns, pools=pools)
         handle._wrapped_nvml = wrapped
         return handle
 
@@ -142,29 +145,34 @@ class NvidiaGpuAllocator:
         scores: PairScores | None = None,
         *,
         strategy: str = "topology",
+        pools: dict[str, Iterable[Unit]] | None = None,
     ) -> "NvidiaGpuAllocator":
-        """Spawn an allocator for a given set of GPUs (no NVML; a Runtime must be running)."""
-        gpus = list(gpus)
-        return cls(spawn(GpuAllocatorProcess(gpus, scores, strategy=strategy)), gpus)
+        """Spawn an allocator for a given set of GPUs (no NVML; a Runtime must be
+        running); ``pools`` as in ``GpuAllocatorProcess`` (MIG devices too)."""
+        gpus = list(gpus) if pools is None else [unit for units in pools.values() for unit in units]
+        process = GpuAllocatorProcess(gpus, scores, strategy=strategy, pools=pools)
+        return cls(spawn(process), gpus, pools=pools)
 
     # ------------------------------------------------------------ the API
 
     def total(self) -> set[Gpu]:
-        """The managed GPUs."""
+        """The managed units: whole GPUs (and MIG devices under a MIG strategy)."""
         return set(self._total)
 
-    def info(self, gpu: Gpu) -> GpuInfo | None:
-        """The inventory record of a managed GPU (None without inventory)."""
+    def info(self, unit: Unit) -> GpuInfo | MigDeviceInfo | None:
+        """The inventory record of a managed GPU or MIG device (None without inventory)."""
         if self.inventory is None:
             return None
-        return self.inventory.by_gpu().get(gpu)
+        if isinstance(unit, MigDevice):
+            return self.inventory.by_mig().get(unit)
+        return self.inventory.by_gpu().get(unit)
 
     def allocate(self, request: int | Iterable[Gpu]) -> Future[Any]:
         """``allocate(count) -> Future[set[Gpu]]`` (best-connected available GPUs);
         ``allocate(gpus) -> Future[None]`` (exactly those)."""
         if isinstance(request, int) and not isinstance(request, bool):
             return dispatch(self.pid, GpuAllocatorProcess.allocate_count, request)
-        if isinstance(request, Gpu):
+        if isinstance(request, (Gpu, MigDevice)):
             return Future.failed(
                 AllocatorError(f"allocate() takes a set of GPUs, got the single GPU {request}")
             )
@@ -173,6 +181,15 @@ class NvidiaGpuAllocator:
                 AllocatorError(f"allocate() takes a count or a set of GPUs, got {request!r}")
             )
         return dispatch(self.pid, GpuAllocatorProcess.allocate_gpus, frozenset(request))
+
+    def allocate_resources(self, demand: dict[str, int]) -> Future[set[Unit]]:
+        """Units for several resources at once, all or nothing:
+        ``{"gpus": 1, "mig-1g.18gb": 2}`` (R-MG-3; see the process's rules)."""
+        return dispatch(self.pid, GpuAllocatorProcess.allocate_resources, dict(demand))
+
+    def pools(self) -> dict[str, set[Unit]]:
+        """Resource name -> the units managed under it (sync)."""
+        return {name: set(units) for name, units in self._pools.items()}
 
     def deallocate(self, gpus: Iterable[Gpu]) -> Future[None]:
         """Return GPUs; fails naming any not allocated."""

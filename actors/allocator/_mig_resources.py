@@ -24,8 +24,11 @@ Rules (``--nvidia_mig_strategy``; ``none`` never comes here):
   ``gpus`` (when any) and every ``mig-<profile>``, profiles sorted.
 - ``managed_units(flags, resources, inventory)`` turns the result into the
   allocator's pools: resource name → units, in unit order: ``gpus`` →
-  whole GPUs (or, under ``single``, MIG devices); ``mig-<profile>`` → the
-  first N MIG devices of that profile (parent index, then MIG index).
+  whole GPUs (by the whole-GPU rules' indices, or under ``mixed`` the
+  considered GPUs with MIG off; under ``single`` the MIG devices);
+  ``mig-<profile>`` → the first N MIG devices of that profile (parent
+  index, then MIG index). ``needs_inventory`` tells whether any unit is
+  handed out at all.
 - Every error is an ``AllocatorError`` naming the flag, the value and what
   to do next; nothing is changed.
 """
@@ -41,8 +44,9 @@ from actors.nvml import Nvml, NodeInventory, read_mig_devices
 from actors.resources import Resources
 
 from ._errors import AllocatorError
+from ._indices import enumerate_indices
 
-__all__ = ["mig_strategy_resources", "managed_units", "mig_resource_names"]
+__all__ = ["mig_strategy_resources", "managed_units", "mig_resource_names", "needs_inventory"]
 
 logger = logging.getLogger(__name__)
 
@@ -213,26 +217,51 @@ def mig_strategy_resources(flags: Flags, parsed: Resources, nvml: Nvml, availabl
     return Resources(scalars=result)
 
 
-def managed_units(flags: Flags, resources: Resources, inventory: NodeInventory, indices: list[int]) -> dict[str, list[Unit]]:
-    """The allocator's pools for ``resources`` (see module rules). ``indices``
-    are the whole-GPU rules' NVML indices (``enumerate_indices``)."""
+def needs_inventory(flags: Flags, resources: Resources) -> bool:
+    """Whether ``resources`` hand out any unit (else no NVML is touched at all)."""
+    if flags.nvidia_mig_strategy == "none":
+        return bool(enumerate_indices(flags, resources))
+    return any(
+        value > 0 for name, value in resources.scalars.items() if name == _WHOLE or name.startswith(MIG_RESOURCE_PREFIX)
+    )
+
+
+def _whole_gpus_by_rules(flags: Flags, resources: Resources, inventory: NodeInventory) -> list[Unit]:
+    units: list[Unit] = []
+    for index in enumerate_indices(flags, resources):
+        try:
+            units.append(inventory.by_index(index).gpu)
+        except IndexError:
+            raise AllocatorError(
+                f"Failed to nvml::deviceGetHandleByIndex: no GPU with index {index}"
+                f" (the node has {len(inventory.gpus)} GPUs)"
+            ) from None
+    return units
+
+
+def managed_units(flags: Flags, resources: Resources, inventory: NodeInventory) -> dict[str, list[Unit]]:
+    """The allocator's pools for ``resources`` (see module rules)."""
     strategy = flags.nvidia_mig_strategy
-    gpus = inventory.gpus
     if strategy == "none":
-        return {_WHOLE: [inventory.by_index(index).gpu for index in indices]}
-    considered = list(flags.nvidia_gpu_devices) if flags.nvidia_gpu_devices is not None else [g.index for g in gpus]
-    mig_on = [index for index in considered if inventory.by_index(index).mig]
+        return {_WHOLE: _whole_gpus_by_rules(flags, resources, inventory)}
+    considered = (
+        list(flags.nvidia_gpu_devices) if flags.nvidia_gpu_devices is not None else [g.index for g in inventory.gpus]
+    )
+    try:
+        infos = [inventory.by_index(index) for index in considered]
+    except IndexError as exc:
+        raise AllocatorError(f"Failed to nvml::deviceGetHandleByIndex: {exc}") from None
+    mig_on = [info.index for info in infos if info.mig]
     if strategy == "single":
         if not mig_on:
-            return {_WHOLE: [inventory.by_index(index).gpu for index in indices]}
+            return {_WHOLE: _whole_gpus_by_rules(flags, resources, inventory)}
         wanted = int(resources.scalars.get(_WHOLE, 0))
         units: list[Unit] = [mig.device for index in mig_on for mig in inventory.mig_devices_of(index)]
         return {_WHOLE: units[:wanted]}
     pools: dict[str, list[Unit]] = {}
     wanted_whole = int(resources.scalars.get(_WHOLE, 0))
-    whole: list[Unit] = [inventory.by_index(i).gpu for i in considered if not inventory.by_index(i).mig]
     if wanted_whole:
-        pools[_WHOLE] = whole[:wanted_whole]
+        pools[_WHOLE] = [info.gpu for info in infos if not info.mig][:wanted_whole]
     for name in mig_resource_names(resources):
         profile = profile_of_resource(name)
         devices = [mig.device for index in mig_on for mig in inventory.mig_devices_of(index) if mig.profile == profile]

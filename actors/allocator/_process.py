@@ -14,6 +14,17 @@ Rules (R-AL-1..3; Mesos' ``NvidiaGpuAllocatorProcess``):
   allocate: it takes managed GPUs that are not allocated whatever their
   health (a container that held them is still running).
 - A failed call changes nothing: every check runs before any change.
+- Units (R-MG-3): what is handed out is a unit, a whole ``Gpu`` or a
+  ``MigDevice``. ``pools`` names which units count under which resource:
+  ``gpus`` (whole GPUs, or every MIG device under the ``single`` strategy)
+  and ``mig-<profile>`` (the ``mixed`` strategy); without it every unit is
+  one of ``gpus``. ``allocate(count)`` takes from the ``gpus`` pool;
+  ``allocate_resources({"gpus": 1, "mig-1g.18gb": 2})`` takes from several
+  pools at once, all or nothing, failing with "Requested N mig-1g.18gb but
+  only M available" (Mesos' text, with the resource's name). Topology
+  scoring applies to whole GPUs only: MIG devices go lowest first (parent
+  minor, GPU instance, compute instance). ``deallocate``, ``reclaim``,
+  ``allocate(units)``, health and ``watch`` take units of either kind.
 - Health (R-AL-3): ``mark_unhealthy`` withholds a GPU from allocation (one
   already allocated stays with its holder until deallocated, then stays out
   of the pool); ``mark_healthy`` brings it back. ``watch(gpus)`` is a Future
@@ -37,6 +48,7 @@ import msgspec
 from runtime import Future, Process, ProcessTerminated, Promise, Timer, delay, generate_id
 
 from actors.gpu import Gpu
+from actors.mig import MigDevice, Unit
 from actors.nvml import HealthEvent, NodeInventory, NvmlService
 
 from ._errors import AllocatorError, format_gpus
@@ -58,13 +70,19 @@ class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class AllocatorState(msgspec.Struct, frozen=True, kw_only=True):
-    """A snapshot of the allocator (for inspection and scripts)."""
+    """A snapshot of the allocator (for inspection and scripts). Whole GPUs
+    and MIG devices are listed apart, so each list decodes to one type."""
 
     total: list[Gpu]
     available: list[Gpu]
     allocated: list[Gpu]
     unhealthy: dict[str, str]
-    """``"195:3"`` -> reason."""
+    """``"195:3"`` (or ``"195:0/gi1/ci0"``) -> reason."""
+    mig_total: list[MigDevice] = []
+    mig_available: list[MigDevice] = []
+    mig_allocated: list[MigDevice] = []
+    pools: dict[str, int] = {}
+    """Resource name -> units available now (``gpus``, ``mig-<profile>``)."""
 
 
 class GpuAllocatorProcess(Process):
@@ -79,11 +97,23 @@ class GpuAllocatorProcess(Process):
         inventory: NodeInventory | None = None,
         nvml: NvmlService | None = None,
         health_interval: float | None = None,
+        pools: dict[str, Iterable[Unit]] | None = None,
     ) -> None:
         super().__init__(generate_id("gpu-allocator"))
         if strategy not in ("topology", "lowest"):
             raise ValueError(f"Unknown allocation strategy {strategy!r}: expected 'topology' or 'lowest'")
         self.total = frozenset(gpus)
+        self.pools: dict[str, frozenset[Unit]] = (
+            {name: frozenset(units) for name, units in pools.items()} if pools is not None else {"gpus": self.total}
+        )
+        self._pool_of: dict[Unit, str] = {unit: name for name, units in self.pools.items() for unit in units}
+        stray = self.total - self._pool_of.keys()
+        if stray or self._pool_of.keys() - self.total:
+            raise ValueError(f"The pools and the managed units differ: {sorted(stray ^ (self._pool_of.keys() - self.total))}")
+        self._whole = self.pools.get("gpus", frozenset())
+        self._whole_is_total = self._whole == self.total
+        """Every unit is one of ``gpus`` (the whole-GPU node): the fast path."""
+        self._whole_has_mig = any(isinstance(unit, MigDevice) for unit in self._whole)
         self.free: set[Gpu] = set(self.total)
         self.allocated: set[Gpu] = set()
         self.unhealthy: dict[Gpu, str] = {}
@@ -122,11 +152,16 @@ class GpuAllocatorProcess(Process):
         return dict(self.unhealthy)
 
     def state(self) -> AllocatorState:
+        available = self.available()
         return AllocatorState(
-            total=sorted(self.total),
-            available=sorted(self.available()),
-            allocated=sorted(self.allocated),
+            total=_whole_gpus(self.total),
+            available=_whole_gpus(available),
+            allocated=_whole_gpus(self.allocated),
             unhealthy={str(gpu): reason for gpu, reason in sorted(self.unhealthy.items())},
+            mig_total=_mig_devices(self.total),
+            mig_available=_mig_devices(available),
+            mig_allocated=_mig_devices(self.allocated),
+            pools={name: len(units & available) for name, units in sorted(self.pools.items())},
         )
 
     # ------------------------------------------------------------ allocation
@@ -135,12 +170,10 @@ class GpuAllocatorProcess(Process):
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise AllocatorError(f"Requested {count!r} gpus: the count must be a non-negative integer")
         available = self.available()
+        if not self._whole_is_total:
+            available &= self._whole
         if len(available) < count:
-            message = f"Requested {count} gpus but only {len(available)} available"
-            withheld = len(self.free) - len(available)
-            if withheld:
-                message += f" ({withheld} more withheld as unhealthy)"
-            raise AllocatorError(message)
+            raise AllocatorError(self._short("gpus", count, available, self._whole))
         if count == 0:
             return set()
         chosen = self._choose(available, count)
@@ -148,8 +181,49 @@ class GpuAllocatorProcess(Process):
         self.allocated.update(chosen)
         return set(chosen)
 
+    def _short(self, name: str, count: int, available: set[Unit], pool: frozenset[Unit]) -> str:
+        message = f"Requested {count} {name} but only {len(available)} available"
+        withheld = len((self.free & pool) - available)
+        if withheld:
+            message += f" ({withheld} more withheld as unhealthy)"
+        return message
+
+    def allocate_resources(self, demand: dict[str, int]) -> set[Unit]:
+        """Units for several resources at once (``{"gpus": 1, "mig-1g.18gb": 2}``),
+        all or nothing (see module rules)."""
+        wanted: list[tuple[str, int]] = []
+        for name, count in demand.items():
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise AllocatorError(f"Requested {count!r} {name}: the count must be a non-negative integer")
+            if count == 0:
+                continue
+            if name not in self.pools:
+                known = ", ".join(sorted(self.pools)) or "none"
+                raise AllocatorError(
+                    f"Requested {count} {name} but this node offers no {name!r} (its resources: {known})"
+                )
+            wanted.append((name, count))
+        available = self.available()
+        picks: list[tuple[str, tuple[Unit, ...]]] = []
+        for name, count in wanted:
+            pool = self.pools[name]
+            free = available & pool
+            if len(free) < count:
+                raise AllocatorError(self._short(name, count, free, pool))
+            picks.append((name, self._choose(free, count) if name == "gpus" else tuple(sorted(free)[:count])))
+        chosen: set[Unit] = set()
+        for _name, units in picks:
+            chosen.update(units)
+        self.free.difference_update(chosen)
+        self.allocated.update(chosen)
+        return chosen
+
+    def pool_of(self, unit: Unit) -> str | None:
+        """The resource a managed unit counts under (None: not managed)."""
+        return self._pool_of.get(unit)
+
     def _choose(self, available: set[Gpu], count: int) -> tuple[Gpu, ...]:
-        if self.strategy == "lowest" or not self.scores.has_topology:
+        if self.strategy == "lowest" or not self.scores.has_topology or self._whole_has_mig:
             return tuple(sorted(available)[:count])
         key = (frozenset(available), count)
         chosen = self._memo.get(key)
@@ -268,20 +342,28 @@ class GpuAllocatorProcess(Process):
         if self.health_interval is not None and self.nvml is not None and self._timer is None:
             self._timer = delay(self.health_interval, self.pid, GpuAllocatorProcess._poll)
 
-    def _check_managed(self, gpu: Gpu) -> None:
-        if not isinstance(gpu, Gpu):
-            raise AllocatorError(f"Expected a Gpu, got {gpu!r}")
+    def _check_managed(self, gpu: Unit) -> None:
+        if not isinstance(gpu, (Gpu, MigDevice)):
+            raise AllocatorError(f"Expected a Gpu or a MigDevice, got {gpu!r}")
         if gpu not in self.total:
             raise AllocatorError(f"GPU {gpu} is not managed by this allocator")
 
 
-def _as_gpu_set(gpus: Iterable[Gpu]) -> set[Gpu]:
+def _as_gpu_set(gpus: Iterable[Unit]) -> set[Unit]:
     result = set()
     for gpu in gpus:
-        if not isinstance(gpu, Gpu):
-            raise AllocatorError(f"Expected Gpu values, got {gpu!r}")
+        if not isinstance(gpu, (Gpu, MigDevice)):
+            raise AllocatorError(f"Expected Gpu or MigDevice values, got {gpu!r}")
         result.add(gpu)
     return result
+
+
+def _whole_gpus(units: Iterable[Unit]) -> list[Gpu]:
+    return sorted(unit for unit in units if isinstance(unit, Gpu))
+
+
+def _mig_devices(units: Iterable[Unit]) -> list[MigDevice]:
+    return sorted(unit for unit in units if isinstance(unit, MigDevice))
 
 
 def _drain_events(nvml) -> list[HealthEvent]:

@@ -35,6 +35,7 @@ from actors.nvml import Nvml, NvmlError, NvmlUnavailable, open_nvml
 from actors.resources import Resources
 
 from ._errors import AllocatorError
+from ._indices import enumerate_indices
 from ._mig_resources import mig_resource_names, mig_strategy_resources
 
 __all__ = ["gpu_resources", "enumerate_indices", "has_explicit_zero_gpus"]
@@ -147,13 +148,3 @@ def gpu_resources(flags: Flags, nvml: Nvml | None = None) -> Resources:
         return resources
 
     return Resources(scalars={"gpus": float(available)})
-
-
-def enumerate_indices(flags: Flags, resources: Resources) -> list[int]:
-    """The NVML indices to manage: the devices flag, else ``0..gpus-1``."""
-    if flags.nvidia_gpu_devices is not None:
-        return list(flags.nvidia_gpu_devices)
-    gpus = resources.gpus() or 0
-    if round(gpus * 1000) % 1000 != 0:
-        raise AllocatorError(f"The 'gpus' resource must be an non-negative integer (got {gpus:g})")
-    return list(range(int(gpus)))

@@ -171,9 +171,7 @@ def test_managed_units_are_the_pools_of_each_resource(h200, uniform):
         nvml = SimulatedNvml.from_file(node)
         nvml.init()
         inventory = read_inventory(nvml)
-        computed = NvidiaGpuAllocator.resources(flags)
-        indices = list(flags.nvidia_gpu_devices or range(int(computed.get("gpus", 0) or 0)))
-        return managed_units(flags, computed, inventory, indices)
+        return managed_units(flags, NvidiaGpuAllocator.resources(flags), inventory)
 
     gpu0 = Gpu(195, 0)
     assert pools(h200) == {"gpus": [Gpu(195, i) for i in range(4)]}
