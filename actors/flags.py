@@ -26,6 +26,7 @@ Rules:
   or ``mixed`` (MIG devices are resources ``mig-<profile>`` beside
   ``gpus``); ``proc_dir`` (default ``/proc``) is where the MIG capability
   facts are read (``driver/nvidia-caps/mig-minors``, ``devices``).
+- ``cdi_spec_dir`` (None: no CDI specs) is an absolute path when set.
 - ``reconcile_interval`` and ``gpu_health_interval`` are seconds (``None`` =
   off); on the command line they also take Mesos durations (``30secs``,
   ``500ms``, ``2mins``) or ``off``.
@@ -146,6 +147,9 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device_worker: DeviceWorker = "process"
     """Where the kernel device work runs: ``process`` (a device worker process
     of its own, overlapping the event loop) or ``thread`` (a thread here)."""
+    cdi_spec_dir: str | None = None
+    """Where each container's transient CDI spec is written (the usual value
+    is ``/var/run/cdi``, which container engines read); None = write none."""
 
     nvidia_mig_strategy: MigStrategy = "none"
     """``none`` (MIG GPUs handed out whole) | ``single`` (each MIG device is one
@@ -184,6 +188,14 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise FlagsError("Invalid '--dev_dir': it must not be empty")
         if not self.proc_dir:
             raise FlagsError("Invalid '--proc_dir': it must not be empty")
+        if self.cdi_spec_dir is not None and (
+            not isinstance(self.cdi_spec_dir, str) or not self.cdi_spec_dir.startswith("/")
+            or "\x00" in self.cdi_spec_dir
+        ):
+            raise FlagsError(
+                f"Invalid '--cdi_spec_dir' {self.cdi_spec_dir!r}: expected an absolute path (container"
+                " engines read /etc/cdi and /var/run/cdi), or leave it unset to write no CDI specs"
+            )
 
     # ------------------------------------------------------------- queries
 
@@ -319,7 +331,7 @@ def _coerce(name: str, value: Any) -> Any:
         if lowered in ("false", "0", "no", "off"):
             return False
         raise FlagsError(f"Failed to load flag '{name}': {value!r} is not a boolean")
-    if name in ("resources", "host_file", "cgroups_hierarchy") and text.lower() in _OPTIONAL_TEXT_NONE:
+    if name in ("resources", "host_file", "cgroups_hierarchy", "cdi_spec_dir") and text.lower() in _OPTIONAL_TEXT_NONE:
         return None
     return value
 

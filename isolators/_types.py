@@ -169,12 +169,90 @@ class ContainerMountInfo(msgspec.Struct, frozen=True):
         return names
 
 
+class ContainerDevice(msgspec.Struct, frozen=True, kw_only=True):
+    """A device node a container is granted: ``path`` in the container,
+    ``host_path`` the node on the host (under ``Flags.dev_dir``)."""
+
+    path: str
+    host_path: str
+    major: int
+    minor: int
+    type: str = "c"
+    permissions: str = "rwm"
+    """The cgroup access granted (Mesos grants GPUs ``rwm``)."""
+    file_mode: int = 0o666
+    """The node's mode in the container (Mesos copies nodes as 0666)."""
+
+
+class ContainerBindMount(msgspec.Struct, frozen=True, kw_only=True):
+    """A recursive bind mount an engine adds, by container path (the driver volume)."""
+
+    host_path: str
+    container_path: str
+    read_only: bool = True
+
+    def oci_options(self) -> list[str]:
+        """The OCI mount options: Mesos' MS_BIND|MS_REC (+ MS_RDONLY)."""
+        return ["rbind", "ro"] if self.read_only else ["rbind"]
+
+
+class ContainerGrant(msgspec.Struct, frozen=True, kw_only=True):
+    """What a container is granted, in the terms container engines use: the
+    device nodes (its GPUs, then the control devices), the driver volume's
+    mount when injected, and the environment (``NVIDIA_VISIBLE_DEVICES``,
+    plus the volume's PATH/LD_LIBRARY_PATH when injected). The CDI spec and
+    ``ContainerLaunchInfo.to_oci()`` are two renderings of it."""
+
+    devices: tuple[ContainerDevice, ...] = ()
+    mounts: tuple[ContainerBindMount, ...] = ()
+    environment: dict[str, str] = {}
+
+
 class ContainerLaunchInfo(msgspec.Struct, kw_only=True):
-    """What the isolator asks the launcher to do (mounts, environment)."""
+    """What the isolator asks the launcher to do (mounts, environment), and
+    the grant for container engines (``grant``, ``cdi_devices``, ``to_oci()``)."""
 
     mounts: list[ContainerMountInfo] = []
     environment: dict[str, str] | None = None
     task_environment: dict[str, str] | None = None
+    grant: ContainerGrant | None = None
+    """The container's grant as engines take it (None: nothing granted)."""
+    cdi_devices: list[str] = []
+    """Fully-qualified CDI device names (``vendor/class=name``) to hand the
+    engine (``podman run --device NAME``); empty unless ``Flags.cdi_spec_dir``."""
+
+    def to_oci(self) -> dict[str, Any]:
+        """The grant as an OCI runtime-spec fragment that merges into
+        ``config.json``: ``process.env`` (``KEY=VALUE``; the environment, the
+        task environment and the grant's, later ones winning), ``mounts``
+        (bind mounts by container path), ``linux.devices`` (each granted
+        node with type, major, minor and mode) and ``linux.resources.devices``
+        (one exact allow entry per node, never a wildcard). Merge it with
+        ``isolators.cdi.merge_oci``."""
+        env: dict[str, str] = {}
+        env.update(self.environment or {})
+        env.update(self.task_environment or {})
+        grant = self.grant or ContainerGrant()
+        env.update(grant.environment)
+        return {
+            "process": {"env": [f"{key}={value}" for key, value in env.items()]},
+            "mounts": [
+                {"destination": m.container_path, "type": "bind", "source": m.host_path,
+                 "options": m.oci_options()}
+                for m in grant.mounts
+            ],
+            "linux": {
+                "devices": [
+                    {"path": d.path, "type": d.type, "major": d.major, "minor": d.minor,
+                     "fileMode": d.file_mode, "uid": 0, "gid": 0}
+                    for d in grant.devices
+                ],
+                "resources": {"devices": [
+                    {"allow": True, "type": d.type, "major": d.major, "minor": d.minor, "access": d.permissions}
+                    for d in grant.devices
+                ]},
+            },
+        }
 
 
 class ContainerState(msgspec.Struct):

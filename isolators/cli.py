@@ -10,6 +10,9 @@ Commands:
   made-up node), a host file's simulated node, or, when asked for by
   ``--simulated``, the embedded 8-GPU example node; a simulated node says
   so on its first line.
+- ``cdi generate [--host-file F] [--dev-dir D] [--format json|yaml]
+  [--output PATH]``: the node's static CDI spec (``isolators.cdi``); JSON
+  on stdout is the document alone.
 - The churn benchmark is not a command: it lives in the source tree
   (``python -m benchmarks.churn`` from a checkout), not in the installed
   package.
@@ -96,6 +99,34 @@ def _parser() -> argparse.ArgumentParser:
     node.add_argument("--simulated", action="store_true",
                       help="the embedded simulated 8-GPU example node (the demo's), not this machine's GPUs")
     inspect.set_defaults(func=_cmd_inspect)
+
+    cdi = sub.add_parser(
+        "cdi", help="CDI specs for container engines (podman, containerd, CRI-O, Docker)",
+        description="CDI (Container Device Interface) specs: what podman, containerd, CRI-O and Docker read"
+                    " from /etc/cdi and /var/run/cdi to inject devices.",
+    )
+    cdi_sub = cdi.add_subparsers(dest="cdi_command", metavar="COMMAND", parser_class=_Parser)
+    cdi_sub.required = True
+    generate = cdi_sub.add_parser(
+        "generate", help="the node's static CDI spec (kind nvidia.com/gpu)",
+        description="Write the node's static CDI spec, kind nvidia.com/gpu: one device per GPU named by its"
+                    " index and one named by its UUID, plus 'all'; the shared edits hold the control devices"
+                    " and the driver volume (built under --volume-dir). Reads the real NVML, or --host-file;"
+                    " without either it fails. JSON on stdout unless --output.",
+    )
+    generate.add_argument("--host-file", metavar="FILE", help="a simulated node (TOML or JSON host file)")
+    generate.add_argument("--dev-dir", metavar="DIR", default="/dev",
+                          help="where the nvidia* device nodes are (default: /dev)")
+    generate.add_argument("--volume-dir", metavar="DIR", default=None,
+                          help="where the driver volume is built (default: the isolator's,"
+                               " /var/run/gpu-isolator/volume)")
+    generate.add_argument("--ld-cache", metavar="FILE", default=None,
+                          help="the loader cache the driver libraries are found in (default: /etc/ld.so.cache)")
+    generate.add_argument("--format", choices=("json", "yaml"), default=None,
+                          help="json or yaml (default: from --output's extension, else json)")
+    generate.add_argument("--output", metavar="PATH",
+                          help="write the spec to PATH (atomically; e.g. /etc/cdi/nvidia.yaml) instead of stdout")
+    generate.set_defaults(func=_cmd_cdi_generate)
     return parser
 
 
@@ -183,6 +214,47 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return 0
 
     return _run_async(show)
+
+
+def _cmd_cdi_generate(args: argparse.Namespace) -> int:
+    from actors import Flags
+    from actors.nvml import NvmlUnavailable
+
+    from .cdi import encode_spec, generate_node_spec, spec_format, write_spec_file
+
+    output = os.path.abspath(args.output) if args.output else None
+    spec_kind = args.format
+    if output is not None:
+        try:
+            from_name = spec_format(output)
+        except ValueError:
+            raise UsageError(f"{PROG} cdi generate: error: --output {args.output!r} must end in .json or .yaml"
+                             " (engines read no other names)") from None
+        if spec_kind is not None and spec_kind != from_name:
+            raise UsageError(f"{PROG} cdi generate: error: --format {spec_kind} does not match --output"
+                             f" {args.output!r} (engines read a file by its extension)")
+        spec_kind = from_name
+    defaults = Flags()
+    flags = Flags(host_file=args.host_file, dev_dir=args.dev_dir,
+                  volume_dir=args.volume_dir or defaults.volume_dir, ld_cache=args.ld_cache or defaults.ld_cache)
+
+    async def generate() -> int:
+        try:
+            spec = await generate_node_spec(flags)
+        except NvmlUnavailable as error:  # the library's hint names the flag; here it is an option
+            raise Failure(f"{error.function} failed: {error.text}; is the NVIDIA driver installed and loaded?"
+                          " Without a GPU, pass --host-file FILE to describe a simulated node") from error
+        data = encode_spec(spec, spec_kind or "json")
+        if output is None:
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+        else:
+            write_spec_file(os.path.dirname(output), os.path.basename(output), data)
+            _print(f"Wrote {output}: kind {spec.kind}, cdiVersion {spec.cdi_version}, devices "
+                   + ", ".join(spec.qualified_names()))
+        return 0
+
+    return _run_async(generate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,57 @@
+"""CDI specs and OCI fragments: the grant in the container engines' language.
+
+Container engines (podman, containerd, CRI-O, Docker) inject devices
+described by CDI specs read from ``/etc/cdi`` and ``/var/run/cdi``; runc and
+crun read an OCI ``config.json``. This package models CDI specs
+(``CdiSpec`` ...), checks them against the CDI spec's rules
+(``validate_spec``, ``required_version``), encodes them (JSON / YAML),
+writes spec files atomically, names and renders a container's transient
+spec (kind ``gpu-isolator/container``) and the node's static spec (kind
+``nvidia.com/gpu``), and merges ``ContainerLaunchInfo.to_oci()`` fragments
+into a ``config.json``.
+"""
+
+from ._container import (
+    CONTAINER_KIND,
+    CONTAINER_SPEC_PREFIX,
+    bind_mount,
+    container_device_name,
+    container_qualified_name,
+    container_spec,
+    container_spec_file_name,
+    device_node,
+)
+from ._document import SpecFormat, decode_spec, encode_spec, spec_format
+from ._files import (
+    CdiWriteError,
+    apply_spec_changes,
+    is_temporary_name,
+    list_spec_files,
+    remove_spec_file,
+    write_spec_file,
+)
+from ._grant import VISIBLE_DEVICES, container_grant
+from ._model import CdiContainerEdits, CdiDevice, CdiDeviceNode, CdiHook, CdiMount, CdiSpec
+from ._node import NODE_KIND, generate_node_spec, node_spec
+from ._oci import merge_oci
+from ._rules import (
+    SUPPORTED_VERSIONS,
+    CdiSpecError,
+    is_valid_device_name,
+    required_version,
+    validate_device_name,
+    validate_kind,
+    validate_spec,
+)
+
+__all__ = [
+    "CONTAINER_KIND", "CONTAINER_SPEC_PREFIX", "bind_mount", "container_device_name",
+    "container_qualified_name", "container_spec", "container_spec_file_name", "device_node",
+    "SpecFormat", "decode_spec", "encode_spec", "spec_format",
+    "CdiWriteError", "apply_spec_changes", "is_temporary_name", "list_spec_files", "remove_spec_file",
+    "write_spec_file", "VISIBLE_DEVICES", "container_grant",
+    "CdiContainerEdits", "CdiDevice", "CdiDeviceNode", "CdiHook", "CdiMount", "CdiSpec",
+    "NODE_KIND", "generate_node_spec", "node_spec", "merge_oci",
+    "SUPPORTED_VERSIONS", "CdiSpecError", "is_valid_device_name", "required_version",
+    "validate_device_name", "validate_kind", "validate_spec",
+]

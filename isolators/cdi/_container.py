@@ -1,0 +1,87 @@
+"""A container's transient CDI spec: its name, its file, its one device.
+
+Rules:
+- Container specs have their own kind, ``gpu-isolator/container``, so a
+  container id can never collide with a device of the node's static spec
+  (``nvidia.com/gpu=0``, ``=all``): engines drop a device two specs define.
+- The device name is the top-level container id when that id is a valid
+  CDI device name of at most 180 characters; any other id (one starting
+  with ``-`` or ``_``, holding ``@``, ``+`` or non-ASCII text, or too long)
+  is named ``id.<32 hex digits of its SHA-256>``. A ``.`` never occurs in
+  a container id, so the two forms cannot collide. Nested containers share
+  their top-level container's device. Ids are checked
+  (``check_container_id``) before a name is made from them.
+- The spec file is ``gpu-isolator-container_<name>.json`` (CDI's transient
+  spec naming: ``<vendor>-<class>_<id>``); only files with that prefix are
+  ever written, rewritten or removed in a spec directory, so other
+  vendors' specs there are never touched.
+- ``container_spec(name, grant)`` renders a grant as a spec with exactly
+  one device: its device nodes (``hostPath`` only when it differs from the
+  container path), the bind mounts and the environment; the version is
+  the lowest the fields need (``required_version``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from .._types import ContainerBindMount, ContainerDevice, ContainerGrant, ContainerID, check_container_id
+from ._model import CdiContainerEdits, CdiDevice, CdiDeviceNode, CdiMount, CdiSpec
+from ._rules import is_valid_device_name, required_version
+
+__all__ = [
+    "CONTAINER_KIND", "CONTAINER_SPEC_PREFIX", "container_device_name", "container_spec_file_name",
+    "container_qualified_name", "container_spec", "device_node", "bind_mount",
+]
+
+CONTAINER_KIND = "gpu-isolator/container"
+CONTAINER_SPEC_PREFIX = "gpu-isolator-container_"
+MAX_PLAIN_NAME = 180
+"""Longer ids are hashed, so the spec file name (and its temporary) fits in 255 bytes."""
+
+
+def container_device_name(container_id: ContainerID) -> str:
+    """The CDI device name of a container's grant (its top-level container's)."""
+    root = check_container_id(container_id).root()
+    value = root.value
+    if len(value) <= MAX_PLAIN_NAME and is_valid_device_name(value):
+        return value
+    return "id." + hashlib.sha256(value.encode("utf-8")).hexdigest()[:32]
+
+
+def container_spec_file_name(container_id: ContainerID) -> str:
+    """``gpu-isolator-container_<device name>.json``."""
+    return f"{CONTAINER_SPEC_PREFIX}{container_device_name(container_id)}.json"
+
+
+def container_qualified_name(container_id: ContainerID) -> str:
+    """``gpu-isolator/container=<device name>``: what to pass to ``--device``."""
+    return f"{CONTAINER_KIND}={container_device_name(container_id)}"
+
+
+def device_node(device: ContainerDevice) -> CdiDeviceNode:
+    """A granted node as a CDI device node (``hostPath`` only where it differs)."""
+    return CdiDeviceNode(
+        path=device.path,
+        host_path=device.host_path if device.host_path != device.path else None,
+        type=device.type, major=device.major, minor=device.minor,
+        file_mode=device.file_mode, permissions=device.permissions,
+    )
+
+
+def bind_mount(mount: ContainerBindMount) -> CdiMount:
+    """A granted bind mount as a CDI mount (no ``type``: options say bind)."""
+    return CdiMount(host_path=mount.host_path, container_path=mount.container_path, options=mount.oci_options())
+
+
+def container_spec(name: str, grant: ContainerGrant) -> CdiSpec:
+    """The one-device spec of a grant (see the module rules)."""
+    edits = CdiContainerEdits(
+        env=[f"{key}={value}" for key, value in grant.environment.items()],
+        device_nodes=[device_node(device) for device in grant.devices],
+        mounts=[bind_mount(mount) for mount in grant.mounts],
+    )
+    spec = CdiSpec(cdi_version="0.3.0", kind=CONTAINER_KIND, devices=[CdiDevice(name=name, container_edits=edits)])
+    return msgspec.structs.replace(spec, cdi_version=required_version(spec))

@@ -1,0 +1,72 @@
+"""Building a container's grant in engine terms (``ContainerGrant``).
+
+Rules:
+- The devices are the container's GPUs by minor (``/dev/nvidia<minor>`` in
+  the container, ``<dev_dir>/nvidia<minor>`` on the host, ``c 195:<minor>
+  rwm``), then the control devices in the order the isolator recorded them
+  (``/dev/<name>`` in the container, the node under ``dev_dir`` on the
+  host, with their own numbers). Nothing else: a container never sees
+  another container's GPU.
+- The environment starts with ``NVIDIA_VISIBLE_DEVICES``: the GPUs' UUIDs
+  by minor, comma-separated, or ``none`` for a container without GPUs
+  (NVIDIA's value for "no GPU, driver present"); then the driver volume's
+  PATH and LD_LIBRARY_PATH when the volume is injected.
+- The driver volume, when injected, is one read-only recursive bind mount
+  of its host directory at its container path (``/usr/local/nvidia``).
+- Pure: no I/O; the same inputs give an equal grant.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from typing import Iterable, Mapping
+
+from actors import DeviceRule, Gpu
+
+from .._types import ContainerBindMount, ContainerDevice, ContainerGrant
+
+__all__ = ["VISIBLE_DEVICES", "container_grant", "gpu_device", "control_device"]
+
+VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+
+
+def gpu_device(gpu: Gpu, dev_dir: str) -> ContainerDevice:
+    """The node of one GPU: ``/dev/nvidia<minor>``, from ``<dev_dir>/nvidia<minor>``."""
+    name = f"nvidia{gpu.minor}"
+    return ContainerDevice(path=posixpath.join("/dev", name), host_path=os.path.join(dev_dir, name),
+                           major=gpu.major, minor=gpu.minor)
+
+
+def control_device(host_path: str, rule: DeviceRule) -> ContainerDevice:
+    """A control device (``nvidiactl``, ``nvidia-uvm``, ...) at ``/dev/<name>``."""
+    if rule.major is None or rule.minor is None:
+        raise ValueError(f"Control device '{host_path}' needs exact numbers, got {rule}")
+    return ContainerDevice(path=posixpath.join("/dev", os.path.basename(host_path)), host_path=host_path,
+                           type=rule.type, major=rule.major, minor=rule.minor)
+
+
+def container_grant(
+    gpus: Iterable[Gpu],
+    uuids: Mapping[Gpu, str],
+    control_devices: Mapping[str, DeviceRule],
+    dev_dir: str,
+    *,
+    volume: ContainerBindMount | None = None,
+    volume_env: Mapping[str, str] | None = None,
+) -> ContainerGrant:
+    """The grant of a container holding ``gpus`` (see the module rules)."""
+    ordered = sorted(gpus)
+    missing = [str(gpu) for gpu in ordered if gpu not in uuids]
+    if missing:
+        raise ValueError(f"No UUID known for GPUs {missing}: they are not in the node's inventory")
+    devices = [gpu_device(gpu, dev_dir) for gpu in ordered]
+    devices += [control_device(path, rule) for path, rule in control_devices.items()]
+    environment = {VISIBLE_DEVICES: ",".join(uuids[gpu] for gpu in ordered) or "none"}
+    if volume is not None and volume_env:
+        environment.update(volume_env)
+    return ContainerGrant(
+        devices=tuple(devices),
+        mounts=(volume,) if volume is not None else (),
+        environment=environment,
+    )

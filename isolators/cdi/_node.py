@@ -1,0 +1,95 @@
+"""The node's static CDI spec (``gpu-isolator cdi generate``), kind ``nvidia.com/gpu``.
+
+Rules:
+- One device per GPU named by its NVML index (``nvidia.com/gpu=0``), one
+  per GPU named by its UUID (``nvidia.com/gpu=GPU-...``), in index order,
+  and ``all`` with every GPU: NVIDIA's own generator's names. Each holds
+  only its GPU node(s).
+- The shared edits (applied once whatever devices are asked for) hold the
+  control devices and the driver volume: its read-only bind mount at
+  ``/usr/local/nvidia`` and its PATH / LD_LIBRARY_PATH, computed as for an
+  image whose PATH is Docker's default (a static spec knows no image).
+  ``NVIDIA_VISIBLE_DEVICES`` is not set here: two devices asked for
+  together would each set it. A per-container spec sets it exactly.
+- Device nodes carry type, numbers, mode 0666 and ``rwm``; ``hostPath``
+  appears only when ``dev_dir`` is not ``/dev``; ``cdiVersion`` is the
+  lowest the fields need (0.5.0 here: device names by index start with a
+  digit).
+- ``generate_node_spec`` reads the node: NVML (or the host file; without
+  either it fails with NVML's error, never inventing a GPU), the control
+  devices from ``dev_dir`` (or the host file's numbers), and builds the
+  driver volume under ``volume_dir``. It needs a running ``Runtime``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import msgspec
+
+from actors import DeviceRule, Flags, ImageManifest, NodeInventory, NvidiaVolume, NvmlService
+from runtime import Executor
+
+from .._types import ContainerBindMount
+from ._container import bind_mount, device_node
+from ._grant import control_device, gpu_device
+from ._model import CdiContainerEdits, CdiDevice, CdiSpec
+from ._rules import CdiSpecError, required_version
+
+__all__ = ["NODE_KIND", "DEFAULT_PATH", "node_spec", "generate_node_spec"]
+
+NODE_KIND = "nvidia.com/gpu"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""Docker's default PATH, the base of the static spec's PATH."""
+
+
+def node_spec(
+    inventory: NodeInventory,
+    control_devices: Mapping[str, DeviceRule],
+    dev_dir: str,
+    *,
+    volume: ContainerBindMount | None = None,
+    volume_env: Mapping[str, str] | None = None,
+) -> CdiSpec:
+    """The static spec of a node (see the module rules)."""
+    gpus = sorted(inventory.gpus, key=lambda info: info.index)
+    if not gpus:
+        raise CdiSpecError(f"The node ({inventory.source}) has no GPUs: there is no CDI device to describe")
+    nodes = {info.index: device_node(gpu_device(info.gpu, dev_dir)) for info in gpus}
+    devices = [CdiDevice(name=str(info.index), container_edits=CdiContainerEdits(device_nodes=[nodes[info.index]]))
+               for info in gpus]
+    devices += [CdiDevice(name=info.uuid, container_edits=CdiContainerEdits(device_nodes=[nodes[info.index]]))
+                for info in gpus]
+    devices.append(CdiDevice(name="all", container_edits=CdiContainerEdits(device_nodes=list(nodes.values()))))
+    shared = CdiContainerEdits(
+        env=[f"{key}={value}" for key, value in (volume_env or {}).items()] if volume is not None else [],
+        device_nodes=[device_node(control_device(path, rule)) for path, rule in control_devices.items()],
+        mounts=[bind_mount(volume)] if volume is not None else [],
+    )
+    spec = CdiSpec(cdi_version="0.3.0", kind=NODE_KIND, devices=devices,
+                   container_edits=None if shared.is_empty() else shared)
+    return msgspec.structs.replace(spec, cdi_version=required_version(spec))
+
+
+async def generate_node_spec(flags: Flags) -> CdiSpec:
+    """Read the node named by ``flags`` (host_file, dev_dir, volume_dir, ld_cache) into its static spec."""
+    from .._isolator import find_control_devices  # the isolator imports this package
+
+    nvml = await NvmlService.open(flags.host_file)
+    try:
+        inventory = await nvml.inventory()
+    finally:
+        await nvml.close()
+    host_numbers = dict(inventory.control_devices) if inventory.kind == "simulated" else None
+    executor = Executor(1, name="cdi-generate")
+    try:
+        control = await executor.run(find_control_devices, flags, host_numbers)
+    finally:
+        executor.shutdown(wait=False)
+    volume = await NvidiaVolume.create(flags.volume_dir, inventory.driver_version, ld_cache=flags.ld_cache)
+    try:
+        mount = ContainerBindMount(host_path=volume.host_path, container_path=volume.container_path)
+        env = volume.env(ImageManifest(env=[f"PATH={DEFAULT_PATH}"]))
+    finally:
+        await volume.close()
+    return node_spec(inventory, control, flags.dev_dir, volume=mount, volume_env=env)

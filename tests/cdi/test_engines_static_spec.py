@@ -1,0 +1,88 @@
+"""Real engines (R-CD-4, R-CD-5): podman consumes the spec ``gpu-isolator
+cdi generate`` writes, runc a ``runc spec`` config merged with ``to_oci()``.
+
+On mknod'd major-195 nodes, with the host's dev dir also bind-mounted at
+``/host-dev`` (so the cgroup's answer for nodes the container was NOT given
+shows): a granted node opens with ENXIO (allowed; no driver), a node not
+granted is absent from ``/dev`` and gives EPERM through ``/host-dev``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from actors import DeviceRule, Gpu
+from actors.nvml import load_host_file
+from isolators import ContainerLaunchInfo, cli
+from isolators._types import ContainerBindMount
+from isolators.cdi import container_grant
+from isolators.cdi.testing import parse_probe
+
+from .conftest import CONTROL_NODES
+
+REPO = Path(__file__).resolve().parents[2]
+PCIE = str(REPO / "examples" / "pcie-4gpu.toml")
+CONTROL_PATHS = [f"/dev/{name}" for name in CONTROL_NODES]
+GPU_PATHS = [f"/dev/nvidia{i}" for i in range(4)]
+HOST_PATHS = [f"/host-dev/nvidia{i}" for i in range(4)]
+
+
+def probe_args(*extra: str) -> list[str]:
+    return ["/bin/sh", "/bin/probe", *GPU_PATHS, *CONTROL_PATHS, *HOST_PATHS, *extra]
+
+
+def assert_sees_exactly(report, minors: list[int]) -> None:
+    for i in range(4):
+        assert report.opens[f"/dev/nvidia{i}"] == ("ENXIO" if i in minors else "ENOENT"), (i, report.opens)
+        assert report.opens[f"/host-dev/nvidia{i}"] == ("ENXIO" if i in minors else "EPERM"), (i, report.opens)
+    for path in CONTROL_PATHS:
+        assert report.opens[path] == "ENXIO", (path, report.opens)
+    expected = {f"/dev/nvidia{i}": ("c", 195, i, 0o666) for i in minors}
+    expected |= {f"/dev/{name}": ("c", major, minor, 0o666) for name, (major, minor) in CONTROL_NODES.items()}
+    assert report.nodes == expected
+
+
+def test_podman_injects_the_generated_node_spec(podman, gpu_dev, tmp_path) -> None:
+    cdi_dir = tmp_path / "cdi"
+    cdi_dir.mkdir()
+    code = cli.main(["cdi", "generate", "--host-file", PCIE, "--dev-dir", gpu_dev,
+                     "--volume-dir", str(tmp_path / "volume"), "--output", str(cdi_dir / "nvidia.yaml")])
+    assert code == 0
+    uuid2 = load_host_file(PCIE).gpus[2].uuid
+    host_dev = f"{gpu_dev}:/host-dev:dev"
+    for device, minors in (("nvidia.com/gpu=1", [1]), (f"nvidia.com/gpu={uuid2}", [2]), ("nvidia.com/gpu=all", [0, 1, 2, 3])):
+        result = podman.run(podman.image, probe_args(), devices=[device], volumes=[host_dev], cdi_dir=str(cdi_dir))
+        assert result.returncode == 0, result.stderr
+        report = parse_probe(result.stdout)
+        assert_sees_exactly(report, minors)
+        assert report.env["LD_LIBRARY_PATH"] == "/usr/local/cuda/compat:/usr/local/nvidia/lib:/usr/local/nvidia/lib64"
+        assert report.env["PATH"].endswith(":/usr/local/nvidia/bin")
+        assert "NVIDIA_VISIBLE_DEVICES" not in report.env
+        assert "ro" in report.mounts["/usr/local/nvidia"]
+    assert os.listdir(cdi_dir) == ["nvidia.yaml"]
+
+
+def test_podman_refuses_an_unknown_device_with_the_reason(podman, tmp_path) -> None:
+    result = podman.run(podman.image, ["/bin/true"], devices=["nvidia.com/gpu=7"], cdi_dir=str(tmp_path))
+    assert result.returncode != 0
+    assert "unresolvable CDI devices nvidia.com/gpu=7" in result.stderr
+
+
+def test_runc_with_a_merged_oci_fragment(runc, busybox_rootfs, gpu_dev, tmp_path) -> None:
+    uuids = {Gpu.nvidia(i): f"GPU-{i}" for i in range(4)}
+    control = {os.path.join(gpu_dev, name): DeviceRule("c", major, minor, "rwm")
+               for name, (major, minor) in CONTROL_NODES.items()}
+    volume_dir = tmp_path / "volume"
+    (volume_dir / "lib64").mkdir(parents=True)
+    volume = ContainerBindMount(host_path=str(volume_dir), container_path="/usr/local/nvidia")
+    grant = container_grant({Gpu.nvidia(0), Gpu.nvidia(3)}, uuids, control, gpu_dev, volume=volume,
+                            volume_env={"LD_LIBRARY_PATH": "/usr/local/nvidia/lib64"})
+    result = runc.run(busybox_rootfs, ContainerLaunchInfo(grant=grant).to_oci(), probe_args(),
+                      binds={"/host-dev": gpu_dev})
+    assert result.returncode == 0, result.stderr
+    report = parse_probe(result.stdout)
+    assert_sees_exactly(report, [0, 3])
+    assert report.env["NVIDIA_VISIBLE_DEVICES"] == "GPU-0,GPU-3"
+    assert report.env["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib64"
+    assert "ro" in report.mounts["/usr/local/nvidia"]
