@@ -10,7 +10,7 @@ from actors import Flags, Gpu, ImageManifest, NvidiaGpuAllocator, NvidiaVolume, 
 from ._components import NvidiaComponents
 from ._errors import InvalidContainerID, IsolatorError
 from ._isolator import MesosIsolator, NvidiaGpuIsolatorProcess
-from ._script import (
+from .script import (
     Script,
     ScriptError,
     ScriptReport,

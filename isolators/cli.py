@@ -149,14 +149,14 @@ def _check_backend(backend: str) -> None:
 
 
 async def _run_loaded(script: Any, backend: str | None) -> int:
-    from ._script import run_script
+    from .script import run_script
 
     report = await run_script(script, backend, echo=_print)
     return 0 if report.passed else 1
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ._script import load_script
+    from .script import load_script
 
     text = importlib_resources.files("isolators").joinpath("demo", "demo.yaml").read_bytes()
     script = load_script(text, "demo.yaml")
@@ -177,7 +177,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from ._script import load_script_file
+    from .script import load_script_file
 
     script = load_script_file(args.script)
     backend = args.backend or script.node.backend

@@ -195,8 +195,9 @@ class SimulatedNode:
         return self.path("volume")
 
     # -- flags and actors -----------------------------------------------------------
-    def flag_values(self, **changes: Any) -> dict[str, Any]:
-        """The node's flags as a mapping: its own, then ``extra``, then ``changes``."""
+    def flag_values(self, changes: Mapping[str, Any] | None = None, /, **more: Any) -> dict[str, Any]:
+        """The node's flags as a mapping: its own, then ``extra``, then
+        ``changes`` and ``more`` (a mapping as a script or flags file writes it)."""
         return {
             "host_file": self.host_file,
             "dev_dir": self.dev_dir,
@@ -207,18 +208,20 @@ class SimulatedNode:
             "cgroups_hierarchy": self.hierarchy,
             "cgroups_root": self.cgroups_root,
             **self.extra,
-            **changes,
+            **(changes or {}),
+            **more,
         }
 
-    def flags(self, **changes: Any) -> Flags:
+    def flags(self, changes: Mapping[str, Any] | None = None, /, **more: Any) -> Flags:
         """The node's ``Flags`` (see ``flag_values``)."""
-        return Flags.from_dict(self.flag_values(**changes))
+        return Flags.from_dict(self.flag_values(changes, **more))
 
-    async def start(self, *, devices: Any = None, **changes: Any) -> tuple[NvidiaComponents, MesosIsolator]:
+    async def start(self, changes: Mapping[str, Any] | None = None, /, *, devices: Any = None,
+                    **more: Any) -> tuple[NvidiaComponents, MesosIsolator]:
         """Components and an isolator from the flags (inside a Runtime); kept
         on the node. ``devices``: a device control to use instead of the
         flags' (fault injection)."""
-        flags = self.flags(**changes)
+        flags = self.flags(changes, **more)
         components = await NvidiaComponents.create(flags)
         try:
             isolator = await NvidiaGpuIsolatorProcess.create(flags, components, devices=devices)
@@ -240,14 +243,16 @@ class SimulatedNode:
                 await components.close()
 
     async def restart(self, known: Iterable[str] | None = None, orphans: Iterable[str] = (), *,
-                      recover: bool = True, **start: Any) -> tuple[NvidiaComponents, MesosIsolator]:
-        """Drop every actor, start again from the flags and recover ``known``
-        containers (default: every one the isolator held) and ``orphans``."""
+                      recover: bool = True, changes: Mapping[str, Any] | None = None,
+                      **start: Any) -> tuple[NvidiaComponents, MesosIsolator]:
+        """Drop every actor, start again (``start(changes, **start)``) and
+        recover ``known`` containers (default: every one the isolator held)
+        and ``orphans``."""
         if known is None:
             known = list((await self.isolator.containers()).keys()) if self.isolator is not None else []
         known = sorted(known)
         await self.stop()
-        components, isolator = await self.start(**start)
+        components, isolator = await self.start(changes, **start)
         if recover:
             await isolator.recover([ContainerState(ContainerID.parse(c)) for c in known],
                                    {ContainerID.parse(o) for o in orphans})

@@ -226,7 +226,7 @@ def test_bad_arguments(capsys: pytest.CaptureFixture[str], argv: list[str], mess
 @pytest.mark.parametrize("argv", [["run", str(EXAMPLES / "quickstart.yaml")], ["demo"]], ids=["run", "demo"])
 def test_an_internal_error_is_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                                        argv: list[str]) -> None:
-    import isolators._script as script_module
+    import isolators.script as script_module
 
     async def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("something broke")

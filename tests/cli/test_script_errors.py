@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from isolators import ScriptError, load_script, load_script_file
-from isolators._script import MAX_SCRIPT_BYTES
+from isolators.script import MAX_SCRIPT_BYTES
 
 NODE = "node: {gpus: 4}\n"
 
@@ -147,7 +147,7 @@ def test_steps_know_their_lines_and_paths() -> None:
 def test_without_libyaml(monkeypatch: pytest.MonkeyPatch) -> None:
     import yaml
 
-    import isolators._script as script_module
+    import isolators.script._loading as script_module
 
     monkeypatch.setattr(script_module, "_Loader", yaml.SafeLoader)
     assert error_of(NODE + "steps:\n  - prepare:\n      id: 7\n") == (

@@ -94,7 +94,8 @@ class Node(SimulatedNode):
             return CgroupsV1Backend(self.hierarchy, self.cgroups_root)
         return CgroupsV2Backend(self.hierarchy, self.cgroups_root, self.work_dir)
 
-    async def start(self, *, fault: dict[str, Any] | None = None, **changes: Any) -> tuple[NvidiaComponents, Any]:
+    async def start(self, changes: dict[str, Any] | None = None, /, *, fault: dict[str, Any] | None = None,
+                    **more: Any) -> tuple[NvidiaComponents, Any]:
         """Components and an isolator (inside a Runtime). ``fault``: wrap the device
         backend in ``FaultInjectingBackend(**fault)`` (kept as ``self.fault``)."""
         devices = None
@@ -102,7 +103,7 @@ class Node(SimulatedNode):
         if fault is not None:
             self.fault = FaultInjectingBackend(self.inner_backend(), **fault)
             devices = await DeviceControl.create(backend_impl=self.fault)
-        return await super().start(devices=devices, **changes)
+        return await super().start(changes, devices=devices, **more)
 
     @staticmethod
     async def crash(components: NvidiaComponents, isolator: Any) -> None:
