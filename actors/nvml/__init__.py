@@ -21,7 +21,15 @@ from ._hostfile import (
     load_host_file,
     parse_host_file,
 )
-from ._inventory import GpuUsage, NodeInventory, read_inventory, read_mig_devices, read_usage
+from ._inventory import (
+    GpuUsage,
+    MigDeviceUsage,
+    NodeInventory,
+    read_inventory,
+    read_mig_devices,
+    read_mig_usage,
+    read_usage,
+)
 from ._open import embedded_simulated_node, nvml_available, open_nvml
 from ._port import (
     DEFAULT_CONTROL_DEVICES,
@@ -47,7 +55,8 @@ __all__ = [
     "BindingsNvml", "EMBEDDED_HOST_FILE", "embedded_host_spec", "HostFileError",
     "NvmlError", "NvmlNotSupported", "NvmlUnavailable", "MAX_GPUS", "HostFile",
     "HostGpu", "HostMigDevice", "HostSpec", "SimGpu", "SimMigDevice", "host_spec_from_dict", "load_host_file",
-    "parse_host_file", "GpuUsage", "NodeInventory", "read_inventory", "read_mig_devices", "read_usage",
+    "parse_host_file", "GpuUsage", "MigDeviceUsage", "NodeInventory", "read_inventory", "read_mig_devices", "read_mig_usage",
+    "read_usage",
     "embedded_simulated_node", "nvml_available", "open_nvml",
     "DEFAULT_CONTROL_DEVICES", "MAX_MIG_DEVICES", "NON_CRITICAL_XIDS", "NVLINK_MAX_LINKS",
     "TOPOLOGY_HOSTBRIDGE", "TOPOLOGY_INTERNAL", "TOPOLOGY_MULTIPLE", "TOPOLOGY_NAMES",

@@ -22,6 +22,9 @@ Rules:
   ``NodeInventory.mig_devices`` (parent index, then MIG index order).
 - ``read_usage(nvml, indices)`` reads memory, utilisation, power and
   temperature for several GPUs in one pass; unsupported readings are None.
+  MIG devices (``(parent index, MIG index, device)`` targets) are read the
+  same way on their MIG handles: memory answers, the rest where NVML
+  answers (today's drivers: not supported, so None).
 """
 
 from __future__ import annotations
@@ -36,7 +39,15 @@ from actors.mig import MigDevice, MigDeviceInfo
 from ._errors import NVML_ERROR_NOT_FOUND, NvmlError, NvmlNotSupported
 from ._port import TOPOLOGY_INTERNAL, TOPOLOGY_SINGLE, Nvml
 
-__all__ = ["NodeInventory", "GpuUsage", "read_inventory", "read_mig_devices", "read_usage"]
+__all__ = [
+    "NodeInventory",
+    "GpuUsage",
+    "MigDeviceUsage",
+    "read_inventory",
+    "read_mig_devices",
+    "read_usage",
+    "read_mig_usage",
+]
 
 _MIB = 1024 * 1024
 
@@ -83,6 +94,20 @@ class GpuUsage(msgspec.Struct, frozen=True, kw_only=True):
     """One GPU's current readings; None where NVML cannot tell."""
 
     gpu: Gpu
+    index: int
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    utilization_gpu_percent: int | None = None
+    utilization_memory_percent: int | None = None
+    power_mw: int | None = None
+    temperature_c: int | None = None
+
+
+class MigDeviceUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """One MIG device's current readings (on its MIG handle); None where NVML cannot tell."""
+
+    device: MigDevice
+    parent_index: int
     index: int
     memory_used_bytes: int | None = None
     memory_total_bytes: int | None = None
@@ -248,4 +273,30 @@ def read_usage(nvml: Nvml, targets: list[tuple[int, Gpu]]) -> list[GpuUsage]:
             )
         except NvmlError as exc:
             raise _at(index, exc) from None
+    return usages
+
+
+def read_mig_usage(nvml: Nvml, targets: list[tuple[int, int, MigDevice]]) -> list[MigDeviceUsage]:
+    """Readings for ``(parent index, MIG index, device)`` targets in one blocking pass."""
+    usages = []
+    for parent_index, index, device in targets:
+        try:
+            handle = nvml.mig_device_handle(nvml.handle(parent_index), index)
+            memory = _optional(nvml.memory, handle)
+            rates = _optional(nvml.utilization, handle)
+            usages.append(
+                MigDeviceUsage(
+                    device=device,
+                    parent_index=parent_index,
+                    index=index,
+                    memory_used_bytes=memory.used if memory else None,
+                    memory_total_bytes=memory.total if memory else None,
+                    utilization_gpu_percent=rates.gpu if rates else None,
+                    utilization_memory_percent=rates.memory if rates else None,
+                    power_mw=_optional(nvml.power_mw, handle),
+                    temperature_c=_optional(nvml.temperature_c, handle),
+                )
+            )
+        except NvmlError as exc:
+            raise _at(parent_index, exc) from None
     return usages

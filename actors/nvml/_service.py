@@ -3,7 +3,7 @@
 Rules:
 - Every NVML call runs on a ``runtime.Executor`` (R-NV-2): one executor job
   per question (``inventory()`` reads a whole node in one job, ``usages()``
-  reads several GPUs in one job). Nothing here blocks the loop.
+  reads several GPUs — and MIG devices, on their MIG handles — in one job). Nothing here blocks the loop.
 - ``inventory()`` is read once and cached (a node's GPUs do not change while
   the agent runs); ``inventory(refresh=True)`` reads it again.
 - ``wait_event`` runs on its own single-thread executor so a health watcher
@@ -24,8 +24,9 @@ from typing import Any, Callable, TypeVar
 from runtime import Executor
 
 from actors.gpu import Gpu, GpuInfo
+from actors.mig import MigDevice
 
-from ._inventory import GpuUsage, NodeInventory, read_inventory, read_usage
+from ._inventory import GpuUsage, MigDeviceUsage, NodeInventory, read_inventory, read_mig_usage, read_usage
 from ._open import open_nvml
 from ._port import HealthEvent, Nvml
 
@@ -94,19 +95,30 @@ class NvmlService:
         """Current readings of one GPU (KeyError if the node has no such GPU)."""
         return (await self.usages([gpu]))[gpu]
 
-    async def usages(self, gpus: Iterable[Gpu]) -> dict[Gpu, GpuUsage]:
-        """Current readings of several GPUs, in one executor job."""
-        by_gpu = (await self.inventory()).by_gpu()
+    async def usages(self, gpus: Iterable[Gpu | MigDevice]) -> dict[Any, GpuUsage | MigDeviceUsage]:
+        """Current readings of several GPUs (and MIG devices), in one executor job."""
+        inventory = await self.inventory()
+        by_gpu = inventory.by_gpu()
         targets = []
+        migs = []
         for gpu in sorted(set(gpus)):
+            if isinstance(gpu, MigDevice):
+                mig = inventory.by_mig().get(gpu)
+                if mig is None:
+                    raise KeyError(f"MIG device {gpu} is not on this node")
+                migs.append((mig.parent_index, mig.index, gpu))
+                continue
             info = by_gpu.get(gpu)
             if info is None:
                 raise KeyError(f"GPU {gpu} is not on this node")
             targets.append((info.index, gpu))
-        if not targets:
+        if not targets and not migs:
             return {}
-        readings = await self.executor.run(read_usage, self.nvml, targets)
-        return {usage.gpu: usage for usage in readings}
+        if not migs:
+            readings = await self.executor.run(read_usage, self.nvml, targets)
+            return {usage.gpu: usage for usage in readings}
+        whole, parts = await self.executor.run(_read_units, self.nvml, targets, migs)
+        return {**{usage.gpu: usage for usage in whole}, **{usage.device: usage for usage in parts}}
 
     async def wait_event(self, timeout_s: float) -> HealthEvent | None:
         """The next health event within ``timeout_s`` seconds, or None."""
@@ -124,3 +136,8 @@ class NvmlService:
             self.executor.shutdown(wait=False)
         if self._event_executor is not None:
             self._event_executor.shutdown(wait=False)
+
+
+def _read_units(nvml: Nvml, targets: list, migs: list) -> tuple[list[GpuUsage], list[MigDeviceUsage]]:
+    """Whole GPUs and MIG devices in one blocking pass (one executor job)."""
+    return read_usage(nvml, targets), read_mig_usage(nvml, migs)

@@ -9,7 +9,7 @@ CDLL("libnvidia-ml.so.1") finds it by soname. Each job sets FAKE_NVML_CONFIG
 Jobs ("op"): "inventory" (inventory, usage, health events), "uninitialized"
 (a call before nvmlInit), "resources" (NvidiaGpuAllocator.resources with
 host_file None), "allocate" (create an allocator on the bindings and
-allocate counts in order).
+allocate counts in order), "mig_usage" (the readings of every MIG device).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def error_of(exc: BaseException) -> dict:
 def run_job(job: dict) -> dict:
     from actors.allocator import NvidiaGpuAllocator
     from actors.flags import Flags
-    from actors.nvml import BindingsNvml, read_inventory, read_usage
+    from actors.nvml import BindingsNvml, read_inventory, read_mig_usage, read_usage
     from runtime import Runtime
 
     if job.get("config"):
@@ -64,6 +64,10 @@ def run_job(job: dict) -> dict:
                 while (event := nvml.wait_event(0)) is not None:
                     events.append(event)
                 return msgspec.to_builtins({"inventory": inventory, "usage": usage, "events": events})
+            if op == "mig_usage":
+                inventory = read_inventory(nvml)
+                targets = [(m.parent_index, m.index, m.device) for m in inventory.mig_devices]
+                return msgspec.to_builtins({"mig_usage": read_mig_usage(nvml, targets)})
             if op == "allocate":
                 async def allocate() -> list:
                     picks = []

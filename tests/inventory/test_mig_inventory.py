@@ -197,3 +197,37 @@ def test_inspect_shows_mig_devices_under_their_gpu(data_dir):
     assert lines[3].endswith("allocated") and not lines[2].endswith("allocated")
     assert "└ MIG 1c.3g.71gb (GI 1, CI 1)" in lines[9]
     assert render_inventory(inventory).splitlines()[0].endswith("4 GPUs, 6 MIG devices")
+
+
+def test_mig_usage_is_read_on_the_mig_handle_alike_in_both_implementations(probe, data_dir):
+    from actors.nvml import read_mig_usage
+
+    path = data_dir / "h200-mig.toml"
+    nvml = SimulatedNvml.from_file(path)
+    nvml.init()
+    inventory = read_inventory(nvml)
+    targets = [(m.parent_index, m.index, m.device) for m in inventory.mig_devices]
+    expected = msgspec.json.decode(msgspec.json.encode({"mig_usage": read_mig_usage(nvml, targets)}))
+    [result] = probe.run([{"op": "mig_usage", "config": probe.config(load_host_file(path))}])
+    assert result == expected
+    second = expected["mig_usage"][1]
+    assert second["memory_used_bytes"] == 1024 * 1024 * 1024 and second["memory_total_bytes"] == 16896 * 1024 * 1024
+    assert second["utilization_gpu_percent"] is None and second["power_mw"] is None  # not on a MIG handle
+
+
+@pytest.mark.asyncio
+async def test_the_service_reads_gpus_and_mig_devices_in_one_job(data_dir):
+    from actors.nvml import GpuUsage, MigDeviceUsage, NvmlService
+
+    nvml = SimulatedNvml.from_file(data_dir / "h200-mig.toml")
+    nvml.init()
+    service = NvmlService(nvml)
+    try:
+        readings = await service.usages([Gpu(195, 1), MigDevice(Gpu(195, 0), 4, 0)])
+        assert isinstance(readings[Gpu(195, 1)], GpuUsage)
+        assert isinstance(readings[MigDevice(Gpu(195, 0), 4, 0)], MigDeviceUsage)
+        assert readings[MigDevice(Gpu(195, 0), 4, 0)].index == 1
+        with pytest.raises(KeyError, match="MIG device 195:0/gi9/ci0 is not on this node"):
+            await service.usages([MigDevice(Gpu(195, 0), 9, 0)])
+    finally:
+        await service.close()
