@@ -56,7 +56,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 44\r\nConnection: close\r\n\r\n503 Service Unavailable: too many connections"
+_BUSY_TEXT = b"503 Service Unavailable: too many connections\n"
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_TEXT), _BUSY_TEXT)
 BUILTINS = {
     "/__processes__": "JSON list of this runtime's processes: id, pid, state, queue depth, events handled, failures, messages rejected",
     "/metrics/snapshot": "every metric as a flat JSON object (libprocess' shape; timers in ms with /count and percentiles)",

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 _TIMEOUT = object()
 _RECEIVE_SIZE = 65536
 _LINGER = 0.5
+_OUT_ITEMS = 64  # answers waiting to be written (3 items each) before a write
 
 
 class Refused(Exception):
@@ -88,7 +89,7 @@ class ServerConnection:
                 if type(event) is not h11.Request:
                     raise Refused(400, f"unexpected {type(event).__name__}")
                 request = self._request(event)
-                request.body = await self._read_body(event)
+                request.body = await self._read_body(request)
             except h11.RemoteProtocolError as e:
                 await self._refuse(e.error_status_hint, str(e))
                 return
@@ -102,7 +103,9 @@ class ServerConnection:
                     return
                 response = await self._await(request, response)
             self._write(event, response)
-            if not await self._next_cycle(event):
+            if len(self.out) >= _OUT_ITEMS and not await self._flush():  # pipelined answers: bounded
+                return
+            if not await self._next_cycle(event, request):
                 return
 
     # -- reading ------------------------------------------------------------
@@ -147,23 +150,23 @@ class ServerConnection:
         if len(target) > self.limits.max_target_bytes:
             raise Refused(414, f"request target of {len(target)} bytes is over the limit of {self.limits.max_target_bytes}")
         size = len(target) + 16
-        for name, value in event.headers:
-            size += len(name) + len(value) + 4
-        if size > self.limits.max_header_bytes:  # h11 bounds only a head still incomplete
-            raise Refused(431, f"request head of about {size} bytes is over the limit of {self.limits.max_header_bytes}")
         headers: dict[str, str] = {}
-        for name, value in event.headers:
+        for name, value in list(event.headers):  # one pass: h11's Headers iterate item by item
+            size += len(name) + len(value) + 4
             key = name.decode("latin-1")
             text = value.decode("latin-1")
             headers[key] = f"{headers[key]}, {text}" if key in headers else text
+        if size > self.limits.max_header_bytes:  # h11 bounds only a head still incomplete
+            raise Refused(431, f"request head of about {size} bytes is over the limit of {self.limits.max_header_bytes}")
         raw_path, _, raw_query = target.decode("latin-1").partition("?")
         query = dict(parse_qsl(raw_query, keep_blank_values=True)) if raw_query else {}
         return Request(event.method.decode("ascii"), unquote(raw_path), query, headers, b"", self.client)
 
-    async def _read_body(self, head: h11.Request) -> bytes:
+    async def _read_body(self, request: Request) -> bytes:
         conn = self.conn
         limit = self.limits.max_body_bytes
-        declared = _content_length(head)
+        declared = request.headers.get("content-length", "")
+        declared = int(declared) if declared.isdigit() else None
         if declared is not None and declared > limit:
             raise Refused(413, f"body of {declared} bytes is over the limit of {limit}")
         chunks: list[bytes] = []
@@ -226,10 +229,10 @@ class ServerConnection:
             out.append(conn.send(h11.Data(data=response.body)))
         out.append(conn.send(_END))
 
-    async def _next_cycle(self, head: h11.Request) -> bool:
+    async def _next_cycle(self, head: h11.Request, request: Request) -> bool:
         conn = self.conn
         if conn.our_state is h11.MUST_CLOSE:
-            if head.http_version == b"1.0" and b"keep-alive" in _header(head, b"connection"):
+            if head.http_version == b"1.0" and "keep-alive" in request.headers.get("connection", "").lower():
                 data, closed = conn.trailing_data
                 self.conn = conn = self._parser()  # h11 has no 1.0 keep-alive: go on with a fresh parser
                 if data:
@@ -281,18 +284,6 @@ ACCEPTED = Response(b"", 202)
 _ACCEPTED_HEAD = h11.Response(status_code=202, headers=[("Content-Length", "0")], reason=b"Accepted")
 _END = h11.EndOfMessage()
 _ERROR_HEAD = h11.Request(method="GET", target="/", headers=[("Host", "-")])  # errors always carry their body
-
-
-def _header(event: h11.Request, name: bytes) -> bytes:
-    for key, value in event.headers:
-        if key == name:
-            return value.lower()
-    return b""
-
-
-def _content_length(event: h11.Request) -> int | None:
-    value = _header(event, b"content-length")
-    return int(value) if value.isdigit() else None
 
 
 __all__ = ["ACCEPTED", "ServerConnection", "Refused"]

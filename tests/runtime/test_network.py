@@ -148,7 +148,7 @@ async def test_an_actor_cannot_tell_a_remote_sender_from_a_local_one() -> None:
         ("raw", Allocate("c4", 4)),
         ("raw", None),
     ]
-    async with Runtime(listen="127.0.0.1:0") as a:
+    async with Runtime(listen="127.0.0.1:0"):
         receiver = Receiver()
         to = spawn(receiver)
         local = spawn(Sender("local-sender"))

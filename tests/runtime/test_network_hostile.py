@@ -71,8 +71,8 @@ async def _read_all(stream: Any) -> bytes:
 
 
 async def _served(rt: Runtime) -> None:
-    """A well-behaved client still gets an answer, quickly."""
-    with anyio.fail_after(2):
+    """A well-behaved client still gets an answer (bounded wait)."""
+    with anyio.fail_after(5):
         async with httpx.AsyncClient() as http:
             answer = await http.get(f"http://{rt.address}/__processes__")
     assert answer.status_code == 200 and answer.json()[0]["id"] == "inbox"
@@ -94,11 +94,10 @@ async def test_an_oversized_request_line_is_refused_431_or_414_by_size(server: R
 
 
 async def test_a_declared_oversized_body_is_refused_before_it_is_read(server: Runtime) -> None:
-    start = time.monotonic()
+    # the client sends no byte of the body: the answer comes all the same
     answer = await _exchange(server, b"POST /inbox/note HTTP/1.1\r\nHost: x\r\nLibprocess-From: p@127.0.0.1:1\r\nContent-Length: 100000000\r\n\r\n")
     assert re.match(rb"HTTP/1\.1 413 (Content|Request Entity) Too Large\r\n", answer)
     assert b"body of 100000000 bytes is over the limit of 1000" in answer
-    assert time.monotonic() - start < 1.0  # no waiting for a body that never comes
     await _served(server)
 
 
@@ -129,7 +128,7 @@ async def test_a_slowloris_client_is_cut_off_while_others_are_served(server: Run
         start = time.monotonic()
         async with stream:
             try:
-                for byte in b"GET /__processes__ HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"z" * 100:
+                for byte in b"GET /__processes__ HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"z" * 200:
                     await stream.send(bytes([byte]))
                     await anyio.sleep(0.05)
             except (anyio.BrokenResourceError, ConnectionResetError):
@@ -138,13 +137,13 @@ async def test_a_slowloris_client_is_cut_off_while_others_are_served(server: Run
             answer = await _read_all(stream)
             assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n") or answer == b""
 
-    with anyio.fail_after(10):
+    with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             tg.start_soon(slowloris)
             await anyio.sleep(0.1)
             for _ in range(5):  # served meanwhile
                 await _served(server)
-    assert closed_after and closed_after[0] < 3.0  # 100+ bytes at 20/s would take 6 s
+    assert closed_after and closed_after[0] < 6.0  # 240 bytes at 20/s would take 12 s
     assert server.metrics.snapshot()["runtime/http/refused"] >= 1
 
 
@@ -153,7 +152,7 @@ async def test_a_body_that_trickles_in_is_cut_off_with_408(server: Runtime) -> N
 
     async def trickle(stream: Any) -> None:
         try:
-            for _ in range(100):  # 100 bytes at 20/s would take 5 s
+            for _ in range(200):  # 200 bytes at 20/s would take 10 s
                 if answer:
                     return
                 await stream.send(b"x")
@@ -162,15 +161,15 @@ async def test_a_body_that_trickles_in_is_cut_off_with_408(server: Runtime) -> N
             pass
 
     start = time.monotonic()
-    with anyio.fail_after(5):
+    with anyio.fail_after(10):
         stream = await anyio.connect_tcp("127.0.0.1", _port(server))
         async with stream:
-            await stream.send(b"POST /inbox/note HTTP/1.1\r\nHost: x\r\nLibprocess-From: p@127.0.0.1:1\r\nContent-Length: 100\r\n\r\n")
+            await stream.send(b"POST /inbox/note HTTP/1.1\r\nHost: x\r\nLibprocess-From: p@127.0.0.1:1\r\nContent-Length: 200\r\n\r\n")
             async with anyio.create_task_group() as tg:
                 tg.start_soon(trickle, stream)
                 answer.append(await stream.receive())
                 answer.append(await _read_all(stream))
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 5.0  # cut off, not waited out
     assert answer[0].startswith(b"HTTP/1.1 408 Request Timeout\r\n")
     assert b"request body not complete within 0.3s" in b"".join(answer)
 
@@ -185,6 +184,8 @@ async def test_too_many_connections_from_one_client_get_503_and_others_still_get
         for hog in hogs:
             await hog.aclose()
     assert refused.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    head, body = refused.split(b"\r\n\r\n", 1)
+    assert b"Content-Length: %d" % len(body) in head and body == b"503 Service Unavailable: too many connections\n"
     assert server.metrics.snapshot()["runtime/http/connections_refused"] == 1
 
 
@@ -261,3 +262,15 @@ async def test_http_1_0_keep_alive_messages_pipelined_on_one_connection_all_arri
 async def test_limits_reject_values_that_are_not_positive() -> None:
     with pytest.raises(ValueError, match="Limits.header_timeout must be > 0, got 0"):
         Limits(header_timeout=0)
+
+
+async def test_a_client_that_expects_100_continue_gets_it_before_sending_its_body(server: Runtime) -> None:
+    with anyio.fail_after(5):
+        stream = await anyio.connect_tcp("127.0.0.1", _port(server))
+        async with stream:
+            await stream.send(b"POST /inbox/note HTTP/1.1\r\nHost: x\r\nLibprocess-From: p@127.0.0.1:1\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
+            interim = await stream.receive()
+            await stream.send(b"body")
+            final = await stream.receive()
+    assert interim.startswith(b"HTTP/1.1 100 ")
+    assert final.startswith(b"HTTP/1.1 202 Accepted\r\n")
