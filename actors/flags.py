@@ -27,9 +27,16 @@ Rules:
   ``gpus``); ``proc_dir`` (default ``/proc``) is where the MIG capability
   facts are read (``driver/nvidia-caps/mig-minors``, ``devices``).
 - ``cdi_spec_dir`` (None: no CDI specs) is an absolute path when set.
-- ``reconcile_interval`` and ``gpu_health_interval`` are seconds (``None`` =
-  off); on the command line they also take Mesos durations (``30secs``,
-  ``500ms``, ``2mins``) or ``off``.
+- ``reconcile_interval`` is seconds (``None`` = off); on the command line
+  it also takes Mesos durations (``30secs``, ``500ms``, ``2mins``) or
+  ``off``.
+- Health (R-HE-1..3): ``nvidia_health_checks`` (default true) watches NVML
+  Xid and double-bit ECC events from the start; ``nvidia_ignored_xids``
+  (default ``DEFAULT_IGNORED_XIDS``, the NVIDIA device plugin's list of Xids
+  applications cause; ``"13,31"`` on the command line, ``""`` for none)
+  are logged and change nothing; ``nvidia_health_wait`` is how long one
+  ``nvmlEventSetWait_v2`` waits (at most 60 seconds; a duration on the
+  command line): how soon NVML is shut down after the components close.
 - Validation runs on every construction (``__post_init__``), so a Flags
   value that exists is a valid one.
 """
@@ -46,9 +53,15 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["Flags", "FlagsError", "DEFAULT_ISOLATION", "parse_duration"]
+__all__ = ["Flags", "FlagsError", "DEFAULT_ISOLATION", "DEFAULT_IGNORED_XIDS", "parse_duration"]
 
 DEFAULT_ISOLATION = "filesystem/linux,cgroups/devices,gpu/nvidia"
+
+DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
+"""Xids caused by applications, not the GPU (the NVIDIA device plugin's list):
+13 graphics engine exception, 31 GPU memory page fault, 43 GPU stopped
+processing, 45 preemptive cleanup, 68 video processor exception, 109 context
+switch timeout."""
 
 DeviceBackend = Literal["auto", "cgroups_v1", "cgroups_v2", "memory"]
 GpuAllocation = Literal["topology", "lowest"]
@@ -141,9 +154,13 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Seconds between device-rule reconciliations; None = off."""
     gpu_allocation: GpuAllocation = "topology"
     """``topology``: best-connected set (R-AL-2); ``lowest``: Mesos' lowest minors first."""
-    gpu_health_interval: float | None = None
-    """Seconds between polls of NVML Xid/ECC events (GPUs raising critical ones
-    are withheld, R-AL-3); None = off."""
+    nvidia_health_checks: bool = True
+    """Watch NVML Xid and double-bit ECC events from the start (R-HE-1); a GPU
+    raising a critical one is withheld until ``mark_healthy`` (R-AL-3)."""
+    nvidia_ignored_xids: list[int] = msgspec.field(default_factory=lambda: list(DEFAULT_IGNORED_XIDS))
+    """Xids that are the application's fault: logged, the GPU is kept (R-HE-3)."""
+    nvidia_health_wait: float = 5.0
+    """Seconds one ``nvmlEventSetWait_v2`` waits for health events."""
     device_worker: DeviceWorker = "process"
     """Where the kernel device work runs: ``process`` (a device worker process
     of its own, overlapping the event loop) or ``thread`` (a thread here)."""
@@ -171,6 +188,17 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                         f"Invalid '--nvidia_gpu_devices' {self.nvidia_gpu_devices!r}:"
                         f" {index!r} is not a non-negative integer"
                     )
+        for xid in self.nvidia_ignored_xids:
+            if isinstance(xid, bool) or not isinstance(xid, int) or xid < 0:
+                raise FlagsError(
+                    f"Invalid '--nvidia_ignored_xids' {self.nvidia_ignored_xids!r}:"
+                    f" {xid!r} is not a non-negative integer"
+                )
+        wait = self.nvidia_health_wait
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 60:
+            raise FlagsError(
+                f"Invalid '--nvidia_health_wait' {wait!r}: expected seconds, more than 0 and at most 60"
+            )
         for name in _INTERVALS:
             interval = getattr(self, name)
             if interval is None:
@@ -268,7 +296,9 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 _FIELDS = set(Flags.__struct_fields__)
-_INTERVALS = ("reconcile_interval", "gpu_health_interval")
+_INTERVALS = ("reconcile_interval",)
+_LIST_EXAMPLES = {"nvidia_gpu_devices": "0,1", "nvidia_ignored_xids": "13,31"}
+_INDEX_LISTS = tuple(_LIST_EXAMPLES)
 _CHOICES = {
     "device_backend": _BACKENDS,
     "gpu_allocation": _ALLOCATIONS,
@@ -303,7 +333,7 @@ def _coerce(name: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
     text = value.strip()
-    if name == "nvidia_gpu_devices":
+    if name in _INDEX_LISTS:
         body = text[1:-1] if text.startswith("[") and text.endswith("]") else text
         indices = []
         for token in body.split(","):
@@ -312,11 +342,16 @@ def _coerce(name: str, value: Any) -> Any:
                 continue
             if not re.fullmatch(r"\d+", token):
                 raise FlagsError(
-                    f"Failed to load flag 'nvidia_gpu_devices': {token!r} in {value!r} is not a"
-                    " non-negative integer (expected e.g. '0,1')"
+                    f"Failed to load flag '{name}': {token!r} in {value!r} is not a"
+                    f" non-negative integer (expected e.g. {_LIST_EXAMPLES[name]!r})"
                 )
             indices.append(int(token))
         return indices
+    if name == "nvidia_health_wait":
+        try:
+            return parse_duration(text)
+        except ValueError as exc:
+            raise FlagsError(f"Failed to load flag '{name}': {exc}") from None
     if name in _INTERVALS:
         if text.lower() in _OPTIONAL_TEXT_NONE | {"off"}:
             return None

@@ -9,7 +9,10 @@ Rules:
   result is dropped.
 - Under asyncio a ``ThreadPoolExecutor`` is used (one hop ~20-70 µs on these
   machines); under trio, ``anyio.to_thread`` with a capacity limiter.
-- ``Clock.settle()`` waits for running executor jobs (``in_flight()``).
+- ``Clock.settle()`` waits for running executor jobs (``in_flight()``),
+  except those of a ``background`` executor: a job that waits for the
+  outside world by design (e.g. NVML health events, seconds a wait) would
+  otherwise keep every settle from returning.
 - Batch work: one ``run`` per container operation or per drained mailbox,
   never one per line written.
 """
@@ -34,11 +37,13 @@ def in_flight() -> int:
 class Executor:
     """A bounded pool of threads for blocking calls (see module rules)."""
 
-    def __init__(self, max_workers: int = 4, name: str = "executor") -> None:
+    def __init__(self, max_workers: int = 4, name: str = "executor", *, background: bool = False) -> None:
         if max_workers < 1:
             raise ValueError(f"Executor needs max_workers >= 1, got {max_workers}")
         self.max_workers = max_workers
         self.name = name
+        self.background = background
+        """Jobs that wait on the outside world: ``Clock.settle()`` does not wait for them."""
         self._pool: ThreadPoolExecutor | None = None
         self._limiter: Any = None
 
@@ -47,7 +52,8 @@ class Executor:
         if kwargs:
             fn = functools.partial(fn, **kwargs)
         loop = asyncio._get_running_loop()
-        _in_flight[0] += 1
+        counted = 0 if self.background else 1
+        _in_flight[0] += counted
         try:
             if loop is not None:
                 pool = self._pool
@@ -61,7 +67,7 @@ class Executor:
             # abandon_on_cancel: the caller stops waiting at once (module rules)
             return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
         finally:
-            _in_flight[0] -= 1
+            _in_flight[0] -= counted
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the worker threads (a later ``run`` starts new ones)."""

@@ -23,12 +23,20 @@ Rules (R-AL-1, SPEC section 11; Mesos' ``NvidiaGpuAllocator``):
   ``deallocate(gpus)``, ``reclaim(gpus)``, ``available()``,
   ``allocated()``, health calls. One handle may be shared by several
   isolators; copies of it address the same process.
-- ``close()`` terminates the process and, if ``create`` opened NVML, shuts
-  it down. Leaving a ``Runtime`` scope terminates the process too.
+- Health (R-HE-1): with ``flags.nvidia_health_checks`` (the default),
+  ``create`` registers the GPUs it manages (or whose MIG devices it
+  manages) for NVML health events before it returns and spawns a
+  ``HealthMonitorProcess`` feeding the allocator; units on GPUs NVML cannot
+  report on (every unit when checks are off or the event set cannot be
+  made) are listed as ``unwatched`` in ``state()``.
+- ``close()`` stops the health monitor (never waiting out NVML's wait in
+  progress), terminates the process and, if ``create`` opened NVML, shuts
+  it down. Leaving a ``Runtime`` scope terminates the processes too.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,12 +49,15 @@ from actors.nvml import Nvml, NodeInventory, NvmlError, NvmlService
 from actors.resources import Resources
 
 from ._errors import AllocatorError
+from ._monitor import HealthMonitorProcess
 from ._process import AllocatorState, GpuAllocatorProcess, GpuHealth
 from ._mig_resources import managed_units, needs_inventory
 from ._resources import gpu_resources
 from ._topology import PairScores
 
 __all__ = ["NvidiaGpuAllocator"]
+
+logger = logging.getLogger(__name__)
 
 
 class NvidiaGpuAllocator:
@@ -61,6 +72,7 @@ class NvidiaGpuAllocator:
         nvml: NvmlService | None = None,
         owns_nvml: bool = False,
         pools: dict[str, Iterable[Unit]] | None = None,
+        monitor: PID | None = None,
     ) -> None:
         self.pid = pid
         self._total = frozenset(total)
@@ -73,6 +85,8 @@ class NvidiaGpuAllocator:
         """The NVML service (for usage readings); None when no GPU is managed."""
         self._owns_nvml = owns_nvml
         self._wrapped_nvml = False
+        self.monitor = monitor
+        """The health monitor process (None when nothing is watched)."""
 
     # ------------------------------------------------------------ creation
 
@@ -87,16 +101,13 @@ class NvidiaGpuAllocator:
         flags: Flags,
         resources: Resources,
         nvml: NvmlService | Nvml | None = None,
-        *,
-        health_interval: float | None = None,
     ) -> "NvidiaGpuAllocator":
         """Spawn an allocator for the GPUs ``flags``/``resources`` select.
 
         ``nvml``: a service or an initialised port to read the inventory from;
         default: the port for ``flags.host_file`` (the real NVML when None),
-        which ``close()`` shuts down again. ``health_interval`` overrides
-        ``flags.gpu_health_interval``."""
-        interval = health_interval if health_interval is not None else flags.gpu_health_interval
+        which ``close()`` shuts down again. Health monitoring follows
+        ``flags.nvidia_health_checks`` (see the module rules)."""
         if not needs_inventory(flags, resources):
             process = GpuAllocatorProcess((), strategy=flags.gpu_allocation)
             return cls(spawn(process), ())
@@ -115,6 +126,8 @@ class NvidiaGpuAllocator:
         try:
             inventory = await service.inventory()
             pools = managed_units(flags, resources, inventory)
+            units = [unit for pool in pools.values() for unit in pool]
+            unwatched, watching = await _start_health_events(flags, service, inventory, units)
         except BaseException as exc:
             if owns:
                 await service.close()
@@ -123,18 +136,21 @@ class NvidiaGpuAllocator:
             if isinstance(exc, NvmlError):
                 raise AllocatorError(f"Failed to read the GPU inventory from NVML: {exc}") from exc
             raise
-        units = [unit for pool in pools.values() for unit in pool]
         whole = [unit for unit in units if isinstance(unit, Gpu)]
         process = GpuAllocatorProcess(
             units,
             PairScores.from_inventory(inventory, whole),
             strategy=flags.gpu_allocation,
             inventory=inventory,
-            nvml=service,
-            health_interval=interval,
             pools=pools,
+            ignored_xids=flags.nvidia_ignored_xids,
+            unwatched=unwatched,
         )
-        handle = cls(spawn(process), units, inventory=inventory, nvml=service, owns_nvml=owns, pools=pools)
+        pid = spawn(process)
+        monitor = None
+        if watching:
+            monitor = spawn(HealthMonitorProcess(service, pid, wait_s=flags.nvidia_health_wait))
+        handle = cls(pid, units, inventory=inventory, nvml=service, owns_nvml=owns, pools=pools, monitor=monitor)
         handle._wrapped_nvml = wrapped
         return handle
 
@@ -227,12 +243,15 @@ class NvidiaGpuAllocator:
         """Completes when any of ``gpus`` turns unhealthy (discard to stop watching)."""
         return dispatch(self.pid, GpuAllocatorProcess.watch, frozenset(gpus))
 
-    def check_health(self) -> Future[list[GpuHealth]]:
-        """Poll NVML health events now; the changes made."""
-        return dispatch(self.pid, GpuAllocatorProcess.check_health)
-
     async def close(self) -> None:
-        """Terminate the allocator process (and NVML, when ``create`` opened it)."""
+        """Stop health monitoring, terminate the allocator process (and NVML,
+        when ``create`` opened it)."""
+        monitor, self.monitor = self.monitor, None
+        if monitor is not None:
+            terminate(monitor)
+            await wait(monitor)
+            if self.nvml is not None:
+                await self.nvml.stop_health_events()
         terminate(self.pid)
         await wait(self.pid)
         if self._owns_nvml and self.nvml is not None:
@@ -252,3 +271,28 @@ class NvidiaGpuAllocator:
 
     def __repr__(self) -> str:
         return f"NvidiaGpuAllocator({self.pid}, total={sorted(self._total)})"
+
+async def _start_health_events(
+    flags: Flags, service: NvmlService, inventory: NodeInventory, units: list[Unit]
+) -> tuple[set[Gpu], bool]:
+    """Register the GPUs of the managed units for health events (R-HE-2): the
+    GPUs left unwatched, and whether a monitor should wait on the events."""
+    gpus = {unit.parent if isinstance(unit, MigDevice) else unit for unit in units}
+    infos = [info for info in inventory.gpus if info.gpu in gpus]
+    if not flags.nvidia_health_checks:
+        logger.info("GPU health checks are off (--nvidia_health_checks=false): no GPU's health is watched")
+        return gpus, False
+    if service.health_events_started:
+        logger.warning("Health events of this NVML service already feed another allocator;"
+                       " this allocator's GPUs are not watched")
+        return gpus, False
+    try:
+        registration = await service.start_health_events([info.index for info in infos])
+    except NvmlError as exc:
+        logger.warning("GPU health monitoring is off: %s; no GPU's health is watched", exc)
+        return gpus, False
+    if not registration.registered:
+        await service.stop_health_events()
+        return gpus, False
+    by_index = {info.index: info.gpu for info in infos}
+    return {by_index[index] for index in registration.unknown}, True

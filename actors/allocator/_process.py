@@ -25,15 +25,22 @@ Rules (R-AL-1..3; Mesos' ``NvidiaGpuAllocatorProcess``):
   scoring applies to whole GPUs only: MIG devices go lowest first (parent
   minor, GPU instance, compute instance). ``deallocate``, ``reclaim``,
   ``allocate(units)``, health and ``watch`` take units of either kind.
-- Health (R-AL-3): ``mark_unhealthy`` withholds a GPU from allocation (one
-  already allocated stays with its holder until deallocated, then stays out
-  of the pool); ``mark_healthy`` brings it back. ``watch(gpus)`` is a Future
-  that completes with a ``GpuHealth`` when any of them turns unhealthy.
-  With a health interval, NVML Xid/ECC events are polled on the runtime
-  Clock (one executor job per poll, ``check_health`` polls now); critical
-  ones mark their GPU unhealthy.
-- Every method is synchronous except the poll, so a call is one dispatch
-  hop and never waits on I/O. The choice for a given free set and count is
+- Health (R-AL-3, R-HE-3/4): ``mark_unhealthy`` withholds a unit from
+  allocation (one already allocated stays with its holder until
+  deallocated, then stays out of the pool); ``mark_healthy`` (the
+  operator's call) brings it back. ``watch(units)`` is a Future that
+  completes with a ``GpuHealth`` when any of them turns unhealthy.
+  ``health_event(event)`` is an NVML event handed over by the health
+  monitor: an Xid in ``ignored_xids`` is logged and changes nothing; any
+  other Xid, or a double-bit ECC error, marks the units of that GPU
+  unhealthy (the whole GPU, or its MIG devices -- only those of the event's
+  GPU instance when it names one) with the reason ``Xid 79`` /
+  ``double-bit ECC error``; an event on a GPU this allocator does not
+  manage is logged. ``health_unknown(reason)`` marks every managed unit
+  unhealthy (NVML events failed: the node's health is unknown).
+  ``unwatched`` lists units whose health nobody watches.
+- Every method is synchronous, so a call is one dispatch hop and never
+  waits on I/O. The choice for a given free set and count is
   memoised (churn asks the same question again and again).
 """
 
@@ -45,11 +52,12 @@ from collections.abc import Iterable
 
 import msgspec
 
-from runtime import Future, Process, ProcessTerminated, Promise, Timer, delay, generate_id
+from runtime import Future, Process, ProcessTerminated, Promise, generate_id
 
+from actors.flags import DEFAULT_IGNORED_XIDS
 from actors.gpu import Gpu
 from actors.mig import MigDevice, Unit
-from actors.nvml import HealthEvent, NodeInventory, NvmlService
+from actors.nvml import HealthEvent, NodeInventory
 
 from ._errors import AllocatorError, format_gpus
 from ._topology import PairScores, allocate_best
@@ -83,6 +91,9 @@ class AllocatorState(msgspec.Struct, frozen=True, kw_only=True):
     mig_allocated: list[MigDevice] = []
     pools: dict[str, int] = {}
     """Resource name -> units available now (``gpus``, ``mig-<profile>``)."""
+    unwatched: list[str] = []
+    """Units handed out though nobody watches their health (no NVML events
+    for their GPU, or health checks off), as ``"195:3"`` / ``"195:0/gi1/ci0"``."""
 
 
 class GpuAllocatorProcess(Process):
@@ -95,9 +106,9 @@ class GpuAllocatorProcess(Process):
         *,
         strategy: str = "topology",
         inventory: NodeInventory | None = None,
-        nvml: NvmlService | None = None,
-        health_interval: float | None = None,
         pools: dict[str, Iterable[Unit]] | None = None,
+        ignored_xids: Iterable[int] = DEFAULT_IGNORED_XIDS,
+        unwatched: Iterable[Gpu] | None = None,
     ) -> None:
         super().__init__(generate_id("gpu-allocator"))
         if strategy not in ("topology", "lowest"):
@@ -120,22 +131,21 @@ class GpuAllocatorProcess(Process):
         self.scores = scores if scores is not None else PairScores.none(self.total)
         self.strategy = strategy
         self.inventory = inventory
-        self.nvml = nvml
-        self.health_interval = health_interval
+        self.ignored_xids = frozenset(ignored_xids)
         self._watchers: list[tuple[frozenset[Gpu], Promise]] = []
         self._memo: OrderedDict[tuple[frozenset[Gpu], int], tuple[Gpu, ...]] = OrderedDict()
-        self._timer: Timer | None = None
         self._by_index = {info.index: info.gpu for info in inventory.gpus} if inventory else {}
+        self._units_of: dict[Gpu, list[Unit]] = {}
+        """The managed units on each physical GPU (itself, or its MIG devices)."""
+        for unit in sorted(self.total):
+            self._units_of.setdefault(unit.parent if isinstance(unit, MigDevice) else unit, []).append(unit)
+        unknown = self._units_of.keys() if unwatched is None else set(unwatched)
+        self.unwatched = frozenset(u for gpu in unknown for u in self._units_of.get(gpu, ()))
+        """Units on GPUs whose health NVML does not report (every unit without a monitor)."""
 
     # ------------------------------------------------------------ lifecycle
 
-    def initialize(self) -> None:
-        self._schedule_poll()
-
     def finalize(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         for _gpus, promise in self._watchers:
             promise.fail(ProcessTerminated(f"GPU allocator {self.pid} terminated"))
         self._watchers.clear()
@@ -162,6 +172,7 @@ class GpuAllocatorProcess(Process):
             mig_available=_mig_devices(available),
             mig_allocated=_mig_devices(self.allocated),
             pools={name: len(units & available) for name, units in sorted(self.pools.items())},
+            unwatched=[str(unit) for unit in sorted(self.unwatched)],
         )
 
     # ------------------------------------------------------------ allocation
@@ -314,33 +325,28 @@ class GpuAllocatorProcess(Process):
         promise.on_discard(_discarded)
         return promise.future
 
-    async def check_health(self) -> list[GpuHealth]:
-        """Poll NVML's health events now; returns the changes it made."""
-        if self.nvml is None:
+    def health_event(self, event: HealthEvent) -> list[GpuHealth]:
+        """An NVML health event (from the health monitor); the changes it made."""
+        gpu = self._by_index.get(event.index)
+        units = self._units_of.get(gpu, []) if gpu is not None else []
+        if event.gpu_instance is not None:
+            units = [u for u in units if not isinstance(u, MigDevice) or u.gi == event.gpu_instance]
+        where = f"GPU {gpu}" if gpu is not None else f"GPU index {event.index}"
+        if event.gpu_instance is not None:
+            where += f" (GPU instance {event.gpu_instance})"
+        if not units:
+            logger.info("NVML reported %s on %s, which this allocator does not manage", event.describe(), where)
             return []
-        events = await self.nvml.call(_drain_events, self.nvml.nvml)
-        changes = []
-        for event in events:
-            gpu = self._by_index.get(event.index)
-            if gpu is None or gpu not in self.total:
-                continue
-            if not event.critical:
-                logger.info("GPU %s reported %s (caused by an application; GPU kept)", gpu, event.describe())
-                continue
-            changes.append(self.mark_unhealthy(gpu, f"NVML reported {event.describe()}"))
-        return changes
+        if event.kind == "xid" and event.code in self.ignored_xids:
+            logger.info("%s reported %s (caused by an application; kept)", where, event.describe())
+            return []
+        return [self.mark_unhealthy(unit, event.describe()) for unit in units]
 
-    async def _poll(self) -> None:
-        self._timer = None
-        try:
-            await self.check_health()
-        except Exception as exc:  # noqa: BLE001 - keep polling; say why
-            logger.warning("Polling NVML health events failed: %s", exc)
-        self._schedule_poll()
-
-    def _schedule_poll(self) -> None:
-        if self.health_interval is not None and self.nvml is not None and self._timer is None:
-            self._timer = delay(self.health_interval, self.pid, GpuAllocatorProcess._poll)
+    def health_unknown(self, reason: str) -> list[GpuHealth]:
+        """NVML cannot tell any GPU's health: withhold every managed unit."""
+        logger.error("The health of this node's GPUs is unknown (%s): every GPU is withheld until"
+                     " mark_healthy", reason)
+        return [self.mark_unhealthy(unit, reason) for unit in sorted(self.total)]
 
     def _check_managed(self, gpu: Unit) -> None:
         if not isinstance(gpu, (Gpu, MigDevice)):
@@ -365,13 +371,3 @@ def _whole_gpus(units: Iterable[Unit]) -> list[Gpu]:
 def _mig_devices(units: Iterable[Unit]) -> list[MigDevice]:
     return sorted(unit for unit in units if isinstance(unit, MigDevice))
 
-
-def _drain_events(nvml) -> list[HealthEvent]:
-    """Every health event already pending (blocking; one executor job)."""
-    events = []
-    for _ in range(256):
-        event = nvml.wait_event(0)
-        if event is None:
-            break
-        events.append(event)
-    return events

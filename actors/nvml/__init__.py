@@ -3,7 +3,8 @@
 Two implementations of one port (``Nvml``): ``BindingsNvml`` over the
 ``pynvml`` module and ``SimulatedNvml`` from a host file; ``NvmlService``
 runs either off the event loop; ``read_inventory`` turns answers into a
-``NodeInventory``. Rules of each piece are at the top of its module.
+``NodeInventory``; ``register_health_events`` sets up an NVML event set.
+Rules of each piece are at the top of its module.
 """
 
 from ._bindings import BindingsNvml
@@ -21,6 +22,7 @@ from ._hostfile import (
     load_host_file,
     parse_host_file,
 )
+from ._health import HealthRegistration, register_health_events
 from ._inventory import (
     GpuUsage,
     MigDeviceUsage,
@@ -34,7 +36,9 @@ from ._open import embedded_simulated_node, nvml_available, open_nvml
 from ._port import (
     DEFAULT_CONTROL_DEVICES,
     MAX_MIG_DEVICES,
-    NON_CRITICAL_XIDS,
+    EVENT_TYPE_DOUBLE_BIT_ECC,
+    EVENT_TYPE_XID,
+    HEALTH_EVENT_TYPES,
     NVLINK_MAX_LINKS,
     TOPOLOGY_HOSTBRIDGE,
     TOPOLOGY_INTERNAL,
@@ -43,6 +47,7 @@ from ._port import (
     TOPOLOGY_NODE,
     TOPOLOGY_SINGLE,
     TOPOLOGY_SYSTEM,
+    EventSet,
     HealthEvent,
     MemoryInfo,
     Nvml,
@@ -58,7 +63,8 @@ __all__ = [
     "parse_host_file", "GpuUsage", "MigDeviceUsage", "NodeInventory", "read_inventory", "read_mig_devices", "read_mig_usage",
     "read_usage",
     "embedded_simulated_node", "nvml_available", "open_nvml",
-    "DEFAULT_CONTROL_DEVICES", "MAX_MIG_DEVICES", "NON_CRITICAL_XIDS", "NVLINK_MAX_LINKS",
+    "DEFAULT_CONTROL_DEVICES", "MAX_MIG_DEVICES", "EVENT_TYPE_DOUBLE_BIT_ECC", "EVENT_TYPE_XID",
+    "HEALTH_EVENT_TYPES", "EventSet", "HealthRegistration", "register_health_events", "NVLINK_MAX_LINKS",
     "TOPOLOGY_HOSTBRIDGE", "TOPOLOGY_INTERNAL", "TOPOLOGY_MULTIPLE", "TOPOLOGY_NAMES",
     "TOPOLOGY_NODE", "TOPOLOGY_SINGLE", "TOPOLOGY_SYSTEM", "HealthEvent", "MemoryInfo",
     "Nvml", "Utilization", "NvmlService", "SimulatedNvml",

@@ -21,8 +21,10 @@ Rules:
   slices; a driver that cannot name it (an older one, or no permission)
   falls back to NVIDIA's rounding from the attributes and the parent's
   memory (``actors.mig.profile_from_attributes``).
-- Health: ``wait_event`` lazily registers Xid and double-bit ECC events on
-  every GPU that supports them and waits with ``nvmlEventSetWait_v2``.
+- Health events are NVML's own calls, one port method each (the caller
+  decides what to register, see ``_health``); an event's device handle is
+  mapped back to its index through the handles already given out
+  (``nvmlDeviceGetIndex`` otherwise).
 """
 
 from __future__ import annotations
@@ -45,16 +47,16 @@ from ._errors import (
     NVML_ERROR_TIMEOUT,
     NvmlError,
 )
-from ._port import HealthEvent, MemoryInfo, Nvml, Utilization
+from ._port import EVENT_TYPE_DOUBLE_BIT_ECC, HealthEvent, MemoryInfo, Nvml, Utilization
 
 __all__ = ["BindingsNvml"]
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
+_NO_INSTANCE = 0xFFFFFFFF
+"""``gpuInstanceId`` of an event about the whole GPU (not one MIG instance)."""
 
-_XID_EVENT = 0x0000000000000008  # nvmlEventTypeXidCriticalError
-_ECC_EVENT = 0x0000000000000002  # nvmlEventTypeDoubleBitEccError
+T = TypeVar("T")
 
 
 def _import_pynvml() -> Any:
@@ -79,8 +81,6 @@ class BindingsNvml(Nvml):
         self._nvml = _import_pynvml()
         self._handles: dict[int, Any] = {}
         self._lock = threading.Lock()
-        self._event_set: Any = None
-        self._event_lock = threading.Lock()
 
     def _call(self, function: str, call: Callable[..., T], *args: Any) -> T:
         try:
@@ -100,13 +100,6 @@ class BindingsNvml(Nvml):
         self._call("nvmlInit", self._nvml.nvmlInit)
 
     def shutdown(self) -> None:
-        with self._event_lock:
-            event_set, self._event_set = self._event_set, None
-        if event_set is not None:
-            try:
-                self._nvml.nvmlEventSetFree(event_set)
-            except self._nvml.NVMLError:
-                pass
         with self._lock:
             self._handles.clear()
         self._call("nvmlShutdown", self._nvml.nvmlShutdown)
@@ -284,29 +277,20 @@ class BindingsNvml(Nvml):
 
     # ------------------------------------------------------------ health
 
-    def _events(self) -> Any:
-        with self._event_lock:
-            if self._event_set is not None:
-                return self._event_set
-            event_set = self._call("nvmlEventSetCreate", self._nvml.nvmlEventSetCreate)
-            for index in range(self.device_count()):
-                try:
-                    self._call(
-                        "nvmlDeviceRegisterEvents",
-                        self._nvml.nvmlDeviceRegisterEvents,
-                        self.handle(index),
-                        _XID_EVENT | _ECC_EVENT,
-                        event_set,
-                    )
-                except NvmlError as exc:
-                    if exc.code != NVML_ERROR_NOT_SUPPORTED:
-                        raise
-                    logger.info("GPU %d cannot report Xid/ECC events: %s", index, exc)
-            self._event_set = event_set
-            return event_set
+    def event_set_create(self) -> Any:
+        return self._call("nvmlEventSetCreate", self._nvml.nvmlEventSetCreate)
 
-    def wait_event(self, timeout_s: float) -> HealthEvent | None:
-        event_set = self._events()
+    def supported_event_types(self, handle: Any) -> int:
+        return int(
+            self._call(
+                "nvmlDeviceGetSupportedEventTypes", self._nvml.nvmlDeviceGetSupportedEventTypes, handle
+            )
+        )
+
+    def register_events(self, handle: Any, types: int, event_set: Any) -> None:
+        self._call("nvmlDeviceRegisterEvents", self._nvml.nvmlDeviceRegisterEvents, handle, types, event_set)
+
+    def event_set_wait(self, event_set: Any, timeout_s: float) -> HealthEvent | None:
         try:
             data = self._call(
                 "nvmlEventSetWait_v2", self._nvml.nvmlEventSetWait_v2, event_set, max(0, int(timeout_s * 1000))
@@ -315,15 +299,27 @@ class BindingsNvml(Nvml):
             if exc.code == NVML_ERROR_TIMEOUT:
                 return None
             raise
-        address = ctypes.cast(data.device, ctypes.c_void_p).value
+        index = self._index_of(data.device)
+        instance = int(data.gpuInstanceId)
+        gpu_instance = None if instance == _NO_INSTANCE else instance
+        if int(data.eventType) & EVENT_TYPE_DOUBLE_BIT_ECC:
+            return HealthEvent(index=index, kind="ecc", gpu_instance=gpu_instance)
+        return HealthEvent(index=index, kind="xid", code=int(data.eventData), gpu_instance=gpu_instance)
+
+    def event_set_free(self, event_set: Any) -> None:
+        self._call("nvmlEventSetFree", self._nvml.nvmlEventSetFree, event_set)
+
+    def _index_of(self, device: Any) -> int:
+        """The NVML index of an event's device handle (-1 if NVML cannot say)."""
+        address = ctypes.cast(device, ctypes.c_void_p).value
         with self._lock:
-            handles = dict(self._handles)
-        index = next(
-            (i for i, h in handles.items() if ctypes.cast(h, ctypes.c_void_p).value == address), -1
-        )
-        if int(data.eventType) & _ECC_EVENT:
-            return HealthEvent(index=index, kind="ecc")
-        return HealthEvent(index=index, kind="xid", code=int(data.eventData))
+            for index, handle in self._handles.items():
+                if ctypes.cast(handle, ctypes.c_void_p).value == address:
+                    return index
+        try:
+            return int(self._call("nvmlDeviceGetIndex", self._nvml.nvmlDeviceGetIndex, device))
+        except NvmlError:
+            return -1
 
 
 _CANNOT_NAME_PROFILE = frozenset(

@@ -12,7 +12,10 @@ Rules (SPEC section 4):
 - Also accepted per GPU, all optional: ``host_bridge`` and ``board`` (more
   topology facts), ``memory_used_mib``, ``utilization_gpu``,
   ``utilization_memory`` (percent), ``power_mw`` and ``temperature_c``
-  (usage readings the simulation reports).
+  (usage readings the simulation reports), and ``supported_events`` (the
+  health events the GPU can raise, what ``nvmlDeviceGetSupportedEventTypes``
+  answers: a list of ``"xid"`` and ``"ecc"``; default both; ``[]`` for a
+  GPU that reports none).
 - MIG (R-MG-1): a GPU with ``mig = true`` may list ``mig_devices``, tables
   of ``gi`` and ``ci`` (GPU- and compute-instance ids), ``profile`` (e.g.
   ``"1g.18gb"``), and optional ``uuid`` (``MIG-…``; default derived from the
@@ -47,7 +50,7 @@ import os
 import re
 import tomllib
 import uuid as uuid_module
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -130,6 +133,7 @@ class HostGpu(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     utilization_memory: _Percent = 0
     power_mw: _NonNegative | None = None
     temperature_c: Annotated[int, msgspec.Meta(ge=0, le=200)] | None = None
+    supported_events: tuple[Literal["xid", "ecc"], ...] = ("xid", "ecc")
 
 
 class HostFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -175,6 +179,8 @@ class SimGpu(msgspec.Struct, frozen=True, kw_only=True):
     power_mw: int | None
     temperature_c: int | None
     mig_devices: list[SimMigDevice] = []
+    supported_events: tuple[str, ...] = ("xid", "ecc")
+    """Health events this GPU can raise (``"xid"``, ``"ecc"``)."""
 
     def has_topology(self) -> bool:
         return any(
@@ -349,6 +355,7 @@ def host_spec_from_dict(document: Any, path: str = "<host file>") -> HostSpec:
                 power_mw=entry.power_mw,
                 temperature_c=entry.temperature_c,
                 mig_devices=mig_devices,
+                supported_events=tuple(sorted(set(entry.supported_events), key=("xid", "ecc").index)),
             )
         )
 

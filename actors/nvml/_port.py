@@ -7,7 +7,15 @@ Rules:
   ``pci_bus_id``, ``memory``, ``utilization``, ``power_mw``,
   ``temperature_c``, ``numa_node``, ``mig_mode``, ``nvlink_remote_bus_ids``;
   ``topology_level(h1, h2)`` for a pair; ``control_devices()`` for the
-  control device numbers; ``wait_event(timeout_s)`` for health events.
+  control device numbers; and health events as NVML gives them (R-HE-1,2):
+  ``event_set_create``, ``supported_event_types(h)``,
+  ``register_events(h, types, event_set)`` (refuses a type the GPU does not
+  support), ``event_set_wait(event_set, timeout_s)`` (a ``HealthEvent``, or
+  None at NVML_ERROR_TIMEOUT) and ``event_set_free``.
+- ``interrupt_wait(event_set)`` is the one call that may come from any
+  thread while another waits: it ends that wait early where the
+  implementation can (the simulated node); NVML itself cannot, so there a
+  wait ends at its timeout.
 - MIG (R-MG-1): per GPU handle ``max_mig_device_count`` and
   ``mig_device_handle(handle, index)`` (NVML_ERROR_NOT_FOUND for an empty
   slot); per MIG device handle ``gpu_instance_id``, ``compute_instance_id``,
@@ -39,6 +47,7 @@ import msgspec
 __all__ = [
     "Nvml",
     "DeviceHandle",
+    "EventSet",
     "MemoryInfo",
     "Utilization",
     "HealthEvent",
@@ -49,7 +58,9 @@ __all__ = [
     "TOPOLOGY_NODE",
     "TOPOLOGY_SYSTEM",
     "TOPOLOGY_NAMES",
-    "NON_CRITICAL_XIDS",
+    "EVENT_TYPE_XID",
+    "EVENT_TYPE_DOUBLE_BIT_ECC",
+    "HEALTH_EVENT_TYPES",
     "DEFAULT_CONTROL_DEVICES",
     "NVLINK_MAX_LINKS",
     "MAX_MIG_DEVICES",
@@ -79,8 +90,13 @@ MAX_MIG_DEVICES = 7
 """MIG device slots of a MIG-enabled GPU (``nvmlDeviceGetMaxMigDeviceCount`` on
 A100/H100/H200/B200: seven compute slices, at most one MIG device each)."""
 
-NON_CRITICAL_XIDS = frozenset({13, 31, 43, 45, 68, 109})
-"""Xids caused by applications, not the GPU (the NVIDIA device plugin's list)."""
+
+EVENT_TYPE_DOUBLE_BIT_ECC = 0x0000000000000002
+"""``nvmlEventTypeDoubleBitEccError``."""
+EVENT_TYPE_XID = 0x0000000000000008
+"""``nvmlEventTypeXidCriticalError``."""
+HEALTH_EVENT_TYPES = {"xid": EVENT_TYPE_XID, "ecc": EVENT_TYPE_DOUBLE_BIT_ECC}
+"""The event types health monitoring registers, by ``HealthEvent.kind``."""
 
 DEFAULT_CONTROL_DEVICES = {
     "nvidiactl": "195:255",
@@ -92,6 +108,9 @@ DEFAULT_CONTROL_DEVICES = {
 
 DeviceHandle = Any
 """An implementation's opaque device handle (from ``Nvml.handle``)."""
+
+EventSet = Any
+"""An implementation's opaque event set (from ``Nvml.event_set_create``)."""
 
 
 class MemoryInfo(msgspec.Struct, frozen=True):
@@ -113,23 +132,23 @@ class Utilization(msgspec.Struct, frozen=True):
 
 
 class HealthEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """A health event from NVML: an Xid, or an uncorrectable (double-bit) ECC error."""
+    """A health event from NVML: an Xid, or an uncorrectable (double-bit) ECC error.
+    Whether it matters is the allocator's call (``Flags.nvidia_ignored_xids``)."""
 
     index: int
+    """The GPU's NVML index."""
     kind: str
     """``"xid"`` or ``"ecc"``."""
     code: int = 0
     """The Xid number (0 for ECC)."""
-
-    @property
-    def critical(self) -> bool:
-        """True when the GPU should be withheld (ECC, or an Xid not caused by an app)."""
-        return self.kind != "xid" or self.code not in NON_CRITICAL_XIDS
+    gpu_instance: int | None = None
+    """The MIG GPU instance the event is about; None for the whole GPU."""
 
     def describe(self) -> str:
+        """``Xid 79`` / ``double-bit ECC error``: the reason a GPU is withheld."""
         if self.kind == "xid":
             return f"Xid {self.code}"
-        return "uncorrectable ECC error"
+        return "double-bit ECC error"
 
 
 class Nvml(abc.ABC):
@@ -243,8 +262,30 @@ class Nvml(abc.ABC):
         (a real node: empty; the isolator stats ``/dev`` instead)."""
 
     @abc.abstractmethod
-    def wait_event(self, timeout_s: float) -> HealthEvent | None:
-        """Block up to ``timeout_s`` for the next health event; None on timeout."""
+    def event_set_create(self) -> EventSet:
+        """``nvmlEventSetCreate``."""
+
+    @abc.abstractmethod
+    def supported_event_types(self, handle: DeviceHandle) -> int:
+        """``nvmlDeviceGetSupportedEventTypes``: a mask of ``EVENT_TYPE_*`` bits."""
+
+    @abc.abstractmethod
+    def register_events(self, handle: DeviceHandle, types: int, event_set: EventSet) -> None:
+        """``nvmlDeviceRegisterEvents``; a type the GPU does not support →
+        ``NvmlNotSupported`` and nothing registered."""
+
+    @abc.abstractmethod
+    def event_set_wait(self, event_set: EventSet, timeout_s: float) -> HealthEvent | None:
+        """``nvmlEventSetWait_v2``: block up to ``timeout_s`` for the next event
+        registered on ``event_set``; None on NVML_ERROR_TIMEOUT, any other
+        failure raises ``NvmlError``."""
+
+    @abc.abstractmethod
+    def event_set_free(self, event_set: EventSet) -> None:
+        """``nvmlEventSetFree``."""
+
+    def interrupt_wait(self, event_set: EventSet) -> None:
+        """End a wait on ``event_set`` early where possible (any thread; see rules)."""
 
     def close(self) -> None:
         """Shut down, ignoring errors (idempotent)."""

@@ -6,18 +6,28 @@ Rules:
   reads several GPUs — and MIG devices, on their MIG handles — in one job). Nothing here blocks the loop.
 - ``inventory()`` is read once and cached (a node's GPUs do not change while
   the agent runs); ``inventory(refresh=True)`` reads it again.
-- ``wait_event`` runs on its own single-thread executor so a health watcher
-  blocked in NVML never delays inventory or usage calls.
+- Health events (R-HE-1): ``start_health_events(indices)`` creates the
+  event set and registers the GPUs (``register_health_events``) in one
+  job; ``wait_health_event(timeout_s)`` waits on it on a thread of its own
+  (a single-thread *background* executor: a health wait never delays
+  inventory or usage calls, and ``Clock.settle()`` does not wait for it);
+  ``stop_health_events()`` ends them without waiting: it interrupts a wait
+  where the port can (NVML's own wait cannot be cut short) and the set is
+  freed once no wait is in progress -- at once, or by the waiting thread
+  when its wait returns. A wait after the stop fails with ``NvmlError``.
 - ``NvmlService.open(host_file)`` opens the port in the executor
   (``open_nvml``: the host file's simulated node, or the real NVML when
   None; never a made-up node).
-- ``close()`` shuts NVML down (once) and stops the executors this service
-  created.
+- ``close()`` stops health events, shuts NVML down (once; after the wait in
+  progress, if any, again by the waiting thread) and stops the executors
+  this service created. It never waits out an NVML event wait.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Iterable
 from typing import Any, Callable, TypeVar
 
@@ -26,13 +36,17 @@ from runtime import Executor
 from actors.gpu import Gpu, GpuInfo
 from actors.mig import MigDevice
 
+from ._errors import NVML_ERROR_UNINITIALIZED, NvmlError
+from ._health import HealthRegistration, register_health_events
 from ._inventory import GpuUsage, MigDeviceUsage, NodeInventory, read_inventory, read_mig_usage, read_usage
 from ._open import open_nvml
-from ._port import HealthEvent, Nvml
+from ._port import EventSet, HealthEvent, Nvml
 
 __all__ = ["NvmlService"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 class NvmlService:
@@ -43,6 +57,12 @@ class NvmlService:
         self._owns_executor = executor is None
         self.executor = executor if executor is not None else Executor(max_workers=2, name="nvml")
         self._event_executor: Executor | None = None
+        self._event_set: EventSet | None = None
+        self._event_lock = threading.Lock()
+        """Guards the three fields below (never held during an NVML wait)."""
+        self._waiting = False
+        self._after_wait: list[Callable[[], None]] = []
+        """What a stop or close left for the waiting thread to do when its wait returns."""
         self._inventory: NodeInventory | None = None
         self._closed = False
 
@@ -120,22 +140,93 @@ class NvmlService:
         whole, parts = await self.executor.run(_read_units, self.nvml, targets, migs)
         return {**{usage.gpu: usage for usage in whole}, **{usage.device: usage for usage in parts}}
 
-    async def wait_event(self, timeout_s: float) -> HealthEvent | None:
-        """The next health event within ``timeout_s`` seconds, or None."""
+    # ------------------------------------------------------------ health events
+
+    @property
+    def health_events_started(self) -> bool:
+        return self._event_set is not None
+
+    async def start_health_events(self, indices: Iterable[int]) -> HealthRegistration:
+        """Create the event set and register the GPUs at ``indices`` (one job)."""
+        if self._event_set is not None:
+            raise RuntimeError("health events are already started on this NVML service")
+        wanted = list(indices)
+
+        def start() -> tuple[EventSet, HealthRegistration]:
+            event_set = self.nvml.event_set_create()
+            try:
+                return event_set, register_health_events(self.nvml, event_set, wanted)
+            except BaseException:
+                self.nvml.event_set_free(event_set)
+                raise
+
+        self._event_set, registration = await self.executor.run(start)
+        return registration
+
+    def _wait(self, event_set: EventSet, timeout_s: float) -> HealthEvent | None:
+        with self._event_lock:
+            if self._event_set is not event_set:
+                raise NvmlError.of("nvmlEventSetWait_v2", NVML_ERROR_UNINITIALIZED,
+                                   detail="health events were stopped")
+            self._waiting = True
+        try:
+            return self.nvml.event_set_wait(event_set, timeout_s)
+        finally:
+            with self._event_lock:
+                self._waiting = False
+                left, self._after_wait = self._after_wait, []
+            for action in left:
+                action()
+
+    def _after_waiting(self, action: Callable[[], None]) -> bool:
+        """Leave ``action`` to the waiting thread; False when none waits (run it yourself)."""
+        with self._event_lock:
+            if self._waiting:
+                self._after_wait.append(action)
+                return True
+        return False
+
+    async def wait_health_event(self, timeout_s: float) -> HealthEvent | None:
+        """The next health event within ``timeout_s`` seconds, or None (see rules)."""
+        event_set = self._event_set
+        if event_set is None:
+            raise NvmlError.of("nvmlEventSetWait_v2", NVML_ERROR_UNINITIALIZED,
+                               detail="health events are not started")
         if self._event_executor is None:
-            self._event_executor = Executor(max_workers=1, name="nvml-events")
-        return await self._event_executor.run(self.nvml.wait_event, timeout_s)
+            self._event_executor = Executor(max_workers=1, name="nvml-events", background=True)
+        return await self._event_executor.run(self._wait, event_set, timeout_s)
+
+    async def stop_health_events(self) -> None:
+        """Stop health events: later waits fail; the set is freed once no wait
+        is in progress (see the module rules; idempotent, never blocks)."""
+        with self._event_lock:
+            event_set, self._event_set = self._event_set, None
+        if event_set is None:
+            return
+
+        def free() -> None:
+            try:
+                self.nvml.event_set_free(event_set)
+            except NvmlError as exc:
+                logger.warning("Freeing the NVML event set failed: %s", exc)
+
+        if not self._after_waiting(free):
+            await self.executor.run(free)
+        self.nvml.interrupt_wait(event_set)
+        events, self._event_executor = self._event_executor, None
+        if events is not None:
+            events.shutdown(wait=False)
 
     async def close(self) -> None:
-        """Shut NVML down and stop this service's executors (idempotent)."""
+        """Stop health events, shut NVML down and stop this service's executors (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        await self.executor.run(self.nvml.close)
+        await self.stop_health_events()
+        if not self._after_waiting(self.nvml.close):
+            await self.executor.run(self.nvml.close)
         if self._owns_executor:
             self.executor.shutdown(wait=False)
-        if self._event_executor is not None:
-            self._event_executor.shutdown(wait=False)
 
 
 def _read_units(nvml: Nvml, targets: list, migs: list) -> tuple[list[GpuUsage], list[MigDeviceUsage]]:

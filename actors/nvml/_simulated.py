@@ -8,8 +8,14 @@ Rules:
 - Calls before ``init`` (or after ``shutdown``) fail with
   NVML_ERROR_UNINITIALIZED; an index past the end fails with
   NVML_ERROR_INVALID_ARGUMENT, as NVML does.
-- Tests steer it: ``inject_xid(index, xid)`` / ``inject_ecc(index)`` queue
-  a health event for ``wait_event``; ``set_usage`` changes readings;
+- Health events as NVML has them: each event set receives the events of
+  the GPUs and types registered on it, raised after it was registered;
+  ``supported_event_types`` answers the host file's ``supported_events``
+  and ``register_events`` refuses any other type (NVML_ERROR_NOT_SUPPORTED,
+  nothing registered). ``interrupt_wait`` ends a wait at once.
+- Tests steer it: ``inject_xid(index, xid)`` / ``inject_ecc(index)`` raise a
+  health event on a GPU (delivered to every event set registered for it;
+  the count is returned); ``set_usage`` changes readings;
   ``fail(function, code)`` makes every later call of that function fail
   with that NVML code until ``fail(function, None)``.
 - MIG: a MIG device handle is ``(gpu index, MIG device index)``; it answers
@@ -37,7 +43,7 @@ from ._errors import (
     NvmlError,
 )
 from ._hostfile import HostSpec, SimGpu, SimMigDevice, load_host_file, parse_host_file
-from ._port import MAX_MIG_DEVICES, HealthEvent, MemoryInfo, Nvml, Utilization
+from ._port import HEALTH_EVENT_TYPES, MAX_MIG_DEVICES, HealthEvent, MemoryInfo, Nvml, Utilization
 
 __all__ = ["SimulatedNvml"]
 
@@ -55,7 +61,7 @@ class SimulatedNvml(Nvml):
         self._gpus = list(spec.gpus)
         self._lock = threading.Condition()
         self._initialized = 0
-        self._events: collections.deque[HealthEvent] = collections.deque()
+        self._event_sets: list[_EventSet] = []
         self._failures: dict[str, int] = {}
 
     @classmethod
@@ -75,13 +81,14 @@ class SimulatedNvml(Nvml):
 
     # ------------------------------------------------------------ steering
 
-    def inject_xid(self, index: int, xid: int) -> None:
-        """Queue an Xid event on GPU ``index`` for ``wait_event``."""
-        self._push(HealthEvent(index=index, kind="xid", code=xid))
+    def inject_xid(self, index: int, xid: int, gpu_instance: int | None = None) -> int:
+        """Raise Xid ``xid`` on GPU ``index`` (on one MIG GPU instance of it when
+        given); the number of event sets it reached."""
+        return self._push(HealthEvent(index=index, kind="xid", code=xid, gpu_instance=gpu_instance))
 
-    def inject_ecc(self, index: int) -> None:
-        """Queue an uncorrectable ECC event on GPU ``index``."""
-        self._push(HealthEvent(index=index, kind="ecc"))
+    def inject_ecc(self, index: int, gpu_instance: int | None = None) -> int:
+        """Raise a double-bit ECC error on GPU ``index``; the event sets it reached."""
+        return self._push(HealthEvent(index=index, kind="ecc", gpu_instance=gpu_instance))
 
     def set_usage(self, index: int, **readings: int | None) -> None:
         """Change readings of GPU ``index`` (``memory_used_mib``, ``utilization_gpu``,
@@ -102,12 +109,18 @@ class SimulatedNvml(Nvml):
             else:
                 self._failures[function] = code
 
-    def _push(self, event: HealthEvent) -> None:
+    def _push(self, event: HealthEvent) -> int:
         if not 0 <= event.index < len(self._gpus):
             raise ValueError(f"No GPU with index {event.index} on this node ({len(self._gpus)} GPUs)")
+        bit = HEALTH_EVENT_TYPES[event.kind]
+        reached = 0
         with self._lock:
-            self._events.append(event)
+            for event_set in self._event_sets:
+                if event_set.registered.get(event.index, 0) & bit:
+                    event_set.queue.append(event)
+                    reached += 1
             self._lock.notify_all()
+        return reached
 
     # ------------------------------------------------------------ the port
 
@@ -277,9 +290,64 @@ class SimulatedNvml(Nvml):
     def control_devices(self) -> dict[str, str]:
         return dict(self.spec.control_devices)
 
-    def wait_event(self, timeout_s: float) -> HealthEvent | None:
-        self._check("nvmlEventSetWait_v2")
+    def event_set_create(self) -> "_EventSet":
+        self._check("nvmlEventSetCreate")
+        event_set = _EventSet()
         with self._lock:
-            if not self._events:
-                self._lock.wait_for(lambda: bool(self._events), timeout=max(0.0, timeout_s))
-            return self._events.popleft() if self._events else None
+            self._event_sets.append(event_set)
+        return event_set
+
+    def supported_event_types(self, handle: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetSupportedEventTypes", handle)
+        mask = 0
+        for kind in gpu.supported_events:
+            mask |= HEALTH_EVENT_TYPES[kind]
+        return mask
+
+    def register_events(self, handle: int, types: int, event_set: "_EventSet") -> None:
+        function = "nvmlDeviceRegisterEvents"
+        self._gpu(function, handle)
+        self._check_set(function, event_set)
+        if types & ~self.supported_event_types(handle):
+            raise NvmlError.of(function, NVML_ERROR_NOT_SUPPORTED)
+        with self._lock:
+            event_set.registered[handle] = event_set.registered.get(handle, 0) | types
+
+    def event_set_wait(self, event_set: "_EventSet", timeout_s: float) -> HealthEvent | None:
+        function = "nvmlEventSetWait_v2"
+        self._check_set(function, event_set)
+        with self._lock:
+            if not event_set.queue and not event_set.interrupted:
+                self._lock.wait_for(lambda: bool(event_set.queue) or event_set.interrupted,
+                                    timeout=max(0.0, timeout_s))
+            event_set.interrupted = False
+            return event_set.queue.popleft() if event_set.queue else None
+
+    def event_set_free(self, event_set: "_EventSet") -> None:
+        function = "nvmlEventSetFree"
+        self._check_set(function, event_set)
+        with self._lock:
+            self._event_sets.remove(event_set)
+
+    def interrupt_wait(self, event_set: "_EventSet") -> None:
+        with self._lock:
+            event_set.interrupted = True
+            self._lock.notify_all()
+
+    def _check_set(self, function: str, event_set: object) -> None:
+        self._check(function)
+        with self._lock:
+            if not any(event_set is live for live in self._event_sets):
+                raise NvmlError.of(function, NVML_ERROR_INVALID_ARGUMENT, detail="not a live event set")
+
+
+class _EventSet:
+    """One simulated ``nvmlEventSet_t``: registrations and undelivered events."""
+
+    __slots__ = ("registered", "queue", "interrupted")
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        """GPU index -> mask of registered ``EVENT_TYPE_*`` bits."""
+        self.queue: collections.deque[HealthEvent] = collections.deque()
+        self.interrupted = False

@@ -50,7 +50,10 @@ def fake_nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def fake_config_text(spec: HostSpec, events: list[tuple[int, str, int]] = ()) -> str:
+EVENT_BITS = {"xid": 0x8, "ecc": 0x2}  # nvmlEventTypeXidCriticalError, nvmlEventTypeDoubleBitEccError
+
+
+def fake_config_text(spec: HostSpec) -> str:
     """The fake NVML's line format (see fake_nvml.c) for a resolved host file."""
     mib = 1024 * 1024
     lines = [f"driver\t{spec.driver_version}"]
@@ -72,8 +75,9 @@ def fake_config_text(spec: HostSpec, events: list[tuple[int, str, int]] = ()) ->
             if level is not None:
                 lines.append(f"topo\t{i}\t{j}\t{level}")
     lines += fake_mig_lines(spec)
-    for index, kind, code in events:
-        lines.append(f"event\t{index}\t{kind}\t{code}")
+    for g in spec.gpus:
+        mask = sum(EVENT_BITS[kind] for kind in g.supported_events)
+        lines.append(f"events\t{g.index}\t{mask}")
     return "\n".join(lines) + "\n"
 
 
@@ -105,27 +109,28 @@ class Probe:
         self.tmp = tmp
         self._n = 0
 
-    def config(self, spec: HostSpec, events: list[tuple[int, str, int]] = ()) -> str:
+    def config(self, spec: HostSpec) -> str:
         self._n += 1
         path = self.tmp / f"fake-nvml-{self._n}.conf"
-        path.write_text(fake_config_text(spec, events))
+        path.write_text(fake_config_text(spec))
         return str(path)
 
-    def run(self, jobs: list[dict]) -> list[dict]:
+    def run(self, jobs: list[dict], script: Path = PROBE) -> list[dict]:
+        """Run ``script LIB`` with ``jobs`` as JSON on stdin; its JSON answer."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        env.pop("FAKE_NVML_FAIL", None)
-        env.pop("FAKE_NVML_CONFIG", None)
+        for name in ("FAKE_NVML_FAIL", "FAKE_NVML_CONFIG", "FAKE_NVML_EVENTS"):
+            env.pop(name, None)
         done = subprocess.run(
-            [sys.executable, str(PROBE), str(self.lib)],
+            [sys.executable, str(script), str(self.lib)],
             input=json.dumps(jobs),
             capture_output=True,
             text=True,
             env=env,
-            timeout=60,
+            timeout=120,
         )
         if done.returncode != 0:
-            raise AssertionError(f"nvml_probe failed ({done.returncode}):\n{done.stderr}")
+            raise AssertionError(f"{script.name} failed ({done.returncode}):\n{done.stderr}")
         return json.loads(done.stdout)
 
 

@@ -6,7 +6,7 @@ The fake library is loaded with RTLD_GLOBAL first, so pynvml's
 CDLL("libnvidia-ml.so.1") finds it by soname. Each job sets FAKE_NVML_CONFIG
 / FAKE_NVML_FAIL and runs against ``BindingsNvml``; results are JSON
 (msgspec builtins), errors as {"error": {type, message, function, code}}.
-Jobs ("op"): "inventory" (inventory, usage, health events), "uninitialized"
+Jobs ("op"): "inventory" (inventory, usage, health-event registration), "uninitialized"
 (a call before nvmlInit), "resources" (NvidiaGpuAllocator.resources with
 host_file None), "allocate" (create an allocator on the bindings and
 allocate counts in order), "mig_usage" (the readings of every MIG device).
@@ -37,7 +37,7 @@ def error_of(exc: BaseException) -> dict:
 def run_job(job: dict) -> dict:
     from actors.allocator import NvidiaGpuAllocator
     from actors.flags import Flags
-    from actors.nvml import BindingsNvml, read_inventory, read_mig_usage, read_usage
+    from actors.nvml import BindingsNvml, read_inventory, read_mig_usage, read_usage, register_health_events
     from runtime import Runtime
 
     if job.get("config"):
@@ -60,10 +60,10 @@ def run_job(job: dict) -> dict:
             if op == "inventory":
                 inventory = read_inventory(nvml)
                 usage = read_usage(nvml, [(g.index, g.gpu) for g in inventory.gpus])
-                events = []
-                while (event := nvml.wait_event(0)) is not None:
-                    events.append(event)
-                return msgspec.to_builtins({"inventory": inventory, "usage": usage, "events": events})
+                event_set = nvml.event_set_create()
+                registration = register_health_events(nvml, event_set, range(len(inventory.gpus)))
+                nvml.event_set_free(event_set)
+                return msgspec.to_builtins({"inventory": inventory, "usage": usage, "health": registration})
             if op == "mig_usage":
                 inventory = read_inventory(nvml)
                 targets = [(m.parent_index, m.index, m.device) for m in inventory.mig_devices]

@@ -10,24 +10,21 @@ from __future__ import annotations
 
 import msgspec
 
-from actors.nvml import SimulatedNvml, load_host_file, read_inventory, read_usage
+from actors.nvml import SimulatedNvml, load_host_file, read_inventory, read_usage, register_health_events
 
 HOST_FILES = ["dgx8-nvlink.toml", "pcie4.toml", "mixed.json"]
-EVENTS = [(1, "xid", 79), (0, "xid", 13), (2, "ecc", 0)]
 
 
-def simulated(path, events=()):
+def simulated(path):
     nvml = SimulatedNvml.from_file(path)
     nvml.init()
-    for index, kind, code in events:
-        (nvml.inject_ecc(index) if kind == "ecc" else nvml.inject_xid(index, code))
     inventory = read_inventory(nvml)
     usage = read_usage(nvml, [(g.index, g.gpu) for g in inventory.gpus])
-    drained = []
-    while (event := nvml.wait_event(0)) is not None:
-        drained.append(event)
+    event_set = nvml.event_set_create()
+    registration = register_health_events(nvml, event_set, range(len(inventory.gpus)))
+    nvml.event_set_free(event_set)
     # Through JSON, as the child's answer travels (NVLink peer keys become text).
-    result = msgspec.json.decode(msgspec.json.encode({"inventory": inventory, "usage": usage, "events": drained}))
+    result = msgspec.json.decode(msgspec.json.encode({"inventory": inventory, "usage": usage, "health": registration}))
     # Only a simulated node knows its control devices; a real one has /dev.
     for key in ("kind", "source", "control_devices"):
         result["inventory"].pop(key)
@@ -38,23 +35,25 @@ def test_both_implementations_report_the_same_inventory(probe, data_dir, tmp_pat
     plain = tmp_path / "plain.toml"
     plain.write_text("gpu_count = 3\n")
     paths = [data_dir / name for name in HOST_FILES] + [plain]
-    jobs = [
-        {"op": "inventory", "config": probe.config(load_host_file(path), EVENTS if i < 3 else ())}
-        for i, path in enumerate(paths)
-    ]
+    jobs = [{"op": "inventory", "config": probe.config(load_host_file(path))} for path in paths]
     results = probe.run(jobs)
     for i, (path, result) in enumerate(zip(paths, results)):
         assert "error" not in result, result
         assert result["inventory"]["kind"] == "nvml"
         for key in ("kind", "source", "control_devices"):
             result["inventory"].pop(key)
-        expected = simulated(path, EVENTS if i < 3 else ())
+        expected = simulated(path)
         assert result == expected, path.name
     dgx = results[0]["inventory"]
     assert [g["gpu"]["minor"] for g in dgx["gpus"]] == list(range(8))
     assert dgx["gpus"][0]["nvlink"] == {"1": 6, "2": 6, "3": 6}
     assert dgx["topology"][0][1] == 10 and dgx["topology"][0][4] == 50
     assert results[3]["inventory"]["topology"][0][1] is None  # not supported, as in the simulation
+    # Registration per supported type: a GPU without ECC events still reports Xids;
+    # one that supports neither is health-unknown (both implementations alike).
+    assert results[2]["health"] == {"registered": {"0": ["xid", "ecc"], "2": ["xid"], "3": ["xid", "ecc"]},
+                                    "unknown": [1]}
+    assert results[0]["health"]["registered"] == {str(i): ["xid", "ecc"] for i in range(8)}
 
 
 def test_allocation_over_the_bindings_picks_the_same_gpus(probe, data_dir):

@@ -239,30 +239,6 @@ async def test_watch_completes_when_a_watched_gpu_turns_unhealthy(node4):
             await other
 
 
-@pytest.mark.asyncio
-async def test_critical_xids_from_nvml_withhold_the_gpu_on_the_clock():
-    nvml = SimulatedNvml.with_gpus(4)
-    nvml.init()
-    async with Runtime():
-        Clock.pause()
-        allocator = await NvidiaGpuAllocator.create(
-            Flags(), Resources.parse("gpus:4"), nvml, health_interval=10.0
-        )
-        nvml.inject_xid(2, 79)  # GPU fallen off the bus: critical
-        nvml.inject_xid(1, 13)  # graphics engine exception: the application's fault
-        await Clock.settle()
-        assert await allocator.unhealthy() == {}  # not polled yet
-        Clock.advance(10.0)
-        await Clock.settle()
-        assert await allocator.unhealthy() == {Gpu(195, 2): "NVML reported Xid 79"}
-        nvml.inject_ecc(3)
-        assert await allocator.check_health() == [
-            GpuHealth(gpu=Gpu(195, 3), healthy=False, reason="NVML reported uncorrectable ECC error")
-        ]
-        assert await allocator.available() == gpus(0, 1)
-        await allocator.close()
-
-
 # ------------------------------------------------------------------ NVML off the loop (R-NV-2)
 
 
@@ -280,6 +256,10 @@ class RecordingNvml(SimulatedNvml):
     def minor(self, handle):
         self.threads.add(threading.current_thread().name)
         return super().minor(handle)
+
+    def event_set_wait(self, event_set, timeout_s):
+        self.threads.add(threading.current_thread().name)
+        return super().event_set_wait(event_set, timeout_s)
 
 
 @pytest.mark.asyncio
@@ -300,12 +280,16 @@ async def test_nvml_calls_run_on_the_executor_not_the_loop(data_dir):
         assert set(readings) == gpus(0, 1) and readings[Gpu(195, 0)].power_mw is None
         with pytest.raises(KeyError, match="195:9 is not on this node"):
             await service.usage(Gpu(195, 9))
-        assert await service.wait_event(0) is None
+        registration = await service.start_health_events([0, 1])
+        assert registration.registered == {0: ["xid", "ecc"]} and registration.unknown == [1]
+        assert await service.wait_health_event(0) is None
         nvml.inject_xid(0, 48)
-        assert (await service.wait_event(0)).code == 48
+        assert (await service.wait_health_event(0)).code == 48
+        await service.stop_health_events()
         assert await service.count() == 4
         await service.close()
     assert nvml.threads and threading.main_thread().name not in nvml.threads
+    assert any(name.startswith("nvml-events") for name in nvml.threads)  # a thread of its own
 
 
 @pytest.mark.asyncio

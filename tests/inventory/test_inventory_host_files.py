@@ -173,16 +173,37 @@ def test_simulated_node_behaves_like_nvml():
     assert len(read_inventory(nvml).gpus) == 2
 
 
-def test_simulated_node_queues_health_events():
-    nvml = SimulatedNvml.with_gpus(2)
+def test_simulated_node_delivers_health_events_as_nvml_does():
+    nvml = SimulatedNvml.from_text(
+        '[[gpus]]\n[[gpus]]\nsupported_events = ["xid"]\n[[gpus]]\nsupported_events = []\n'
+    )
     nvml.init()
-    assert nvml.wait_event(0) is None
-    nvml.inject_xid(1, 79)
-    nvml.inject_xid(0, 13)
-    nvml.inject_ecc(0)
-    events = [nvml.wait_event(0) for _ in range(3)]
-    assert [(e.index, e.kind, e.code, e.critical) for e in events] == [
-        (1, "xid", 79, True), (0, "xid", 13, False), (0, "ecc", 0, True),
+    assert [nvml.supported_event_types(i) for i in range(3)] == [0xA, 0x8, 0]
+    assert nvml.inject_xid(0, 79) == 0  # no event set yet: the event is lost, as in NVML
+    event_set = nvml.event_set_create()
+    nvml.register_events(0, 0x8 | 0x2, event_set)
+    nvml.register_events(1, 0x8, event_set)
+    with pytest.raises(NvmlNotSupported, match="nvmlDeviceRegisterEvents failed: Not Supported"):
+        nvml.register_events(1, 0x8 | 0x2, event_set)  # ECC is not supported: nothing registered
+    with pytest.raises(NvmlNotSupported):
+        nvml.register_events(2, 0x8, event_set)
+    assert nvml.event_set_wait(event_set, 0) is None  # timeout
+    assert nvml.inject_xid(1, 79) == 1
+    assert nvml.inject_xid(0, 13) == 1
+    assert nvml.inject_ecc(0) == 1
+    assert nvml.inject_ecc(1) == 0  # registered for Xids only
+    assert nvml.inject_xid(2, 79) == 0  # registered for nothing
+    events = [nvml.event_set_wait(event_set, 0) for _ in range(4)]
+    assert [(e.index, e.kind, e.code, e.describe()) for e in events[:3]] == [
+        (1, "xid", 79, "Xid 79"), (0, "xid", 13, "Xid 13"), (0, "ecc", 0, "double-bit ECC error"),
     ]
+    assert events[3] is None
     with pytest.raises(ValueError, match="No GPU with index 5"):
         nvml.inject_xid(5, 79)
+    nvml.fail("nvmlEventSetWait_v2", 999)
+    with pytest.raises(NvmlError, match=r"^nvmlEventSetWait_v2 failed: Unknown Error \(NVML_ERROR_UNKNOWN\)$"):
+        nvml.event_set_wait(event_set, 0)
+    nvml.fail("nvmlEventSetWait_v2", None)
+    nvml.event_set_free(event_set)
+    with pytest.raises(NvmlError, match="Invalid Argument"):
+        nvml.event_set_wait(event_set, 0)  # a freed set

@@ -4,6 +4,7 @@ after any update — and is discarded at cleanup."""
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 import runtime
@@ -117,3 +118,26 @@ async def test_cleanup_discards_watches_and_leaves_no_watcher_behind(memory_node
         with pytest.raises(runtime.Discarded):
             await watches[0]
         assert allocator_watchers(components) == 0
+
+
+@pytest.mark.asyncio
+async def test_an_nvml_event_resolves_the_watch_without_anybody_polling(memory_node) -> None:
+    """R-HE-4 on the simulated node: event -> health monitor -> allocator -> watch()."""
+    async with runtime.Runtime():
+        components, isolator = await memory_node.start()
+        await isolator.prepare(ContainerID("a"), cfg("gpus:1"))     # [0]
+        watch = isolator.watch(ContainerID("a"))
+        simulated = components.nvml.nvml
+        assert simulated.inject_xid(0, 13) == 1                     # the application's fault: ignored
+        assert simulated.inject_xid(0, 79) == 1
+        with anyio.fail_after(10):                                  # a hang guard
+            limitation = await watch
+        assert limitation.reason == "REASON_GPU_UNHEALTHY"
+        assert limitation.message == "GPU 195:0 of container a became unhealthy: Xid 79"
+        await isolator.prepare(ContainerID("b"), cfg("gpus:1"))     # avoids the unhealthy GPU
+        assert await components.allocator.allocated() == {Gpu(195, 0), Gpu(195, 1)}
+        await isolator.cleanup(ContainerID("a"))
+        assert Gpu(195, 0) not in await components.allocator.available()
+        await components.allocator.mark_healthy(Gpu(195, 0))
+        assert Gpu(195, 0) in await components.allocator.available()
+        await isolator.cleanup(ContainerID("b"))

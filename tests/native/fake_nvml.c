@@ -13,12 +13,27 @@
  *            <power mW|-1> <temp C|-1> <numa|-1> <mig 0|1> <bus id> <uuid> <name>
  *     link   <gpu index> <peer gpu index>     (one line per link, in link order)
  *     topo   <gpu index> <gpu index> <level>  (a pair not listed: NOT_SUPPORTED)
- *     event  <gpu index> <xid|ecc> <code>     (queued health events)
+ *     events <gpu index> <mask>               (nvmlDeviceGetSupportedEventTypes;
+ *                                              default: Xid | double-bit ECC)
  *     mig    <gpu index> <gi> <ci> <GI profile slot> <GI profile id>
  *            <GI slices> <CI slices> <mem total B> <mem used B> <uuid>
  *            <GI profile name, e.g. "MIG 1g.18gb">   (one MIG device, in
  *            MIG index order per GPU; see the MIG section at the end)
  *   -1 marks a reading the GPU cannot give (NVML_ERROR_NOT_SUPPORTED).
+ * - Health events: the file named by $FAKE_NVML_EVENTS (read when an event
+ *   set is created; the test appends to it while the library runs), one
+ *   record per line, fields separated by single tabs:
+ *     xid    <gpu index> <xid> [gi]   (nvmlEventTypeXidCriticalError; on one MIG
+ *                                     GPU instance when gi is given)
+ *     ecc    <gpu index> [gi]         (nvmlEventTypeDoubleBitEccError)
+ *     error  <nvml return code> <n>   (this wait and the next n-1 fail with it)
+ *   Each event set reads the lines appended after it was created (events
+ *   raised before a set existed never reach it, as with NVML), only whole
+ *   lines, and delivers an event only for a GPU and type registered on it.
+ *   nvmlEventSetWait_v2 polls the file every millisecond until its timeout,
+ *   then answers NVML_ERROR_TIMEOUT. nvmlDeviceRegisterEvents refuses a
+ *   type the GPU does not support with NVML_ERROR_NOT_SUPPORTED (registering
+ *   nothing), as NVML does.
  * - Error injection: $FAKE_NVML_FAIL is a comma list of function=code
  *   (e.g. "nvmlInitWithFlags=9" for NVML_ERROR_DRIVER_NOT_LOADED,
  *   "nvmlDeviceGetMinorNumber=3" for NVML_ERROR_NOT_SUPPORTED); it is read
@@ -35,6 +50,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define NVML_SUCCESS 0
@@ -48,7 +64,7 @@
 
 #define MAX_GPUS 1024
 #define MAX_LINKS 18
-#define MAX_EVENTS 256
+#define MAX_EVENT_SETS 16
 
 #define EVENT_ECC 0x2ULL
 #define EVENT_XID 0x8ULL
@@ -65,7 +81,7 @@ struct fake_device {
     char name[96];
     int links[MAX_LINKS]; /* peer index per link */
     int link_count;
-    unsigned long long registered;
+    unsigned long long supported; /* nvmlDeviceGetSupportedEventTypes */
 };
 
 typedef struct fake_device *nvmlDevice_t;
@@ -99,22 +115,22 @@ typedef struct {
     unsigned int computeInstanceId;
 } nvmlEventData_t;
 
-struct fake_event {
-    int index;
-    unsigned long long type;
-    unsigned long long data;
+struct fake_event_set {
+    int in_use;
+    long offset;                          /* next byte of $FAKE_NVML_EVENTS to read */
+    unsigned long long registered[MAX_GPUS];
+    nvmlReturn_t fail_code;               /* from an "error" line */
+    unsigned long fail_left;
 };
 
-typedef struct fake_event_set { int unused; } *nvmlEventSet_t;
+typedef struct fake_event_set *nvmlEventSet_t;
 
 static struct fake_device devices[MAX_GPUS];
 static unsigned int device_count;
 static signed char *topology; /* device_count * device_count levels, -1 unknown */
 static char driver_version[80] = "0.0";
-static struct fake_event events[MAX_EVENTS];
-static int event_count, event_next;
 static int init_count;
-static struct fake_event_set the_event_set;
+static struct fake_event_set event_sets[MAX_EVENT_SETS];
 
 /* MIG: defined in the MIG section at the end of this file. */
 static void mig_reset(void);
@@ -193,8 +209,6 @@ static nvmlReturn_t load_config(void)
     char line[1024];
     device_count = 0;
     mig_reset();
-    event_count = 0;
-    event_next = 0;
     free(topology);
     topology = NULL;
     copy_text(driver_version, sizeof driver_version, "0.0");
@@ -205,7 +219,7 @@ static nvmlReturn_t load_config(void)
     if (file == NULL) {
         return NVML_ERROR_DRIVER_NOT_LOADED;
     }
-    /* First pass: GPUs; second pass: links, topology and events. */
+    /* First pass: GPUs; second pass: links, topology and supported events. */
     for (int pass = 0; pass < 2; pass++) {
         rewind(file);
         while (fgets(line, sizeof line, file) != NULL) {
@@ -222,6 +236,7 @@ static nvmlReturn_t load_config(void)
                 struct fake_device *d = &devices[device_count];
                 memset(d, 0, sizeof *d);
                 d->index = device_count;
+                d->supported = EVENT_XID | EVENT_ECC;
                 d->minor = (unsigned int)strtoul(field(&cursor), NULL, 10);
                 d->mem_total = strtoull(field(&cursor), NULL, 10);
                 d->mem_used = strtoull(field(&cursor), NULL, 10);
@@ -255,13 +270,12 @@ static nvmlReturn_t load_config(void)
                 }
             } else if (pass == 1 && strcmp(kind, "mig") == 0) {
                 mig_load(&cursor);
-            } else if (pass == 1 && strcmp(kind, "event") == 0 && event_count < MAX_EVENTS) {
-                struct fake_event *e = &events[event_count++];
-                const char *type;
-                e->index = atoi(field(&cursor));
-                type = field(&cursor);
-                e->type = strcmp(type, "ecc") == 0 ? EVENT_ECC : EVENT_XID;
-                e->data = strtoull(field(&cursor), NULL, 10);
+            } else if (pass == 1 && strcmp(kind, "events") == 0) {
+                unsigned int index = (unsigned int)atoi(field(&cursor));
+                unsigned long long mask = strtoull(field(&cursor), NULL, 0);
+                if (index < device_count) {
+                    devices[index].supported = mask;
+                }
             }
         }
     }
@@ -560,53 +574,160 @@ nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t first, nvmlDevice_
 
 /* ------------------------------------------------------------ events */
 
+static int valid_set(nvmlEventSet_t set)
+{
+    return set >= event_sets && set < event_sets + MAX_EVENT_SETS && set->in_use;
+}
+
+static long events_file_size(void)
+{
+    const char *path = getenv("FAKE_NVML_EVENTS");
+    FILE *file;
+    long size = 0;
+    if (path == NULL || (file = fopen(path, "r")) == NULL) {
+        return 0;
+    }
+    if (fseek(file, 0, SEEK_END) == 0) {
+        size = ftell(file);
+    }
+    fclose(file);
+    return size < 0 ? 0 : size;
+}
+
 nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
 {
     ENTER("nvmlEventSetCreate");
-    *set = &the_event_set;
+    if (set == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    for (int i = 0; i < MAX_EVENT_SETS; i++) {
+        if (!event_sets[i].in_use) {
+            memset(&event_sets[i], 0, sizeof event_sets[i]);
+            event_sets[i].in_use = 1;
+            event_sets[i].offset = events_file_size(); /* earlier events never reach it */
+            *set = &event_sets[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_UNKNOWN;
+}
+
+nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *types)
+{
+    ENTER_DEVICE("nvmlDeviceGetSupportedEventTypes", device);
+    if (types == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    *types = device->supported;
     return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long types, nvmlEventSet_t set)
 {
     ENTER_DEVICE("nvmlDeviceRegisterEvents", device);
-    if (set != &the_event_set) {
+    if (!valid_set(set)) {
         return NVML_ERROR_INVALID_ARGUMENT;
     }
-    device->registered |= types;
+    if ((types & ~device->supported) != 0) {
+        return NVML_ERROR_NOT_SUPPORTED; /* NVML registers nothing then */
+    }
+    set->registered[device->index] |= types;
     return NVML_SUCCESS;
+}
+
+/* The next whole line of the events file for ``set``: 1 and the line, or 0. */
+static int next_line(nvmlEventSet_t set, char *line, size_t size)
+{
+    const char *path = getenv("FAKE_NVML_EVENTS");
+    FILE *file;
+    int found = 0;
+    if (path == NULL || (file = fopen(path, "r")) == NULL) {
+        return 0;
+    }
+    if (fseek(file, set->offset, SEEK_SET) == 0 && fgets(line, (int)size, file) != NULL) {
+        size_t length = strlen(line);
+        if (length > 0 && line[length - 1] == '\n') { /* a line still being written waits */
+            set->offset += (long)length;
+            line[length - 1] = '\0';
+            found = 1;
+        }
+    }
+    fclose(file);
+    return found;
+}
+
+/* Apply one line of the events file; 1 when it yields an event for ``set``. */
+static int take_event(nvmlEventSet_t set, char *line, nvmlEventData_t *data)
+{
+    char *cursor = line;
+    const char *kind = field(&cursor);
+    unsigned long long type;
+    unsigned int index;
+    unsigned long long code = 0;
+    const char *instance;
+    if (strcmp(kind, "error") == 0) {
+        set->fail_code = (nvmlReturn_t)atoi(field(&cursor));
+        set->fail_left = strtoul(field(&cursor), NULL, 10);
+        return 0;
+    }
+    if (strcmp(kind, "xid") == 0) {
+        type = EVENT_XID;
+    } else if (strcmp(kind, "ecc") == 0) {
+        type = EVENT_ECC;
+    } else {
+        return 0;
+    }
+    index = (unsigned int)atoi(field(&cursor));
+    if (type == EVENT_XID) {
+        code = strtoull(field(&cursor), NULL, 10);
+    }
+    instance = field(&cursor);
+    if (index >= device_count || (set->registered[index] & type) == 0) {
+        return 0; /* not registered on this set: NVML would not deliver it */
+    }
+    memset(data, 0, sizeof *data);
+    data->device = &devices[index];
+    data->eventType = type;
+    data->eventData = code;
+    data->gpuInstanceId = instance[0] != '\0' ? (unsigned int)strtoul(instance, NULL, 10) : 0xFFFFFFFFu;
+    data->computeInstanceId = 0xFFFFFFFFu;
+    return 1;
 }
 
 nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeout_ms)
 {
+    char line[256];
+    struct timespec start, now;
     ENTER("nvmlEventSetWait_v2");
-    if (set != &the_event_set || data == NULL) {
+    if (!valid_set(set) || data == NULL) {
         return NVML_ERROR_INVALID_ARGUMENT;
     }
-    while (event_next < event_count) {
-        struct fake_event *e = &events[event_next++];
-        if (e->index < 0 || (unsigned int)e->index >= device_count) {
-            continue;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        while (set->fail_left == 0 && next_line(set, line, sizeof line)) {
+            if (take_event(set, line, data)) {
+                return NVML_SUCCESS;
+            }
         }
-        if ((devices[e->index].registered & e->type) == 0) {
-            continue;
+        if (set->fail_left > 0) {
+            set->fail_left--;
+            return set->fail_code;
         }
-        memset(data, 0, sizeof *data);
-        data->device = &devices[e->index];
-        data->eventType = e->type;
-        data->eventData = e->data;
-        data->gpuInstanceId = 0xFFFFFFFFu;
-        data->computeInstanceId = 0xFFFFFFFFu;
-        return NVML_SUCCESS;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if ((now.tv_sec - start.tv_sec) * 1000.0 + (now.tv_nsec - start.tv_nsec) / 1e6 >= timeout_ms) {
+            return NVML_ERROR_TIMEOUT;
+        }
+        usleep(1000);
     }
-    usleep((useconds_t)(timeout_ms > 50 ? 50 : timeout_ms) * 1000);
-    return NVML_ERROR_TIMEOUT;
 }
 
 nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
 {
     ENTER("nvmlEventSetFree");
-    (void)set;
+    if (!valid_set(set)) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    set->in_use = 0;
     return NVML_SUCCESS;
 }
 

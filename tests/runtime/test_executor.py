@@ -188,3 +188,54 @@ async def test_an_async_method_awaits_the_executor_without_holding_its_process()
             await Clock.settle()
     finally:
         release.set()
+
+
+async def test_settle_waits_for_jobs_but_not_for_a_background_executors() -> None:
+    release = threading.Event()
+    started = threading.Event()
+
+    def blocked() -> str:
+        started.set()
+        release.wait(10)
+        return "released"
+
+    background = Executor(max_workers=1, name="events", background=True)
+    plain = Executor(max_workers=1, name="plain")
+    try:
+        async with Runtime():
+            async with anyio.create_task_group() as group:
+                results: list[str] = []
+
+                async def run(executor: Executor) -> None:
+                    results.append(await executor.run(blocked))
+
+                group.start_soon(run, background)
+                await _wait_in_thread(started)
+                with anyio.fail_after(10):  # a hang guard: settle must not wait for it
+                    await Clock.settle()
+                assert results == []  # still blocked in its thread
+                started.clear()
+                release.set()
+                await anyio.sleep(0)
+            assert results == ["released"]
+            release.clear()
+            async with anyio.create_task_group() as group:
+                group.start_soon(run, plain)
+                await _wait_in_thread(started)
+                settled = anyio.Event()
+
+                async def settle() -> None:
+                    await Clock.settle()
+                    settled.set()
+
+                group.start_soon(settle)
+                await anyio.sleep(0.05)
+                assert not settled.is_set()  # a plain job keeps settle waiting...
+                release.set()
+                with anyio.fail_after(10):
+                    await settled.wait()  # ...until it ends
+            assert results == ["released", "released"]
+    finally:
+        release.set()
+        background.shutdown(wait=False)
+        plain.shutdown(wait=False)
