@@ -23,17 +23,7 @@ from actors.nvml import (
     read_usage,
 )
 
-
-def simulated(path) -> dict:
-    """The simulated node's inventory and usage, as the probe reports the bindings'."""
-    nvml = SimulatedNvml.from_file(path)
-    nvml.init()
-    inventory = read_inventory(nvml)
-    usage = read_usage(nvml, [(g.index, g.gpu) for g in inventory.gpus])
-    result = msgspec.json.decode(msgspec.json.encode({"inventory": inventory, "usage": usage, "events": []}))
-    for key in ("kind", "source", "control_devices"):
-        result["inventory"].pop(key)
-    return result
+from .test_fake_nvml_bindings import simulated  # the simulated node as the probe reports the bindings
 
 
 def test_h200_balanced_layout_is_read_with_ids_uuids_profiles_and_memory(data_dir):
