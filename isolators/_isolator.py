@@ -697,7 +697,7 @@ class NvidiaGpuIsolatorProcess(Process):
             return  # re-armed or cleaned up since: stale
         info.health = None
         cid = info.container_id
-        message = f"GPU {event.gpu.major}:{event.gpu.minor} of container {cid} became unhealthy: {event.reason}"
+        message = f"GPU {event.gpu} of container {cid} became unhealthy: {event.reason}"
         logger.warning("Container %s: %s", cid, message)
         limitation = ContainerLimitation(resources=Resources.parse("gpus:1"), message=message)
         watchers, info.watchers = info.watchers, []

@@ -85,7 +85,7 @@ async def isolator_scenario(job: dict) -> dict:
         components = await NvidiaComponents.create(flags)
         allocator = components.allocator
         out["kind"] = components.inventory.kind
-        out["unwatched"] = minors((await allocator.state()).unwatched)
+        out["unwatched"] = (await allocator.state()).unwatched
         isolator = await NvidiaGpuIsolatorProcess.create(flags, components)
         await isolator.recover([], set())
         a, b = ContainerID("a"), ContainerID("b")
@@ -117,18 +117,6 @@ async def isolator_scenario(job: dict) -> dict:
     await events_thread_gone()
     out["after_close"] = nvml_after_close()
     return out
-
-
-async def unwatched_scenario(job: dict) -> dict:
-    """A GPU that supports no health events: logged once, handed out unwatched."""
-    from isolators import NvidiaComponents
-    from runtime import Runtime
-
-    async with Runtime():
-        components = await NvidiaComponents.create(flags_of(job))
-        state = await components.allocator.state()
-        await components.close()
-    return {"unwatched": minors(state.unwatched), "available": minors(state.available)}
 
 
 async def wait_errors_scenario(job: dict) -> dict:
@@ -180,7 +168,6 @@ async def no_driver_scenario(job: dict) -> dict:
 
 SCENARIOS = {
     "isolator": isolator_scenario,
-    "unwatched": unwatched_scenario,
     "wait_errors": wait_errors_scenario,
     "no_driver": no_driver_scenario,
 }

@@ -9,7 +9,9 @@ CDLL("libnvidia-ml.so.1") finds it by soname. Each job sets FAKE_NVML_CONFIG
 Jobs ("op"): "inventory" (inventory, usage, health-event registration), "uninitialized"
 (a call before nvmlInit), "resources" (NvidiaGpuAllocator.resources with
 host_file None), "allocate" (create an allocator on the bindings and
-allocate counts in order), "mig_usage" (the readings of every MIG device).
+allocate counts in order), "mig_usage" (the readings of every MIG device), "events"
+(register every GPU on an event set, append the job's "raise" lines to
+$FAKE_NVML_EVENTS, wait for each event).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def run_job(job: dict) -> dict:
     else:
         os.environ.pop("FAKE_NVML_CONFIG", None)
     os.environ["FAKE_NVML_FAIL"] = job.get("fail", "")
+    if job.get("events"):
+        os.environ["FAKE_NVML_EVENTS"] = job["events"]
     op = job["op"]
     nvml = BindingsNvml()
     try:
@@ -68,6 +72,16 @@ def run_job(job: dict) -> dict:
                 inventory = read_inventory(nvml)
                 targets = [(m.parent_index, m.index, m.device) for m in inventory.mig_devices]
                 return msgspec.to_builtins({"mig_usage": read_mig_usage(nvml, targets)})
+            if op == "events":
+                event_set = nvml.event_set_create()
+                register_health_events(nvml, event_set, range(nvml.device_count()))
+                with open(job["events"], "a") as events:
+                    events.write("".join(line + "\n" for line in job["raise"]))
+                seen = []
+                while (event := nvml.event_set_wait(event_set, 0.5)) is not None:
+                    seen.append(event)
+                nvml.event_set_free(event_set)
+                return {"events": msgspec.to_builtins(seen)}
             if op == "allocate":
                 async def allocate() -> list:
                     picks = []

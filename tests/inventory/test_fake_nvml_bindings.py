@@ -114,3 +114,32 @@ def test_gpu_resources_over_the_bindings(probe, data_dir):
     assert results[4]["error"]["message"] == (
         "Failed to nvml::initialize: nvmlInit failed: Unknown Error (NVML_ERROR_UNKNOWN)"
     )
+
+
+def test_both_implementations_deliver_the_same_health_events(probe, data_dir, tmp_path):
+    """What reaches an event set: registered GPUs and types only, in order,
+    with the Xid and the MIG GPU instance (nvmlEventSetWait_v2's eventData,
+    gpuInstanceId)."""
+    path = data_dir / "mixed.json"  # index 1: no events at all; index 2: Xids only
+    raised = [("xid", 0, 79, None), ("ecc", 2, 0, None), ("xid", 2, 13, None), ("xid", 1, 79, None),
+              ("ecc", 0, 0, None), ("xid", 3, 48, 5)]
+    events = tmp_path / "events"
+    events.write_text("")
+    lines = ["\t".join(str(f) for f in (kind, index, *([code] if kind == "xid" else []),
+                                          *([] if gi is None else [gi])))
+             for kind, index, code, gi in raised]
+    [result] = probe.run([{"op": "events", "config": probe.config(load_host_file(path)),
+                           "events": str(events), "raise": lines}])
+    nvml = SimulatedNvml.from_file(path)
+    nvml.init()
+    event_set = nvml.event_set_create()
+    register_health_events(nvml, event_set, range(4))
+    for kind, index, code, gi in raised:
+        (nvml.inject_ecc(index, gi) if kind == "ecc" else nvml.inject_xid(index, code, gi))
+    expected = []
+    while (event := nvml.event_set_wait(event_set, 0)) is not None:
+        expected.append(msgspec.to_builtins(event))
+    assert result == {"events": expected}
+    assert [(e["index"], e["kind"], e.get("code", 0), e.get("gpu_instance")) for e in expected] == [
+        (0, "xid", 79, None), (2, "xid", 13, None), (0, "ecc", 0, None), (3, "xid", 48, 5),
+    ]

@@ -69,7 +69,7 @@ def health_job(probe, tmp_path: Path):
 def test_an_xid_on_a_gpu_without_ecc_events_reaches_watch_and_the_allocator(probe, health_job):
     [result] = probe.run([health_job("isolator")], script=HEALTH_PROBE)
     assert result["kind"] == "nvml"  # the real bindings, not a simulated node
-    assert result["unwatched"] == [3]
+    assert result["unwatched"] == ["195:3"]
     assert result["a"] == [0]
     assert result["limitation"] == {
         "reason": "REASON_GPU_UNHEALTHY",

@@ -19,6 +19,7 @@ import pytest
 from actors.allocator import GpuHealth, NvidiaGpuAllocator
 from actors.flags import Flags
 from actors.gpu import Gpu
+from actors.mig import MigDevice
 from actors.nvml import SimulatedNvml
 from actors.resources import Resources
 from runtime import Clock, Runtime
@@ -96,7 +97,7 @@ async def test_a_gpu_without_ecc_events_still_reports_xids_and_one_with_none_is_
     with caplog.at_level(logging.WARNING, logger="actors.nvml"):
         async with Runtime():
             allocator = await NvidiaGpuAllocator.create(Flags(), Resources.parse("gpus:3"), nvml)
-            assert (await allocator.state()).unwatched == [Gpu(195, 1)]
+            assert (await allocator.state()).unwatched == ["195:1"]
             assert nvml.inject_ecc(0) == 0  # not supported, not registered
             assert nvml.inject_xid(1, 79) == 0  # supports nothing: nobody hears it
             nvml.inject_xid(0, 79)
@@ -119,7 +120,7 @@ async def test_health_checks_off_watch_nothing():
         )
         assert allocator.monitor is None
         assert nvml.inject_xid(0, 79) == 0  # no event set at all
-        assert (await allocator.state()).unwatched == sorted(gpus(0, 1, 2, 3))
+        assert (await allocator.state()).unwatched == ["195:0", "195:1", "195:2", "195:3"]
         await allocator.close()
 
 
@@ -162,3 +163,25 @@ async def test_wait_errors_back_off_then_every_gpu_is_withheld(caplog):
             await allocator.mark_healthy(Gpu(195, 1))
             assert await allocator.available() == gpus(1)
             await allocator.close()
+
+
+@pytest.mark.asyncio
+async def test_events_on_a_mig_gpu_withhold_its_mig_devices(data_dir):
+    nvml = SimulatedNvml.from_file(data_dir / "h200-mig.toml")
+    nvml.init()
+    flags = Flags(nvidia_mig_strategy="mixed")
+    async with Runtime():
+        allocator = await NvidiaGpuAllocator.create(flags, NvidiaGpuAllocator.resources(flags, nvml), nvml)
+        gi3 = MigDevice(Gpu(195, 0), 3, 0)
+        nvml.inject_xid(0, 79, gpu_instance=3)  # one GPU instance: only its devices
+        assert await unhealthy_soon(allocator, gi3) == GpuHealth(gpu=gi3, healthy=False, reason="Xid 79")
+        assert await allocator.unhealthy() == {gi3: "Xid 79"}
+        nvml.inject_ecc(2)  # the whole GPU: every MIG device on it
+        await unhealthy_soon(allocator, MigDevice(Gpu(195, 2), 1, 1))
+        assert await allocator.unhealthy() == {
+            gi3: "Xid 79",
+            MigDevice(Gpu(195, 2), 1, 0): "double-bit ECC error",
+            MigDevice(Gpu(195, 2), 1, 1): "double-bit ECC error",
+        }
+        assert Gpu(195, 1) in await allocator.available()  # a whole GPU of its own, untouched
+        await allocator.close()
