@@ -492,6 +492,22 @@ class MarkUnhealthyAction(Action):
         return None
 
 
+@action
+class MarkHealthyAction(Action):
+    """``mark_healthy: MINOR``: the operator returns that GPU to the pool
+    (``allocator.mark_healthy``, R-HE-4); it is handed out again once free."""
+
+    name = "mark_healthy"
+    args = Minor
+
+    def title(self, args: int) -> str:
+        return f"mark GPU {args} healthy"
+
+    async def perform(self, run: "ScriptRunner", args: int, expect: Expect) -> Any:
+        await run.components.allocator.mark_healthy(gpu_by_minor(run, args))
+        return None
+
+
 def gpu_by_minor(run: "ScriptRunner", minor: int) -> Any:
     """The node's GPU with that minor number (IsolatorError when there is none)."""
     for gpu in run.components.allocator.total():
