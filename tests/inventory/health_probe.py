@@ -2,8 +2,8 @@
 
 Usage: python health_probe.py LIBNVIDIA_ML_PATH < jobs.json > results.json
 
-As ``nvml_probe.py``: the fake library is loaded (RTLD_GLOBAL) before
-pynvml's ``nvmlInit``. Each job names a ``scenario`` and sets
+Served as ``nvml_probe.py`` serves its jobs (``serve``: the fake library is
+loaded, RTLD_GLOBAL, before pynvml's ``nvmlInit``). Each job names a ``scenario`` and sets
 FAKE_NVML_CONFIG (the node), FAKE_NVML_EVENTS (the events file the scenario
 appends to while the library runs) and FAKE_NVML_FAIL; the scenario builds
 the real components (``NvidiaComponents.create`` with ``host_file=None``),
@@ -13,11 +13,8 @@ raises events and reports what it observed as JSON. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import json
 import logging
 import os
-import sys
 import threading
 from typing import Any
 
@@ -186,11 +183,7 @@ def run_job(job: dict) -> dict:
         logging.getLogger().removeHandler(logs)
 
 
-def main() -> None:
-    ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
-    jobs = json.loads(sys.stdin.read())
-    json.dump([run_job(job) for job in jobs], sys.stdout)
-
-
 if __name__ == "__main__":
-    main()
+    from nvml_probe import serve  # beside this script
+
+    serve(run_job)

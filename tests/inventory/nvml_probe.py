@@ -21,6 +21,7 @@ import ctypes
 import json
 import os
 import sys
+from typing import Callable
 
 import msgspec
 
@@ -105,11 +106,12 @@ def run_job(job: dict) -> dict:
         return error_of(exc)
 
 
-def main() -> None:
+def serve(run: Callable[[dict], dict]) -> None:
+    """Load the fake (argv[1]) before pynvml does, run each job of stdin, answer JSON."""
     ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
     jobs = json.loads(sys.stdin.read())
-    json.dump([run_job(job) for job in jobs], sys.stdout)
+    json.dump([run(job) for job in jobs], sys.stdout)
 
 
 if __name__ == "__main__":
-    main()
+    serve(run_job)
