@@ -122,26 +122,21 @@ async def test_two_os_processes_of_ours_exchange_messages_and_sigkill_gives_exit
 
 
 async def test_a_peer_linked_to_us_sees_exited_when_our_runtime_goes_away() -> None:
-    async with Runtime(listen="127.0.0.1:0") as rt:
+    rt = Runtime(listen="127.0.0.1:0")
+    await rt.__aenter__()
+    running = True
+    try:
         spawn(Echo())
         target = f"echo@{rt.address}"
-        process = await anyio.open_process([sys.executable, "-m", "benchmarks.remote_peers", "ours-echo", "--link", target], cwd=ROOT)
-        try:
-            with anyio.fail_after(20):
-                assert (await _line(process.stdout)).startswith("PID ")
+        async with peer("ours-echo", "--link", target) as (process, _echo):
             await anyio.sleep(0.3)  # its link's connection is made
-        except BaseException:
-            process.kill()
-            raise
-    try:
-        with anyio.fail_after(10):
-            assert (await _line(process.stdout)).strip() == f"EXITED {target}"
+            running = False
+            await rt.__aexit__(None, None, None)
+            with anyio.fail_after(10):
+                assert (await _line(process.stdout)).strip() == f"EXITED {target}"
     finally:
-        await process.stdin.aclose()
-        with anyio.move_on_after(5):
-            await process.wait()
-        if process.returncode is None:
-            process.kill()
+        if running:
+            await rt.__aexit__(None, None, None)
 
 
 @needs_compactor
