@@ -6,6 +6,7 @@ v2 (an eBPF program per cgroup, checkpointed) and in-memory. Shaped like
 runc's ``libcontainer/cgroups/devices``: a pure rule model (``_rules``), a
 compiler of it to eBPF (``_device_program``), and backends that only apply,
 in a thread or in a device worker process of their own (``_worker``). Each module states its rules at the top.
+``bpf`` offers the bpf(2) calls to tools that drive the kernel directly.
 
 Names are imported when first used, so that a device worker process can
 import the backend modules alone (``_worker_child``).
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "._backend": ("DeviceBackend", "DeviceOperation", "FaultInjectingBackend", "SimulatedCrash", "validate_cgroup",
                   "validate_cgroups_root"),
-    "._cgroups_v1": ("CgroupsV1Backend",),
+    "._cgroups_v1": ("CgroupsV1Backend", "plan_writes", "v1_exceptions"),
     "._cgroups_v2": ("PROGRAM_NAME", "CgroupsV2Backend", "checkpoint_file"),
     "._control": ("DeviceControl", "DeviceControlProcess"),
     "._detect": ("default_hierarchy", "detect_backend", "resolve_backend"),
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
         validate_cgroup,
         validate_cgroups_root,
     )
-    from ._cgroups_v1 import CgroupsV1Backend
+    from ._cgroups_v1 import CgroupsV1Backend, plan_writes, v1_exceptions
     from ._cgroups_v2 import PROGRAM_NAME, CgroupsV2Backend, checkpoint_file
     from ._control import DeviceControl, DeviceControlProcess
     from ._detect import default_hierarchy, detect_backend, resolve_backend

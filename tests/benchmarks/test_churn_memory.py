@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.churn import ChurnNode, churn
+from benchmarks.churn import churn
+from isolators.testing import SimulatedNode
 from runtime import Runtime, current_runtime
 
 LIFECYCLES = 10_000
@@ -16,7 +17,7 @@ LIFECYCLES = 10_000
 @pytest.mark.asyncio
 async def test_ten_thousand_lifecycles_leave_nothing_behind() -> None:
     async with Runtime():
-        async with ChurnNode("memory") as node:
+        async with SimulatedNode(backend="memory", gpus=8) as node:
             isolator = node.isolator
             process = isolator.process
             run = await churn(isolator, workers=16, lifecycles=LIFECYCLES, gpu_workers=4)

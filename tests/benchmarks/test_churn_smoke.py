@@ -1,5 +1,7 @@
-"""The churn benchmark's code runs and reports what it promises (tiny
-durations; no timed assertions: the numbers themselves are never checked).
+"""The churn benchmark counts what it promises and leaves nothing behind
+(tiny durations; no timed assertions: how fast is never checked, only that
+the figures are the ones the calls made and the report computes them as its
+rules say).
 
 Kernel backends run only as root with their hierarchy present, under a
 cgroups root named ``gpu-isolator-test-churn-<hex>`` that must be gone
@@ -10,18 +12,27 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
+import statistics
 import uuid
+from collections import Counter
+from typing import Any
 
 import pytest
 
 from benchmarks import churn
+from benchmarks.churn import run as churn_run
+from isolators.testing import SimulatedNode, backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
+from runtime import Runtime
 
 TINY = ["--seconds", "0.05", "--repeat", "1", "--no-progress"]
 CALLS = {"prepare", "usage", "update", "cleanup"}
+JSON_FIELDS = {"benchmark", "workers", "gpu_workers", "seconds", "repeat", "device_worker", "python", "kernel",
+               "cpus", "peak_rss_mb_before", "results"}
+ROW_FIELDS = {"backend", "lifecycles_per_s", "runs_per_s", "latency_us", "peak_rss_mb", "worker_peak_rss_mb",
+              "lifecycles", "gpu_lifecycles", "device_ops_per_batch", "errors"}
 
 
-def run_json(capsys, *args: str) -> dict:
+def run_json(capsys: Any, *args: str) -> dict:
     assert churn.main([*TINY, "--json-only", *args]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1, f"--json-only prints one line, got {out!r}"
@@ -29,46 +40,112 @@ def run_json(capsys, *args: str) -> dict:
 
 
 def kernel_backends() -> list:
-    params = []
-    for backend in ("cgroups_v1", "cgroups_v2"):
-        reason = churn.kernel_skip_reason(backend)
-        params.append(pytest.param(backend, marks=pytest.mark.skipif(reason is not None, reason=str(reason))))
-    return params
+    return [pytest.param(b, marks=pytest.mark.skipif(backend_unavailable(b) is not None,
+                                                     reason=str(backend_unavailable(b))))
+            for b in ("cgroups_v1", "cgroups_v2")]
 
 
-def test_memory_run_reports_every_figure(capsys) -> None:
+def fresh_root(backend: str) -> tuple[str, str]:
+    """A cgroups root name of this test's own, and its path in ``backend``'s hierarchy."""
+    root = f"gpu-isolator-test-churn-{uuid.uuid4().hex[:10]}"
+    return root, os.path.join(cgroup_hierarchy(backend), root)
+
+
+class CountingIsolator:
+    """The isolator's handle, counting each call and the GPU ones."""
+
+    def __init__(self, isolator: Any) -> None:
+        self.isolator = isolator
+        self.devices = isolator.devices
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.isolator, name)
+
+        def counted(*args: Any) -> Any:
+            self.calls[name] += 1
+            if name == "prepare" and args[1].resources.gpus():
+                self.calls["prepare with a GPU"] += 1
+            return method(*args)
+
+        return counted
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["memory", *kernel_backends()])
+async def test_every_lifecycle_is_four_calls_and_every_gpu_comes_back(backend: str) -> None:
+    async with Runtime():
+        async with SimulatedNode(backend=backend, gpus=8, root_prefix="gpu-isolator-test-churn-") as node:
+            counting = CountingIsolator(node.isolator)
+            run = await churn.churn(counting, workers=12, lifecycles=300, gpu_workers=5)
+            assert run.errors == []
+            assert run.lifecycles == 300
+            assert {call: counting.calls[call] for call in CALLS} == dict.fromkeys(CALLS, 300)
+            assert run.gpu_lifecycles == counting.calls["prepare with a GPU"] and 0 < run.gpu_lifecycles < 300
+            assert {call: len(samples) for call, samples in run.latency.items()} == dict.fromkeys(CALLS, 300)
+            for figures in run.percentiles_us().values():
+                assert 0 < figures["p50"] <= figures["p99"]
+            # every GPU is free again, no container and no cgroup is left
+            state = await node.components.allocator.state()
+            assert state.allocated == [] and len(state.available) == len(state.total) == 8
+            assert await node.isolator.containers() == {} and node.cgroups() == []
+            if backend != "memory":
+                assert run.device_operations >= 300 and run.device_batches >= 1
+        assert not node.root_exists()
+
+
+def test_a_row_is_the_median_of_its_repetitions() -> None:
+    def timed(lifecycles: int, seconds: float, errors: tuple[str, ...] = ()) -> churn.ChurnRun:
+        run = churn.ChurnRun()
+        run.lifecycles, run.elapsed, run.errors = lifecycles, seconds, list(errors)
+        run.latency["prepare"].extend([lifecycles * 1e-6] * 3)
+        return run
+
+    runs = [timed(300, 1.0), timed(100, 1.0, ("c1-0: boom",)), timed(200, 1.0)]
+    floors = [timed(600, 1.0), timed(1000, 1.0), timed(250, 1.0)]
+    row = churn.summary_row("cgroups_v1", runs, floors, [], [15.5, None, 16.0])
+    assert row["runs_per_s"] == [300.0, 100.0, 200.0] and row["lifecycles_per_s"] == 200.0
+    assert row["floor_runs_per_s"] == [600.0, 1000.0, 250.0] and row["floor_per_s"] == 600.0
+    # the median of the per-repetition ratios (0.5, 0.1, 0.8), not 200 / 600
+    assert row["ratio"] == 0.5 == statistics.median([0.5, 0.1, 0.8])
+    assert row["lifecycles"] == 200 and row["latency_us"]["prepare"]["p50"] == 200.0  # the median run's
+    assert (row["errors"], row["first_error"], row["worker_peak_rss_mb"]) == (1, "c1-0: boom", 16.0)
+    assert "floor_cached_per_s" not in row and row["device_ops_per_batch"] is None
+
+
+def test_memory_run_reports_every_figure(capsys: Any) -> None:
     report = run_json(capsys, "--backends", "memory", "--workers", "10")
-    assert report["benchmark"] == "container_churn"
-    assert (report["workers"], report["gpu_workers"], report["repeat"]) == (10, 8, 1)
+    assert set(report) == JSON_FIELDS and report["benchmark"] == "container_churn"
+    assert (report["workers"], report["gpu_workers"], report["repeat"], report["seconds"]) == (10, 8, 1, 0.05)
     (row,) = report["results"]
-    assert row["backend"] == "memory" and row["errors"] == 0
-    assert row["lifecycles"] > 0 and 0 < row["gpu_lifecycles"] < row["lifecycles"]
-    assert row["lifecycles_per_s"] > 0 and len(row["runs_per_s"]) == 1
+    assert set(row) == ROW_FIELDS
+    assert row["backend"] == "memory" and row["errors"] == 0 and row["worker_peak_rss_mb"] is None
+    assert 0 < row["gpu_lifecycles"] < row["lifecycles"]
+    assert row["runs_per_s"] == [row["lifecycles_per_s"]] and row["lifecycles_per_s"] > 0
     assert set(row["latency_us"]) == CALLS
     for figures in row["latency_us"].values():
         assert set(figures) == {"p50", "p99"} and 0 <= figures["p50"] <= figures["p99"]
-    assert row["peak_rss_mb"] > 0
-    assert "floor_per_s" not in row and "ratio" not in row  # no kernel floor in memory
+    assert row["peak_rss_mb"] >= report["peak_rss_mb_before"] > 0
 
 
-def test_table_then_json_and_the_median_of_repeats(capsys) -> None:
+def test_table_then_json_and_the_median_of_repeats(capsys: Any) -> None:
     assert churn.main(["--seconds", "0.03", "--repeat", "3", "--no-progress", "--backends", "memory",
                        "--workers", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].startswith("container churn, 3 workers (3 with gpus:1)")
-    assert "lifecycles/s" in lines[1] and "peak RSS" in lines[1]
-    assert lines[3].split()[0] == "memory"
+    assert lines[0] == "container churn, 3 workers (3 with gpus:1), simulated 8-GPU node, device work in a process"
+    assert "lifecycles/s" in lines[1] and "peak RSS" in lines[1] and set(lines[2]) == {"-"}
     row = json.loads(lines[-1])["results"][0]
-    assert len(row["runs_per_s"]) == 3
-    assert sorted(row["runs_per_s"])[1] == row["lifecycles_per_s"]
+    assert lines[3].split()[:2] == ["memory", f"{row['lifecycles_per_s']:,.0f}"]
+    assert len(row["runs_per_s"]) == 3 and sorted(row["runs_per_s"])[1] == row["lifecycles_per_s"]
 
 
-def test_bad_arguments_are_refused(capsys) -> None:
+def test_bad_arguments_are_refused(capsys: Any) -> None:
     for args in (["--backends", "zfs"], ["--workers", "0"], ["--seconds", "0"], ["--repeat", "0"]):
         with pytest.raises(SystemExit) as exit_:
             churn.main(args)
         assert exit_.value.code == 2
-    assert "unknown backend(s) ['zfs']" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown backend(s) ['zfs']" in err and "need --workers >= 1, --seconds > 0 and --repeat >= 1" in err
 
 
 def test_the_progress_line_rewrites_itself() -> None:
@@ -88,36 +165,39 @@ def test_the_progress_line_rewrites_itself() -> None:
 
 @pytest.mark.parametrize("worker", ["process", "thread"])
 @pytest.mark.parametrize("backend", kernel_backends())
-def test_kernel_run_measures_the_floor_and_removes_its_root(capsys, backend: str, worker: str) -> None:
-    root = f"gpu-isolator-test-churn-{uuid.uuid4().hex[:10]}"
-    path = os.path.join(churn.default_hierarchy(backend), root)
+def test_kernel_run_measures_the_floor_and_removes_its_root(capsys: Any, backend: str, worker: str) -> None:
+    root, path = fresh_root(backend)
     try:
         report = run_json(capsys, "--backends", backend, "--workers", "9", "--cgroups-root", root,
                           "--device-worker", worker)
         assert report["device_worker"] == worker
         (row,) = report["results"]
+        assert row["errors"] == 0, row.get("first_error")
         if worker == "process":
             assert row["worker_peak_rss_mb"] > 0
         else:
             assert row["worker_peak_rss_mb"] is None
-        assert row["errors"] == 0, row.get("first_error")
-        assert row["floor_per_s"] > 0 and row["ratio"] > 0
-        if backend == "cgroups_v1":
-            assert row["device_ops_per_batch"] >= 1
+        assert row["floor_runs_per_s"] == [row["floor_per_s"]] and row["floor_per_s"] > 0
+        # the ratio is the isolator's figure over the floor's (rounded as reported)
+        assert row["ratio"] == pytest.approx(row["lifecycles_per_s"] / row["floor_per_s"], abs=2e-3)
+        assert row["device_ops_per_batch"] >= 1
+        if backend == "cgroups_v2":
+            assert row["ratio_cached"] == pytest.approx(row["lifecycles_per_s"] / row["floor_cached_per_s"],
+                                                        abs=2e-3)
         else:
-            assert row["floor_cached_per_s"] > 0 and row["ratio_cached"] > 0
+            assert "floor_cached_per_s" not in row
         assert not os.path.exists(path)
     finally:
-        churn.remove_cgroup_tree(path)
+        remove_cgroup_tree(path)
 
 
 @pytest.mark.parametrize("where", ["isolator", "floor"])
 @pytest.mark.parametrize("backend", kernel_backends())
-def test_an_interrupted_run_still_removes_its_cgroups(capsys, monkeypatch, backend: str, where: str) -> None:
-    root = f"gpu-isolator-test-churn-{uuid.uuid4().hex[:10]}"
-    path = os.path.join(churn.default_hierarchy(backend), root)
+def test_an_interrupted_run_still_removes_its_cgroups(capsys: Any, monkeypatch: pytest.MonkeyPatch, backend: str,
+                                                      where: str) -> None:
+    root, path = fresh_root(backend)
 
-    async def interrupted_churn(isolator, *args, **kwargs):
+    async def interrupted_churn(isolator: Any, *args: Any, **kwargs: Any) -> None:
         # Ctrl-C while containers run: one is prepared when it comes.
         from isolators import ContainerConfig, ContainerID, Resources
 
@@ -125,29 +205,33 @@ def test_an_interrupted_run_still_removes_its_cgroups(capsys, monkeypatch, backe
         assert os.path.isdir(os.path.join(path, "left-behind"))
         raise KeyboardInterrupt
 
-    def interrupted_floor(hierarchy, cgroups_root, *args, **kwargs):
+    def interrupted_floor(hierarchy: str, cgroups_root: str, *args: Any, **kwargs: Any) -> None:
         # Ctrl-C inside the floor's loop: a cgroup of it is left between mkdir and rmdir.
         os.makedirs(os.path.join(hierarchy, cgroups_root, "floor-7"))
         raise KeyboardInterrupt
 
     if where == "isolator":
-        monkeypatch.setattr(churn, "churn", interrupted_churn)
+        monkeypatch.setattr(churn_run, "churn", interrupted_churn)
     else:
-        monkeypatch.setattr(churn, "floor_v1", interrupted_floor)
-        monkeypatch.setattr(churn, "floor_v2", interrupted_floor)
+        monkeypatch.setattr(churn_run, "floor_v1", interrupted_floor)
+        monkeypatch.setattr(churn_run, "floor_v2", interrupted_floor)
     try:
         assert churn.main([*TINY, "--backends", backend, "--workers", "2", "--cgroups-root", root]) == 130
         assert "churn: interrupted" in capsys.readouterr().err
         assert not os.path.exists(path)
     finally:
-        churn.remove_cgroup_tree(path)
+        remove_cgroup_tree(path)
 
 
-def test_an_existing_root_is_never_adopted(capsys, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(churn, "default_hierarchy", lambda backend: str(tmp_path))
-    (tmp_path / "mine").mkdir()
-    with pytest.raises(SystemExit):
-        churn.main([*TINY, "--backends", "memory", "--cgroups-root", "mine"])
-    assert "already exists" in capsys.readouterr().err
-    assert (tmp_path / "mine").is_dir()
-    shutil.rmtree(tmp_path / "mine")
+@pytest.mark.parametrize("backend", kernel_backends())
+def test_an_existing_root_is_never_adopted(capsys: Any, backend: str) -> None:
+    root, path = fresh_root(backend)
+    os.mkdir(path)  # a cgroup that is not the benchmark's
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            churn.main([*TINY, "--backends", backend, "--cgroups-root", root])
+        assert exit_.value.code == 2
+        assert f"cgroups root {path} already exists: choose another --cgroups-root" in capsys.readouterr().err
+        assert os.path.isdir(path)
+    finally:
+        remove_cgroup_tree(path)

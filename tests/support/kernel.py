@@ -18,7 +18,7 @@ import errno
 import os
 import time
 
-from actors.devices import _bpf
+from actors.devices import bpf
 from isolators.testing import backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
 
 BACKENDS = ["memory", "cgroups_v1", "cgroups_v2"]
@@ -44,7 +44,7 @@ def hierarchy_of(backend: str) -> str | None:
 def bpf_unusable() -> str | None:
     """Why no cgroup device program can be loaded here; None when one can."""
     try:
-        fd = _bpf.prog_load(_RETURN_ZERO, "gpuiso_probe")
+        fd = bpf.prog_load(_RETURN_ZERO, "gpuiso_probe")
     except OSError as error:
         return f"cannot load a cgroup device program: {error}"
     os.close(fd)
@@ -85,20 +85,20 @@ def attached_programs(cgroup_dir: str) -> list[int]:
     """Ids of the device programs attached to a cgroup (kept in ``SEEN_PROGRAMS``)."""
     fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        ids = _bpf.prog_query(fd)[1]
+        ids = bpf.prog_query(fd)[1]
     finally:
         os.close(fd)
     SEEN_PROGRAMS.update(ids)
     return ids
 
 
-def program_infos(cgroup_dir: str) -> list[_bpf.ProgInfo]:
+def program_infos(cgroup_dir: str) -> list[bpf.ProgInfo]:
     """What the kernel says of each device program attached to a cgroup."""
     infos = []
     for prog_id in attached_programs(cgroup_dir):
-        fd = _bpf.prog_get_fd_by_id(prog_id)
+        fd = bpf.prog_get_fd_by_id(prog_id)
         try:
-            infos.append(_bpf.prog_info(fd))
+            infos.append(bpf.prog_info(fd))
         finally:
             os.close(fd)
     return infos
@@ -107,11 +107,11 @@ def program_infos(cgroup_dir: str) -> list[_bpf.ProgInfo]:
 def attach_program(cgroup_dir: str, code: bytes, name: str) -> int:
     """Load ``code`` as a device program called ``name`` and attach it to a
     cgroup beside what is there (``BPF_F_ALLOW_MULTI``); its id."""
-    prog_fd = _bpf.prog_load(code, name)
+    prog_fd = bpf.prog_load(code, name)
     fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        _bpf.prog_attach(fd, prog_fd, _bpf.BPF_F_ALLOW_MULTI)
-        prog_id = _bpf.prog_info(prog_fd).id
+        bpf.prog_attach(fd, prog_fd, bpf.BPF_F_ALLOW_MULTI)
+        prog_id = bpf.prog_info(prog_fd).id
     finally:
         os.close(fd)
         os.close(prog_fd)
@@ -121,10 +121,10 @@ def attach_program(cgroup_dir: str, code: bytes, name: str) -> int:
 
 def detach_program(cgroup_dir: str, prog_id: int) -> None:
     """Detach one device program from a cgroup."""
-    prog_fd = _bpf.prog_get_fd_by_id(prog_id)
+    prog_fd = bpf.prog_get_fd_by_id(prog_id)
     fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        _bpf.prog_detach(fd, prog_fd)
+        bpf.prog_detach(fd, prog_fd)
     finally:
         os.close(fd)
         os.close(prog_fd)
@@ -137,15 +137,15 @@ def detach_programs(cgroup_dir: str) -> list[int]:
     except OSError:
         return []
     try:
-        ids = _bpf.prog_query(fd)[1]
+        ids = bpf.prog_query(fd)[1]
         SEEN_PROGRAMS.update(ids)
         for prog_id in ids:
             try:
-                prog_fd = _bpf.prog_get_fd_by_id(prog_id)
+                prog_fd = bpf.prog_get_fd_by_id(prog_id)
             except OSError:
                 continue
             try:
-                _bpf.prog_detach(fd, prog_fd)
+                bpf.prog_detach(fd, prog_fd)
             except OSError:
                 pass
             finally:
@@ -171,7 +171,7 @@ def remove_test_cgroups(root: str, v2: bool) -> list[int]:
 
 def program_exists(prog_id: int) -> bool:
     try:
-        fd = _bpf.prog_get_fd_by_id(prog_id)
+        fd = bpf.prog_get_fd_by_id(prog_id)
     except OSError as error:
         if error.errno == errno.ENOENT:
             return False

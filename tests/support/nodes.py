@@ -38,7 +38,7 @@ from actors.devices import (
     build_device_program,
     checkpoint_file,
 )
-from actors.devices import _bpf
+from actors.devices import bpf
 from isolators import NvidiaComponents
 from isolators.testing import DRIVER_VERSION, SimulatedNode
 
@@ -168,7 +168,7 @@ class Node(SimulatedNode):
             assert len(own) == 1, f"{path}: {len(own)} device programs of ours attached: {own}"
             access = checkpoint.get(name)
             assert access is not None, f"{path}: a program is attached but the checkpoint has no entry"
-            assert own[0].tag in _bpf.program_tags(build_device_program(access)), (
+            assert own[0].tag in bpf.program_tags(build_device_program(access)), (
                 f"{path}: the attached program is not the checkpointed policy {access.lines()}"
             )
             grants[name] = {m for m in minors if access.is_granted("c", NVIDIA, m, "rw")}

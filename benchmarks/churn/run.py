@@ -1,0 +1,199 @@
+"""The entry point: arguments, one measurement a backend, the output.
+
+Rules:
+- ``main(argv)`` parses the arguments (bad ones: exit 2 with one line),
+  refuses a ``--cgroups-root`` that already exists in a chosen backend's
+  hierarchy (never adopt, and then remove, cgroups that are not ours),
+  measures each backend (``measure_backend``; a backend that cannot run
+  here is a row saying why), prints the table and the JSON line, and
+  returns 0 (130 on Ctrl-C).
+- Whatever happens, the cgroups root is removed from every chosen kernel
+  hierarchy at the end.
+- ``measure_backend`` runs ``--repeat`` repetitions, each in a fresh
+  runtime on a fresh ``SimulatedNode``: the floor(s) right before a
+  warm-up and the timed isolator churn; the row holds the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import uuid
+from typing import Any, Sequence
+
+from actors.devices import DeviceRule
+from isolators.testing import SimulatedNode, backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
+from runtime import Runtime
+
+from .floor import floor_v1, floor_v2
+from .report import Progress, format_table, peak_rss_mb, worker_peak_rss_mb
+from .workload import GPUS, ChurnRun, churn
+
+BACKENDS = ("memory", "cgroups_v1", "cgroups_v2")
+ROOT_PREFIX = "gpu-isolator-bench-"
+
+
+def _control_rules(node: SimulatedNode) -> list[DeviceRule]:
+    """The control devices every container is granted (a simulated node
+    without device nodes takes their numbers from its host file)."""
+    return [DeviceRule.parse(f"c {numbers} rwm") for numbers in node.components.inventory.control_devices.values()]
+
+
+async def measure_backend(backend: str, args: argparse.Namespace, cgroups_root: str,
+                          progress: Progress) -> dict[str, Any]:
+    """``--repeat`` repetitions of (floor, isolator) on one backend; the summary row."""
+    runs: list[ChurnRun] = []
+    floors: list[ChurnRun] = []
+    cached_floors: list[ChurnRun] = []
+    worker_rss: list[float | None] = []
+    hierarchy = cgroup_hierarchy(backend)
+    warmup = min(0.5, max(0.05, args.seconds / 10))
+    for rep in range(args.repeat):
+        tag = f"{backend} {rep + 1}/{args.repeat}"
+        async with Runtime():
+            node = SimulatedNode(backend=backend, gpus=GPUS, cgroups_root=cgroups_root,
+                                 extra={"device_worker": args.device_worker})
+            async with node:
+                if hierarchy is not None:
+                    control = _control_rules(node)
+                    floor = floor_v1 if backend == "cgroups_v1" else floor_v2
+                    floors.append(floor(hierarchy, cgroups_root, control, args.workers, args.seconds,
+                                        lambda f, n: progress.show(f"{tag} floor", f, n)))
+                    if backend == "cgroups_v2":
+                        cached_floors.append(floor_v2(
+                            hierarchy, cgroups_root, control, args.workers, args.seconds,
+                            lambda f, n: progress.show(f"{tag} floor (programs cached)", f, n), cached=True))
+                await churn(node.isolator, args.workers, seconds=warmup, prefix="w")
+                runs.append(await churn(node.isolator, args.workers, seconds=args.seconds,
+                                        progress=lambda f, n: progress.show(f"{tag} isolator", f, n)))
+                worker_rss.append(worker_peak_rss_mb())
+    progress.clear()
+    return summary_row(backend, runs, floors, cached_floors, worker_rss)
+
+
+def summary_row(backend: str, runs: list[ChurnRun], floors: list[ChurnRun], cached_floors: list[ChurnRun],
+                worker_rss: list[float | None]) -> dict[str, Any]:
+    """One backend's row: medians over the repetitions (the ratio is the
+    median of each repetition's isolator/floor ratio); latencies and counts
+    of the median repetition."""
+    rates = [run.per_second for run in runs]
+    middle = runs[sorted(range(len(runs)), key=lambda i: rates[i])[len(runs) // 2]]
+    row: dict[str, Any] = {
+        "backend": backend,
+        "lifecycles_per_s": round(statistics.median(rates), 1),
+        "runs_per_s": [round(r, 1) for r in rates],
+        "latency_us": middle.percentiles_us(),
+        "peak_rss_mb": peak_rss_mb(),
+        "worker_peak_rss_mb": max((r for r in worker_rss if r is not None), default=None),
+        "lifecycles": middle.lifecycles,
+        "gpu_lifecycles": middle.gpu_lifecycles,
+        "device_ops_per_batch": round(middle.device_operations / middle.device_batches, 1)
+        if middle.device_batches else None,
+        "errors": sum(len(run.errors) for run in runs),
+    }
+    errors = [e for run in runs for e in run.errors]
+    if errors:
+        row["first_error"] = errors[0]
+    if floors:
+        floor_rates = [f.per_second for f in floors]
+        row["floor_per_s"] = round(statistics.median(floor_rates), 1)
+        row["floor_runs_per_s"] = [round(r, 1) for r in floor_rates]
+        row["ratio"] = round(statistics.median(r / f for r, f in zip(rates, floor_rates)), 3)
+    if cached_floors:
+        cached_rates = [f.per_second for f in cached_floors]
+        row["floor_cached_per_s"] = round(statistics.median(cached_rates), 1)
+        row["ratio_cached"] = round(statistics.median(r / f for r, f in zip(rates, cached_rates)), 3)
+    return row
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.churn",
+        description="Concurrent container churn through the GPU isolator, against the raw-kernel floor.",
+    )
+    parser.add_argument("--workers", type=int, default=64, help="concurrent workers (default 64; 0-7 use a GPU)")
+    parser.add_argument("--seconds", type=float, default=5.0,
+                        help="seconds per backend per repetition, for the isolator and for the floor (default 5)")
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help="comma list of memory, cgroups_v1, cgroups_v2 (default: all; kernel ones need root)")
+    parser.add_argument("--repeat", type=int, default=3, help="repetitions; the median is reported (default 3)")
+    parser.add_argument("--device-worker", choices=("process", "thread"), default="process",
+                        help="where the kernel device work runs (the isolator's --device_worker; default process)")
+    parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
+    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    parser.add_argument("--cgroups-root", default=None,
+                        help="cgroups root for the kernel backends, removed at the end"
+                             f" (default: {ROOT_PREFIX}<random hex>); it must not exist yet")
+    return parser
+
+
+async def _measure_all(backends: list[str], args: argparse.Namespace, cgroups_root: str,
+                       progress: Progress) -> list[dict[str, Any]]:
+    rows = []
+    for backend in backends:
+        reason = backend_unavailable(backend)
+        if reason is not None:
+            rows.append({"backend": backend, "skipped": reason})
+            continue
+        rows.append(await measure_backend(backend, args, cgroups_root, progress))
+    return rows
+
+
+def _remove_root(backend: str, cgroups_root: str) -> None:
+    hierarchy = cgroup_hierarchy(backend)
+    if hierarchy is None or os.geteuid() != 0:
+        return
+    try:
+        remove_cgroup_tree(os.path.join(hierarchy, cgroups_root))
+    except OSError as error:
+        print(f"churn: could not remove cgroup {error.filename}: {error.strerror}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        parser.error(f"unknown backend(s) {unknown or args.backends!r}: choose from {', '.join(BACKENDS)}")
+    if args.workers < 1 or args.seconds <= 0 or args.repeat < 1:
+        parser.error(f"need --workers >= 1, --seconds > 0 and --repeat >= 1, got workers={args.workers}"
+                     f" seconds={args.seconds} repeat={args.repeat}")
+    cgroups_root = args.cgroups_root or ROOT_PREFIX + uuid.uuid4().hex[:12]
+    for backend in backends:  # never adopt (and then remove) cgroups that are not ours
+        hierarchy = cgroup_hierarchy(backend)
+        if hierarchy is not None and os.path.exists(os.path.join(hierarchy, cgroups_root)):
+            parser.error(f"cgroups root {os.path.join(hierarchy, cgroups_root)} already exists:"
+                         " choose another --cgroups-root")
+    progress = Progress(not args.no_progress)
+    start_rss = peak_rss_mb()
+    try:
+        rows = asyncio.run(_measure_all(backends, args, cgroups_root, progress))
+    except KeyboardInterrupt:
+        progress.clear()
+        print("churn: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for backend in backends:  # whatever an interruption or error left behind
+            _remove_root(backend, cgroups_root)
+    if not args.json_only:
+        print(format_table(rows, args.workers, args.device_worker))
+    print(json.dumps({
+        "benchmark": "container_churn",
+        "workers": args.workers,
+        "gpu_workers": min(GPUS, args.workers),
+        "seconds": args.seconds,
+        "repeat": args.repeat,
+        "device_worker": args.device_worker,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "peak_rss_mb_before": start_rss,
+        "results": rows,
+    }))
+    return 0
