@@ -53,6 +53,7 @@ from ._tasks import _async_failed, _Continuation, _Detached, _name, _TrioHandle,
 from ._process import (
     RUNNING,
     TERMINATED,
+    TERMINATING,
     Process,
     _CoroutineType,
     _initialize_event,
@@ -211,7 +212,7 @@ class Runtime:
         proc = self._lookup(pid)
         if proc is None or proc._state is not RUNNING:
             return
-        proc._state = "terminating"
+        proc._state = TERMINATING
         event = (_terminate_marker, (), None, None)
         if inject:
             mailbox = proc._mailbox

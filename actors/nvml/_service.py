@@ -99,11 +99,6 @@ class NvmlService:
             self._inventory = await self.executor.run(read_inventory, self.nvml)
         return self._inventory
 
-    @property
-    def cached_inventory(self) -> NodeInventory | None:
-        """The inventory if it was read already, else None (never blocks)."""
-        return self._inventory
-
     async def gpus(self) -> list[GpuInfo]:
         """Every GPU of the node, by NVML index."""
         return list((await self.inventory()).gpus)
