@@ -1,7 +1,14 @@
 """The domain actors and their ports: NVML (real bindings or a simulated
 node), the GPU allocator, device control (cgroups v1, cgroups v2 eBPF,
-in-memory) and the NVIDIA volume. Value types the isolator shares (``Gpu``,
-``Resources``, ``Flags``, ``ImageManifest``) live here too.
+in-memory), MIG devices and the NVIDIA volume.
+
+Each name has one home: the subpackages export their own pieces
+(``actors.devices``, ``actors.nvml``, ``actors.allocator``, ``actors.mig``,
+``actors.volume``); this package exports the GPU identity (``Gpu``,
+``GpuInfo``, ``NVIDIA_MAJOR``) and the two handles an agent builds
+(``NvidiaGpuAllocator``, ``NvidiaVolume``). The value types the isolator
+layer is configured with (``Flags``, ``Resources``, ``ImageManifest``) live
+in modules here and are exported by ``isolators``.
 
 Imports point one way: ``isolators`` -> ``actors`` -> ``runtime``.
 
@@ -16,19 +23,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    ".allocator": ("AllocatorError", "AllocatorState", "GpuAllocatorProcess", "GpuHealth", "NvidiaGpuAllocator"),
-    ".devices": ("CgroupDeviceAccess", "DeviceControl", "DeviceControlError", "DeviceControlProcess", "DeviceRule",
-                 "FaultInjectingBackend", "KernelOperationError", "container_policy", "detect_backend", "is_granted"),
-    ".flags": ("Flags", "FlagsError"),
+    ".allocator._handle": ("NvidiaGpuAllocator",),
     ".gpu": ("NVIDIA_MAJOR", "Gpu", "GpuInfo"),
-    ".inventory_table": ("render_inventory",),
-    ".manifest": ("ImageManifest", "ManifestError"),
-    ".mig": ("MigCapabilities", "MigCapabilityError", "MigDevice", "MigDeviceInfo", "read_mig_capabilities"),
-    ".nvml": ("BindingsNvml", "GpuUsage", "HealthEvent", "HostFileError", "NodeInventory", "Nvml", "NvmlError",
-              "NvmlNotSupported", "NvmlService", "SimulatedNvml", "load_host_file", "open_nvml"),
-    ".resources": ("Resources", "ResourcesError"),
-    ".volume": ("DeviceNode", "DeviceNodeError", "NvidiaVolume", "NvidiaVolumeProcess", "VolumeError",
-                "copy_device_nodes", "nvidia_device_nodes"),
+    ".volume._volume": ("NvidiaVolume",),
 }
 
 __all__ = [name for names in _EXPORTS.values() for name in names]
@@ -55,45 +52,6 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .allocator import AllocatorError, AllocatorState, GpuAllocatorProcess, GpuHealth, NvidiaGpuAllocator
-    from .devices import (
-        CgroupDeviceAccess,
-        DeviceControl,
-        DeviceControlError,
-        DeviceControlProcess,
-        DeviceRule,
-        FaultInjectingBackend,
-        KernelOperationError,
-        container_policy,
-        detect_backend,
-        is_granted,
-    )
-    from .flags import Flags, FlagsError
+    from .allocator._handle import NvidiaGpuAllocator
     from .gpu import NVIDIA_MAJOR, Gpu, GpuInfo
-    from .inventory_table import render_inventory
-    from .manifest import ImageManifest, ManifestError
-    from .mig import MigCapabilities, MigCapabilityError, MigDevice, MigDeviceInfo, read_mig_capabilities
-    from .nvml import (
-        BindingsNvml,
-        GpuUsage,
-        HealthEvent,
-        HostFileError,
-        NodeInventory,
-        Nvml,
-        NvmlError,
-        NvmlNotSupported,
-        NvmlService,
-        SimulatedNvml,
-        load_host_file,
-        open_nvml,
-    )
-    from .resources import Resources, ResourcesError
-    from .volume import (
-        DeviceNode,
-        DeviceNodeError,
-        NvidiaVolume,
-        NvidiaVolumeProcess,
-        VolumeError,
-        copy_device_nodes,
-        nvidia_device_nodes,
-    )
+    from .volume._volume import NvidiaVolume

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import logging
 
-from actors import Flags, NodeInventory, NvidiaGpuAllocator, NvidiaVolume, NvmlError, NvmlService, Resources
-from actors.nvml import NvmlUnavailable
+from actors import NvidiaGpuAllocator, NvidiaVolume
+from actors.flags import Flags
+from actors.nvml import NodeInventory, NvmlError, NvmlService, NvmlUnavailable
+from actors.resources import Resources
 
 from ._errors import IsolatorError
 

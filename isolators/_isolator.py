@@ -63,18 +63,11 @@ import subprocess
 import time
 from typing import Any, Iterable
 
-from actors import (
-    NVIDIA_MAJOR,
-    DeviceControl,
-    DeviceRule,
-    Flags,
-    Gpu,
-    Resources,
-    container_policy,
-    copy_device_nodes,
-    nvidia_device_nodes,
-)
-from actors.devices import SimulatedCrash
+from actors import NVIDIA_MAJOR, Gpu
+from actors.devices import DeviceControl, DeviceRule, SimulatedCrash, container_policy
+from actors.flags import Flags
+from actors.resources import Resources
+from actors.volume import copy_device_nodes, nvidia_device_nodes
 from runtime import Executor, Future, Process, Promise, defer, delay, dispatch, spawn, terminate, wait
 
 from ._components import NvidiaComponents

@@ -27,7 +27,8 @@ from typing import Any
 
 import msgspec
 
-from actors import ImageManifest, Resources
+from actors.manifest import ImageManifest
+from actors.resources import Resources
 
 from ._errors import InvalidContainerID
 

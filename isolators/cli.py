@@ -149,14 +149,14 @@ def _check_backend(backend: str) -> None:
 
 
 async def _run_loaded(script: Any, backend: str | None) -> int:
-    from .script import run_script
+    from . import run_script
 
     report = await run_script(script, backend, echo=_print)
     return 0 if report.passed else 1
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .script import load_script
+    from . import load_script
 
     text = importlib_resources.files("isolators").joinpath("demo", "demo.yaml").read_bytes()
     script = load_script(text, "demo.yaml")
@@ -177,7 +177,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .script import load_script_file
+    from . import load_script_file
 
     script = load_script_file(args.script)
     backend = args.backend or script.node.backend
@@ -188,8 +188,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from actors import NvmlError, NvmlService, render_inventory
-    from actors.nvml import embedded_simulated_node
+    from actors.nvml import NvmlError, NvmlService, embedded_simulated_node
+
+    from .inventory_table import render_inventory
 
     async def show() -> int:
         if args.simulated:
@@ -217,7 +218,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_cdi_generate(args: argparse.Namespace) -> int:
-    from actors import Flags
+    from actors.flags import Flags
     from actors.nvml import NvmlUnavailable
 
     from .cdi import encode_spec, generate_node_spec, spec_format, write_spec_file

@@ -40,7 +40,7 @@ from typing import Any
 
 import aiofiles.os
 
-from actors import Flags
+from actors.flags import Flags
 from actors.devices import MemoryBackend, default_hierarchy
 
 from ._components import NvidiaComponents

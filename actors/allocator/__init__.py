@@ -1,14 +1,14 @@
 """The GPU allocator: which of the node's GPUs are free (R-FL-1, R-AL-1..3).
 
-``NvidiaGpuAllocator`` is the handle (``resources(flags)``, ``create``,
-``allocate``/``deallocate``/``available``); ``GpuAllocatorProcess`` the actor;
-``HealthMonitorProcess`` feeds it NVML health events;
+The handle, ``NvidiaGpuAllocator`` (``resources(flags)``, ``create``,
+``allocate``/``deallocate``/``available``), is exported by ``actors``;
+``GpuAllocatorProcess`` is the actor; ``HealthMonitorProcess`` feeds it NVML
+health events;
 ``allocate_best``/``PairScores`` the topology scoring. Rules of each piece
 are at the top of its module.
 """
 
 from ._errors import AllocatorError, format_gpus
-from ._handle import NvidiaGpuAllocator
 from ._monitor import HealthMonitorProcess
 from ._process import AllocatorState, GpuAllocatorProcess, GpuHealth
 from ._mig_resources import managed_units, mig_resource_names
@@ -16,7 +16,7 @@ from ._resources import enumerate_indices, gpu_resources
 from ._topology import NVLINK_WEIGHT, PCIE_POINTS, PairScores, allocate_best, pair_score
 
 __all__ = [
-    "AllocatorError", "format_gpus", "NvidiaGpuAllocator", "HealthMonitorProcess", "AllocatorState",
+    "AllocatorError", "format_gpus", "HealthMonitorProcess", "AllocatorState",
     "GpuAllocatorProcess", "GpuHealth", "enumerate_indices", "gpu_resources", "managed_units",
     "mig_resource_names",
     "NVLINK_WEIGHT", "PCIE_POINTS", "PairScores", "allocate_best", "pair_score",

@@ -2,7 +2,8 @@
 bring their own root filesystem (SPEC section 7, R-VO-1..3), and the
 ``/dev/nvidia*`` nodes such containers get (R-IS-3).
 
-- ``NvidiaVolume`` (handle) / ``NvidiaVolumeProcess`` (actor): build and grow
+- ``NvidiaVolume`` (the handle, exported by ``actors``) / ``NvidiaVolumeProcess``
+  (the actor): build and grow
   ``<volume_dir>/nvidia_<version>`` from the loader cache and the search path;
   ``should_inject`` / ``env`` decide and describe the injection.
 - ``read_ld_cache`` / ``parse_ld_cache``: ``/etc/ld.so.cache`` (new, compat and
@@ -18,11 +19,11 @@ from ._elf import ElfInfo, read_elf
 from ._errors import DeviceNodeError, ElfError, LdCacheError, VolumeError
 from ._injection import CONTAINER_PATH, should_inject, volume_env
 from ._ldcache import DEFAULT_LD_CACHE, LdCacheEntry, parse_ld_cache, read_ld_cache
-from ._volume import NvidiaVolume, NvidiaVolumeProcess
+from ._volume import NvidiaVolumeProcess
 
 __all__ = [
     "BINARIES", "LIBRARIES", "CONTAINER_PATH", "DEFAULT_LD_CACHE",
-    "NvidiaVolume", "NvidiaVolumeProcess", "VolumeReport", "build_volume",
+    "NvidiaVolumeProcess", "VolumeReport", "build_volume",
     "volume_host_path", "library_skip_reason", "should_inject", "volume_env",
     "LdCacheEntry", "parse_ld_cache", "read_ld_cache", "ElfInfo", "read_elf",
     "DeviceNode", "nvidia_device_nodes", "copy_device_nodes",

@@ -22,7 +22,8 @@ import os
 import posixpath
 from typing import Iterable, Mapping
 
-from actors import DeviceRule, Gpu
+from actors import Gpu
+from actors.devices import DeviceRule
 
 from .._types import ContainerBindMount, ContainerDevice, ContainerGrant
 

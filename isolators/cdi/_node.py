@@ -27,7 +27,11 @@ from typing import Mapping
 
 import msgspec
 
-from actors import DeviceRule, Flags, ImageManifest, NodeInventory, NvidiaVolume, NvmlService
+from actors import NvidiaVolume
+from actors.devices import DeviceRule
+from actors.flags import Flags
+from actors.manifest import ImageManifest
+from actors.nvml import NodeInventory, NvmlService
 from runtime import Executor
 
 from .._types import ContainerBindMount

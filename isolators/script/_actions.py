@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from actors import ImageManifest, Resources
+from actors.manifest import ImageManifest
+from actors.resources import Resources
 from runtime import Clock, Future, await_all
 
 from .._errors import IsolatorError

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import msgspec
 import yaml
 
-from actors import Flags
+from actors.flags import Flags
 from actors.nvml import HostFileError, host_spec_from_dict, load_host_file
 
 from ._action import (

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from actors import DeviceRule, Gpu
+from actors import Gpu
+from actors.devices import DeviceRule
 from actors.nvml import load_host_file
 from isolators import ContainerLaunchInfo, cli
 from isolators._types import ContainerBindMount

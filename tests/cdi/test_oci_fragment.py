@@ -8,7 +8,8 @@ import copy
 
 import pytest
 
-from actors import DeviceRule, Gpu
+from actors import Gpu
+from actors.devices import DeviceRule
 from isolators import ContainerID, ContainerLaunchInfo
 from isolators.cdi import (
     CONTAINER_KIND,

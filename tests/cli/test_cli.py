@@ -226,12 +226,12 @@ def test_bad_arguments(capsys: pytest.CaptureFixture[str], argv: list[str], mess
 @pytest.mark.parametrize("argv", [["run", str(EXAMPLES / "quickstart.yaml")], ["demo"]], ids=["run", "demo"])
 def test_an_internal_error_is_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                                        argv: list[str]) -> None:
-    import isolators.script as script_module
+    import isolators
 
     async def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("something broke")
 
-    monkeypatch.setattr(script_module, "run_script", broken)
+    monkeypatch.setattr(isolators, "run_script", broken)
     code, _, err = run(capsys, *argv)
     assert code == 2
     assert_one_line_error(err, "gpu-isolator: internal error: RuntimeError: something broke",

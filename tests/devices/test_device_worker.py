@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from actors import Flags, FlagsError
+from isolators import Flags, FlagsError
 from actors.devices import (
     CgroupDeviceAccess,
     DeviceControl,

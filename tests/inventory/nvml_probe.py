@@ -38,7 +38,7 @@ def error_of(exc: BaseException) -> dict:
 
 
 def run_job(job: dict) -> dict:
-    from actors.allocator import NvidiaGpuAllocator
+    from actors import NvidiaGpuAllocator
     from actors.flags import Flags
     from actors.nvml import BindingsNvml, read_inventory, read_mig_usage, read_usage, register_health_events
     from runtime import Runtime

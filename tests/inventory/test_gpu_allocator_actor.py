@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from actors.allocator import AllocatorError, GpuHealth, NvidiaGpuAllocator
+from actors import NvidiaGpuAllocator
+from actors.allocator import AllocatorError, GpuHealth
 from actors.flags import Flags
 from actors.gpu import Gpu
 from actors.nvml import NvmlService, NvmlUnavailable, SimulatedNvml, read_inventory

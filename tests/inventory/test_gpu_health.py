@@ -16,7 +16,8 @@ from collections.abc import Callable
 import anyio
 import pytest
 
-from actors.allocator import GpuHealth, NvidiaGpuAllocator
+from actors import NvidiaGpuAllocator
+from actors.allocator import GpuHealth
 from actors.flags import Flags
 from actors.gpu import Gpu
 from actors.mig import MigDevice

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from actors.gpu import Gpu
-from actors.inventory_table import render_gpu_table, render_inventory, render_topology, topology_cell
+from isolators.inventory_table import render_gpu_table, render_inventory, render_topology, topology_cell
 from actors.nvml import open_nvml, read_inventory
 
 

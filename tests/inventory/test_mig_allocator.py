@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.allocator import AllocatorError, NvidiaGpuAllocator
+from actors import NvidiaGpuAllocator
+from actors.allocator import AllocatorError
 from actors.flags import Flags
 from actors.gpu import Gpu
 from actors.mig import MigDevice, MigDeviceInfo

@@ -152,7 +152,7 @@ def test_mig_inventory_encodes_and_decodes(data_dir):
 
 
 def test_mig_resources_through_the_bindings_equal_the_simulated_nodes(probe, data_dir):
-    from actors.allocator import NvidiaGpuAllocator
+    from actors import NvidiaGpuAllocator
     from actors.flags import Flags
 
     path = data_dir / "h200-mig.toml"
@@ -175,7 +175,7 @@ def test_mig_resources_through_the_bindings_equal_the_simulated_nodes(probe, dat
 
 
 def test_inspect_shows_mig_devices_under_their_gpu(data_dir):
-    from actors.inventory_table import render_gpu_table, render_inventory
+    from isolators.inventory_table import render_gpu_table, render_inventory
 
     nvml = SimulatedNvml.from_file(data_dir / "h200-mig.toml")
     nvml.init()

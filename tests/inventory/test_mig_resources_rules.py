@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from actors.allocator import AllocatorError, NvidiaGpuAllocator, managed_units
+from actors import NvidiaGpuAllocator
+from actors.allocator import AllocatorError, managed_units
 from actors.flags import Flags, FlagsError
 from actors.gpu import Gpu
 from actors.mig import MigDevice

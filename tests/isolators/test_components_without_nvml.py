@@ -15,7 +15,8 @@ import os
 
 import pytest
 
-from actors import AllocatorError, NvidiaGpuAllocator
+from actors import NvidiaGpuAllocator
+from actors.allocator import AllocatorError
 from actors.nvml import NvmlUnavailable, nvml_available
 from actors.nvml.testing import nvml_library_missing
 from isolators import IsolatorError, NvidiaComponents, Resources

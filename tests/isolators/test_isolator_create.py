@@ -10,7 +10,7 @@ import stat
 import pytest
 
 import runtime
-from actors import DeviceRule
+from actors.devices import DeviceRule
 from isolators import ContainerConfig, ContainerID, IsolatorError, NvidiaComponents, NvidiaGpuIsolatorProcess, Resources
 from isolators._isolator import _devices_subsystem_enabled, find_control_devices
 

@@ -103,7 +103,7 @@ def test_a_binary_or_huge_file_is_refused(tmp_path):
 
 
 def test_the_example_h200_node_has_facts_for_every_mig_device():
-    from actors.allocator import NvidiaGpuAllocator
+    from actors import NvidiaGpuAllocator
     from actors.flags import Flags
     from actors.nvml import SimulatedNvml, read_inventory
 

@@ -16,15 +16,18 @@ from typing import Any
 import msgspec
 import pytest
 
-from actors import Flags, FlagsError, Resources, ResourcesError
 from actors.devices import CheckpointError, CgroupsV1Backend, CgroupsV2Backend, DeviceControl, InvalidCgroupError
 from actors.devices import checkpoint_file
 from actors.nvml import HostFileError
 from isolators import (
     ContainerConfig,
     ContainerID,
+    Flags,
+    FlagsError,
     NvidiaComponents,
     NvidiaGpuIsolatorProcess,
+    Resources,
+    ResourcesError,
     ScriptError,
     load_script,
 )

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from isolators.script import ACTIONS, Action, CallStep, Expect, Step, action, concurrent_actions, load_script
+from isolators import load_script
+from isolators.script import ACTIONS, Action, CallStep, Expect, Step, action, concurrent_actions
 
 ORDER = ["prepare", "update", "usage", "cleanup", "recover", "create", "concurrent", "advance", "restart",
          "free", "held", "reconcile", "mark_unhealthy"]

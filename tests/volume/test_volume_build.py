@@ -12,16 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.volume import (
-    LIBRARIES,
-    ElfError,
-    LdCacheError,
-    NvidiaVolume,
-    VolumeError,
-    library_skip_reason,
-    read_elf,
-    read_ld_cache,
-)
+from actors import NvidiaVolume
+from actors.volume import LIBRARIES, ElfError, LdCacheError, VolumeError, library_skip_reason, read_elf, read_ld_cache
 from actors.volume._build import VENDOR_NEUTRAL
 from actors.volume._mount import mount_of, read_mount_table
 from actors.volume._elf import ElfInfo
