@@ -113,6 +113,16 @@ def remove_cgroup_tree(root: str, evict: Callable[[str], None] | None = None, bu
                 time.sleep(0.01)
 
 
+class _Inside:
+    """A path inside the node's directory (``node.path(name)``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, node: "SimulatedNode | None", owner: type | None = None) -> Any:
+        return self if node is None else node.path(self.name)
+
+
 class SimulatedNode:
     """A simulated node and the isolator running on it (see the module rules).
 
@@ -178,21 +188,10 @@ class SimulatedNode:
             raise RuntimeError("the node has no directory yet: call create_files() or setup() first")
         return os.path.join(self.tmp, *names)
 
-    @property
-    def dev_dir(self) -> str:
-        return self.path("dev")
-
-    @property
-    def runtime_dir(self) -> str:
-        return self.path("run")
-
-    @property
-    def work_dir(self) -> str:
-        return self.path("work")
-
-    @property
-    def volume_dir(self) -> str:
-        return self.path("volume")
+    dev_dir = _Inside("dev")
+    runtime_dir = _Inside("run")
+    work_dir = _Inside("work")
+    volume_dir = _Inside("volume")
 
     # -- flags and actors -----------------------------------------------------------
     def flag_values(self, changes: Mapping[str, Any] | None = None, /, **more: Any) -> dict[str, Any]:

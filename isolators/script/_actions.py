@@ -164,20 +164,25 @@ class UpdateAction(Action):
         return await _describe_held(run, args.id)
 
 
-@action
-class UsageAction(Action):
-    """``usage: {id}``: ``isolator.usage``; reports the readings per GPU."""
+class _ByIdCall(Action):
+    """An isolator call of the action's name taking only a container id."""
 
-    name = "usage"
     args = ById
     expects = ("error", "result")
     in_concurrent = True
 
+    def call(self, run: "ScriptRunner", args: ById) -> Future:
+        return getattr(run.isolator, self.name)(ContainerID.parse(args.id))
+
+
+@action
+class UsageAction(_ByIdCall):
+    """``usage: {id}``: ``isolator.usage``; reports the readings per GPU."""
+
+    name = "usage"
+
     def title(self, args: ById) -> str:
         return f"usage of {args.id}"
-
-    def call(self, run: "ScriptRunner", args: ById) -> Future:
-        return run.isolator.usage(ContainerID.parse(args.id))
 
     async def describe(self, run: "ScriptRunner", args: ById, outcome: Any) -> str:
         gpus = "; ".join(_gpu_usage(g) for g in outcome.gpus)
@@ -200,19 +205,13 @@ def _gpu_usage(g: Any) -> str:
 
 
 @action
-class CleanupAction(Action):
+class CleanupAction(_ByIdCall):
     """``cleanup: {id}``: ``isolator.cleanup``; reports the free GPUs after it."""
 
     name = "cleanup"
-    args = ById
-    expects = ("error", "result")
-    in_concurrent = True
 
     def title(self, args: ById) -> str:
         return f"cleanup {args.id}"
-
-    def call(self, run: "ScriptRunner", args: ById) -> Future:
-        return run.isolator.cleanup(ContainerID.parse(args.id))
 
     async def describe(self, run: "ScriptRunner", args: ById, outcome: Any) -> str:
         free = sorted(g.minor for g in await run.components.allocator.available())

@@ -45,10 +45,18 @@ async def running(node: SimulatedNode, **changes: Any) -> Any:
 
 
 @pytest.fixture
-def made() -> Any:
-    """Nodes a test made: their cgroups are removed whatever happened."""
+def made(tmp_path: Any) -> Any:
+    """``make(backend, gpus)``: a node in ``tmp_path`` (or ``make(node)``:
+    that one); their cgroups are removed whatever happened."""
     nodes: list[SimulatedNode] = []
-    yield nodes.append
+
+    def make(backend: str | SimulatedNode, gpus: int = 2) -> SimulatedNode:
+        node = backend if isinstance(backend, SimulatedNode) else SimulatedNode(
+            tmp_path, backend, gpus=gpus, root_prefix="gpu-isolator-test-sim-")
+        nodes.append(node)
+        return node
+
+    yield make
     for node in nodes:
         MemoryBackend.drop_shared(node.root)
         if node.backend != "memory":
@@ -102,9 +110,8 @@ async def test_async_with_runs_an_isolator_and_leaves_nothing(made: Any) -> None
 
 
 @pytest.mark.asyncio
-async def test_restart_recovers_what_the_isolator_held(backend: str, tmp_path: Any, made: Any) -> None:
-    node = SimulatedNode(tmp_path, backend, gpus=4, root_prefix="gpu-isolator-test-sim-")
-    made(node)
+async def test_restart_recovers_what_the_isolator_held(backend: str, made: Any) -> None:
+    node = made(backend, gpus=4)
     async with Runtime():
         isolator = await running(node)
         await isolator.prepare(ContainerID("c1"), config(1))
@@ -126,11 +133,9 @@ async def test_restart_recovers_what_the_isolator_held(backend: str, tmp_path: A
 @pytest.mark.asyncio
 async def test_close_after_a_crash_cleans_up_what_the_kernel_still_holds(backend: str, tmp_path: Any,
                                                                           made: Any) -> None:
-    node = SimulatedNode(tmp_path, backend, gpus=2, root_prefix="gpu-isolator-test-sim-")
-    made(node)
+    node = made(backend)
     async with Runtime():
-        isolator = await running(node)
-        await isolator.prepare(ContainerID("c1"), config(1))
+        await (await running(node)).prepare(ContainerID("c1"), config(1))
         await node.stop()  # the agent dies; c1's cgroup stays
         assert node.cgroups() == ["c1"] and node.isolator is None
         await node.close()  # starts an isolator, recovers, cleans up, removes the root
@@ -139,9 +144,8 @@ async def test_close_after_a_crash_cleans_up_what_the_kernel_still_holds(backend
 
 
 @pytest.mark.asyncio
-async def test_discard_removes_whatever_is_left(backend: str, tmp_path: Any, made: Any) -> None:
-    node = SimulatedNode(tmp_path, backend, gpus=2, root_prefix="gpu-isolator-test-sim-")
-    made(node)
+async def test_discard_removes_whatever_is_left(backend: str, made: Any) -> None:
+    node = made(backend)
     async with Runtime():
         isolator = await running(node)
         await isolator.prepare(ContainerID("c1"), config(1))
