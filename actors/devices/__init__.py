@@ -5,7 +5,8 @@ rule write, behind one port with three backends: cgroups v1 (files), cgroups
 v2 (an eBPF program per cgroup, checkpointed) and in-memory. Shaped like
 runc's ``libcontainer/cgroups/devices``: a pure rule model (``_rules``), a
 compiler of it to eBPF (``_device_program``), and backends that only apply,
-in a thread or in a device worker process of their own (``_worker``). Each module states its rules at the top.
+driven in line, in a thread or in a device worker process of their own
+(``_drivers``, ``_worker``). Each module states its rules at the top.
 ``bpf`` offers the bpf(2) calls to tools that drive the kernel directly.
 
 Names are imported when first used, so that a device worker process can
@@ -26,8 +27,7 @@ _EXPORTS = {
     "._detect": ("default_hierarchy", "detect_backend", "resolve_backend"),
     "._device_program": ("build_device_program", "program_instructions"),
     "._errors": ("CheckpointError", "DeviceControlError", "DeviceRuleError", "InvalidCgroupError",
-                 "KernelOperationError"),
-    "._worker": ("WorkerBackend", "WorkerError"),
+                 "KernelOperationError", "WorkerError"),
     "._memory": ("MemoryBackend",),
     "._rules": ("STANDARD_CONTAINER_DEVICES", "CgroupDeviceAccess", "DeviceRule", "apply_diff", "container_policy",
                 "is_granted", "normalize"),
@@ -76,9 +76,9 @@ if TYPE_CHECKING:
         DeviceRuleError,
         InvalidCgroupError,
         KernelOperationError,
+        WorkerError,
     )
     from ._memory import MemoryBackend
-    from ._worker import WorkerBackend, WorkerError
     from ._rules import (
         STANDARD_CONTAINER_DEVICES,
         CgroupDeviceAccess,

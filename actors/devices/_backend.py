@@ -132,6 +132,8 @@ class DeviceBackend(Protocol):
     name: str
     root: str
     kernel_hook: KernelHook | None
+    blocking: bool
+    """False for a backend that never blocks (in memory): applied in line."""
 
     def path(self, cgroup: str) -> str:
         """The absolute path of ``cgroup``."""
@@ -172,16 +174,27 @@ class BackendBase:
     """Shared plumbing: the root, cgroup paths, and the one kernel-op hook."""
 
     name = "base"
+    blocking = True
 
     def __init__(self, root: str) -> None:
         self.root = root
         self.kernel_hook: KernelHook | None = None
+        self.fence: Callable[[], None] | None = None
+        """Called before each operation of a batch (a device worker checks
+        that its agent is still there; see ``_worker_child``)."""
 
     def path(self, cgroup: str) -> str:
         return os.path.join(self.root, validate_cgroup(cgroup))
 
     def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:
-        return [apply_one(self, op) for op in ops]
+        fence = self.fence
+        if fence is None:
+            return [apply_one(self, op) for op in ops]
+        results = []
+        for op in ops:
+            fence()
+            results.append(apply_one(self, op))
+        return results
 
     def remove_root(self) -> bool:
         if not os.path.isdir(self.root):
@@ -241,6 +254,10 @@ class FaultInjectingBackend:
     @property
     def root(self) -> str:
         return self.inner.root
+
+    @property
+    def blocking(self) -> bool:
+        return self.inner.blocking
 
     def arm(self, fail_at: int | None, errno: int | None = None, crash_at: int | None = None) -> None:
         """Start counting again from zero; fail the ``fail_at``-th operation

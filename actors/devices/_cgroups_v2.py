@@ -156,9 +156,12 @@ class CgroupsV2Backend(BackendBase):
                     plans[index] = scratch[op.cgroup] = self._plan(op, scratch)
                 except Exception as error:
                     results[index] = error
+        fence = self.fence
         if plans:
             snapshot = {**self._states, **scratch}
             if snapshot != self._on_disk:
+                if fence is not None:
+                    fence()
                 try:
                     self._write_checkpoint(snapshot)
                 except Exception as error:
@@ -169,6 +172,8 @@ class CgroupsV2Backend(BackendBase):
         for index, op in enumerate(ops):
             if results[index] is not _PENDING:
                 continue
+            if fence is not None:
+                fence()
             if op.kind in _CHANGES:
                 cgroup = op.cgroup
                 if cgroup in broken:
@@ -190,6 +195,8 @@ class CgroupsV2Backend(BackendBase):
             else:
                 results[index] = apply_one(self, op)
         if broken and self._states != self._on_disk:
+            if fence is not None:
+                fence()
             try:
                 self._write_checkpoint(dict(self._states))
             except Exception as error:

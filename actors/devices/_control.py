@@ -2,272 +2,120 @@
 
 Rules:
 - ``DeviceControlProcess`` is the single writer of device rules for its
-  root (``<hierarchy>/<cgroups_root>``). All kernel work goes through one
-  ``Executor`` with one worker, so backends see one caller at a time; or,
-  with ``worker="process"``, to one device worker process (``_worker``),
-  one batch at a time, awaited without a thread.
-- Group commit: an operation that arrives while an executor job runs is
-  queued; when the job ends, ALL queued operations go to the backend as ONE
-  batch in ONE executor job (``backend.apply_batch``). Operations apply in
-  arrival order (so operations on one cgroup apply in the order they were
-  called); each caller's Future completes with its own result or its own
-  exception: one failure fails no other caller. The in-memory backend is
-  applied inline, on the actor, with no executor hop.
-- A ``SimulatedCrash`` (fault injection) fails every caller of its batch.
+  root (``<hierarchy>/<cgroups_root>``). It hands every operation to one
+  driver (``_drivers``, ``_worker``): in line (a backend that never
+  blocks: in memory), a thread (group commit: one executor job per drained
+  batch) or a device worker process. Operations apply in arrival order (so
+  operations on one cgroup apply in the order they were called); each
+  caller's Future completes with its own result or its own exception: one
+  failure fails no other caller.
+- An operation whose effects are unknown (its device worker process died
+  or was fenced while holding it) fails with ``WorkerError``: read the
+  kernel state back (``state``, ``reconcile``) before acting on it.
+- An exception that is not an ``Exception`` (fault injection's simulated
+  crash) fails every caller of its batch.
 - At termination, every queued or in-flight operation's Future fails with
-  ``ProcessTerminated`` (a job already in its thread still finishes there;
-  its effects stand but are not reported).
+  ``ProcessTerminated`` (work already in a thread or a worker still
+  finishes there; its effects stand but are not reported).
 - ``DeviceControl`` is the handle. Its methods return Futures (await them).
   A cgroup is a relative path under the root (a container id, or
   ``"parent/child"``): empty, absolute or ``..`` paths are refused before
-  anything is queued, and rules given as v1 lines are parsed there too (a
-  tuple of rules seen before is recognised by identity: callers pass the
-  same policy tuples again and again).
+  anything is queued, and rules given as v1 lines are parsed there too.
 - ``DeviceControl.create`` picks the backend (``auto``: see
-  ``detect_backend``) and builds it in the executor, or in the worker
-  process (v2 reads its checkpoint there, so a bad checkpoint fails
-  ``create`` either way). A device worker process that cannot be started
-  (no ``sys.executable``, a child that dies at start) is logged as a
-  warning and a thread is used instead; the backend's own errors (a bad
-  hierarchy, a bad checkpoint) are raised.
+  ``detect_backend``, probed in the executor) and, with a ``work_dir``,
+  takes the work directory's lock (``_lock``) before reading any device
+  state: a second agent on the same directory waits for it, bounded, and
+  refuses to start without it. It then builds the backend in the executor
+  or in the worker process (v2 reads its checkpoint there, so a bad
+  checkpoint fails ``create`` either way). A device worker process that
+  cannot be started (no pipes, no ``sys.executable``, a child that dies at
+  start) is logged as a warning and a thread is used instead; the
+  backend's own errors (a bad hierarchy, a bad checkpoint) are raised.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from runtime import Executor, Future, Process, ProcessTerminated, Promise, dispatch, spawn, terminate, wait
-from runtime import generate_id
+from runtime import Executor, Future, Process, ProcessTerminated, dispatch, generate_id, spawn, terminate, wait
 
-from ._backend import DeviceBackend, DeviceOperation, SimulatedCrash, validate_cgroup, validate_cgroups_root
+from ._backend import DeviceBackend, DeviceOperation, validate_cgroup, validate_cgroups_root
 from ._cgroups_v1 import CgroupsV1Backend
 from ._cgroups_v2 import CgroupsV2Backend
 from ._detect import resolve_backend
-from ._errors import DeviceControlError
+from ._drivers import InlineDriver, ThreadDriver
+from ._errors import DeviceControlError, WorkerError
+from ._lock import LOCK_TIMEOUT, WorkDirLock
 from ._memory import MemoryBackend
 from ._rules import CgroupDeviceAccess, DeviceRule, as_rules, check_diff
-from ._worker import WorkerBackend, WorkerError
+from ._worker import WorkerDriver
 
 logger = logging.getLogger(__name__)
+
+Driver = InlineDriver | ThreadDriver | WorkerDriver
 
 
 class DeviceControlProcess(Process):
     """The single writer of device rules (see module rules)."""
 
-    def __init__(self, backend: DeviceBackend, executor: Executor | None = None) -> None:
+    def __init__(self, driver: Driver) -> None:
         super().__init__(id=generate_id("device-control"))
-        self.backend = backend
-        self.executor = executor if executor is not None else Executor(1, name="device-control")
-        self.inline = backend.name == "memory"
-        self.remote = isinstance(backend, WorkerBackend)
-        self._queued: list[tuple[DeviceOperation, Promise]] = []
-        self._in_flight: list[tuple[DeviceOperation, Promise]] = []
-        self._draining = False
-        self._sent: deque[list[tuple[DeviceOperation, Promise]]] = deque()
-        """Worker process: the batches sent to it, oldest first."""
-        self.window = WINDOW
-        self._reading = False
-        self._flush_scheduled = False
-        self._flushing = False
-        self._restarting = False
-        self.batches = 0
-        """Executor jobs run so far (each one drained batch)."""
+        self.driver = driver
         self.operations = 0
         """Operations submitted so far."""
 
-    def submit(self, op: DeviceOperation) -> Any:
-        """Queue ``op``; a Future of its result (inline value for in-memory)."""
+    def initialize(self) -> None:
+        pid = self.pid
+        self.driver.bind(lambda fn: dispatch(pid, _call, fn))
+
+    def submit(self, op: DeviceOperation) -> Future:
+        """A Future of ``op``'s result."""
         self.operations += 1
-        if self.inline:
-            try:
-                result = self.backend.apply_batch([op])[0]
-            except SimulatedCrash as crash:
-                return Future.failed(crash)
-            if isinstance(result, BaseException):
-                raise result
-            return result
-        promise: Promise = Promise()
-        self._queued.append((op, promise))
-        if self.remote:
-            if not self._sent:
-                self._pump()  # the worker is idle: at once
-            elif len(self._sent) < self.window and not self._flush_scheduled:
-                self._flush_scheduled = True  # with what else comes in this drain
-                dispatch(self.pid, DeviceControlProcess._flush)
-        elif not self._draining:
-            self._draining = True
-            dispatch(self.pid, DeviceControlProcess._run_batches)
-        return promise.future
-
-    async def _run_batches(self) -> None:
-        try:
-            while self._queued:
-                batch = self._take()
-                try:
-                    results = await self.executor.run(self.backend.apply_batch, [op for op, _ in batch])
-                except (Exception, SimulatedCrash) as error:  # the job broke: every caller hears it
-                    results = [error] * len(batch)
-                self._in_flight = []
-                _resolve(batch, results)
-        finally:
-            self._draining = False
-
-    def _take(self) -> list[tuple[DeviceOperation, Promise]]:
-        batch, self._queued = self._queued, []
-        self._in_flight = batch
-        self.batches += 1
-        return batch
-
-    # -- worker process: at most ``window`` batches in the worker -------------
-    def _pump(self) -> None:
-        """Send what is queued now (the worker has room); start a new worker
-        first if the last one went away."""
-        worker: WorkerBackend = self.backend  # type: ignore[assignment]
-        if worker.process is None:
-            if not self._restarting:
-                self._restarting = True
-                dispatch(self.pid, DeviceControlProcess._restart)
-            return
-        if len(self._queued) > MAX_WORKER_BATCH:  # frames stay far below the worker's limit
-            batch, self._queued = self._queued[:MAX_WORKER_BATCH], self._queued[MAX_WORKER_BATCH:]
-            self.batches += 1
-        else:
-            batch = self._take()
-        self._in_flight = []
-        try:
-            complete = worker.send([op for op, _ in batch])
-        except Exception as error:
-            _resolve(batch, [error] * len(batch))
-            return
-        self._sent.append(batch)
-        if not complete and not self._flushing:
-            self._flushing = True
-            dispatch(self.pid, DeviceControlProcess._flush_outbox)
-        if self._queued and len(self._sent) < self.window:
-            self._pump()
-        if not self._reading:
-            self._reading = True
-            dispatch(self.pid, DeviceControlProcess._read)
-
-    async def _flush_outbox(self) -> None:
-        """Write what did not fit in the pipe; a worker that went away is
-        reported by ``_read`` (end of file), with its batches."""
-        worker: WorkerBackend = self.backend  # type: ignore[assignment]
-        try:
-            await worker.flush()
-        except Exception:
-            pass
-        finally:
-            self._flushing = False
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self._queued and len(self._sent) < self.window:
-            self._pump()
-
-    async def _restart(self) -> None:
-        worker: WorkerBackend = self.backend  # type: ignore[assignment]
-        try:
-            await worker.restart()
-        except Exception as error:  # what waited for it hears why
-            batch = self._take()
-            self._in_flight = []
-            _resolve(batch, [error] * len(batch))
-            return
-        finally:
-            self._restarting = False
-        if self._queued and len(self._sent) < self.window:
-            self._pump()
-
-    async def _read(self) -> None:
-        """Results of the batches in the worker, oldest first, as they come
-        (a batch's results may come in parts); what queued meanwhile is sent
-        before the callers are told, so the worker and the event loop work
-        at the same time."""
-        worker: WorkerBackend = self.backend  # type: ignore[assignment]
-        told = 0  # callers of the oldest batch told so far
-        try:
-            while self._sent:
-                batch = self._sent[0]
-                try:
-                    done, results = await worker.receive_part(len(batch))
-                except Exception as error:  # the worker went away: every batch in it fails
-                    lost, self._sent = list(self._sent), deque()
-                    lost[0] = lost[0][told:]
-                    told = 0
-                    for each in lost:
-                        _resolve(each, [error] * len(each))
-                    if self._queued:
-                        self._pump()
-                    continue
-                part = batch[told:told + len(results)]
-                if done:
-                    self._sent.popleft()
-                    told = 0
-                    if self._queued and len(self._sent) < self.window:
-                        self._pump()
-                else:
-                    told += len(results)
-                _resolve(part, results)
-        finally:
-            self._reading = False
+        return self.driver.submit(op)
 
     def finalize(self) -> None:
-        error = ProcessTerminated(f"Device control {self.pid} terminated before the operation completed")
-        for _op, promise in [*self._in_flight, *(item for batch in self._sent for item in batch), *self._queued]:
-            promise.fail(error)
-        idle = not self._in_flight
-        self._in_flight, self._queued, self._sent = [], [], deque()
-        self.executor.shutdown(wait=False)
-        close = getattr(self.backend, "close", None)
-        if (idle or self.remote) and close is not None:
-            close()  # releases what the backend holds open (v2: cached programs; a worker: its pipes)
+        self.driver.stop(ProcessTerminated(f"Device control {self.pid} terminated before the operation completed"))
 
 
-WINDOW = 2
-"""Batches in a device worker process at once: one it applies, one waiting,
-so that it goes straight on to the next."""
+def _call(_process: DeviceControlProcess, fn: Callable[[], Any]) -> Any:
+    return fn()
 
-MAX_WORKER_BATCH = 4096
-"""Operations in one frame to a device worker process at most (a longer
-queue goes as several batches)."""
 
 WORKERS = ("thread", "process")
 """Where a kernel backend runs: a thread of this process, or a device worker
 process of its own (see ``_worker``)."""
 
 
-def _resolve(batch: list[tuple[DeviceOperation, Promise]], results: list[Any]) -> None:
-    for (_op, promise), result in zip(batch, results):
-        if isinstance(result, BaseException):
-            promise.fail(result)
-        else:
-            promise.set_value(result)
-
-
-async def _build_backend(
+async def _build_driver(
     executor: Executor, backend: str, hierarchy: str | None, cgroups_root: str, work_dir: str | None,
-    worker: str = "thread",
-) -> Any:
+    worker: str, lock_timeout: float,
+) -> Driver:
     validate_cgroups_root(cgroups_root)
     if worker not in WORKERS:
         raise DeviceControlError(f"Unknown device worker {worker!r}: expected one of {', '.join(WORKERS)}")
-    kind, hierarchy = resolve_backend(backend, hierarchy)
+    kind, hierarchy = await executor.run(resolve_backend, backend, hierarchy)
     if kind == "memory":
-        return MemoryBackend(f"memory:{hierarchy or ''}/{cgroups_root}", shared=True)
+        return InlineDriver(MemoryBackend(f"memory:{hierarchy or ''}/{cgroups_root}", shared=True))
     if kind == "cgroups_v2" and work_dir is None:
         raise DeviceControlError("cgroups v2 device control needs a work_dir for its checkpoint")
     assert hierarchy is not None
-    if worker == "process":
-        try:
-            return await WorkerBackend.start(kind, hierarchy, cgroups_root, work_dir)
-        except WorkerError as error:  # no child process here (not the backend's own error): a thread
-            logger.warning("%s; device control for %s uses a thread of this process instead", error, kind)
-    if kind == "cgroups_v1":
-        return await executor.run(CgroupsV1Backend, hierarchy, cgroups_root)
-    return await executor.run(CgroupsV2Backend, hierarchy, cgroups_root, work_dir)
+    lock = await executor.run(WorkDirLock.acquire, work_dir, lock_timeout) if work_dir is not None else None
+    try:
+        if worker == "process":
+            try:
+                return await WorkerDriver.start(kind, hierarchy, cgroups_root, work_dir, lock)
+            except WorkerError as error:  # no child process here (not the backend's own error): a thread
+                logger.warning("%s; device control for %s uses a thread of this process instead", error, kind)
+        if kind == "cgroups_v1":
+            impl: DeviceBackend = await executor.run(CgroupsV1Backend, hierarchy, cgroups_root)
+        else:
+            impl = await executor.run(CgroupsV2Backend, hierarchy, cgroups_root, work_dir)
+        return ThreadDriver(impl, executor, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
 
 
 class DeviceControl:
@@ -277,8 +125,8 @@ class DeviceControl:
         self._process = process
         self.pid = process.pid
         self._checked: dict[int, tuple[tuple, tuple[DeviceRule, ...]]] = {}
-        self.backend_name: str = process.backend.name
-        self.root: str = process.backend.root
+        self.backend_name: str = process.driver.name
+        self.root: str = process.driver.root
 
     @classmethod
     async def create(
@@ -289,23 +137,32 @@ class DeviceControl:
         work_dir: str | None = None,
         backend_impl: DeviceBackend | None = None,
         worker: str = "thread",
+        lock_timeout: float = LOCK_TIMEOUT,
     ) -> "DeviceControl":
         """Build the backend and spawn the actor (inside a ``runtime.Runtime``).
 
         ``worker``: ``thread`` runs a kernel backend in this process's
         executor; ``process`` in a device worker process (``_worker``: the
         kernel work then overlaps the event loop's). Ignored for in-memory
-        and for ``backend_impl``."""
+        and for ``backend_impl`` (applied in a thread, or in line when it
+        never blocks). ``lock_timeout``: seconds to wait for the work
+        directory's lock (see module rules)."""
         executor = Executor(1, name="device-control")
-        if backend_impl is None:
-            try:
-                backend_impl = await _build_backend(executor, backend, hierarchy, cgroups_root, work_dir, worker)
-            except BaseException:
-                executor.shutdown(wait=False)
-                raise
-        process = DeviceControlProcess(backend_impl, executor)
+        try:
+            if backend_impl is not None:
+                driver: Driver = (
+                    ThreadDriver(backend_impl, executor) if backend_impl.blocking else InlineDriver(backend_impl)
+                )
+            else:
+                driver = await _build_driver(
+                    executor, backend, hierarchy, cgroups_root, work_dir, worker, lock_timeout
+                )
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        process = DeviceControlProcess(driver)
         spawn(process)
-        logger.info("Device control %s uses %s at %s", process.pid, backend_impl.name, backend_impl.root)
+        logger.info("Device control %s uses %s at %s", process.pid, driver.name, driver.root)
         return cls(process)
 
     def _submit(self, kind: str, *args: Any) -> Future:
@@ -384,21 +241,26 @@ class DeviceControl:
 
     def path(self, cgroup: str) -> str:
         """The absolute path of ``cgroup`` (for tests and logs)."""
-        return self._process.backend.path(validate_cgroup(cgroup))
+        return self._process.driver.path(validate_cgroup(cgroup))
 
     @property
     def batches(self) -> int:
-        """Executor jobs run so far (one per drained batch)."""
-        return self._process.batches
+        """Batches handed to the backend so far (executor jobs, or frames to a worker)."""
+        return self._process.driver.batches
 
     @property
     def operations(self) -> int:
         """Operations submitted so far."""
         return self._process.operations
 
+    @property
+    def worker_pid(self) -> int | None:
+        """The device worker process's id while one runs (None in a thread or in line)."""
+        return self._process.driver.pid
+
     async def close(self) -> None:
-        """Terminate the actor and wait for it (and for its worker process to exit)."""
+        """Terminate the actor and wait for it, and until nothing of it can
+        touch the kernel any more (its worker process has exited)."""
         terminate(self.pid)
         await wait(self.pid)
-        if self._process.remote:
-            await self._process.backend.wait_closed()
+        await self._process.driver.wait_stopped()

@@ -42,3 +42,7 @@ class KernelOperationError(DeviceControlError):
 
 class CheckpointError(DeviceControlError):
     """A device checkpoint is truncated, garbled or unreadable."""
+
+
+class WorkerError(DeviceControlError):
+    """The device worker process could not be started or went away (see module rules)."""

@@ -42,6 +42,7 @@ class MemoryBackend(BackendBase):
     """Device rules kept in memory (see module rules)."""
 
     name = "memory"
+    blocking = False
 
     def __init__(self, root: str = "memory:/gpu-isolator", shared: bool = False) -> None:
         super().__init__(root)

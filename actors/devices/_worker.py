@@ -1,564 +1,363 @@
-"""Device worker: a kernel backend run in a child process of its own.
+"""Device worker driver: kernel work in a child process of the agent's own.
 
 Why: the kernel work of a container (mkdir, one ``write(2)`` per rule,
 rmdir ...) is ~20 short syscalls. In a thread of the agent's process each
 one gives up the GIL and must take it back from the event loop, so the
 loop's Python and the kernel work alternate instead of overlapping. In a
-child process they run side by side, on two cores.
+child process they run side by side, on two cores. The child's side is
+``_worker_child``, the frames ``_frames``, one child's pipes and start-up
+``_worker_process``.
 
 Rules:
-- ``WorkerBackend.start(kind, hierarchy, cgroups_root, work_dir)`` spawns
-  the child (``sys.executable`` in isolated mode, in a session of its own so
-  that a terminal's Ctrl-C does not stop it mid-batch) and waits for its
-  first frame: ready (the backend's name and root), or the error that
-  building the backend raised there (a bad hierarchy, a garbled v2
-  checkpoint ...), which ``start`` raises unchanged.
-- The child holds the one real backend (v1 or v2) and applies what it is
-  sent, batch by batch, in the order sent: one value or exception per
-  operation, exactly as in a thread. A backend with ``applies_each`` (v1:
-  operations are independent) is given the operations one at a time and
-  its results go back at least every ``SLICE`` seconds, so the event loop
-  goes on with the first containers of a batch while the rest are applied;
-  v2 applies a batch whole (one checkpoint write per batch). Warnings and
-  errors logged there come back with the results and are logged here under
-  the same logger names (the child logs at this process's level for
-  ``actors.devices``).
-- ``send(ops)`` / ``flush()`` / ``receive_part(n)`` are used by the device
-  control actor only (it keeps at most ``WINDOW`` batches in the child, see
-  ``_control``). The pipe to
-  the child is never written blocking: what does not fit waits in an outbox
-  that ``flush`` writes as the child reads. Frames (``_FrameCodec``) are a
-  4-byte length and a pickle, over two private pipes: the only input the
-  child reads. It exits when the parent's end closes (the parent exiting
-  included). Policies repeat: each goes over once and by number after.
-- The child exiting (killed, crashed) fails the batches in it with a
-  ``WorkerError`` saying so; the next batch starts a new child (v1 keeps
-  all its state in the kernel; v2 reloads its checkpoint); if that fails,
-  its callers get the error.
-- ``path`` is computed here, without a round trip; ``kernel_hook`` cannot be
-  set (fault injection runs the backend in a thread: pass ``backend_impl``).
-- ``close()`` closes the pipes: the child exits at its next result frame
-  (or read) after the operation it is applying; effects so far stand.
-  ``await wait_closed()`` then waits for it (``DeviceControl.close`` does).
-- Start-up: the child imports only the device backend modules (a stub
-  stands in for the ``actors``, ``actors.devices`` and ``runtime``
-  packages, whose ``__init__`` would import the whole agent): ~0.1 s.
+- ``WorkerDriver.start(...)`` starts a child and waits for its first frame:
+  ready, or the error building the backend raised there (a bad hierarchy,
+  a garbled v2 checkpoint), which ``start`` raises unchanged. Anything that
+  keeps a child from starting (no pipes, no ``sys.executable``, a child
+  that dies or does not answer within ``START_TIMEOUT`` seconds) is a
+  ``WorkerError`` saying so.
+- Nothing blocks the event loop: a child is started in an executor job
+  and reaped by a thread of its own (``_worker_process``); waiting for its
+  exit is an executor job too, bounded.
+- One child at a time, and one reader of its frames: the coroutine that
+  started it reads its ready frame and then every result frame, in order,
+  until the child goes. Nothing is sent to a child before its ready frame
+  was read.
+- ``submit(op)`` queues an operation. An idle child gets it at once; while
+  the child works, what arrives is sent as one batch per drain (at most
+  ``WINDOW`` batches in the child, at most ``MAX_WORKER_BATCH`` operations
+  a batch). The pipe is never written blocking: what does not fit waits in
+  an outbox written as the child reads. A batch's results may come in
+  parts (v1); each caller hears its own result or its own error.
+- A child that goes away (killed, crashed, fenced) fails every operation
+  whose batch had reached it, even in part, with a ``WorkerError`` saying
+  their effects are unknown: the kernel may hold any of them, so read it
+  back before acting on them. A batch of which not one byte reached the
+  child is certain not to be applied: it goes to the next child, in order.
+  The next child starts when there is something to send; if it cannot
+  start, what waited for it fails with the reason (nothing of it was sent).
+  After ``MAX_QUICK_DEATHS`` children in a row that went away without
+  answering and before a byte of what was sent reached them, what waits
+  fails instead of starting yet another: every restart ends.
+- ``stop(error)`` (the actor's termination) fails what is queued or in the
+  child with ``error`` and closes the pipes: the child exits after the
+  operation it applies (its effects stand). ``await wait_stopped()`` waits
+  for every child to exit (killed, with a warning, after a bound).
 """
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import os
-import pickle
-import struct
-import sys
-import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Callable, Sequence
 
-from ._backend import DeviceOperation, apply_one, validate_cgroup
-from ._errors import DeviceControlError
-from ._rules import CgroupDeviceAccess, DeviceRule
+from runtime import Clock, Executor, Future, Promise
 
-if TYPE_CHECKING:
-    import asyncio
-    import subprocess
-
-# asyncio and subprocess are imported where the parent uses them: the child
-# never does, and importing asyncio alone would double its start-up time.
+from ._backend import DeviceOperation, validate_cgroup
+from ._drivers import resolve
+from ._errors import WorkerError
+from ._lock import WorkDirLock
+from ._worker_child import BOOT
+from ._worker_process import Batch, ChildGone, Entry, WorkerProcess, start_process
 
 logger = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<I")
-SLICE = 0.0005
-"""Seconds between result frames while an ``applies_each`` backend works
-through a batch."""
-MAX_FRAME = 64 << 20
-"""Frames larger than this are refused (a broken peer, not a batch)."""
+WINDOW = 2
+"""Batches in a device worker process at once: one it applies, one waiting,
+so that it goes straight on to the next."""
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MAX_WORKER_BATCH = 4096
+"""Operations in one frame to a device worker process at most (a longer
+queue goes as several batches)."""
 
-_BOOT = """\
-import json, sys, types
-spec = json.loads(sys.argv[1])
-sys.path[:0] = spec["path"]
-def stub(name, path):
-    module = types.ModuleType(name)
-    module.__path__ = [path]
-    sys.modules[name] = module
-    return module
-runtime = stub("runtime", spec["root"] + "/runtime")
-from runtime._errors import Failure
-runtime.Failure = Failure
-stub("actors", spec["root"] + "/actors")
-stub("actors.devices", spec["root"] + "/actors/devices")
-from actors.devices._worker import serve
-serve(spec)
-"""
+START_TIMEOUT = 30.0
+"""Seconds a new device worker process has to answer its first frame."""
+
+EXIT_TIMEOUT = 5.0
+"""Seconds to wait for a closed (or dead) device worker process to exit."""
+
+MAX_QUICK_DEATHS = 3
+"""Children in a row that may go away without answering and before anything
+sent reached them, before what waits fails instead."""
 
 
-class WorkerError(DeviceControlError):
-    """The device worker process could not be started or went away."""
+def _unbound(fn: Callable[[], Any]) -> Any:
+    raise RuntimeError("WorkerDriver.bind() was not called: the driver runs on the device control actor")
 
 
-# -- frames ---------------------------------------------------------------------
-def _interned(value: object) -> bool:
-    """Sent once, then by number: policies (rule tuples, ``CgroupDeviceAccess``)."""
-    kind = type(value)
-    return kind is CgroupDeviceAccess or (kind is tuple and len(value) > 0 and type(value[0]) is DeviceRule)  # type: ignore[arg-type,index]
-
-
-class _FrameCodec:
-    """One direction's frames, each way (see module rules).
-
-    An object ``_interned`` picks goes whole the first time, with a number,
-    and as that number after: the receiver gets the very same object back,
-    which the backends' caches recognise by identity. At most ``CAPACITY``
-    numbers are in use; then numbering starts again from 0 (the receiver
-    overwrites what it had under a number when a whole object comes)."""
-
-    CAPACITY = 4096
-
-    def __init__(self) -> None:
-        self._sent: dict[int, tuple[int, object]] = {}  # id -> (number, the object, kept alive)
-        self._received: dict[int, object] = {}
-        self._defining: object = None
-        self.buffer = bytearray()
-
-    def _persistent_id(self, obj: object) -> Any:
-        if obj is self._defining:  # inside the (number, obj) just returned: whole
-            self._defining = None
-            return None
-        if not _interned(obj):
-            return None
-        known = self._sent.get(id(obj))
-        if known is not None:
-            return known[0]
-        if len(self._sent) >= self.CAPACITY:
-            self._sent.clear()
-        number = len(self._sent)
-        self._sent[id(obj)] = (number, obj)
-        self._defining = obj
-        return (number, obj)
-
-    def _persistent_load(self, pid: Any) -> object:
-        if type(pid) is int:
-            return self._received[pid]
-        number, obj = pid
-        self._received[number] = obj
-        return obj
-
-    def encode(self, value: Any) -> bytes:
-        out = io.BytesIO()
-        out.write(b"\0\0\0\0")
-        pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
-        pickler.persistent_id = self._persistent_id  # type: ignore[method-assign]
-        pickler.dump(value)
-        data = out.getbuffer()
-        _HEADER.pack_into(data, 0, len(data) - 4)
-        return bytes(data)
-
-    def write(self, fd: int, value: Any) -> None:
-        """Write one frame of ``value`` (blocking until it is all written)."""
-        view = memoryview(self.encode(value))
-        while view:
-            view = view[os.write(fd, view) :]
-
-    def feed(self, data: bytes) -> None:
-        self.buffer += data
-
-    def next(self) -> Any | None:
-        """The next whole frame's value, or None when it has not all arrived."""
-        buffer = self.buffer
-        if len(buffer) < 4:
-            return None
-        (size,) = _HEADER.unpack_from(buffer)
-        if size > MAX_FRAME:
-            raise WorkerError(f"Device worker frame of {size} bytes (at most {MAX_FRAME}): the peer is broken")
-        if len(buffer) < 4 + size:
-            return None
-        with memoryview(buffer) as view:
-            unpickler = pickle.Unpickler(io.BytesIO(view[4 : 4 + size]))
-            unpickler.persistent_load = self._persistent_load  # type: ignore[method-assign]
-            value = unpickler.load()
-        del buffer[: 4 + size]
-        return value
-
-
-# -- the child ------------------------------------------------------------------
-class _Collect(logging.Handler):
-    """Keeps the records logged while a batch is applied."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[str, int, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.records.append((record.name, record.levelno, record.getMessage()))
-        except Exception:  # a record that cannot be formatted is not worth the batch
-            pass
-
-
-def _build(spec: dict) -> Any:
-    kind = spec["kind"]
-    if kind == "cgroups_v1":
-        from ._cgroups_v1 import CgroupsV1Backend
-
-        return CgroupsV1Backend(spec["hierarchy"], spec["cgroups_root"])
-    if kind == "cgroups_v2":
-        from ._cgroups_v2 import CgroupsV2Backend
-
-        return CgroupsV2Backend(spec["hierarchy"], spec["cgroups_root"], spec["work_dir"])
-    raise DeviceControlError(f"A device worker runs cgroups_v1 or cgroups_v2, not {kind!r}")
-
-
-def serve(spec: dict) -> None:
-    """The child's main loop (see module rules)."""
-    read_fd, write_fd = spec["fds"]
-    collect = _Collect()
-    root = logging.getLogger()
-    root.handlers[:] = [collect]
-    root.setLevel(spec["log_level"])
-    codec = _FrameCodec()
-    try:
-        backend = _build(spec)
-    except Exception as error:
-        codec.write(write_fd, ("error", error, collect.records))
-        return
-    codec.write(write_fd, ("ready", (backend.name, backend.root), collect.records))
-    collect.records = []
-    each = bool(getattr(backend, "applies_each", False))
-    clock = time.perf_counter
-    try:
-        while True:
-            frame = codec.next()
-            if frame is None:
-                data = os.read(read_fd, 1 << 20)
-                if not data:
-                    return  # the parent closed its end
-                codec.feed(data)
-                continue
-            ops = [DeviceOperation(kind, args) for kind, args in frame]
-            if not each:
-                results = backend.apply_batch(ops)
-                codec.write(write_fd, ("done", results, collect.records))
-                collect.records = []
-                continue
-            results = []
-            sent = clock()
-            last = len(ops) - 1
-            for index, op in enumerate(ops):
-                results.append(apply_one(backend, op))
-                if index == last or clock() - sent >= SLICE:
-                    codec.write(write_fd, ("done" if index == last else "part", results, collect.records))
-                    results, collect.records = [], []
-                    sent = clock()
-    except BrokenPipeError:
-        return
-    finally:
-        close = getattr(backend, "close", None)
-        if close is not None:
-            close()
-
-
-# -- the parent -----------------------------------------------------------------
 def _relay(records: Sequence[tuple[str, int, str]]) -> None:
     for name, level, message in records:
         logging.getLogger(name).log(level, "%s", message)
 
 
-class WorkerBackend:
-    """A kernel backend in a device worker process (see module rules)."""
+class WorkerDriver:
+    """Runs device operations in a device worker process (see module rules)."""
 
-    kernel_hook = None
-
-    def __init__(self, kind: str, hierarchy: str, cgroups_root: str, work_dir: str | None) -> None:
-        self.kind = kind
-        self.spec = {"kind": kind, "hierarchy": hierarchy, "cgroups_root": cgroups_root, "work_dir": work_dir}
+    def __init__(self, kind: str, hierarchy: str, cgroups_root: str, work_dir: str | None,
+                 lock: WorkDirLock | None = None) -> None:
         self.name = kind
         self.root = os.path.join(hierarchy, cgroups_root)
         self._prefix = self.root.rstrip("/") + "/"
-        self.process: "subprocess.Popen | None" = None
-        self._read_fd = -1
-        self._write_fd = -1
-        self._to_child = _FrameCodec()
-        self._from_child = _FrameCodec()
-        self._loop: "asyncio.AbstractEventLoop | None" = None
-        self._eof = False
-        self._waiter: Any = None
-        self._write_waiter: Any = None
-        self._outbox = bytearray()
-        self._exiting: list[subprocess.Popen] = []
+        self.lock = lock
+        self._spec = {"kind": kind, "hierarchy": hierarchy, "cgroups_root": cgroups_root, "work_dir": work_dir}
+        self._executor = Executor(2, name="device-worker")
+        self._later: Callable[[Callable[[], Any]], Any] = _unbound
+        self._queue: list[Entry] = []
+        self._child: WorkerProcess | None = None
+        self._children: list[WorkerProcess] = []
+        """Every child started and not yet seen to exit."""
+        self._starting = False
+        self._flush_scheduled = False
+        self._quick_deaths = 0
+        self._stopped: BaseException | None = None
+        self._launched: list[tuple[Any, Any, int, int]] = []
+        """Children started by an executor job and not yet taken over (see ``stop``)."""
+        self._dying: dict[WorkerProcess, list[Entry]] = {}
+        """What children that went away held, until they are reaped and it is failed."""
+        self.batches = 0
+        """Batches sent so far."""
         self.starts = 0
         """Children started so far (1 + restarts)."""
 
     @classmethod
-    async def start(cls, kind: str, hierarchy: str, cgroups_root: str, work_dir: str | None) -> "WorkerBackend":
-        """Spawn the child and wait until its backend is built (its error raised here)."""
-        worker = cls(kind, hierarchy, cgroups_root, work_dir)
-        await worker._spawn()
-        return worker
+    async def start(cls, kind: str, hierarchy: str, cgroups_root: str, work_dir: str | None,
+                    lock: WorkDirLock | None = None) -> "WorkerDriver":
+        """Start the first child; its backend's error raised here (see module rules)."""
+        driver = cls(kind, hierarchy, cgroups_root, work_dir, lock)
+        try:
+            driver._child = await driver._start_child()
+        except BaseException:
+            driver._executor.shutdown(wait=False)
+            raise
+        return driver
+
+    @property
+    def pid(self) -> int | None:
+        """The running child's process id (None between children)."""
+        child = self._child
+        return child.pid if child is not None else None
 
     def path(self, cgroup: str) -> str:
         return self._prefix + validate_cgroup(cgroup)
 
-    @property
-    def pid(self) -> int | None:
-        """The child's process id while one runs."""
-        return self.process.pid if self.process is not None else None
+    def bind(self, later: Callable[[Callable[[], Any]], Any]) -> None:
+        """Run on the actor from now on: ``later(fn)`` calls ``fn()`` there."""
+        self._later = later
+        if self._child is not None:
+            child = self._child
+            later(lambda: self._serve(child))
 
-    async def _spawn(self) -> None:
-        import asyncio
-        import subprocess
+    # -- submitting -------------------------------------------------------------
+    def submit(self, op: DeviceOperation) -> Future:
+        promise: Promise = Promise()
+        if self._stopped is not None:
+            promise.fail(self._stopped)
+            return promise.future
+        self._queue.append((op, promise))
+        child = self._child
+        if child is None:
+            if not self._starting:
+                self._starting = True
+                self._later(self._restart)
+        elif child.ready:
+            if not child.sent:
+                self._pump(child)  # an idle child: at once
+            elif len(child.sent) < WINDOW and not self._flush_scheduled:
+                self._flush_scheduled = True  # with what else comes in this drain
+                self._later(self._flush)
+        return promise.future
 
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        child = self._child
+        if child is not None and child.ready and self._queue and len(child.sent) < WINDOW:
+            self._pump(child)
+
+    def _pump(self, child: WorkerProcess) -> None:
+        """Send what is queued (the child has room), up to ``WINDOW`` batches."""
+        while self._queue and len(child.sent) < WINDOW:
+            entries, self._queue = self._queue[:MAX_WORKER_BATCH], self._queue[MAX_WORKER_BATCH:]
+            self.batches += 1
+            try:
+                complete = child.send(entries)
+            except ChildGone:
+                child.ready = False  # its reader sees the end and sorts out what reached it
+                return
+            if not complete and not child.flushing:
+                child.flushing = True
+                self._later(lambda: self._flush_outbox(child))
+
+    async def _flush_outbox(self, child: WorkerProcess) -> None:
+        try:
+            await child.flush()
+        except ChildGone:
+            child.ready = False  # the reader reports it
+        finally:
+            child.flushing = False
+
+    # -- children -------------------------------------------------------------
+    async def _start_child(self) -> WorkerProcess:
         spec = dict(
-            self.spec,
-            fds=[to_child_r, from_child_w],
-            path=[p for p in sys.path if p],
-            root=_PACKAGE_ROOT,
+            self._spec,
+            parent=os.getpid(),
             log_level=logging.getLogger("actors.devices").getEffectiveLevel(),
         )
-        try:
-            process = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _BOOT, json.dumps(spec)],
-                pass_fds=(to_child_r, from_child_w),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        except OSError as error:
-            for fd in (to_child_r, to_child_w, from_child_r, from_child_w):
-                os.close(fd)
-            raise WorkerError(f"Failed to start the device worker process: {error}") from error
-        os.close(to_child_r)
-        os.close(from_child_w)
-        os.set_blocking(from_child_r, False)
-        os.set_blocking(to_child_w, False)
-        self.process, self._read_fd, self._write_fd = process, from_child_r, to_child_w
-        self._to_child, self._from_child = _FrameCodec(), _FrameCodec()
-        self._outbox = bytearray()
-        self._eof = False
-        self._loop = asyncio._get_running_loop()
-        if self._loop is not None:  # one reader for the child's life, not one per wait
-            self._loop.add_reader(from_child_r, self._on_readable)
+        launched = await self._executor.run(self._launch, spec)
+        self._launched.remove(launched)
+        child = WorkerProcess(*launched)
+        self._children.append(child)
         self.starts += 1
+        timer = Clock.timer(START_TIMEOUT, child.expire)
         try:
-            tag, value, records = await self._receive(0)
-        except BaseException:
-            self.close()
-            raise
-        _relay(records)
-        if tag == "error":
-            self.close()
-            raise value
-        self.name, self.root = value
-        logger.debug("Device worker process %d runs %s at %s", process.pid, self.name, self.root)
-
-    async def restart(self) -> None:
-        """Start a new child after the last one went away."""
-        logger.info("Starting a new device worker process for %s at %s", self.name, self.root)
-        await self._spawn()
-
-    def send(self, ops: Sequence[DeviceOperation]) -> bool:
-        """Send a batch (the child applies batches in the order sent). True
-        when it is all in the pipe; False when part of it waits for room:
-        then ``await flush()`` (the pipe is never written blocking)."""
-        if self.process is None:
-            raise WorkerError("The device worker process is not running")
-        data = self._to_child.encode([(op.kind, op.args) for op in ops])  # plain tuples pickle twice as fast
-        if self._outbox:
-            self._outbox += data
-            return False
-        try:
-            written = os.write(self._write_fd, data)
-        except BlockingIOError:
-            written = 0
-        except OSError:
-            raise self._gone(len(ops), applying=False) from None
-        if written < len(data):
-            self._outbox += memoryview(data)[written:]
-            return False
-        return True
-
-    async def flush(self) -> None:
-        """Write what ``send`` left waiting, as the child makes room."""
-        while self._outbox and self._write_fd >= 0:
-            try:
-                written = os.write(self._write_fd, self._outbox)
-            except BlockingIOError:
-                await self._wait_writable()
-                continue
-            except OSError:
-                raise self._gone(0, applying=False) from None
-            del self._outbox[:written]
-
-    async def receive_part(self, batch: int) -> tuple[bool, list[Any]]:
-        """The next results of the oldest batch sent: ``(done, results)``."""
-        tag, results, records = await self._receive(batch)
-        _relay(records)
-        return tag == "done", results
-
-    async def _receive(self, batch: int) -> Any:
-        codec = self._from_child
-        while True:
-            value = codec.next()
-            if value is not None:
-                return value
-            if self._read_fd < 0:
-                raise WorkerError("The device worker process was closed before it answered")
-            if self._loop is not None:  # asyncio: the reader callback fills the codec
-                if self._eof:
-                    raise self._gone(batch)
-                self._waiter = _promise()
-                try:
-                    await self._waiter.future
-                finally:
-                    self._waiter = None
-                continue
-            try:
-                data = os.read(self._read_fd, 1 << 20)
-            except BlockingIOError:
-                await _trio_wait_readable(self._read_fd)
-                continue
-            if not data:
-                raise self._gone(batch)
-            codec.feed(data)
-
-    async def _wait_writable(self) -> None:
-        """Until the pipe to the child has room, or ``close``."""
-        fd, loop = self._write_fd, self._loop
-        if loop is None:
-            import trio
-
-            await trio.lowlevel.wait_writable(fd)
-            return
-        promise = self._write_waiter = _promise()
-
-        def writable() -> None:
-            loop.remove_writer(fd)
-            promise.set_value(None)
-
-        loop.add_writer(fd, writable)
-        try:
-            await promise.future
+            tag, value, records = await child.next_frame()
+        except (ChildGone, WorkerError) as error:
+            child.close()
+            await self._reap(child)
+            bound = f" (it did not answer within {START_TIMEOUT:g} s)" if child.timed_out else ""
+            raise WorkerError(
+                f"Device worker process {child.pid} {child.how()} before it was ready{bound}"
+            ) from (error if isinstance(error, WorkerError) else None)
         finally:
-            self._write_waiter = None
-            if not loop.is_closed():
-                loop.remove_writer(fd)  # a no-op once it fired
+            timer.cancel()
+        _relay(records)
+        if tag != "ready":
+            child.close()
+            await self._reap(child)
+            raise value
+        child.ready = True
+        logger.debug("Device worker process %d runs %s at %s", child.pid, *value)
+        return child
 
-    def _on_readable(self) -> None:
-        """asyncio reader callback: take what the child wrote; wake ``_receive``."""
+    def _launch(self, spec: dict[str, Any]) -> tuple[Any, Any, int, int]:
+        """In an executor thread: start a child; remembered at once, so that
+        ``stop`` closes it even when nobody awaits this job any more."""
+        launched = start_process(spec, self.lock, BOOT)
+        self._launched.append(launched)
+        return launched
+
+    async def _restart(self) -> None:
+        """Start a new child for what is queued, then read its frames."""
+        logger.info("Starting a new device worker process for %s at %s", self.name, self.root)
+        try:
+            child = await self._start_child()
+        except Exception as error:  # no worker: what waited for one hears why (nothing of it was sent)
+            self._starting = False
+            waiting, self._queue = self._queue, []
+            error.add_note("None of the waiting device operations was sent to a device worker process.")
+            resolve(waiting, [error] * len(waiting))
+            return
+        self._starting = False
+        if self._stopped is not None:
+            child.close()
+            return
+        self._child = child
+        self._pump(child)
+        await self._serve(child)
+
+    async def _serve(self, child: WorkerProcess) -> None:
+        """The one reader of ``child``'s results, oldest batch first, until it goes."""
         try:
             while True:
-                data = os.read(self._read_fd, 1 << 20)
-                if not data:
-                    self._eof = True
-                    self._loop.remove_reader(self._read_fd)  # type: ignore[union-attr]
-                    break
-                self._from_child.feed(data)
-                if len(data) < 1 << 20:
-                    break
-        except BlockingIOError:
-            pass
-        except OSError:
-            self._eof = True
-            self._loop.remove_reader(self._read_fd)  # type: ignore[union-attr]
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            waiter.set_value(None)
+                tag, results, records = await child.next_frame()
+                _relay(records)
+                if not child.sent:
+                    raise WorkerError(f"Device worker process {child.pid} sent results for no batch")
+                self._quick_deaths = 0  # it answered
+                batch = child.sent[0]
+                part = batch.entries[child.told : child.told + len(results)]
+                if tag == "done":
+                    child.sent.popleft()
+                    child.told = 0
+                else:
+                    child.told += len(results)
+                if self._queue and child.ready and len(child.sent) < WINDOW:
+                    self._pump(child)  # the child goes on while the callers are told
+                resolve(part, results)
+        except Exception as error:
+            if not isinstance(error, ChildGone):  # a frame this agent cannot read: the child is broken
+                logger.error("Device worker process %d sent what this agent cannot read (%s); stopping it",
+                             child.pid, error)
+                child.kill()
+            if self._stopped is None:
+                await self._lost(child)
 
-    def _gone(self, batch: int, applying: bool = True) -> WorkerError:
-        import subprocess
+    async def _lost(self, child: WorkerProcess) -> None:
+        """``child`` went away: fail what reached it, keep what did not (see module rules)."""
+        if self._child is child:
+            self._child = None
+        child.close()
+        reached = [batch for batch in child.sent if child.reached(batch)]
+        kept = [entry for batch in child.sent if not child.reached(batch) for entry in batch.entries]
+        if reached:
+            reached[0] = Batch(reached[0].entries[child.told :], reached[0].start)
+        child.sent.clear()
+        self._queue[:0] = kept  # not one byte of these reached it: the next child applies them, first
+        self._quick_deaths = 0 if reached else self._quick_deaths + 1
+        if self._queue and self._stopped is None and not self._starting:
+            if self._quick_deaths >= MAX_QUICK_DEATHS:
+                waiting, self._queue = self._queue, []
+                error = WorkerError(
+                    f"Device worker process {child.pid} went away, the {self._quick_deaths}th in a row before"
+                    " anything sent to it reached it; these device operations were not sent again (none of"
+                    " them reached a worker)"
+                )
+                self._quick_deaths = 0
+                resolve(waiting, [error] * len(waiting))
+            else:
+                self._starting = True
+                self._later(self._restart)
+        held = self._dying[child] = [entry for batch in reached for entry in batch.entries]
+        await self._reap(child)
+        del self._dying[child]
+        message = f"Device worker process {child.pid} {child.how()}{_holding(held)}; the next operation starts a new one"
+        (logger.error if held else logger.warning)("%s", message)
+        resolve(held, [WorkerError(message)] * len(held))
 
-        process = self.process
-        pid = process.pid if process is not None else "?"
-        status = process.poll() if process is not None else None
-        if process is not None and status is None:
-            try:  # its pipe closed as it exited: the status follows within moments
-                status = process.wait(timeout=0.05)
-            except subprocess.TimeoutExpired:
-                status = None
-        self.close()
-        how = f"exited with status {status}" if status is not None else "stopped answering"
-        if not batch:
-            what = ""
-        elif applying:
-            what = f" while applying a batch of {batch} device operations (their effects are unknown)"
-        else:
-            what = f" before it got a batch of {batch} device operations (none of them was applied)"
-        logger.error("Device worker process %s %s%s; the next operation starts a new one", pid, how, what)
-        return WorkerError(f"Device worker process {pid} {how}{what}; the next operation starts a new one")
+    async def _reap(self, child: WorkerProcess) -> None:
+        """Wait (bounded, off the loop) until the child has exited."""
+        await self._executor.run(child.thread.join, EXIT_TIMEOUT)
+        if child.thread.is_alive():
+            logger.warning("Device worker process %d did not exit in %g s; killing it", child.pid, EXIT_TIMEOUT)
+            child.kill()
+            await self._executor.run(child.thread.join, EXIT_TIMEOUT)
+        if not child.thread.is_alive() and child in self._children:
+            self._children.remove(child)
 
-    def close(self) -> None:
-        """Close the pipes; the child exits after the operation it applies (if any)."""
-        loop = self._loop
-        if loop is not None and self._read_fd >= 0 and not loop.is_closed():
-            loop.remove_reader(self._read_fd)
-            loop.remove_writer(self._write_fd)
-        elif loop is None and self._read_fd >= 0:
-            _trio_notify_closing(self._read_fd, self._write_fd)
-        self._loop = None
-        self._outbox = bytearray()
-        for waiter in (self._waiter, self._write_waiter):  # wake them: they see the end
-            if waiter is not None:
-                waiter.set_value(None)
-        self._waiter = self._write_waiter = None
-        for fd in (self._read_fd, self._write_fd):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._read_fd = self._write_fd = -1
-        if self.process is not None:
-            self._exiting.append(self.process)
-        self.process = None
+    # -- the end ----------------------------------------------------------------
+    def stop(self, error: BaseException) -> None:
+        """Fail what is queued or in the child with ``error``; close the pipes."""
+        self._stopped = error
+        entries = list(self._queue)
+        self._queue = []
+        child = self._child
+        if child is not None:
+            for index, batch in enumerate(child.sent):
+                entries += batch.entries[child.told:] if index == 0 else batch.entries
+            child.sent.clear()
+        for _op, promise in entries:
+            promise.fail(error)
+        for dead, held in self._dying.items():
+            lost = WorkerError(f"Device worker process {dead.pid} went away{_holding(held)}")
+            resolve(held, [lost] * len(held))
+        self._dying = {}
+        for each in self._children:
+            each.close()
+        for _process, _thread, read_fd, write_fd in self._launched:  # started, never taken over
+            os.close(read_fd)
+            os.close(write_fd)
+        self._executor.shutdown(wait=False)
+        if self.lock is not None:
+            self.lock.release()  # a child still running holds it until it exits
 
-    async def wait_closed(self, timeout: float = 5.0) -> None:
-        """After ``close``: wait until the children have exited (killed after
-        ``timeout`` seconds, with a warning: one stuck in the kernel)."""
-        import anyio
-
-        deadline = time.monotonic() + timeout
-        for process in self._exiting:
-            while process.poll() is None:
-                if time.monotonic() >= deadline:
-                    logger.warning("Device worker process %d did not exit after close; killing it", process.pid)
-                    process.kill()
-                    process.wait()
-                    break
-                await anyio.sleep(0.002)
-        self._exiting.clear()
-
-    def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:  # the port, for a thread
-        raise DeviceControlError("A WorkerBackend is driven by device control (send/receive_part), not in a thread")
-
-
-def _promise() -> Any:
-    from runtime import Promise  # here: the child does not import the runtime
-
-    return Promise()
-
-
-def _trio_notify_closing(*fds: int) -> None:
-    """Tell trio tasks waiting on ``fds`` that they close (they get ClosedResourceError)."""
-    try:
-        import trio
-
-        for fd in fds:
-            trio.lowlevel.notify_closing(fd)
-    except (ImportError, RuntimeError):
-        pass
+    async def wait_stopped(self) -> None:
+        """After ``stop``: until every child has exited (killed after a bound)."""
+        for child in list(self._children):
+            await self._reap(child)
+        for _process, thread, _read_fd, _write_fd in self._launched:
+            await self._executor.run(thread.join, EXIT_TIMEOUT)
+        self._executor.shutdown(wait=False)
 
 
-async def _trio_wait_readable(fd: int) -> None:
-    import trio
-
-    await trio.lowlevel.wait_readable(fd)
-
-
+def _holding(entries: list[Entry]) -> str:
+    if not entries:
+        return ""
+    return f" holding {len(entries)} device operations (their effects are unknown: read the kernel state back)"

@@ -37,8 +37,7 @@ async def test_ten_thousand_lifecycles_leave_nothing_behind() -> None:
             # Device control: no cgroup, nothing queued.
             assert await isolator.devices.list_cgroups() == []
             control = current_runtime()._processes[isolator.devices.pid]
-            assert control.backend._cgroups == {}
-            assert control._queued == [] and control._in_flight == []
+            assert control.driver.backend.list_cgroups() == []  # in line: nothing is ever queued
 
             # No process keeps a suspended call or a queued event.
             for pid in (process.pid, isolator.devices.pid, node.components.allocator.pid):

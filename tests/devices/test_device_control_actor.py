@@ -36,6 +36,7 @@ class BatchRecordingBackend(MemoryBackend):
     backend; records each batch it is given, and can hold a batch."""
 
     name = "recording"
+    blocking = True  # applied in a thread, like a kernel backend
 
     def __init__(self) -> None:
         super().__init__("recording:/gpu-isolator")

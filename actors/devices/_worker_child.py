@@ -1,0 +1,160 @@
+"""The device worker process itself: the child's entry point.
+
+The agent (``_worker``) starts it as ``python -I -S -c BOOT SPEC PATH...``;
+``BOOT`` puts ``PATH...`` in front of ``sys.path`` and calls ``main(SPEC)``.
+Importing this module imports the device backend modules it needs and
+nothing of the agent (the ``actors`` packages load their names lazily).
+
+Rules:
+- It dies with its agent. First thing, it asks the kernel for SIGKILL when
+  its parent goes (``PR_SET_PDEATHSIG``), then checks that its parent is
+  still the agent that started it (one that died before that call is not
+  noticed by the kernel). Before each operation it checks again: once the
+  agent is gone it exits at once, applying nothing more (fenced).
+- It keeps the agent's work-directory lock open for its whole life (it
+  inherited the descriptor): a new agent cannot take the lock, and so
+  cannot start, while this process can still touch the kernel.
+- It builds the one backend (v1 or v2), answers ``ready`` or the error that
+  building raised (a bad hierarchy, a garbled checkpoint) and then applies
+  batches in the order they come: one value or exception per operation. A
+  backend with ``applies_each`` (v1) gets the operations one at a time and
+  results go back at least every ``SLICE`` seconds; v2 applies a batch
+  whole (one checkpoint write per batch). See ``_frames`` for the frames.
+- Log records are collected and go back with the results.
+- It exits when the agent closes its end of the pipe (or stops reading).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from ._backend import DeviceOperation, apply_one
+from ._errors import DeviceControlError
+from ._frames import FrameReader, write_frame
+
+SLICE = 0.0005
+"""Seconds between result frames while an ``applies_each`` backend works
+through a batch."""
+
+PR_SET_PDEATHSIG = 1
+FENCED_EXIT = 3
+"""Exit status of a worker that found its agent gone."""
+
+BOOT = "import sys; sys.path[:0] = sys.argv[2:]; from actors.devices._worker_child import main; main(sys.argv[1])"
+
+
+class _Collect(logging.Handler):
+    """Keeps the records logged while a batch is applied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[str, int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.records.append((record.name, record.levelno, record.getMessage()))
+        except Exception:  # a record that cannot be formatted is not worth the batch
+            pass
+
+    def take(self) -> list[tuple[str, int, str]]:
+        records, self.records = self.records, []
+        return records
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL when the parent goes; exit now if it has already gone."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(error)}")
+    check_parent(parent)
+
+
+def check_parent(parent: int) -> None:
+    """Exit at once (fenced) unless the process that started us is still our parent."""
+    if os.getppid() != parent:
+        os._exit(FENCED_EXIT)
+
+
+def build_backend(spec: dict[str, Any]) -> Any:
+    kind = spec["kind"]
+    if kind == "cgroups_v1":
+        from ._cgroups_v1 import CgroupsV1Backend
+
+        return CgroupsV1Backend(spec["hierarchy"], spec["cgroups_root"])
+    if kind == "cgroups_v2":
+        from ._cgroups_v2 import CgroupsV2Backend
+
+        return CgroupsV2Backend(spec["hierarchy"], spec["cgroups_root"], spec["work_dir"])
+    raise DeviceControlError(f"A device worker runs cgroups_v1 or cgroups_v2, not {kind!r}")
+
+
+def main(argument: str) -> None:
+    """Entry point (see module rules)."""
+    spec = json.loads(argument)
+    parent = spec["parent"]
+    die_with_parent(parent)
+    read_fd, write_fd = spec["fds"]
+    collect = _Collect()
+    root = logging.getLogger()
+    root.handlers[:] = [collect]
+    root.setLevel(spec["log_level"])
+    try:
+        backend = build_backend(spec)
+    except Exception as error:
+        write_frame(write_fd, ("error", error, collect.take()))
+        return
+    backend.fence = functools.partial(check_parent, parent)
+    try:
+        write_frame(write_fd, ("ready", (backend.name, backend.root), collect.take()))
+        serve(backend, read_fd, write_fd, parent, collect)
+    except BrokenPipeError:
+        pass  # the agent stopped reading: it went away or closed us
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+
+
+def serve(backend: Any, read_fd: int, write_fd: int, parent: int, collect: _Collect) -> None:
+    """Apply batches until the agent closes its end (see module rules)."""
+    frames = FrameReader()
+    each = bool(getattr(backend, "applies_each", False))
+    clock = time.perf_counter
+    while True:
+        frame = frames.next()
+        if frame is None:
+            data = os.read(read_fd, 1 << 20)
+            if not data:
+                return  # the agent closed its end
+            frames.feed(data)
+            continue
+        ops = [DeviceOperation(kind, args) for kind, args in frame]
+        check_parent(parent)
+        if not each:
+            results = backend.apply_batch(ops)
+            write_frame(write_fd, ("done", results, collect.take()))
+            continue
+        results = []
+        sent = clock()
+        last = len(ops) - 1
+        for index, op in enumerate(ops):
+            check_parent(parent)
+            results.append(apply_one(backend, op))
+            if index == last or clock() - sent >= SLICE:
+                write_frame(write_fd, ("done" if index == last else "part", results, collect.take()))
+                results = []
+                sent = clock()
+
+
+if __name__ == "__main__":  # pragma: no cover - started through BOOT
+    main(sys.argv[1])

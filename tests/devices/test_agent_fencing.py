@@ -1,0 +1,179 @@
+"""Fencing the device worker of an agent that died (issue 20, item 3).
+
+An agent (here: a subprocess running device control with a worker
+process) is SIGKILLed while its worker is SIGSTOPped in the middle of a
+batch. The worker must die with its agent, and a new agent must not start
+until nothing of the old one can still touch the kernel: then, after
+SIGCONT, the stale worker applies nothing (no cgroup created or removed,
+the v2 checkpoint not rewritten). The work directory's lock says who holds
+it when a second agent cannot start. Judged by the kernel; every wait is
+bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+from actors.devices import DeviceControl, DeviceControlError, checkpoint_file, container_policy
+from runtime import Runtime, collect
+
+AGENT = r"""
+import json, os, sys
+import anyio
+from runtime import Runtime
+from actors.devices import DeviceControl, container_policy
+
+async def main(backend, hierarchy, cgroups_root, work_dir, count):
+    async with Runtime():
+        control = await DeviceControl.create(backend, hierarchy=hierarchy, cgroups_root=cgroups_root,
+                                             work_dir=work_dir, worker="process")
+        policy = container_policy([], ["c 195:0 rwm"])
+        await control.configure("first", *policy)
+        print(json.dumps({"agent": os.getpid(), "worker": control.worker_pid}), flush=True)
+        await anyio.to_thread.run_sync(sys.stdin.readline)
+        calls = [control.configure(f"c{i}", *policy) for i in range(count)]
+        calls += [control.remove("first")]
+        calls += [control.configure(f"d{i}", *policy) for i in range(count)]
+        await anyio.sleep(3600)
+
+anyio.run(main, *sys.argv[1:5], int(sys.argv[5]))
+"""
+
+
+def read_line(process: subprocess.Popen, timeout: float = 30.0) -> str:
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    assert ready, "the agent did not answer in time"
+    return process.stdout.readline()
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not alive(pid)
+
+
+def cgroups(root: str) -> set[str]:
+    return {name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name))}
+
+
+def read_bytes(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        return None
+
+
+@pytest.fixture(params=["v1", "v2"])
+def kernel(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def sandbox(kernel: str, request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(f"{kernel}_sandbox")
+
+
+@pytest.mark.asyncio
+async def test_a_stale_worker_of_a_killed_agent_applies_nothing_after_a_new_agent_started(kernel, sandbox, tmp_path):
+    backend = "cgroups_v1" if kernel == "v1" else "cgroups_v2"
+    work_dir = str(tmp_path / "work")
+    agent = subprocess.Popen(
+        [sys.executable, "-c", AGENT, backend, sandbox.hierarchy, sandbox.cgroups_root, work_dir, "3000"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    stale = None
+    try:
+        pids = json.loads(read_line(agent))
+        stale = pids["worker"]
+        assert stale and stale != agent.pid
+        agent.stdin.write("go\n")
+        agent.stdin.flush()
+        deadline = time.monotonic() + 30
+        while len(cgroups(sandbox.root)) < 3:  # the batch is being applied
+            assert time.monotonic() < deadline, "the agent's worker applied nothing"
+            time.sleep(0.001)
+        os.kill(stale, signal.SIGSTOP)  # stalled mid-batch (a slow rmdir, an fsync ...)
+        agent.kill()
+        agent.wait(timeout=10)
+        # the worker dies with its agent; the new agent waits until it has
+        assert wait_gone(stale), "the worker outlived its agent"
+        async with Runtime():
+            with anyio.fail_after(30):
+                control = await DeviceControl.create(backend, hierarchy=sandbox.hierarchy,
+                                                     cgroups_root=sandbox.cgroups_root, work_dir=work_dir,
+                                                     worker="process")
+            before = cgroups(sandbox.root)
+            checkpoint = read_bytes(checkpoint_file(work_dir))
+            try:
+                os.kill(stale, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            time.sleep(1.0)  # a stale worker would go on with its batch now
+            assert cgroups(sandbox.root) == before, "cgroups changed after the new agent started"
+            assert read_bytes(checkpoint_file(work_dir)) == checkpoint, "the checkpoint was rewritten"
+            assert "first" in before  # its remove was never applied
+            with anyio.fail_after(60):
+                assert all(await collect([control.remove(name) for name in sorted(before)]))
+            await control.close()
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(timeout=10)
+        if stale is not None and alive(stale):
+            os.kill(stale, signal.SIGKILL)
+            wait_gone(stale)
+
+
+@pytest.mark.asyncio
+async def test_a_second_agent_waits_for_the_work_dir_lock_then_refuses_naming_the_holder(v1_sandbox, tmp_path):
+    work_dir = str(tmp_path / "work")
+    kwargs: dict[str, Any] = dict(hierarchy=v1_sandbox.hierarchy, cgroups_root=v1_sandbox.cgroups_root,
+                                  work_dir=work_dir, worker="process")
+    async with Runtime():
+        first = await DeviceControl.create("cgroups_v1", **kwargs)
+        started = time.monotonic()
+        with anyio.fail_after(30):
+            with pytest.raises(DeviceControlError) as refused:
+                await DeviceControl.create("cgroups_v1", lock_timeout=0.5, **kwargs)
+        assert time.monotonic() - started >= 0.5  # it waited before refusing
+        message = str(refused.value)
+        assert f"work directory {work_dir}" in message
+        assert f"process {os.getpid()}" in message and f"device worker process {first.worker_pid}" in message
+        assert "another agent" in message.lower()
+        # a waiting agent starts once the holder has gone
+        second = anyio.Event()
+
+        async def close_first() -> None:
+            await anyio.sleep(0.3)
+            await first.close()
+            second.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(close_first)
+            with anyio.fail_after(30):
+                control = await DeviceControl.create("cgroups_v1", lock_timeout=20, **kwargs)
+        assert second.is_set()
+        assert await control.configure("c1", *container_policy([], [])) is not None
+        assert await control.remove("c1") is True
+        await control.close()

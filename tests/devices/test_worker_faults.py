@@ -1,0 +1,361 @@
+"""The device worker under faults, judged by the kernel (issue 20, items 1, 2, 6).
+
+What it must show, on cgroups v1 and v2:
+- a worker killed while calls keep coming: every call gets its own result
+  (never another call's, never the worker's start-up frame), nothing hangs,
+  and a ``remove`` the kernel refuses (a live process in the cgroup) says
+  False, so a cleanup is never told that a busy cgroup is gone;
+- an operation whose batch was with a worker that died fails with a
+  ``WorkerError`` saying its effects are unknown (the kernel is the answer:
+  it may hold them); one that never reached a worker goes to the next one;
+- a worker whose backend fails to start leaves no zombie; a worker that
+  cannot get its pipes (EMFILE) leaves device control in a thread;
+- start, restart and reaping never run a blocking call on the event loop.
+Every wait is bounded: a hang fails the test instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import resource
+import signal
+import subprocess
+import threading
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+from actors.devices import DeviceControl, WorkerError, checkpoint_file, container_policy
+from runtime import Runtime, collect
+
+GPU0 = container_policy([], ["c 195:0 rwm"])
+NO_GPU = container_policy([], [])
+
+
+def worker_pid(control: DeviceControl) -> int:
+    pid = control.worker_pid
+    assert pid is not None, "device control runs no worker process"
+    return pid
+
+
+def wait_exit(pid: int, timeout: float = 10.0) -> bool:
+    """True once ``pid`` is gone or a zombie (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def zombie_children() -> list[int]:
+    """Children of this process that have exited but were never reaped."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) == os.getpid():
+            found.append(int(entry))
+    return found
+
+
+async def create(kernel: str, sandbox: Any, tmp_path: Any, **extra: Any) -> DeviceControl:
+    return await DeviceControl.create(
+        "cgroups_v1" if kernel == "v1" else "cgroups_v2",
+        hierarchy=sandbox.hierarchy,
+        cgroups_root=sandbox.cgroups_root,
+        work_dir=str(tmp_path / "work"),
+        worker="process",
+        **extra,
+    )
+
+
+@pytest.fixture(params=["v1", "v2"])
+def kernel(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def sandbox(kernel: str, request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(f"{kernel}_sandbox")
+
+
+# -- 1. the restart race --------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_calls_while_a_killed_worker_restarts_get_their_own_results(kernel, sandbox, device_nodes, tmp_path):
+    async with Runtime():
+        control = await create(kernel, sandbox, tmp_path)
+        await control.configure("busy", *GPU0)
+        probe = sandbox.probe("busy")  # a live process: the kernel refuses to remove "busy"
+        assert probe.open(device_nodes["c", 195, 0]) == errno.ENXIO
+        for round_ in range(3):
+            first = worker_pid(control)
+            os.kill(first, signal.SIGKILL)
+            assert wait_exit(first)
+            calls: list[tuple[str, Any]] = []
+            with anyio.fail_after(30):  # a restart that never ends fails here
+                for wave in range(40):  # calls keep coming while the new worker starts
+                    calls.append(("exists", control.exists(f"absent-{wave}")))
+                    calls.append(("remove", control.remove("busy")))
+                    calls.append(("state", control.state("busy")))
+                    await anyio.sleep(0.003)
+                results = await collect([call.recover(lambda error: error) for _, call in calls])
+            for (kind, _), result in zip(calls, results):
+                if kind == "exists":
+                    assert result is False, (round_, kind, result)
+                elif kind == "remove":  # EBUSY: never reported as removed
+                    assert result is False, (round_, kind, result)
+                else:
+                    assert result is not None and result.is_granted("c", 195, 0, "rw"), (round_, kind, result)
+            assert worker_pid(control) != first
+        # the kernel: the busy cgroup is still there and still grants its GPU, and only it
+        assert os.path.isdir(os.path.join(sandbox.root, "busy"))
+        assert probe.open(device_nodes["c", 195, 0]) == errno.ENXIO
+        assert probe.open(device_nodes["c", 195, 1]) == errno.EPERM
+        probe.close()
+        with anyio.fail_after(30):
+            assert await control.remove("busy") is True
+        await control.close()
+
+
+# -- 2. unknown effects -----------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_a_call_that_never_reached_a_dead_worker_goes_to_the_next_one(kernel, sandbox, device_nodes, tmp_path):
+    async with Runtime():
+        control = await create(kernel, sandbox, tmp_path)
+        await control.configure("kept", *GPU0)
+        first = worker_pid(control)
+        os.kill(first, signal.SIGKILL)
+        assert wait_exit(first)
+        with anyio.fail_after(30):  # nothing of it reached the dead worker: applied by the next, not guessed
+            granted = await control.configure("next", *container_policy([], ["c 195:1 rwm"]))
+        assert granted.is_granted("c", 195, 1, "rw")
+        assert worker_pid(control) != first
+        probe = sandbox.probe("next")
+        assert probe.open(device_nodes["c", 195, 1]) == errno.ENXIO
+        assert probe.open(device_nodes["c", 195, 0]) == errno.EPERM
+        probe.close()
+        assert all(await collect([control.remove("kept"), control.remove("next")]))
+        await control.close()
+
+
+@pytest.mark.asyncio
+async def test_calls_a_dead_worker_held_fail_with_effects_unknown_and_the_kernel_tells(kernel, sandbox, tmp_path):
+    async with Runtime():
+        control = await create(kernel, sandbox, tmp_path)
+        await control.exists("warm")
+        pid = worker_pid(control)
+        calls = [control.configure(f"c{i}", *GPU0) for i in range(600)]
+        with anyio.fail_after(30):
+            while not os.path.isdir(os.path.join(sandbox.root, "c0")):
+                await anyio.sleep(0.001)  # the worker is applying the batch
+            os.kill(pid, signal.SIGSTOP)
+            more = [control.configure(f"d{i}", *GPU0) for i in range(5)]  # sent to the stopped worker
+            await anyio.sleep(0.05)
+            os.kill(pid, signal.SIGKILL)
+            results = await collect([call.recover(lambda error: error) for call in calls + more])
+        lost = [r for r in results if isinstance(r, BaseException)]
+        assert lost, "the worker was killed mid-batch: some calls cannot have been told"
+        for error in lost:
+            assert isinstance(error, WorkerError), error
+            assert "effects are unknown" in str(error), error
+            assert "none of them was applied" not in str(error)
+        assert f"Device worker process {pid} exited with status -9" in str(lost[0])
+        # the kernel is the answer: what the dead worker did is there to read back
+        with anyio.fail_after(30):
+            made = await control.list_cgroups()
+            told = [r for r in results[:600] if not isinstance(r, BaseException)]
+            assert len(made) >= len(told)
+            for name in made[:5]:
+                state = await control.state(name)
+                assert state is None or state.is_granted("c", 195, 0, "rw")
+            assert all(await collect([control.remove(name) for name in made]))
+        await control.close()
+
+
+# -- 6. start-up: zombies, EMFILE, nothing blocking on the loop ----------------------------------
+@pytest.mark.asyncio
+async def test_a_worker_whose_backend_fails_to_start_is_reaped(v2_sandbox, tmp_path):
+    work = tmp_path / "work"
+    os.makedirs(os.path.dirname(checkpoint_file(str(work))))
+    with open(checkpoint_file(str(work)), "w") as handle:
+        handle.write('{"version": 1, "root"')  # truncated
+    async with Runtime():
+        for _ in range(3):
+            with pytest.raises(Exception, match="Device checkpoint .* is unreadable"):
+                await create("v2", v2_sandbox, tmp_path)
+    deadline = time.monotonic() + 10
+    while zombie_children() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert zombie_children() == []
+
+
+def _lowest_free_fd() -> int:
+    used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    fd = 0
+    while fd in used:
+        fd += 1
+    return fd
+
+
+@pytest.mark.asyncio
+async def test_emfile_at_worker_start_is_explained_and_a_thread_is_used(
+    v1_sandbox, tmp_path, caplog: pytest.LogCaptureFixture
+):
+    async with Runtime():
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        with caplog.at_level(logging.WARNING, logger="actors.devices"):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (_lowest_free_fd() + 1, hard))  # one fd left: no pipe
+            try:
+                control = await DeviceControl.create(
+                    "cgroups_v1", hierarchy=v1_sandbox.hierarchy, cgroups_root=v1_sandbox.cgroups_root,
+                    worker="process",
+                )
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert control.worker_pid is None
+        warning = [r.getMessage() for r in caplog.records if r.name.startswith("actors.devices")]
+        assert any(
+            "Failed to start the device worker process: cannot create its pipes" in w and "Too many open files" in w
+            and "uses a thread of this process instead" in w
+            for w in warning
+        ), warning
+        assert (await control.configure("c1", *NO_GPU)).allow
+        assert await control.remove("c1") is True
+        await control.close()
+
+
+@pytest.mark.asyncio
+async def test_start_restart_and_reaping_never_block_the_event_loop(v1_sandbox, tmp_path, monkeypatch):
+    loop_thread = threading.get_ident()
+    on_loop: list[str] = []
+    real_popen_init = subprocess.Popen.__init__
+    real_wait = subprocess.Popen.wait
+    real_isfile = os.path.isfile
+
+    def popen_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if threading.get_ident() == loop_thread:
+            on_loop.append("Popen")
+        real_popen_init(self, *args, **kwargs)
+
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == loop_thread:
+            on_loop.append("wait")
+        return real_wait(self, *args, **kwargs)
+
+    def isfile(path: Any) -> bool:
+        if threading.get_ident() == loop_thread:
+            on_loop.append(f"isfile {path}")
+        return real_isfile(path)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen_init)
+    monkeypatch.setattr(subprocess.Popen, "wait", wait)
+    monkeypatch.setattr(os.path, "isfile", isfile)
+    async with Runtime():
+        for backend in ("auto", "cgroups_v1"):
+            control = await DeviceControl.create(
+                backend, hierarchy=v1_sandbox.hierarchy, cgroups_root=v1_sandbox.cgroups_root, worker="process"
+            )
+            first = worker_pid(control)
+            os.kill(first, signal.SIGKILL)
+            assert wait_exit(first)
+            with anyio.fail_after(30):
+                assert await control.exists("x") is False  # a restart
+            await control.close()
+    assert on_loop == []
+
+
+# -- 1. a restart that always ends ------------------------------------------------------------
+HANGS = "import time; time.sleep(120)"
+"""A device worker that never answers its first frame."""
+
+READY_THEN_EXITS = (
+    "import json, sys; sys.path[:0] = sys.argv[2:]; from actors.devices._frames import write_frame; "
+    "spec = json.loads(sys.argv[1]); "
+    "write_frame(spec['fds'][1], ('ready', ('cgroups_v1', spec['hierarchy'] + '/' + spec['cgroups_root']), []))"
+)
+"""A device worker that says it is ready and exits."""
+
+
+@pytest.mark.asyncio
+async def test_a_worker_that_never_answers_is_killed_and_a_thread_used(v1_sandbox, monkeypatch, caplog):
+    from actors.devices import _worker
+
+    monkeypatch.setattr(_worker, "BOOT", HANGS)
+    monkeypatch.setattr(_worker, "START_TIMEOUT", 0.5)
+    async with Runtime():
+        with caplog.at_level(logging.WARNING, logger="actors.devices"), anyio.fail_after(30):
+            control = await DeviceControl.create(
+                "cgroups_v1", hierarchy=v1_sandbox.hierarchy, cgroups_root=v1_sandbox.cgroups_root, worker="process"
+            )
+        assert control.worker_pid is None
+        warning = [r.getMessage() for r in caplog.records if r.name == "actors.devices._control"]
+        assert any("exited with status -9 before it was ready (it did not answer within 0.5 s)" in w
+                   and "uses a thread of this process instead" in w for w in warning), warning
+        assert await control.exists("c1") is False
+        await control.close()
+    assert zombie_children() == []
+
+
+@pytest.mark.asyncio
+async def test_a_restart_that_cannot_start_fails_its_callers_in_time(kernel, sandbox, tmp_path, monkeypatch):
+    from actors.devices import _worker
+
+    async with Runtime():
+        control = await create(kernel, sandbox, tmp_path)
+        await control.configure("c1", *NO_GPU)
+        monkeypatch.setattr(_worker, "BOOT", HANGS)
+        monkeypatch.setattr(_worker, "START_TIMEOUT", 0.5)
+        first = worker_pid(control)
+        os.kill(first, signal.SIGKILL)
+        assert wait_exit(first)
+        with anyio.fail_after(30):
+            results = await collect([control.exists("c1").recover(lambda e: e) for _ in range(5)])
+        for error in results:
+            assert isinstance(error, WorkerError), error
+            assert "before it was ready (it did not answer within 0.5 s)" in str(error)
+            assert "None of the waiting device operations was sent to a device worker process." in error.__notes__
+        monkeypatch.setattr(_worker, "BOOT", _worker_child_boot())
+        with anyio.fail_after(30):  # the next call tries again
+            assert await control.exists("c1") is True
+            assert await control.remove("c1") is True
+        await control.close()
+
+
+def _worker_child_boot() -> str:
+    from actors.devices import _worker_child
+
+    return _worker_child.BOOT
+
+
+@pytest.mark.asyncio
+async def test_workers_that_keep_dying_fail_the_calls_instead_of_restarting_for_ever(v1_sandbox, monkeypatch):
+    from actors.devices import _worker
+
+    async with Runtime():
+        control = await DeviceControl.create(
+            "cgroups_v1", hierarchy=v1_sandbox.hierarchy, cgroups_root=v1_sandbox.cgroups_root, worker="process"
+        )
+        monkeypatch.setattr(_worker, "BOOT", READY_THEN_EXITS)
+        first = worker_pid(control)
+        os.kill(first, signal.SIGKILL)
+        assert wait_exit(first)
+        with anyio.fail_after(30):
+            results = await collect([control.exists(f"c{i}").recover(lambda e: e) for i in range(20)])
+        assert all(isinstance(r, WorkerError) for r in results), results
+        assert control._process.driver.starts <= 1 + _worker.MAX_QUICK_DEATHS + 1
+        await control.close()
+    assert zombie_children() == []
