@@ -179,9 +179,9 @@ async def test_calls_a_dead_worker_held_fail_with_effects_unknown_and_the_kernel
             made = await control.list_cgroups()
             told = [r for r in results[:600] if not isinstance(r, BaseException)]
             assert len(made) >= len(told)
-            for name in made[:5]:
+            for name in made:  # all of a configure, or part of it: never a GPU it did not ask for
                 state = await control.state(name)
-                assert state is None or state.is_granted("c", 195, 0, "rw")
+                assert state is None or not any(state.is_granted("c", 195, minor, "rw") for minor in (1, 2, 3))
             assert all(await collect([control.remove(name) for name in made]))
         await control.close()
 
