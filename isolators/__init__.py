@@ -1,46 +1,87 @@
 """The isolator layer: Mesos' data types, flags, the NVIDIA GPU isolator
-actor and its handle, message scripts and the CLI.
+actor and its handle, message scripts, the service and the CLI.
 
 Each name has one home. This package exports the isolator and its data
 types, the value types an agent configures it with (``Flags``,
 ``Resources``, ``ImageManifest`` and their errors; they live in modules of
 ``actors``, which the actors use too) and the message-script entry points;
 ``isolators.script`` adds what extends scripts (actions, the format),
-``isolators.cdi`` the CDI and OCI renderings, ``isolators.testing`` the
-simulated node. The GPU identity and the allocator and volume handles are
-exported by ``actors``.
+``isolators.cdi`` the CDI and OCI renderings, ``isolators.service`` the
+isolator as a service (``serve``, ``exec``, ``status``),
+``isolators.testing`` the simulated node. The GPU identity and the
+allocator and volume handles are exported by ``actors``.
+
+Names are imported when first used (as in ``runtime`` and ``actors``): a
+command that needs little (``gpu-isolator exec``, ``status``) does not
+import the whole agent.
 """
 
-from actors.flags import Flags, FlagsError
-from actors.manifest import ImageManifest, ManifestError
-from actors.resources import Resources, ResourcesError
+from __future__ import annotations
 
-from ._components import NvidiaComponents
-from ._errors import InvalidContainerID, IsolatorError
-from ._isolator import MesosIsolator, NvidiaGpuIsolatorProcess
-from ._types import (
-    ContainerClass,
-    ContainerConfig,
-    ContainerID,
-    ContainerLaunchInfo,
-    ContainerLimitation,
-    ContainerMountInfo,
-    ContainerState,
-    GpuStatistics,
-    Repair,
-    ResourceStatistics,
-)
-from .script._action import ScriptError
-from .script._format import Script
-from .script._loading import load_script, load_script_file
-from .script._report import ScriptReport, StepResult
-from .script._runner import ScriptRunner, run_script
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "Flags", "FlagsError", "ImageManifest", "ManifestError", "Resources", "ResourcesError",
-    "NvidiaComponents", "InvalidContainerID", "IsolatorError", "MesosIsolator",
-    "NvidiaGpuIsolatorProcess", "Script", "ScriptError", "ScriptReport", "ScriptRunner", "StepResult", "load_script",
-    "load_script_file", "run_script", "ContainerClass", "ContainerConfig", "ContainerID",
-    "ContainerLaunchInfo", "ContainerLimitation", "ContainerMountInfo", "ContainerState",
-    "GpuStatistics", "Repair", "ResourceStatistics",
-]
+_EXPORTS = {
+    "actors.flags": ("Flags", "FlagsError"),
+    "actors.manifest": ("ImageManifest", "ManifestError"),
+    "actors.resources": ("Resources", "ResourcesError"),
+    "._components": ("NvidiaComponents",),
+    "._errors": ("InvalidContainerID", "IsolatorError"),
+    "._isolator": ("MesosIsolator", "NvidiaGpuIsolatorProcess"),
+    "._types": ("ContainerClass", "ContainerConfig", "ContainerID", "ContainerLaunchInfo", "ContainerLimitation",
+                "ContainerMountInfo", "ContainerState", "GpuStatistics", "Repair", "ResourceStatistics"),
+    ".script._action": ("ScriptError",),
+    ".script._format": ("Script",),
+    ".script._loading": ("load_script", "load_script_file"),
+    ".script._report": ("ScriptReport", "StepResult"),
+    ".script._runner": ("ScriptRunner", "run_script"),
+}
+
+__all__ = [name for names in _EXPORTS.values() for name in names]
+
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:  # a submodule, as after an eager import of the package
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from actors.flags import Flags, FlagsError
+    from actors.manifest import ImageManifest, ManifestError
+    from actors.resources import Resources, ResourcesError
+
+    from ._components import NvidiaComponents
+    from ._errors import InvalidContainerID, IsolatorError
+    from ._isolator import MesosIsolator, NvidiaGpuIsolatorProcess
+    from ._types import (
+        ContainerClass,
+        ContainerConfig,
+        ContainerID,
+        ContainerLaunchInfo,
+        ContainerLimitation,
+        ContainerMountInfo,
+        ContainerState,
+        GpuStatistics,
+        Repair,
+        ResourceStatistics,
+    )
+    from .script._action import ScriptError
+    from .script._format import Script
+    from .script._loading import load_script, load_script_file
+    from .script._report import ScriptReport, StepResult
+    from .script._runner import ScriptRunner, run_script

@@ -13,6 +13,8 @@ Commands:
 - ``cdi generate [--host-file F] [--dev-dir D] [--format json|yaml]
   [--output PATH]``: the node's static CDI spec (``isolators.cdi``); JSON
   on stdout is the document alone.
+- ``serve``, ``exec``, ``status``: the isolator as a service and its
+  clients (``isolators.service``; SPEC section 16).
 - The churn benchmark is not a command: it lives in the source tree
   (``python -m benchmarks.churn`` from a checkout), not in the installed
   package.
@@ -127,6 +129,10 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--output", metavar="PATH",
                           help="write the spec to PATH (atomically; e.g. /etc/cdi/nvidia.yaml) instead of stdout")
     generate.set_defaults(func=_cmd_cdi_generate)
+
+    from .service._commands import add_commands  # serve, exec, status
+
+    add_commands(sub)
     return parser
 
 
@@ -263,10 +269,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verbose = any(a in _GLOBAL_OPTIONS for a in argv)
     try:
+        parser = _parser()
         try:
-            args = _parser().parse_args(argv)
+            args, extra = parser.parse_known_args(argv)
         except SystemExit as e:  # --help
             return int(e.code or 0) if not isinstance(e.code, str) else 2
+        if extra and not getattr(args, "accepts_flags", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.extra = extra  # serve: the isolator's flags (--name=value)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
                             format="%(levelname)s %(name)s: %(message)s")
         return args.func(args)

@@ -1,0 +1,79 @@
+"""The isolator as a service (SPEC section 16): ``serve``, ``exec``, ``status``.
+
+- ``_service``: ``GpuIsolatorService``, the network-reachable process in
+  front of an isolator (messages, the waiting line, exec containers
+  released once empty, ``GET /gpu-isolator/state``), recovering from its
+  records (``_records``) and the kernel.
+- ``_messages``: the wire Structs and the state document.
+- ``_host``: what the service asks the host (socket owners, processes,
+  cgroup membership).
+- ``_client``: ``ServiceClient``, a process that asks a service.
+- ``_serve``: ``serve`` until SIGTERM/SIGINT; ``_exec`` and ``_launcher``:
+  the exec client and its command, moved into the cgroup before it runs;
+  ``_status``: the state as a table; ``_commands``: the CLI wiring.
+Each module states its rules at the top. Names are imported when first used
+(``exec`` and ``status`` need little of the agent).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "._client": ("LostService", "ServiceClient"),
+    "._exec": ("DEFAULT_AGENT", "exec_command"),
+    "._launcher": ("PendingCommand", "SignalForwarder", "exit_code"),
+    "._messages": ("SERVICE_ID", "CleanedUp", "Cleanup", "ContainerView", "GrantedGpu", "Prepare", "Prepared",
+                   "Queued", "ServiceState", "Start", "Started", "Statistics", "Update", "Updated", "Usage",
+                   "WaitingView"),
+    "._records": ("ContainerRecord", "RecordsError", "RecordsFile", "records_file"),
+    "._serve": ("serve", "service_flags"),
+    "._service": ("GpuIsolatorService", "ServiceError", "visible_devices_env"),
+    "._status": ("fetch_state", "render_state"),
+}
+
+__all__ = [name for names in _EXPORTS.values() for name in names]
+
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from ._client import LostService, ServiceClient
+    from ._exec import DEFAULT_AGENT, exec_command
+    from ._launcher import PendingCommand, SignalForwarder, exit_code
+    from ._messages import (
+        SERVICE_ID,
+        CleanedUp,
+        Cleanup,
+        ContainerView,
+        GrantedGpu,
+        Prepare,
+        Prepared,
+        Queued,
+        ServiceState,
+        Start,
+        Started,
+        Statistics,
+        Update,
+        Updated,
+        Usage,
+        WaitingView,
+    )
+    from ._records import ContainerRecord, RecordsError, RecordsFile, records_file
+    from ._serve import serve, service_flags
+    from ._service import GpuIsolatorService, ServiceError, visible_devices_env
+    from ._status import fetch_state, render_state

@@ -1,0 +1,178 @@
+"""The service's messages and its state document (msgspec Structs).
+
+Rules:
+- Requests go to ``gpu-isolator@HOST:PORT`` as libprocess messages named
+  ``prepare``, ``start``, ``update``, ``usage`` and ``cleanup`` (JSON
+  bodies). Every request carries ``request``, a string chosen by the
+  sender, echoed by each reply, so a sender can match answers to questions.
+- Replies go back to the sender's PID as messages: ``queued`` (a
+  ``prepare`` with ``wait`` that must wait its turn; it is followed by
+  ``prepared`` later), ``prepared``, ``started``, ``updated``,
+  ``statistics`` and ``cleaned_up``. A reply whose ``error`` is set is a
+  refusal with one line of text (Mesos' wording where Mesos has one); the
+  other fields are then empty.
+- ``prepare`` with a ``command`` asks for an exec container: a process of
+  the sender's is moved into it by ``start`` (which needs the ``token``
+  the ``prepared`` reply carried, so only the real holder of the sender's
+  address can move a process in), and the container is released once no
+  process is left in it after its sender asked for cleanup or went away.
+- Unknown fields are ignored (newer clients); a body that does not decode
+  to its Struct is logged and counted by the runtime, never answered.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from .._types import ResourceStatistics
+
+__all__ = [
+    "SERVICE_ID", "Prepare", "Start", "Update", "Usage", "Cleanup",
+    "GrantedGpu", "Queued", "Prepared", "Started", "Updated", "Statistics", "CleanedUp",
+    "ContainerView", "WaitingView", "ServiceState",
+]
+
+SERVICE_ID = "gpu-isolator"
+"""The service's process id: it is ``gpu-isolator@HOST:PORT``."""
+
+_Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+_Pid = Annotated[int, msgspec.Meta(ge=1, le=(1 << 22))]
+
+
+# -- requests ------------------------------------------------------------------
+class Prepare(msgspec.Struct, kw_only=True):
+    """A new top-level container holding ``gpus`` whole GPUs."""
+
+    request: str
+    container_id: str
+    gpus: _Count = 0
+    wait: bool = False
+    """Queue until enough GPUs are free (first come, first served) instead of failing."""
+    command: list[str] | None = None
+    """The command an exec client will run in it (an exec container; see the module rules)."""
+
+
+class Start(msgspec.Struct, kw_only=True):
+    """Move process ``pid`` (the sender's, not yet running the command) into an exec container."""
+
+    request: str
+    container_id: str
+    token: str
+    pid: _Pid
+
+
+class Update(msgspec.Struct, kw_only=True):
+    request: str
+    container_id: str
+    gpus: _Count
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    request: str
+    container_id: str
+
+
+class Cleanup(msgspec.Struct, kw_only=True):
+    """Clean a container up (an exec container: once it is empty), or cancel a waiting prepare."""
+
+    request: str
+    container_id: str
+
+
+# -- replies -------------------------------------------------------------------
+class GrantedGpu(msgspec.Struct, kw_only=True):
+    minor: int
+    uuid: str | None = None
+    index: int | None = None
+
+
+class Queued(msgspec.Struct, kw_only=True):
+    request: str
+    container_id: str
+    position: int
+    """1 = next in line."""
+    gpus: int
+    free: int
+
+
+class Prepared(msgspec.Struct, kw_only=True):
+    request: str
+    container_id: str
+    error: str | None = None
+    gpus: list[GrantedGpu] = []
+    env: dict[str, str] = {}
+    """``NVIDIA_VISIBLE_DEVICES`` and ``CUDA_VISIBLE_DEVICES``: the GPUs' UUIDs."""
+    token: str | None = None
+    """For ``start`` (exec containers only)."""
+
+
+class Started(msgspec.Struct, kw_only=True):
+    request: str
+    container_id: str
+    error: str | None = None
+    pid: int | None = None
+    cgroup: str | None = None
+    """The cgroup's directory (v1: in the devices hierarchy; v2: the unified one)."""
+    cgroup_suffix: str | None = None
+    """How ``/proc/<pid>/cgroup`` ends for a process inside it (``/<cgroups_root>/<id>``)."""
+    controller: str | None = None
+    """The ``/proc/<pid>/cgroup`` controllers field to look at: ``devices`` (v1) or ``""`` (v2)."""
+
+
+class Updated(msgspec.Struct, kw_only=True):
+    request: str
+    container_id: str
+    error: str | None = None
+    gpus: list[GrantedGpu] = []
+
+
+class Statistics(msgspec.Struct, kw_only=True):
+    request: str
+    container_id: str
+    error: str | None = None
+    statistics: ResourceStatistics | None = None
+
+
+class CleanedUp(msgspec.Struct, kw_only=True):
+    request: str
+    container_id: str
+    error: str | None = None
+    released: bool = True
+    """False: processes are still inside; the GPUs go when the last one exits."""
+    processes: int = 0
+
+
+# -- GET /gpu-isolator/state ---------------------------------------------------------
+class ContainerView(msgspec.Struct, kw_only=True):
+    gpus: list[int]
+    uuids: list[str | None] = []
+    command: list[str] | None = None
+    user: str | None = None
+    uid: int | None = None
+    client: str | None = None
+    pid: int | None = None
+    since: float | None = None
+    state: str = "running"
+    """``prepared`` (no process yet), ``running``, ``releasing`` (its GPUs go
+    when its last process exits), ``recovered`` (found at start, no record)."""
+
+
+class WaitingView(msgspec.Struct, kw_only=True):
+    container_id: str
+    gpus: int
+    command: list[str] | None = None
+    user: str | None = None
+    client: str | None = None
+    since: float | None = None
+
+
+class ServiceState(msgspec.Struct, kw_only=True):
+    containers: dict[str, ContainerView]
+    free: list[int]
+    unhealthy: dict[str, str]
+    waiting: list[WaitingView] = []
+    total: list[int] = []
+    backend: str = ""
+    address: str = ""

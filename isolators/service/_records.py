@@ -1,0 +1,130 @@
+"""The service's records of its containers, checkpointed in its work dir.
+
+Rules:
+- A ``ContainerRecord`` is what the kernel cannot tell after a restart:
+  the command, who asked (client PID, uid), the process moved in, whether
+  it is an exec container and whether it is being released. The GPUs a
+  container holds are the isolator's (recovered from the kernel), never
+  taken from here.
+- ``RecordsFile`` keeps every record in one JSON file,
+  ``<work_dir>/service/containers.json``, written whole and atomically (a
+  temporary file, ``fsync``, ``rename``, ``fsync`` of the directory): a
+  reader sees the old file or the new one. A record is written before the
+  isolator prepares its container, and again after every change.
+- A missing file is a first start. A file that is empty, garbled or of
+  another version raises ``RecordsError`` with what to do: it is never read
+  as empty, since exec containers would then never be released.
+- ``load``/``write`` block: the service runs them through its executor (one
+  writer thread, so writes land in the order they were made).
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from runtime import Failure
+
+__all__ = ["ContainerRecord", "RecordsFile", "RecordsError", "records_file"]
+
+VERSION = 1
+
+
+class RecordsError(Failure):
+    """The records file cannot be read; the message says what to do."""
+
+
+class ContainerRecord(msgspec.Struct, kw_only=True):
+    container_id: str
+    command: list[str] | None = None
+    """Set for exec containers (released once empty, see the service's rules)."""
+    client: str | None = None
+    """The PID of whoever prepared it (``id@host:port``)."""
+    uid: int | None = None
+    user: str | None = None
+    pid: int | None = None
+    """The process an exec client moved in."""
+    since: float = 0.0
+    releasing: bool = False
+    """Its sender asked for cleanup or went away: released once no process is left."""
+    recovered: bool = False
+    """Found under the cgroups root at start without a record (an orphan)."""
+
+    @property
+    def is_exec(self) -> bool:
+        return self.command is not None
+
+
+class _File(msgspec.Struct):
+    version: int
+    root: str
+    containers: list[ContainerRecord]
+
+
+_decoder = msgspec.json.Decoder(_File)
+_encoder = msgspec.json.Encoder()
+
+
+def records_file(work_dir: str) -> str:
+    return os.path.join(work_dir, "service", "containers.json")
+
+
+class RecordsFile:
+    """One records file for the cgroups root ``root`` (see module rules)."""
+
+    def __init__(self, path: str, root: str) -> None:
+        self.path = path
+        self.root = root
+
+    def _error(self, reason: str) -> RecordsError:
+        return RecordsError(
+            f"The service's records {self.path} are unreadable: {reason}. They say which containers under"
+            f" {self.root} run commands of 'gpu-isolator exec' (released when they end). Restore the file, or"
+            " delete it to start afresh: containers still running are then recovered without their"
+            " commands and are released only by an explicit cleanup."
+        )
+
+    def load(self) -> list[ContainerRecord]:
+        try:
+            with open(self.path, "rb") as handle:
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        except OSError as error:
+            raise self._error(f"cannot read it ({error.strerror})") from None
+        if not data:
+            raise self._error("it is empty (truncated)")
+        try:
+            decoded = _decoder.decode(data)
+        except msgspec.DecodeError as error:
+            raise self._error(f"{error} (truncated or garbled)") from None
+        if decoded.version != VERSION:
+            raise self._error(f"unknown version {decoded.version} (this build reads version {VERSION})")
+        if decoded.root != self.root:
+            raise self._error(f"they belong to the cgroups root {decoded.root!r}, not {self.root!r}")
+        return decoded.containers
+
+    def encode(self, records: list[ContainerRecord]) -> bytes:
+        """The file's bytes for ``records`` (cheap: encode on the loop, write in a thread)."""
+        return _encoder.encode(_File(VERSION, self.root, sorted(records, key=lambda r: r.container_id)))
+
+    def write(self, data: bytes) -> None:
+        """Replace the file with ``data``, atomically and durably."""
+        directory = os.path.dirname(self.path)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        temporary = self.path + ".tmp"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temporary, self.path)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -1,0 +1,153 @@
+"""The service's parts on their own: who owns a listening socket, the
+command held back until it is told to run, exit statuses, the records
+file, flags from a file and options, and the status table."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from isolators.service import (
+    ContainerRecord,
+    ContainerView,
+    PendingCommand,
+    RecordsError,
+    RecordsFile,
+    ServiceState,
+    WaitingView,
+    exit_code,
+    render_state,
+    service_flags,
+    visible_devices_env,
+)
+from isolators.service._host import HostError, cgroup_of, listener_uid, move_into, process_owner
+
+
+def test_listener_uid_names_the_owner_of_the_socket_listening_there() -> None:
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert listener_uid("127.0.0.1", port) == os.getuid()
+        assert listener_uid("localhost", port) == os.getuid()
+        closed.bind(("127.0.0.1", 0))  # bound, not listening
+        assert listener_uid("127.0.0.1", closed.getsockname()[1]) is None
+    with socket.socket() as wildcard:
+        wildcard.bind(("0.0.0.0", 0))
+        wildcard.listen()
+        assert listener_uid("127.0.0.1", wildcard.getsockname()[1]) == os.getuid()
+    if socket.has_ipv6:
+        try:
+            six = socket.socket(socket.AF_INET6)
+            six.bind(("::1", 0))
+        except OSError:
+            return
+        with six:
+            six.listen()
+            assert listener_uid("::1", six.getsockname()[1]) == os.getuid()
+            assert listener_uid("127.0.0.1", six.getsockname()[1]) is None
+
+
+def test_process_facts_and_a_move_that_is_refused() -> None:
+    me = os.getpid()
+    assert process_owner(me) == (os.getuid(), os.geteuid())
+    assert cgroup_of(me, "") is not None
+    with pytest.raises(HostError, match="Process 4194304 does not exist"):
+        process_owner(4194304)
+    if os.getuid() != 0:
+        with pytest.raises(HostError, match="belongs to uid"):
+            move_into(1, "/nonexistent", "/x", "", os.getuid())
+
+
+def test_a_pending_command_runs_nothing_until_told_and_nothing_when_aborted(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    script = f"import os, sys; open({str(marker)!r}, 'a').write(os.environ.get('GRANT', '?') + '\\n'); sys.exit(3)"
+    aborted = PendingCommand.fork([sys.executable, "-c", script])
+    time.sleep(0.2)
+    assert not marker.exists()
+    aborted.abort()
+    assert exit_code(aborted.wait()) == 125 and not marker.exists()
+    aborted.close()
+
+    told = PendingCommand.fork([sys.executable, "-c", script])
+    assert told.run({"GRANT": "GPU-x"}) is None
+    assert exit_code(told.wait()) == 3 and marker.read_text() == "GPU-x\n"
+    told.close()
+
+    missing = PendingCommand.fork(["no-such-command-for-gpu-isolator"])
+    error = missing.run({})
+    assert error is not None and error.errno == 2
+    assert exit_code(missing.wait()) == 127
+    missing.close()
+
+
+def test_a_signal_sent_before_the_command_runs_is_delivered_when_it_does() -> None:
+    held = PendingCommand.fork(["sleep", "30"])
+    time.sleep(0.2)
+    os.kill(held.pid, signal.SIGTERM)  # blocked while it waits: nothing happens yet
+    time.sleep(0.1)
+    assert os.waitpid(held.pid, os.WNOHANG) == (0, 0)
+    held.run({})  # the signal is delivered as it unblocks, before the command runs
+    assert exit_code(held.wait()) == 128 + signal.SIGTERM
+    held.close()
+
+
+def test_records_round_trip_and_refuse_to_be_read_as_empty(tmp_path: Path) -> None:
+    path = tmp_path / "service" / "containers.json"
+    records = RecordsFile(str(path), "/sys/fs/cgroup/devices/root")
+    assert records.load() == []
+    saved = [ContainerRecord(container_id="b", command=["python", "x.py"], client="c@127.0.0.1:1", uid=0,
+                             user="root", pid=42, since=1.5),
+             ContainerRecord(container_id="a", recovered=True)]
+    records.write(records.encode(saved))
+    assert [r.container_id for r in records.load()] == ["a", "b"] and records.load()[1] == saved[0]
+    assert not (tmp_path / "service" / "containers.json.tmp").exists()
+    for content, reason in ((b"", "it is empty"), (b"{not json", "truncated or garbled"),
+                            (json.dumps({"version": 9, "root": "x", "containers": []}).encode(), "unknown version 9")):
+        path.write_bytes(content)
+        with pytest.raises(RecordsError, match=reason) as caught:
+            records.load()
+        assert "delete it to start afresh" in str(caught.value)
+    path.write_bytes(records.encode(saved))
+    with pytest.raises(RecordsError, match="belong to the cgroups root '/sys/fs/cgroup/devices/root'"):
+        RecordsFile(str(path), "/elsewhere").load()
+
+
+def test_flags_come_from_the_file_with_options_over_them(tmp_path: Path) -> None:
+    file = tmp_path / "flags.toml"
+    file.write_text('device_backend = "memory"\ncgroups_root = "from-file"\ngpu_allocation = "lowest"\n')
+    flags = service_flags(str(file), ["--cgroups-root=from-option", "--reconcile_interval", "30secs"])
+    assert (flags.device_backend, flags.cgroups_root, flags.gpu_allocation, flags.reconcile_interval) == (
+        "memory", "from-option", "lowest", 30.0)
+    assert service_flags(None, []).cgroups_root == "gpu-isolator"
+    with pytest.raises(ValueError, match="Failed to load unknown flag 'nope'"):
+        service_flags(str(file), ["--nope=1"])
+
+
+def test_visible_devices_and_the_status_table() -> None:
+    assert visible_devices_env(["GPU-a", "GPU-b"]) == {"NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b",
+                                                       "CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}
+    assert visible_devices_env([]) == {"NVIDIA_VISIBLE_DEVICES": "none", "CUDA_VISIBLE_DEVICES": ""}
+    state = ServiceState(
+        containers={"exec-1": ContainerView(gpus=[0, 1], command=["python", "train.py", "--lr", "0.1 x"],
+                                            user="alice", pid=123, since=1000.0, state="running")},
+        free=[2], unhealthy={"3": "Xid 79"}, total=[0, 1, 2, 3], backend="cgroups_v2",
+        address="gpu-isolator@127.0.0.1:5052",
+        waiting=[WaitingView(container_id="exec-2", gpus=2, command=["sleep", "1"], user="bob", since=1090.0)])
+    assert render_state(state, now=1100.0).splitlines() == [
+        "gpu-isolator@127.0.0.1:5052: cgroups_v2, 4 GPU(s): 1 free, 1 unhealthy, 1 container(s), 1 waiting",
+        "CONTAINER  GPUS  USER   PID  STATE    AGE    COMMAND",
+        "exec-1     0,1   alice  123  running  1m40s  python train.py --lr '0.1 x'",
+        "free GPUs:      2",
+        "unhealthy GPUs: 3 (Xid 79)",
+        "waiting (first come, first served):",
+        "  CONTAINER  GPUS  USER  AGE  COMMAND",
+        "  exec-2     2     bob   10s  sleep 1",
+    ]
