@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 
 import anyio
 
-from actors import Flags
+from actors.flags import Flags
 from runtime import Runtime, terminate, wait
 
 from .._components import NvidiaComponents

@@ -55,7 +55,9 @@ import time
 from collections import deque
 from typing import Any
 
-from actors import Flags, Gpu, Resources
+from actors import Gpu
+from actors.flags import Flags
+from actors.resources import Resources
 from runtime import PID, Executor, Failure, Process, Response, current_runtime, delay, dispatch, spawn
 
 from .._errors import IsolatorError
