@@ -33,9 +33,8 @@ def _service(directory: Any, backend: str, **flags: Any) -> tuple[Node, ServePro
     return node, ServeProcess(node, directory, **flags)
 
 
-@pytest.fixture(scope="module", params=KERNEL_BACKENDS)
-def kernel_service(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Iterator[ServeProcess]:
-    node, service = _service(tmp_path_factory.mktemp(f"serve-{request.param}"), request.param)
+def _module_service(tmp_path_factory: Any, backend: str) -> Iterator[ServeProcess]:
+    node, service = _service(tmp_path_factory.mktemp(f"serve-{backend}"), backend)
     try:
         yield service.start()
     finally:
@@ -43,18 +42,16 @@ def kernel_service(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Ite
             service.close()
         finally:
             node.teardown()
+
+
+@pytest.fixture(scope="module", params=KERNEL_BACKENDS)
+def kernel_service(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Iterator[ServeProcess]:
+    yield from _module_service(tmp_path_factory, request.param)
 
 
 @pytest.fixture(scope="module")
 def memory_service(tmp_path_factory: Any) -> Iterator[ServeProcess]:
-    node, service = _service(tmp_path_factory.mktemp("serve-memory"), "memory")
-    try:
-        yield service.start()
-    finally:
-        try:
-            service.close()
-        finally:
-            node.teardown()
+    yield from _module_service(tmp_path_factory, "memory")
 
 
 @pytest.fixture
