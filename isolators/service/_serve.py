@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import anyio
 
 from actors.flags import Flags
 from runtime import Runtime, terminate, wait
 
-from .._components import NvidiaComponents
-from .._isolator import NvidiaGpuIsolatorProcess
-from ._service import GpuIsolatorService
+if TYPE_CHECKING:
+    from ._service import GpuIsolatorService
 
 __all__ = ["serve", "service_flags"]
 
@@ -51,8 +50,12 @@ def service_flags(file: str | None, args: Iterable[str] = ()) -> Flags:
 
 
 async def serve(flags: Flags, listen: str, *, poll_interval: float = 1.0,
-                ready: Callable[[GpuIsolatorService], None] | None = None) -> None:
+                ready: Callable[["GpuIsolatorService"], None] | None = None) -> None:
     """Serve until SIGTERM or SIGINT (see module rules)."""
+    from .._components import NvidiaComponents  # the whole agent: imported once flags were read
+    from .._isolator import NvidiaGpuIsolatorProcess
+    from ._service import GpuIsolatorService
+
     with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
         async with Runtime(listen=listen):
             components = await NvidiaComponents.create(flags)

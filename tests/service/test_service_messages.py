@@ -216,12 +216,9 @@ def test_command_errors_are_one_line_and_non_zero(tmp_path: Path) -> None:
     cases = [
         (("serve", "--listen", "127.0.0.1:0", "--flags", str(tmp_path / "missing.json")), "Failed to read flags file"),
         (("serve", "--listen", "127.0.0.1:0", "--flags", str(bad_flags)), "Failed to load unknown flag 'no_such_flag'"),
-        (("serve", "--listen", "127.0.0.1:0", "--bogus=1"), "Failed to load unknown flag 'bogus'"),
         (("serve", "--listen", "nowhere", "--device_backend=memory"), "Invalid address 'nowhere'"),
         (("status", "--agent", "127.0.0.1:1"), "cannot reach the gpu-isolator service at 127.0.0.1:1"),
-        (("status", "--bogus"), "unrecognized arguments: --bogus"),
         (("exec", "--gpus", "1"), "no command given"),
-        (("exec", "--gpus", "-1", "--", "true"), "--gpus must be a whole number >= 0"),
         (("exec", "--agent", "no-port", "--gpus", "1", "--", "true"), "Invalid address 'no-port'"),
     ]
     running = [(args, text, subprocess.Popen([sys.executable, "-m", "isolators", *args], cwd=ROOT, text=True,

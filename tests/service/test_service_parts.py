@@ -151,3 +151,18 @@ def test_visible_devices_and_the_status_table() -> None:
         "  CONTAINER  GPUS  USER  AGE  COMMAND",
         "  exec-2     2     bob   10s  sleep 1",
     ]
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["serve", "--listen", "127.0.0.1:0", "--bogus=1"], "gpu-isolator: error: Failed to load unknown flag 'bogus'"),
+    (["serve", "--poll-interval", "0", "--device_backend=memory"], "--poll-interval must be > 0, got 0.0"),
+    (["exec", "--gpus", "-1", "--", "true"], "gpu-isolator exec: error: --gpus must be a whole number >= 0, got -1"),
+    (["exec", "--gpus", "two", "--", "true"], "argument --gpus: invalid int value: 'two'"),
+    (["status", "--agent", "127.0.0.1:99999"], "gpu-isolator status: error: Invalid address '127.0.0.1:99999'"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(argv: list[str], text: str, capsys: pytest.CaptureFixture) -> None:
+    from isolators.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert text in err and err.count("\n") == 1, err
