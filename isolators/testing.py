@@ -10,7 +10,8 @@ Rules:
   (``Flags.from_dict``: dashes or underscores, text or typed values).
 - Construction does no I/O; ``create_files()`` makes the directory (a fresh
   temp dir when none was given, removed again by ``close()``), the dev dir
-  and the host file; ``await setup()`` does the same off the event loop.
+  and the host file, and for a host with MIG devices their capability
+  facts under ``<dir>/proc`` (then the node's ``proc_dir``); ``await setup()`` does the same off the event loop.
 - ``await start()`` builds components and an isolator from the flags (inside
   a ``runtime.Runtime``) and keeps them as ``components`` / ``isolator``;
   ``stop()`` drops every actor and cleans nothing up (an agent crash);
@@ -41,6 +42,8 @@ from typing import Any
 import aiofiles.os
 
 from actors.flags import Flags
+from actors.mig.testing import write_proc_dir
+from actors.nvml import HostFileError, load_host_file
 from actors.devices import MemoryBackend, default_hierarchy
 
 from ._components import NvidiaComponents
@@ -150,6 +153,7 @@ class SimulatedNode:
             self._host = host if host is not None else host_document(gpus)
             self.host_file = None
         self.extra: dict[str, Any] = dict(extra or {})
+        self._has_proc = False
         self.components: NvidiaComponents | None = None
         self.isolator: MesosIsolator | None = None
 
@@ -161,7 +165,20 @@ class SimulatedNode:
         os.makedirs(self.dev_dir, exist_ok=True)
         if self.host_file is None:
             self.write_host(self._host)
+        else:
+            self._write_mig_facts()
         return self
+
+    def _write_mig_facts(self) -> None:
+        """A host with MIG devices gets the capability facts a driver would have
+        under ``<dir>/proc`` (``actors.mig.testing.write_proc_dir``)."""
+        try:
+            spec = load_host_file(self.host_file)
+        except HostFileError:
+            return  # a bad host file is the start's error to report, not this one's
+        if any(gpu.mig_devices for gpu in spec.gpus):
+            write_proc_dir(self.proc_dir, spec)
+            self._has_proc = True
 
     async def setup(self) -> "SimulatedNode":
         """``create_files()`` off the event loop."""
@@ -180,6 +197,7 @@ class SimulatedNode:
             with open(path, "w") as handle:
                 json.dump(dict(data or {}), handle)
         self.host_file = path
+        self._write_mig_facts()
         return path
 
     def path(self, *names: str) -> str:
@@ -192,6 +210,8 @@ class SimulatedNode:
     runtime_dir = _Inside("run")
     work_dir = _Inside("work")
     volume_dir = _Inside("volume")
+    proc_dir = _Inside("proc")
+    """The MIG capability facts of a MIG host (``--proc_dir``)."""
 
     # -- flags and actors -----------------------------------------------------------
     def flag_values(self, changes: Mapping[str, Any] | None = None, /, **more: Any) -> dict[str, Any]:
@@ -206,6 +226,7 @@ class SimulatedNode:
             "device_backend": self.backend,
             "cgroups_hierarchy": self.hierarchy,
             "cgroups_root": self.cgroups_root,
+            **({"proc_dir": self.proc_dir} if self._has_proc else {}),
             **self.extra,
             **(changes or {}),
             **more,

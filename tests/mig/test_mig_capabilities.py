@@ -114,3 +114,21 @@ def test_the_example_h200_node_has_facts_for_every_mig_device():
     nvml.init()
     inventory = read_inventory(nvml)
     read_mig_capabilities(flags.proc_dir).require(mig.device for mig in inventory.mig_devices)
+
+
+def test_a_simulated_nodes_proc_dir_has_the_drivers_numbering(tmp_path):
+    from actors.mig.testing import cap_minor, write_proc_dir
+    from actors.nvml import load_host_file
+
+    spec = load_host_file(Path(__file__).resolve().parents[1] / "inventory" / "data" / "h200-mig.toml")
+    proc = write_proc_dir(str(tmp_path / "proc"), spec, caps_major=508)
+    caps = read_mig_capabilities(proc)
+    assert caps.major == 508
+    assert (cap_minor(0, 0), cap_minor(0, 0, 0), cap_minor(0, 1), cap_minor(1, 0)) == (3, 4, 12, 138)
+    devices = [MigDevice(Gpu(195, g.minor), m.gi, m.ci) for g in spec.gpus for m in g.mig_devices]
+    caps.require(devices)
+    assert caps.cap_minors(MigDevice(Gpu(195, 2), 1, 1)) == (cap_minor(2, 1), cap_minor(2, 1, 1))
+    for device in devices:
+        for path, minor in zip(caps.proc_files(device), caps.cap_minors(device)):
+            with open(path) as handle:
+                assert handle.read().splitlines()[0] == f"DeviceFileMinor: {minor}"
