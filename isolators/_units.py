@@ -31,7 +31,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from actors import NVIDIA_MAJOR, DeviceRule, Gpu, Resources
+from actors.devices import DeviceRule
+from actors.gpu import NVIDIA_MAJOR, Gpu
+from actors.resources import Resources
 from actors.mig import (
     MIG_RESOURCE_PREFIX,
     MigCapabilities,
