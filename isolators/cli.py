@@ -112,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     generate = cdi_sub.add_parser(
         "generate", help="the node's static CDI spec (kind nvidia.com/gpu)",
         description="Write the node's static CDI spec, kind nvidia.com/gpu: one device per GPU named by its"
-                    " index and one named by its UUID, plus 'all'; the shared edits hold the control devices"
+                    " index and one named by its UUID, one per MIG device named '<gpu>:<mig index>' and one by"
+                    " its MIG UUID, plus 'all'; the shared edits hold the control devices"
                     " and the driver volume (built under --volume-dir). Reads the real NVML, or --host-file;"
                     " without either it fails. JSON on stdout unless --output.",
     )
@@ -122,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--volume-dir", metavar="DIR", default=None,
                           help="where the driver volume is built (default: the isolator's,"
                                " /var/run/gpu-isolator/volume)")
+    generate.add_argument("--proc-dir", metavar="DIR", default="/proc",
+                          help="where the MIG capability facts are read (driver/nvidia-caps/mig-minors, devices;"
+                               " default: /proc)")
     generate.add_argument("--ld-cache", metavar="FILE", default=None,
                           help="the loader cache the driver libraries are found in (default: /etc/ld.so.cache)")
     generate.add_argument("--format", choices=("json", "yaml"), default=None,
@@ -242,7 +246,7 @@ def _cmd_cdi_generate(args: argparse.Namespace) -> int:
                              f" {args.output!r} (engines read a file by its extension)")
         spec_kind = from_name
     defaults = Flags()
-    flags = Flags(host_file=args.host_file, dev_dir=args.dev_dir,
+    flags = Flags(host_file=args.host_file, dev_dir=args.dev_dir, proc_dir=args.proc_dir,
                   volume_dir=args.volume_dir or defaults.volume_dir, ld_cache=args.ld_cache or defaults.ld_cache)
 
     async def generate() -> int:

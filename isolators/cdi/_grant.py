@@ -24,10 +24,11 @@ from typing import Iterable, Mapping
 
 from actors import Gpu
 from actors.devices import DeviceRule
+from actors.mig import CAPS_DEV_SUBDIR, MigCapabilities, MigDevice
 
 from .._types import ContainerBindMount, ContainerDevice, ContainerGrant
 
-__all__ = ["VISIBLE_DEVICES", "container_grant", "gpu_device", "control_device"]
+__all__ = ["VISIBLE_DEVICES", "container_grant", "gpu_device", "control_device", "capability_devices"]
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 
@@ -37,6 +38,17 @@ def gpu_device(gpu: Gpu, dev_dir: str) -> ContainerDevice:
     name = f"nvidia{gpu.minor}"
     return ContainerDevice(path=posixpath.join("/dev", name), host_path=os.path.join(dev_dir, name),
                            major=gpu.major, minor=gpu.minor)
+
+
+def capability_devices(device: MigDevice, caps: MigCapabilities, dev_dir: str) -> list[ContainerDevice]:
+    """The GPU- and compute-instance capability nodes of a MIG device
+    (``/dev/nvidia-caps/nvidia-cap<minor>``), read-only as real ones are (0444, ``r``)."""
+    nodes = []
+    for host_path, minor in zip(caps.cap_node_paths(device, dev_dir), caps.cap_minors(device)):
+        name = f"nvidia-cap{minor}"
+        nodes.append(ContainerDevice(path=posixpath.join("/dev", CAPS_DEV_SUBDIR, name), host_path=host_path,
+                                     major=caps.major, minor=minor, permissions="r", file_mode=0o444))
+    return nodes
 
 
 def control_device(host_path: str, rule: DeviceRule) -> ContainerDevice:

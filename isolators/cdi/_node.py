@@ -5,6 +5,14 @@ Rules:
   per GPU named by its UUID (``nvidia.com/gpu=GPU-...``), in index order,
   and ``all`` with every GPU: NVIDIA's own generator's names. Each holds
   only its GPU node(s).
+- MIG devices (R-MG-3), when the node has them: one device per MIG device
+  named ``<gpu index>:<mig index>`` and one named by its ``MIG-…`` UUID (as
+  NVIDIA's generator names them), after the GPUs' names of each kind; each
+  holds its parent's node and its two capability nodes
+  (``/dev/nvidia-caps/nvidia-cap<minor>``, read-only: ``r``, mode 0444,
+  as real capability nodes are). ``all`` holds every GPU node and every
+  MIG device's capability nodes. Their facts come from ``--proc_dir``; a
+  node whose MIG devices have none is one clear error.
 - The shared edits (applied once whatever devices are asked for) hold the
   control devices and the driver volume: its read-only bind mount at
   ``/usr/local/nvidia`` and its PATH / LD_LIBRARY_PATH, computed as for an
@@ -34,9 +42,11 @@ from actors.manifest import ImageManifest
 from actors.nvml import NodeInventory, NvmlService
 from runtime import Executor
 
+from actors.mig import MigCapabilities, read_mig_capabilities
+
 from .._types import ContainerBindMount
 from ._container import bind_mount, device_node
-from ._grant import control_device, gpu_device
+from ._grant import capability_devices, control_device, gpu_device
 from ._model import CdiContainerEdits, CdiDevice, CdiSpec
 from ._rules import CdiSpecError, required_version
 
@@ -54,17 +64,34 @@ def node_spec(
     *,
     volume: ContainerBindMount | None = None,
     volume_env: Mapping[str, str] | None = None,
+    caps: MigCapabilities | None = None,
 ) -> CdiSpec:
-    """The static spec of a node (see the module rules)."""
+    """The static spec of a node (see the module rules); ``caps``: the MIG
+    capability facts (needed when the node has MIG devices)."""
     gpus = sorted(inventory.gpus, key=lambda info: info.index)
     if not gpus:
         raise CdiSpecError(f"The node ({inventory.source}) has no GPUs: there is no CDI device to describe")
     nodes = {info.index: device_node(gpu_device(info.gpu, dev_dir)) for info in gpus}
+    migs = sorted(inventory.mig_devices, key=lambda mig: (mig.parent_index, mig.index))
+    if migs:
+        if caps is None:
+            raise CdiSpecError(f"The node ({inventory.source}) has MIG devices but no capability facts were read")
+        caps.require(mig.device for mig in migs)
+    mig_nodes = {
+        mig.device: [nodes[mig.parent_index]]
+        + [device_node(device) for device in capability_devices(mig.device, caps, dev_dir)]
+        for mig in migs
+    }
     devices = [CdiDevice(name=str(info.index), container_edits=CdiContainerEdits(device_nodes=[nodes[info.index]]))
                for info in gpus]
+    devices += [CdiDevice(name=f"{mig.parent_index}:{mig.index}",
+                          container_edits=CdiContainerEdits(device_nodes=mig_nodes[mig.device])) for mig in migs]
     devices += [CdiDevice(name=info.uuid, container_edits=CdiContainerEdits(device_nodes=[nodes[info.index]]))
                 for info in gpus]
-    devices.append(CdiDevice(name="all", container_edits=CdiContainerEdits(device_nodes=list(nodes.values()))))
+    devices += [CdiDevice(name=mig.uuid, container_edits=CdiContainerEdits(device_nodes=mig_nodes[mig.device]))
+                for mig in migs]
+    every = list(nodes.values()) + [node for mig in migs for node in mig_nodes[mig.device][1:]]
+    devices.append(CdiDevice(name="all", container_edits=CdiContainerEdits(device_nodes=every)))
     shared = CdiContainerEdits(
         env=[f"{key}={value}" for key, value in (volume_env or {}).items()] if volume is not None else [],
         device_nodes=[device_node(control_device(path, rule)) for path, rule in control_devices.items()],
@@ -96,4 +123,14 @@ async def generate_node_spec(flags: Flags) -> CdiSpec:
         env = volume.env(ImageManifest(env=[f"PATH={DEFAULT_PATH}"]))
     finally:
         await volume.close()
-    return node_spec(inventory, control, flags.dev_dir, volume=mount, volume_env=env)
+    caps = await executor_run_once(read_mig_capabilities, flags.proc_dir) if inventory.mig_devices else None
+    return node_spec(inventory, control, flags.dev_dir, volume=mount, volume_env=env, caps=caps)
+
+
+async def executor_run_once(function, *args):
+    """``function(*args)`` on a one-thread executor of its own (blocking file reads)."""
+    executor = Executor(1, name="cdi-generate")
+    try:
+        return await executor.run(function, *args)
+    finally:
+        executor.shutdown(wait=False)

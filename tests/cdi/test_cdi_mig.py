@@ -1,0 +1,99 @@
+"""MIG devices in the node's static CDI spec (R-MG-3): NVIDIA's names
+(``<gpu>:<mig index>`` and the MIG UUID), each with its parent node and its
+two capability nodes; and podman, given one of them, lets the container open
+exactly those (ENXIO) and no other MIG device's capability nodes (EPERM)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from actors.nvml import load_host_file
+from isolators import cli
+from isolators.cdi import decode_spec
+from isolators.cdi.testing import make_device_nodes, parse_probe
+
+from .conftest import CONTROL_NODES
+
+REPO = Path(__file__).resolve().parents[2]
+H200 = str(REPO / "examples" / "h200-mig.toml")
+PROC = str(REPO / "examples" / "h200-mig-proc")
+CAPS_MAJOR = 239
+# examples/h200-mig-proc: GPU 0's GI 3/CI 0 (0:0) are caps 30/31, GI 4 (0:1) 39/40, GI 2 (0:2) 21/22, GI 1 (0:3) 12/13.
+CAPS = {"0:0": (30, 31), "0:1": (39, 40), "0:2": (21, 22), "0:3": (12, 13)}
+
+
+def generate(capsys, tmp_path, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["cdi", "generate", "--host-file", H200, "--volume-dir", str(tmp_path / "volume"), *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_mig_devices_are_named_as_nvidia_does_with_parent_and_capabilities(capsys, tmp_path) -> None:
+    code, out, err = generate(capsys, tmp_path, "--proc-dir", PROC, "--dev-dir", "/dev")
+    assert code == 0, err
+    spec = decode_spec(out.encode(), "json")
+    migs = [m for g in load_host_file(H200).gpus for m in g.mig_devices]
+    gpu_uuids = [g.uuid for g in load_host_file(H200).gpus]
+    assert [d.name for d in spec.devices] == [
+        "0", "1", "0:0", "0:1", "0:2", "0:3", *gpu_uuids, *(m.uuid for m in migs), "all"
+    ]
+    by_name = {d.name: d for d in spec.devices}
+    for index, (name, (gi_minor, ci_minor)) in enumerate(CAPS.items()):
+        for key in (name, migs[index].uuid):
+            nodes = by_name[key].container_edits.device_nodes
+            assert [(n.path, n.major, n.minor, n.permissions, n.file_mode) for n in nodes] == [
+                ("/dev/nvidia0", 195, 0, "rwm", 0o666),
+                (f"/dev/nvidia-caps/nvidia-cap{gi_minor}", CAPS_MAJOR, gi_minor, "r", 0o444),
+                (f"/dev/nvidia-caps/nvidia-cap{ci_minor}", CAPS_MAJOR, ci_minor, "r", 0o444),
+            ]
+            assert nodes[1].host_path is None  # the dev dir is /dev
+    every = [n.path for n in by_name["all"].container_edits.device_nodes]
+    assert every[:2] == ["/dev/nvidia0", "/dev/nvidia1"] and len(every) == 2 + 8
+    assert json.loads(out)["cdiVersion"] == "0.5.0"
+
+
+def test_mig_devices_without_capability_facts_are_one_clear_error(capsys, tmp_path) -> None:
+    code, out, err = generate(capsys, tmp_path, "--proc-dir", str(tmp_path / "no-proc"))
+    assert code != 0 and out == ""
+    assert err.startswith("gpu-isolator: error: MIG devices without capability facts in"
+                          f" '{tmp_path}/no-proc/driver/nvidia-caps/mig-minors'")
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def mig_dev(tmp_path) -> str:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mknod device nodes")
+    directory = str(tmp_path / "dev")
+    make_device_nodes(directory, {"nvidia0": (195, 0), "nvidia1": (195, 1), **CONTROL_NODES})
+    make_device_nodes(os.path.join(directory, "nvidia-caps"),
+                      {f"nvidia-cap{m}": (CAPS_MAJOR, m) for pair in CAPS.values() for m in pair})
+    return directory
+
+
+def test_podman_gives_a_container_one_mig_device_and_nothing_of_the_others(podman, mig_dev, tmp_path) -> None:
+    cdi_dir = tmp_path / "cdi"
+    cdi_dir.mkdir()
+    code = cli.main(["cdi", "generate", "--host-file", H200, "--proc-dir", PROC, "--dev-dir", mig_dev,
+                     "--volume-dir", str(tmp_path / "volume"), "--output", str(cdi_dir / "nvidia.yaml")])
+    assert code == 0
+    caps = [m for pair in CAPS.values() for m in pair]
+    paths = ["/dev/nvidia0", "/dev/nvidia1", *(f"/dev/nvidia-caps/nvidia-cap{m}" for m in caps),
+             "/host-dev/nvidia0", "/host-dev/nvidia1", *(f"/host-dev/nvidia-caps/nvidia-cap{m}" for m in caps)]
+    result = podman.run(podman.image, ["/bin/sh", "/bin/probe", *paths], devices=["nvidia.com/gpu=0:1"],
+                        volumes=[f"{mig_dev}:/host-dev:dev"], cdi_dir=str(cdi_dir))
+    assert result.returncode == 0, result.stderr
+    report = parse_probe(result.stdout)
+    mine = set(CAPS["0:1"])
+    assert report.opens["/dev/nvidia0"] == "ENXIO" and report.opens["/host-dev/nvidia0"] == "ENXIO"
+    assert report.opens["/dev/nvidia1"] == "ENOENT" and report.opens["/host-dev/nvidia1"] == "EPERM"
+    for minor in caps:
+        inside = f"/dev/nvidia-caps/nvidia-cap{minor}"
+        through_host = f"/host-dev/nvidia-caps/nvidia-cap{minor}"
+        assert report.opens[inside] == ("ENXIO" if minor in mine else "ENOENT"), (minor, report.opens)
+        assert report.opens[through_host] == ("ENXIO" if minor in mine else "EPERM"), (minor, report.opens)
+    assert report.nodes["/dev/nvidia0"] == ("c", 195, 0, 0o666) and "/dev/nvidia1" not in report.nodes
