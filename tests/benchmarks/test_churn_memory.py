@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from actors.devices import MemoryBackend
 from benchmarks.churn import churn
 from isolators.testing import SimulatedNode
-from runtime import Runtime, current_runtime
+from runtime import Runtime, current_runtime, snapshot
 
 LIFECYCLES = 10_000
 
@@ -35,11 +36,12 @@ async def test_ten_thousand_lifecycles_leave_nothing_behind() -> None:
             assert state.allocated == [] and state.available == state.total and len(state.total) == 8
 
             # Device control: no cgroup, nothing queued.
-            assert await isolator.devices.list_cgroups() == []
+            assert await isolator.devices.list_cgroups() == [] and MemoryBackend.shared_table(node.root) == {}
             control = current_runtime()._processes[isolator.devices.pid]
             assert control.driver.backend.list_cgroups() == []  # in line: nothing is ever queued
 
             # No process keeps a suspended call or a queued event.
+            processes = snapshot()
             for pid in (process.pid, isolator.devices.pid, node.components.allocator.pid):
-                stats = current_runtime()._processes[pid].stats()
+                stats = processes[str(pid)]
                 assert (stats["suspended"], stats["queue_depth"]) == (0, 0), (pid, stats)
