@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import errno
 import os
+import pty
+import select
 import signal
 import sys
+import time
 
-from tests.support.services import ServeProcess
+import anyio
+import pytest
+
+from isolators.service import Cleanup, Prepare, ServiceClient, Start, Update
+from isolators.service._host import cgroup_of
+from runtime import spawn
+from tests.support.services import ServeProcess, ask, client_of
 
 ALL = [0, 1, 2, 3]
 
@@ -157,3 +166,100 @@ def test_signals_are_forwarded_and_exit_statuses_are_the_commands(kernel_service
     assert (code, err) == (127, "gpu-isolator exec: error: cannot run 'no-such-command-for-gpu-isolator':"
                                 " No such file or directory\n")
     service.wait_state(lambda s: not s["containers"] and s["free"] == ALL)
+
+
+COUNT_SIGINTS = r"""
+import os, signal, time
+seen = []
+signal.signal(signal.SIGINT, lambda signo, frame: seen.append(signo))
+os.write(1, b"ready\n")
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline and not seen:
+    time.sleep(0.01)
+time.sleep(0.5)  # a second delivery would come now
+os.write(1, b"SIGINT x%d\n" % len(seen))
+os._exit(len(seen))
+"""
+
+
+def test_ctrl_c_on_the_terminal_reaches_the_command_once(kernel_service: ServeProcess, tmp_path) -> None:
+    """The terminal signals the whole foreground group (exec and its command):
+    exec does not forward that one a second time."""
+    script = tmp_path / "count.py"
+    script.write_text(COUNT_SIGINTS)
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: exec on a terminal of its own, in the foreground
+        try:
+            os.execv(sys.executable, [sys.executable, "-m", "isolators", "exec", "--agent", kernel_service.address,
+                                      "--gpus", "1", "--", sys.executable, "-I", "-S", str(script)])
+        finally:
+            os._exit(127)
+    seen = b""
+    status = None
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if b"ready" in seen and b"\x03" not in seen:
+                os.write(terminal, b"\x03")  # Ctrl-C
+                seen += b"\x03"
+            if select.select([terminal], [], [], 0.2)[0]:
+                try:
+                    chunk = os.read(terminal, 1024)
+                except OSError:  # the terminal closed: exec has exited
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(terminal)
+        if status is None:  # not reaped: still ours to kill
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert b"SIGINT x1" in seen, seen
+    assert os.waitstatus_to_exitcode(status) == 1, seen
+    kernel_service.wait_state(lambda s: not s["containers"] and s["free"] == ALL)
+
+
+async def _start_is_guarded(service: ServeProcess) -> None:
+    victim = await anyio.open_process(["sleep", "30"])
+    try:
+        async with client_of(service, id="owner") as owner:
+            intruder = ServiceClient(owner.service, id="intruder")  # same address, another process
+            spawn(intruder)
+            prepared = await ask(owner, "prepare", Prepare(request="p", container_id="guarded", gpus=1,
+                                                           command=["sleep", "30"]))
+            assert prepared.error is None and len(prepared.token) == 32
+            forged = await ask(intruder, "start", Start(request="s1", container_id="guarded", token=prepared.token,
+                                                        pid=victim.pid))
+            assert forged.error == "Container guarded: only the client that prepared it may start it (wrong token)"
+            guessed = await ask(owner, "start", Start(request="s2", container_id="guarded", token="0" * 32,
+                                                      pid=victim.pid))
+            assert guessed.error == forged.error
+            controller = "devices" if service.node.backend == "cgroups_v1" else ""
+            assert not cgroup_of(victim.pid, controller).endswith("/guarded")  # refused: not moved
+            started = await ask(owner, "start", Start(request="s3", container_id="guarded", token=prepared.token,
+                                                      pid=victim.pid))
+            assert started.error is None and started.cgroup == service.node.cgroup_dir("guarded")
+            assert cgroup_of(victim.pid, controller) == f"/{service.node.cgroups_root}/guarded"
+            with open(os.path.join(started.cgroup, "cgroup.procs")) as procs:
+                assert str(victim.pid) in procs.read().split()
+            again = await ask(owner, "start", Start(request="s4", container_id="guarded", token=prepared.token,
+                                                    pid=victim.pid))
+            assert again.error is not None
+            changed = await ask(owner, "update", Update(request="u", container_id="guarded", gpus=2))
+            assert changed.error == ("Container guarded runs a command of 'gpu-isolator exec': its GPUs cannot"
+                                     " change while it runs")
+            cleaned = await ask(owner, "cleanup", Cleanup(request="c", container_id="guarded"))
+            assert cleaned.error is None and (cleaned.released, cleaned.processes) == (False, 1)
+    finally:
+        victim.kill()
+        await victim.wait()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_start_moves_a_process_only_for_the_client_holding_the_token(kernel_service: ServeProcess,
+                                                                          anyio_backend: str) -> None:
+    await _start_is_guarded(kernel_service)
+    await anyio.to_thread.run_sync(kernel_service.wait_state, lambda s: not s["containers"] and s["free"] == ALL)

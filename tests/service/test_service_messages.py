@@ -10,9 +10,8 @@ import json
 import subprocess
 import sys
 import urllib.request
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
@@ -27,7 +26,7 @@ from isolators.service import (
     Usage,
 )
 from runtime import PID, Runtime, dispatch, spawn
-from tests.support.services import ROOT, ServeProcess, gpus_of
+from tests.support.services import ROOT, ServeProcess, ask, client_of, gpus_of
 
 pytestmark = pytest.mark.anyio
 
@@ -35,19 +34,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@asynccontextmanager
-async def client_of(service: ServeProcess) -> AsyncIterator[ServiceClient]:
-    async with Runtime(listen="127.0.0.1:0"):
-        client = ServiceClient(PID.parse(f"gpu-isolator@{service.address}"), id="test-client")
-        spawn(client)
-        yield client
-
-
-async def ask(client: ServiceClient, name: str, body: Any, timeout: float = 20.0) -> Any:
-    with anyio.fail_after(timeout):
-        return await dispatch(client.pid, ServiceClient.ask, name, body)
 
 
 async def state_of(service: ServeProcess) -> dict[str, Any]:
@@ -233,3 +219,16 @@ def test_command_errors_are_one_line_and_non_zero(tmp_path: Path) -> None:
             continue
         assert process.returncode == 2, (args, stderr)
         assert text in stderr and stderr.count("\n") == 1, (args, stderr)
+
+
+async def test_serve_stops_on_sigterm_and_tells_whoever_waits(serve_factory) -> None:
+    service = serve_factory("memory").start()
+    async with client_of(service) as client:
+        assert (await ask(client, "prepare", Prepare(request="a", container_id="all", gpus=4))).error is None
+        waiting = dispatch(client.pid, ServiceClient.ask, "prepare", Prepare(request="b", container_id="b", gpus=1,
+                                                                               wait=True))
+        await wait_state(service, lambda s: len(s["waiting"]) == 1)
+        assert await anyio.to_thread.run_sync(service.stop) == 0
+        with anyio.fail_after(10):
+            answer = await waiting
+        assert answer.error == "the gpu-isolator service is stopping; ask again once it runs"

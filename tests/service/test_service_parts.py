@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -166,3 +167,19 @@ def test_bad_arguments_are_one_line_and_exit_2(argv: list[str], text: str, capsy
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert text in err and err.count("\n") == 1, err
+
+
+def test_a_process_of_another_user_is_never_moved(tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to start a process as another user")
+    other = subprocess.Popen(["sleep", "30"], user=65534)
+    try:
+        target = tmp_path / "cgroup"
+        target.mkdir()
+        with pytest.raises(HostError, match=f"Process {other.pid} belongs to uid 65534, not to the sender"
+                                            r" \(uid 1000\); a client may move only its own processes"):
+            move_into(other.pid, str(target), "/x", "", 1000)
+        assert not (target / "cgroup.procs").exists()  # refused before anything was written
+    finally:
+        other.kill()
+        other.wait()

@@ -21,6 +21,9 @@ Rules:
   On mknod'ed nodes of major 195 (no driver) ENXIO means the kernel let
   it through, EPERM that the device cgroup denied it.
 - Every process started is killed by ``close()`` (the fixtures call it).
+- ``async with client_of(service) as client``: a ``ServiceClient`` in a
+  runtime of this test's own, listening on loopback; ``await ask(client,
+  name, body)`` sends one request and returns its answer (bounded).
 """
 
 from __future__ import annotations
@@ -33,8 +36,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+
+from isolators.service import ServiceClient
+from runtime import PID, Runtime, dispatch, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -221,3 +230,18 @@ class ServeProcess:
 def gpus_of(state: dict[str, Any]) -> dict[str, list[int]]:
     """Container -> minors, from a state document."""
     return {name: view["gpus"] for name, view in state["containers"].items()}
+
+
+@asynccontextmanager
+async def client_of(service: ServeProcess, id: str = "test-client") -> AsyncIterator[ServiceClient]:
+    """A ServiceClient of the service, in a runtime of its own (see module rules)."""
+    async with Runtime(listen="127.0.0.1:0"):
+        client = ServiceClient(PID.parse(f"gpu-isolator@{service.address}"), id=id)
+        spawn(client)
+        yield client
+
+
+async def ask(client: ServiceClient, name: str, body: Any, timeout: float = 20.0) -> Any:
+    """One request and its answer."""
+    with anyio.fail_after(timeout):
+        return await dispatch(client.pid, ServiceClient.ask, name, body)
