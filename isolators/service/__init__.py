@@ -5,6 +5,7 @@
   released once empty, ``GET /gpu-isolator/state``), recovering from its
   records (``_records``) and the kernel.
 - ``_messages``: the wire Structs and the state document.
+- ``_line``: the prepares not answered yet and the line they wait in.
 - ``_host``: what the service asks the host (socket owners, processes,
   cgroup membership).
 - ``_client``: ``ServiceClient``, a process that asks a service.
@@ -26,10 +27,10 @@ _EXPORTS = {
     "._launcher": ("PendingCommand", "SignalForwarder", "exit_code"),
     "._messages": ("SERVICE_ID", "CleanedUp", "Cleanup", "ContainerView", "GrantedGpu", "Prepare", "Prepared",
                    "Queued", "ServiceState", "Start", "Started", "Statistics", "Update", "Updated", "Usage",
-                   "WaitingView"),
+                   "WaitingView", "visible_devices_env"),
     "._records": ("ContainerRecord", "RecordsError", "RecordsFile", "records_file"),
     "._serve": ("serve", "service_flags"),
-    "._service": ("GpuIsolatorService", "ServiceError", "visible_devices_env"),
+    "._service": ("GpuIsolatorService", "ServiceError"),
     "._status": ("fetch_state", "render_state"),
 }
 
@@ -72,8 +73,9 @@ if TYPE_CHECKING:
         Updated,
         Usage,
         WaitingView,
+        visible_devices_env,
     )
     from ._records import ContainerRecord, RecordsError, RecordsFile, records_file
     from ._serve import serve, service_flags
-    from ._service import GpuIsolatorService, ServiceError, visible_devices_env
+    from ._service import GpuIsolatorService, ServiceError
     from ._status import fetch_state, render_state

@@ -31,7 +31,7 @@ from .._types import ResourceStatistics
 __all__ = [
     "SERVICE_ID", "Prepare", "Start", "Update", "Usage", "Cleanup",
     "GrantedGpu", "Queued", "Prepared", "Started", "Updated", "Statistics", "CleanedUp",
-    "ContainerView", "WaitingView", "ServiceState",
+    "ContainerView", "WaitingView", "ServiceState", "visible_devices_env",
 ]
 
 SERVICE_ID = "gpu-isolator"
@@ -95,6 +95,13 @@ class Queued(msgspec.Struct, kw_only=True):
     """1 = next in line."""
     gpus: int
     free: int
+
+
+def visible_devices_env(uuids: list[str]) -> dict[str, str]:
+    """``NVIDIA_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES`` for these GPUs
+    (no GPU: ``none`` and empty, so CUDA sees none)."""
+    joined = ",".join(uuids)
+    return {"NVIDIA_VISIBLE_DEVICES": joined or "none", "CUDA_VISIBLE_DEVICES": joined}
 
 
 class Prepared(msgspec.Struct, kw_only=True):

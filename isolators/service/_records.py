@@ -11,6 +11,10 @@ Rules:
   temporary file, ``fsync``, ``rename``, ``fsync`` of the directory): a
   reader sees the old file or the new one. A record is written before the
   isolator prepares its container, and again after every change.
+- ``recovered_records`` matches the records with what the isolator
+  recovered from the kernel: records of vanished cgroups are dropped, a
+  cgroup without a record gets one (``recovered``: released only by a
+  cleanup).
 - A missing file is a first start. A file that is empty, garbled or of
   another version raises ``RecordsError`` with what to do: it is never read
   as empty, since exec containers would then never be released.
@@ -20,13 +24,19 @@ Rules:
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import msgspec
 
 from runtime import Failure
 
-__all__ = ["ContainerRecord", "RecordsFile", "RecordsError", "records_file"]
+from ._messages import ContainerView
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ContainerRecord", "RecordsFile", "RecordsError", "records_file", "recovered_records"]
 
 VERSION = 1
 
@@ -54,6 +64,32 @@ class ContainerRecord(msgspec.Struct, kw_only=True):
     @property
     def is_exec(self) -> bool:
         return self.command is not None
+
+    def view(self, gpus: list[int], uuids: list[str | None]) -> ContainerView:
+        """The container as ``GET /gpu-isolator/state`` shows it."""
+        state = ("releasing" if self.releasing else "recovered" if self.recovered
+                 else "running" if self.pid is not None or not self.is_exec else "prepared")
+        return ContainerView(gpus=gpus, uuids=uuids, command=self.command, user=self.user, uid=self.uid,
+                             client=self.client, pid=self.pid, since=self.since or None, state=state)
+
+
+def recovered_records(named: dict[str, ContainerRecord], known: dict[str, list[int]]) -> dict[str, ContainerRecord]:
+    """After the isolator recovered: the records of the containers it knows
+    (``known``: id -> GPUs); records of vanished cgroups are dropped, and a
+    container found without a record gets one (``recovered``)."""
+    records: dict[str, ContainerRecord] = {}
+    for name, record in named.items():
+        if name in known:
+            records[name] = record
+            logger.info("Container %s: recovered with GPUs %s%s", name, known[name],
+                        f" running {record.command}" if record.command else "")
+        else:
+            logger.warning("Container %s: its cgroup is gone; its record is dropped", name)
+    for name in sorted(set(known) - set(records)):
+        records[name] = ContainerRecord(container_id=name, since=time.time(), recovered=True)
+        logger.warning("Container %s: found under the cgroups root without a record; kept with GPUs %s until"
+                       " a cleanup", name, known[name])
+    return records
 
 
 class _File(msgspec.Struct):

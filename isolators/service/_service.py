@@ -52,7 +52,6 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import deque
 from typing import Any
 
 from actors import Gpu
@@ -66,7 +65,6 @@ from . import _host
 from ._messages import (
     CleanedUp,
     Cleanup,
-    ContainerView,
     GrantedGpu,
     Prepare,
     Prepared,
@@ -79,38 +77,18 @@ from ._messages import (
     Update,
     Updated,
     Usage,
-    WaitingView,
+    visible_devices_env,
 )
-from ._records import ContainerRecord, RecordsFile, records_file
+from ._line import GRANT, QUEUE, PendingPrepare, WaitingLine
+from ._records import ContainerRecord, RecordsFile, records_file, recovered_records
 
-__all__ = ["GpuIsolatorService", "ServiceError", "visible_devices_env"]
+__all__ = ["GpuIsolatorService", "ServiceError"]
 
 logger = logging.getLogger(__name__)
 
 
 class ServiceError(Failure):
     """A request the service refuses; the message says why."""
-
-
-def visible_devices_env(uuids: list[str]) -> dict[str, str]:
-    """``NVIDIA_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES`` for these GPUs
-    (no GPU: ``none`` and empty, so CUDA sees none)."""
-    joined = ",".join(uuids)
-    return {"NVIDIA_VISIBLE_DEVICES": joined or "none", "CUDA_VISIBLE_DEVICES": joined}
-
-
-class _Pending:
-    """A prepare not yet answered: arriving, or waiting in line."""
-
-    __slots__ = ("sender", "body", "since", "uid", "user", "cancelled")
-
-    def __init__(self, sender: PID, body: Prepare) -> None:
-        self.sender = sender
-        self.body = body
-        self.since = time.time()
-        self.uid: int | None = None
-        self.user: str | None = None
-        self.cancelled = False
 
 
 class GpuIsolatorService(Process):
@@ -130,8 +108,7 @@ class GpuIsolatorService(Process):
         self.poll_interval = poll_interval
         self._host = Executor(2, name="gpu-isolator-service")
         self._writer = Executor(1, name="gpu-isolator-records")
-        self._incoming: deque[_Pending] = deque()
-        self._line: deque[_Pending] = deque()
+        self._line = WaitingLine()
         self._tokens: dict[str, str] = {}
         self._pumping = False
         self._polling = False
@@ -164,18 +141,7 @@ class GpuIsolatorService(Process):
             named[record.container_id] = record
         await isolator.recover(states, set())
         known = await isolator.containers()
-        records: dict[str, ContainerRecord] = {}
-        for name, record in named.items():
-            if name in known:
-                records[name] = record
-                logger.info("Container %s: recovered with GPUs %s%s", name, known[name],
-                            f" running {record.command}" if record.command else "")
-            else:
-                logger.warning("Container %s: its cgroup is gone; its record is dropped", name)
-        for name in sorted(set(known) - set(records)):
-            records[name] = ContainerRecord(container_id=name, since=time.time(), recovered=True)
-            logger.warning("Container %s: found under the cgroups root without a record; kept with GPUs %s until"
-                           " a cleanup", name, known[name])
+        records = recovered_records(named, known)
         service = cls(flags, components, isolator, records, records_io, poll_interval)
         spawn(service)
         return service
@@ -190,7 +156,7 @@ class GpuIsolatorService(Process):
                    help="containers with their GPUs and commands, free and unhealthy GPUs, the waiting line (JSON)")
         metrics = current_runtime().metrics
         metrics.gauge("service/containers", lambda: len(self.records), "containers the service holds")
-        metrics.gauge("service/waiting", lambda: len(self._line), "prepare requests waiting in line for GPUs")
+        metrics.gauge("service/waiting", lambda: len(self._line.waiting()), "prepare requests waiting in line for GPUs")
         metrics.gauge("service/releasing", lambda: sum(r.releasing for r in self.records.values()),
                       "exec containers released once their last process exits")
         metrics.gauge("service/exec_started", lambda: self.started, "processes moved into exec containers")
@@ -209,11 +175,8 @@ class GpuIsolatorService(Process):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for pending in [*self._incoming, *self._line]:
-            if not pending.cancelled:
-                self._answer(pending, "the gpu-isolator service is stopping; ask again once it runs")
-        self._incoming.clear()
-        self._line.clear()
+        for pending in self._line.close():
+            self._answer(pending, "the gpu-isolator service is stopping; ask again once it runs")
         self._host.shutdown(wait=False)
         self._writer.shutdown(wait=False)  # a write in its thread still finishes
 
@@ -238,14 +201,14 @@ class GpuIsolatorService(Process):
         if sender is None:
             logger.error("Container %s: prepare without a sender to answer; dropped", body.container_id)
             return
-        pending = _Pending(sender, body)
+        pending = PendingPrepare(sender, body)
         try:
             self._check_new(body)
         except (ServiceError, ValueError) as error:
             self._answer(pending, str(error))
             return
         self.link(sender)
-        self._incoming.append(pending)
+        self._line.arrive(pending)
         self._kick()
 
     def _check_new(self, body: Prepare) -> None:
@@ -260,8 +223,7 @@ class GpuIsolatorService(Process):
         total = len(self._whole)
         if body.gpus > total:
             raise ServiceError(f"Requested {body.gpus} gpus but the node has only {total}")
-        if str(cid) in self.records or any(p.body.container_id == str(cid) and not p.cancelled
-                                           for p in [*self._incoming, *self._line]):
+        if str(cid) in self.records or self._line.holds(str(cid)):
             raise ServiceError("Container has already been prepared")
 
     def _kick(self) -> None:
@@ -272,15 +234,13 @@ class GpuIsolatorService(Process):
     async def _pump(self) -> None:
         try:
             while not self._stopping:
-                if self._incoming:
-                    pending = self._incoming.popleft()
-                    if not pending.cancelled:
-                        await self._admit(pending)
+                arriving = self._line.next_arrival()
+                if arriving is not None:
+                    await self._admit(arriving)
                     continue
-                while self._line and self._line[0].cancelled:
-                    self._line.popleft()
-                if self._line and await self._free() >= self._line[0].body.gpus:
-                    await self._grant(self._line.popleft())
+                head = self._line.head()
+                if head is not None and await self._free() >= head.body.gpus and head is self._line.head():
+                    await self._grant(self._line.pop_head())
                     continue
                 break
         finally:
@@ -289,44 +249,33 @@ class GpuIsolatorService(Process):
     async def _free(self) -> int:
         return len(set(await self.allocator.available()) & self._whole)
 
-    async def _admit(self, pending: _Pending) -> None:
+    async def _admit(self, pending: PendingPrepare) -> None:
         body = pending.body
         if body.command is not None:
             sender = pending.sender
             pending.uid, pending.user = await self._host.run(_sender_user, sender.host, sender.port)
+            if pending.cancelled:
+                return
             if pending.uid is None:
                 self._answer(pending, f"exec runs commands on the service's host only: no socket of this host"
                                       f" listens at {sender.host}:{sender.port} (the client's address)")
                 return
-        if pending.cancelled:
-            return
-        if self._line:
-            if body.wait:
-                self._enqueue(pending)
-            else:
-                waiting = sum(p.body.gpus for p in self._line if not p.cancelled)
-                self._answer(pending, f"Requested {body.gpus} gpus but only 0 available: the free GPUs are held for"
-                                      f" {len(self._line)} earlier request(s) for {waiting} GPU(s) waiting in line")
-            return
-        if body.wait and await self._free() < body.gpus:
-            self._enqueue(pending)
-            return
-        await self._grant(pending)
-
-    def _enqueue(self, pending: _Pending) -> None:
-        self._line.append(pending)
-        body = pending.body
-        logger.info("Container %s: waiting in line (position %d) for %d GPU(s)", body.container_id,
-                    len(self._line), body.gpus)
-        dispatch(self.pid, GpuIsolatorService._tell_queued, pending, len(self._line))
-
-    async def _tell_queued(self, pending: _Pending, position: int) -> None:
         free = await self._free()
-        body = pending.body
-        self.send(pending.sender, "queued", Queued(request=body.request, container_id=body.container_id,
-                                                   position=position, gpus=body.gpus, free=free))
+        if pending.cancelled:  # cancelled, or its sender went away, meanwhile
+            return
+        decision = self._line.admission(body.gpus, body.wait, free)
+        if decision == GRANT:
+            await self._grant(pending)
+        elif decision == QUEUE:
+            position = self._line.enqueue(pending)
+            logger.info("Container %s: waiting in line (position %d) for %d GPU(s)", body.container_id, position,
+                        body.gpus)
+            self.send(pending.sender, "queued", Queued(request=body.request, container_id=body.container_id,
+                                                       position=position, gpus=body.gpus, free=free))
+        else:
+            self._answer(pending, decision)
 
-    async def _grant(self, pending: _Pending) -> None:
+    async def _grant(self, pending: PendingPrepare) -> None:
         body = pending.body
         name = body.container_id
         record = ContainerRecord(container_id=name, command=body.command, client=str(pending.sender),
@@ -367,7 +316,7 @@ class GpuIsolatorService(Process):
             result.append(GrantedGpu(minor=minor, uuid=info.uuid if info else None, index=info.index if info else None))
         return result
 
-    def _answer(self, pending: _Pending, error: str) -> None:
+    def _answer(self, pending: PendingPrepare, error: str) -> None:
         body = pending.body
         self.send(pending.sender, "prepared", Prepared(request=body.request, container_id=body.container_id,
                                                        error=error))
@@ -441,7 +390,10 @@ class GpuIsolatorService(Process):
         reply = CleanedUp(request=body.request, container_id=name)
         try:
             cid = _container_id(name)
-            if self._cancel_waiting(name):
+            cancelled = self._line.cancel(name)
+            if cancelled:
+                for pending in cancelled:
+                    self._answer(pending, f"Container {name}: cancelled by a cleanup while it waited for GPUs")
                 logger.info("Container %s: waiting request cancelled by %s", name, sender)
             else:
                 record = self.records.get(name)
@@ -466,14 +418,6 @@ class GpuIsolatorService(Process):
             reply = CleanedUp(request=body.request, container_id=name, error=str(error), released=False)
         self.send(sender, "cleaned_up", reply)
 
-    def _cancel_waiting(self, name: str) -> bool:
-        found = False
-        for pending in [*self._incoming, *self._line]:
-            if pending.body.container_id == name and not pending.cancelled:
-                pending.cancelled = found = True
-                self._answer(pending, f"Container {name}: cancelled by a cleanup while it waited for GPUs")
-        return found
-
     async def _release(self, record: ContainerRecord, why: str) -> None:
         name = record.container_id
         await self.isolator.cleanup(ContainerID(name))
@@ -487,11 +431,9 @@ class GpuIsolatorService(Process):
 
     def exited(self, pid: PID) -> None:
         client = str(pid)
-        for pending in [*self._incoming, *self._line]:
-            if pending.sender == pid and not pending.cancelled:
-                pending.cancelled = True
-                logger.info("Container %s: its client %s went away while it waited; request dropped",
-                            pending.body.container_id, client)
+        for pending in self._line.drop_sender(pid):
+            logger.info("Container %s: its client %s went away while it waited; request dropped",
+                        pending.body.container_id, client)
         changed = False
         for record in self.records.values():
             if record.is_exec and record.client == client and not record.releasing:
@@ -506,8 +448,8 @@ class GpuIsolatorService(Process):
         self._timer = None
         try:
             await self._poll()
-            if self._line:
-                self._kick()
+            if self._line.head() is not None:
+                self._kick()  # health may have changed
         finally:
             if not self._stopping:
                 self._timer = delay(self.poll_interval, self.pid, GpuIsolatorService._tick)
@@ -544,25 +486,14 @@ class GpuIsolatorService(Process):
         unhealthy = await self.allocator.unhealthy()
         containers = {}
         for name in sorted(held):
-            record = self.records.get(name)
-            minors = held[name]
-            uuids = [info.uuid if (info := self._infos.get(m)) else None for m in minors]
-            if record is None:
-                containers[name] = ContainerView(gpus=minors, uuids=uuids, state="prepared")
-                continue
-            state = ("releasing" if record.releasing else "recovered" if record.recovered
-                     else "running" if record.pid is not None or not record.is_exec else "prepared")
-            containers[name] = ContainerView(gpus=minors, uuids=uuids, command=record.command, user=record.user,
-                                             uid=record.uid, client=record.client, pid=record.pid,
-                                             since=record.since, state=state)
-        waiting = [WaitingView(container_id=p.body.container_id, gpus=p.body.gpus, command=p.body.command,
-                               user=p.user, client=str(p.sender), since=p.since)
-                   for p in self._line if not p.cancelled]
+            uuids = [info.uuid if (info := self._infos.get(m)) else None for m in held[name]]
+            record = self.records.get(name) or ContainerRecord(container_id=name)
+            containers[name] = record.view(held[name], uuids)
         return ServiceState(
             containers=containers,
             free=sorted(g.minor for g in available if isinstance(g, Gpu)),
             unhealthy={str(g.minor): reason for g, reason in sorted(unhealthy.items()) if isinstance(g, Gpu)},
-            waiting=waiting,
+            waiting=[pending.view() for pending in self._line.waiting()],
             total=sorted(g.minor for g in self._whole),
             backend=self.backend,
             address=str(self.pid),

@@ -1,6 +1,7 @@
 """The service's parts on their own: who owns a listening socket, the
 command held back until it is told to run, exit statuses, the records
-file, flags from a file and options, and the status table."""
+file, the waiting line, flags from a file and options, and the status
+table."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from isolators.service import (
     ContainerRecord,
     ContainerView,
     PendingCommand,
+    Prepare,
     RecordsError,
     RecordsFile,
     ServiceState,
@@ -29,6 +31,7 @@ from isolators.service import (
     visible_devices_env,
 )
 from isolators.service._host import HostError, cgroup_of, listener_uid, move_into, process_owner
+from isolators.service._line import GRANT, QUEUE, PendingPrepare, WaitingLine
 
 
 def test_listener_uid_names_the_owner_of_the_socket_listening_there() -> None:
@@ -183,3 +186,32 @@ def test_a_process_of_another_user_is_never_moved(tmp_path: Path) -> None:
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_waiting_line_is_first_come_first_served() -> None:
+    line = WaitingLine()
+
+    def arrive(name: str, gpus: int, wait: bool, sender: str = "client") -> PendingPrepare:
+        pending = PendingPrepare(sender, Prepare(request=name, container_id=name, gpus=gpus, wait=wait))
+        line.arrive(pending)
+        assert line.next_arrival() is pending
+        return pending
+
+    assert line.admission(2, wait=False, free=1) == GRANT  # the isolator refuses it, with Mesos' text
+    assert line.admission(2, wait=True, free=1) == QUEUE
+    assert line.admission(2, wait=True, free=2) == GRANT
+    big = arrive("big", 3, True)
+    assert line.enqueue(big) == 1
+    assert line.admission(1, wait=False, free=2) == ("Requested 1 gpus but only 0 available: the free GPUs are held"
+                                                     " for 1 earlier request(s) for 3 GPU(s) waiting in line")
+    assert line.admission(1, wait=True, free=2) == QUEUE  # behind "big", though it would fit
+    small = arrive("small", 1, True, sender="other")
+    assert line.enqueue(small) == 2
+    assert line.head() is big and line.holds("small") and [p.view().container_id for p in line.waiting()] == [
+        "big", "small"]
+    assert line.cancel("big") == [big] and big.cancelled
+    assert line.head() is small and line.enqueue(arrive("late", 1, True)) == 2
+    assert line.drop_sender("other") == [small] and line.head().body.container_id == "late"
+    assert line.pop_head().body.container_id == "late" and line.head() is None
+    line.arrive(PendingPrepare("client", Prepare(request="x", container_id="x", gpus=1)))
+    assert [p.body.container_id for p in line.close()] == ["x"] and line.next_arrival() is None
