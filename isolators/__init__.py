@@ -27,7 +27,8 @@ _EXPORTS = {
     "actors.resources": ("Resources", "ResourcesError"),
     "._components": ("NvidiaComponents",),
     "._errors": ("InvalidContainerID", "IsolatorError"),
-    "._isolator": ("MesosIsolator", "NvidiaGpuIsolatorProcess"),
+    "._handle": ("MesosIsolator",),
+    "._process": ("NvidiaGpuIsolatorProcess",),
     "._types": ("ContainerClass", "ContainerConfig", "ContainerID", "ContainerLaunchInfo", "ContainerLimitation",
                 "ContainerMountInfo", "ContainerState", "GpuStatistics", "Repair", "ResourceStatistics"),
     ".script._action": ("ScriptError",),
@@ -67,7 +68,8 @@ if TYPE_CHECKING:
 
     from ._components import NvidiaComponents
     from ._errors import InvalidContainerID, IsolatorError
-    from ._isolator import MesosIsolator, NvidiaGpuIsolatorProcess
+    from ._handle import MesosIsolator
+    from ._process import NvidiaGpuIsolatorProcess
     from ._types import (
         ContainerClass,
         ContainerConfig,

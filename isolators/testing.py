@@ -47,7 +47,8 @@ from actors.nvml import HostFileError, load_host_file
 from actors.devices import MemoryBackend, default_hierarchy
 
 from ._components import NvidiaComponents
-from ._isolator import MesosIsolator, NvidiaGpuIsolatorProcess
+from ._handle import MesosIsolator
+from ._process import NvidiaGpuIsolatorProcess
 from ._types import ContainerID, ContainerState
 
 __all__ = [

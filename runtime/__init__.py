@@ -2,7 +2,7 @@
 clock, links, named messages) on anyio. Knows nothing of GPUs.
 
 Rules of each concept are at the top of its module: ``_pid``, ``_future``,
-``_process``, ``_runtime``, ``_tasks``, ``_clock``, ``_executor``,
+``_process``, ``_runtime``, ``_tasks``, ``_sequence``, ``_clock``, ``_executor``,
 ``testing``; on the network (``Runtime(listen=...)``): ``_network``,
 ``_server``, ``_peers``, ``_http``; metrics: ``_metrics``.
 
@@ -24,6 +24,7 @@ _EXPORTS = {
     "._metrics": ("Counter", "Gauge", "Metrics", "MetricTimer"),
     "._pid": ("PID", "generate_id"),
     "._process": ("Process",),
+    "._sequence": ("Sequence",),
     "._runtime": ("Runtime", "current_runtime", "defer", "delay", "dispatch", "send", "snapshot", "spawn",
                   "terminate", "wait"),
 }
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from ._metrics import Counter, Gauge, Metrics, MetricTimer
     from ._pid import PID, generate_id
     from ._process import Process
+    from ._sequence import Sequence
     from ._runtime import (
         Runtime,
         current_runtime,

@@ -104,7 +104,7 @@ def node_spec(
 
 async def generate_node_spec(flags: Flags) -> CdiSpec:
     """Read the node named by ``flags`` (host_file, dev_dir, volume_dir, ld_cache) into its static spec."""
-    from .._isolator import find_control_devices  # the isolator imports this package
+    from .._startup import find_control_devices  # the isolator imports this package
 
     nvml = await NvmlService.open(flags.host_file)
     try:

@@ -53,7 +53,7 @@ async def serve(flags: Flags, listen: str, *, poll_interval: float = 1.0,
                 ready: Callable[["GpuIsolatorService"], None] | None = None) -> None:
     """Serve until SIGTERM or SIGINT (see module rules)."""
     from .._components import NvidiaComponents  # the whole agent: imported once flags were read
-    from .._isolator import NvidiaGpuIsolatorProcess
+    from .._process import NvidiaGpuIsolatorProcess
     from ._service import GpuIsolatorService
 
     with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:

@@ -26,10 +26,10 @@ async def test_ten_thousand_lifecycles_leave_nothing_behind() -> None:
             assert run.lifecycles == LIFECYCLES and 0 < run.gpu_lifecycles < LIFECYCLES
 
             # The isolator: no record, no per-id queue, nothing lingering.
-            assert process.infos == {} and process._tails == {}
+            assert process.infos == {} and process._sequences == {}
             assert process._lingering == set() and process._device_dirs == set()
             assert await isolator.containers() == {}
-            assert len(process._policies) <= 1 + 8  # by GPU set (none, or one of 8), not by container
+            assert len(process.policies) <= 1 + 8  # by GPU set (none, or one of 8), not by container
 
             # The allocator: every GPU is back.
             state = await node.components.allocator.state()

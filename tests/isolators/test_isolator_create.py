@@ -12,7 +12,7 @@ import pytest
 import runtime
 from actors.devices import DeviceRule
 from isolators import ContainerConfig, ContainerID, IsolatorError, NvidiaComponents, NvidiaGpuIsolatorProcess, Resources
-from isolators._isolator import _devices_subsystem_enabled, find_control_devices
+from isolators._startup import devices_subsystem_enabled, find_control_devices
 
 NO_DEVICES = (
     "The 'cgroups/devices' or 'cgroups/all' isolator must be enabled in order to use the 'gpu/nvidia' isolator"
@@ -53,7 +53,7 @@ async def test_create_refuses_without_the_isolators_it_needs(memory_node, isolat
 
 @pytest.mark.asyncio
 async def test_cgroups_all_is_accepted_in_place_of_cgroups_devices(memory_node) -> None:
-    if not _devices_subsystem_enabled():
+    if not devices_subsystem_enabled():
         pytest.skip("the devices cgroup subsystem is not enabled on this kernel")
     async with runtime.Runtime():
         components, isolator = await memory_node.start(isolation="filesystem/linux,cgroups/all,gpu/nvidia")

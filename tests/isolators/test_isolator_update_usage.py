@@ -49,7 +49,7 @@ async def test_update_errors_use_mesos_wording(node) -> None:
 
 @pytest.mark.asyncio
 async def test_update_grows_and_shrinks_highest_minors_first(node, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="isolators._isolator")
+    caplog.set_level(logging.INFO, logger="isolators._process")
     cid = ContainerID("c1")
     async with runtime.Runtime():
         components, isolator = await node.start()

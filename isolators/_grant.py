@@ -1,0 +1,88 @@
+"""What a container is granted: its GPU count and its device policy.
+
+Rules (Mesos ``NvidiaGpuIsolatorProcess::_update``, R-IS-3/4):
+- ``requested_gpus(resources)``: the whole number of GPUs asked for (0 when
+  absent); a fractional value, a range or a set is refused with Mesos' "The
+  'gpus' resource must be an unsigned integer".
+- ``gpu_rule(gpu)``: the rule that grants one GPU, ``c 195:<minor> rwm``.
+- ``Policies(control_devices).of(gpus)``: a container's whole device policy
+  for the GPUs it holds -- deny all; the standard container devices, the
+  control devices and those GPUs allowed (``container_policy``). Pure; the
+  same tuples come back for the same GPU set (churn repeats a few), at most
+  256 sets are kept.
+- ``ContainerRecord``: the isolator's record of one top-level container.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from actors.devices import DeviceRule, container_policy
+from actors import Gpu
+from actors.resources import Resources
+from runtime import Future, Promise
+
+from ._errors import IsolatorError
+from ._types import ContainerID
+
+PolicyRules = tuple[tuple[DeviceRule, ...], tuple[DeviceRule, ...]]
+
+
+def requested_gpus(resources: Resources) -> int:
+    """The whole number of GPUs ``resources`` asks for (0 when absent)."""
+    if "gpus" in resources.others:  # a range or set: never read as "no GPUs"
+        raise IsolatorError("The 'gpus' resource must be an unsigned integer")
+    gpus = resources.gpus()
+    value = gpus if gpus is not None else 0.0
+    if int(round(value * 1000)) % 1000 != 0:
+        raise IsolatorError("The 'gpus' resource must be an unsigned integer")
+    return int(round(value))
+
+
+def gpu_rule(gpu: Gpu) -> DeviceRule:
+    """The device rule that grants one GPU (read, write, mknod as in Mesos)."""
+    return DeviceRule("c", gpu.major, gpu.minor, "rwm")
+
+
+def gpu_rules(gpus: Iterable[Gpu]) -> list[DeviceRule]:
+    """``gpu_rule`` of each GPU, lowest minor first."""
+    return [gpu_rule(g) for g in sorted(gpus)]
+
+
+class Policies:
+    """Container policies by the set of GPUs held (see the module rules)."""
+
+    def __init__(self, control_devices: Iterable[DeviceRule]) -> None:
+        self.control_devices = list(control_devices)
+        self._by_gpus: dict[frozenset[Gpu], PolicyRules] = {}
+
+    def of(self, gpus: Iterable[Gpu]) -> PolicyRules:
+        """The ``(allow, deny)`` rules of a container holding ``gpus``."""
+        key = frozenset(gpus)
+        policy = self._by_gpus.get(key)
+        if policy is None:
+            allow, deny = container_policy(self.control_devices, gpu_rules(key))
+            if len(self._by_gpus) >= 256:
+                self._by_gpus.clear()
+            policy = self._by_gpus[key] = (tuple(allow), tuple(deny))
+        return policy
+
+    def __len__(self) -> int:
+        return len(self._by_gpus)
+
+
+class ContainerRecord:
+    """What the isolator knows of one top-level container: its cgroup, the GPUs
+    it holds, whether its device state was unknown at recovery, who watches it."""
+
+    __slots__ = ("container_id", "cgroup", "allocated", "unknown_state", "watchers", "health")
+
+    def __init__(self, container_id: ContainerID, cgroup: str) -> None:
+        self.container_id = container_id
+        self.cgroup = cgroup
+        self.allocated: set[Gpu] = set()
+        self.unknown_state = False
+        self.watchers: list[Promise] = []
+        """Promises of ContainerLimitation handed out by ``watch``."""
+        self.health: Future | None = None
+        """The allocator's watch of ``allocated`` while there are watchers."""

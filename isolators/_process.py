@@ -1,0 +1,525 @@
+"""NvidiaGpuIsolatorProcess: the lifecycle verbs; gives every container exactly
+the GPUs it was granted.
+
+Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
+- One actor holds per-container facts only (cgroup, GPUs held). The allocator
+  actor is the single source of truth for which GPU is free; the device
+  control actor is the single writer of device rules; the volume actor owns
+  the host volume. All of them are reached by dispatch.
+- ``create`` probes the host off the event loop (``_startup``: R-FL-2 flags,
+  control devices by number), builds device control, spawns the actor and
+  returns its handle (``MesosIsolator``).
+- Calls for one container apply in arrival order: each goes through that
+  container's ``runtime.Sequence`` (``usage`` too, while a call on it is in
+  flight); calls for different containers run concurrently. A call on an
+  idle container runs as the current event (``Sequence.claim``), the others
+  are dispatched in their turn. A sequence lives while its container has a
+  record or a call; then it is dropped.
+- ``prepare``: nested DEBUG -> None; nested -> launch info only; a known id ->
+  "Container has already been prepared"; else allocate, then ONE device
+  ``configure`` of the whole policy (deny all; standard set, control devices,
+  GPUs), then the launch info (``_launch``). Any failure undoes what was
+  done: the GPUs go back, the cgroup is removed (if processes of an earlier
+  container hold it, it is stripped of every GPU and remembered as
+  lingering), no record stays.
+- Every entry point re-validates the container id (``check_container_id``)
+  before anything else: a bad or forged id fails with InvalidContainerID and
+  no path is ever built from it.
+- ``update`` grows by allocating and allowing; shrinks by writing the policy
+  of the GPUs it keeps (exactly what a fresh prepare would write, so the
+  surplus is denied and reconcile sees no drift) and then releasing the
+  highest minors first. A failed update changes nothing.
+- ``cleanup`` is idempotent: the cgroup is removed (if processes remain, the
+  GPUs are first denied to it, then released, with a warning; the cgroup is
+  remembered as lingering and a later prepare of that id is refused until
+  its processes are gone), the GPUs go back, the copied device nodes are
+  removed and the record is forgotten.
+- ``recover`` gathers the facts (the cgroups under the root, each one's
+  device state, the GPUs the allocator holds), asks the pure planner
+  (``_recovery.plan_recovery``) and carries the plan out: one reclaim, the
+  records, then every recovered cgroup whose state is known is reconciled
+  to its recovered policy (the kernel may lag the record after a crash),
+  repairs reported. Containers of unknown device state share one
+  quarantine and can only be cleaned up.
+- ``watch`` (R-IS-9, ``_health``) follows the GPUs the container holds now
+  (re-armed at every update); its Futures are discarded at cleanup.
+- ``reconcile`` (R-DV-5) repairs each container's kernel state, queued behind
+  its other calls; ``flags.reconcile_interval`` runs it periodically on the
+  runtime Clock (scheduled at initialize, cancelled at finalize).
+- A ``SimulatedCrash`` from device control (fault injection) fails the call
+  with an ``IsolatorError`` and every later call too: the agent is "dead";
+  drop every actor and recover.
+- Every log line names the container id.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from actors import Gpu
+from actors.devices import DeviceControl, DeviceRule, SimulatedCrash
+from actors.flags import Flags
+from actors.resources import Resources
+from runtime import Executor, Process, Sequence, delay, dispatch, spawn
+
+from ._components import NvidiaComponents
+from ._errors import IsolatorError
+from ._health import HealthWatch
+from ._grant import ContainerRecord, Policies, gpu_rules, requested_gpus
+from ._launch import build_launch_info, remove_devices_dir, runtime_path
+from ._recovery import BROAD, UNKNOWN, minors, plan_recovery, recovery_candidates
+from ._startup import probe_host
+from ._types import (
+    ContainerClass,
+    ContainerConfig,
+    ContainerID,
+    ContainerLaunchInfo,
+    ContainerState,
+    GpuStatistics,
+    Repair,
+    ResourceStatistics,
+    check_container_id,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class NvidiaGpuIsolatorProcess(HealthWatch, Process):
+    """The NVIDIA GPU isolator actor (see the module rules)."""
+
+    def __init__(self, flags: Flags, components: NvidiaComponents, devices: DeviceControl,
+                 control_devices: dict[str, DeviceRule]) -> None:
+        super().__init__()
+        self.flags = flags
+        self.allocator = components.allocator
+        self.volume = components.volume
+        self.nvml = components.nvml
+        self.inventory = components.inventory
+        self.devices = devices
+        self.control_devices = control_devices
+        self.infos: dict[ContainerID, ContainerRecord] = {}
+        self._sequences: dict[ContainerID, Sequence] = {}
+        """Per container: its calls in arrival order (dropped when idle)."""
+        self.policies = Policies(control_devices.values())
+        self._executor = Executor(max_workers=2, name="gpu-isolator")
+        self.recovery_report: list[str] = []
+        self._quarantine: set[Gpu] = set()
+        """GPUs held back for every container whose device state was unknown at recovery."""
+        self._lingering: set[ContainerID] = set()
+        """Ids whose cgroup a cleanup had to leave (processes still inside)."""
+        self._device_dirs: set[ContainerID] = set()
+        """Ids (nested too) whose device nodes a prepare copied."""
+        self.reconcile_runs = 0
+        """Periodic reconciliations completed (``flags.reconcile_interval``)."""
+        self._crashed: SimulatedCrash | None = None
+        self._reconcile_timer: Any = None
+        self._stopping = False
+
+    # -- construction -----------------------------------------------------
+    @classmethod
+    async def create(cls, flags: Flags, components: NvidiaComponents,
+                     devices: DeviceControl | None = None) -> Any:
+        """Check flags, record control devices (off the loop), pick the device
+        backend, spawn; the handle (``MesosIsolator``).
+
+        ``devices``: a device control to use instead of building one from the
+        flags (tests inject a ``FaultInjectingBackend`` this way); the
+        isolator's ``close()`` terminates it either way."""
+        from ._handle import MesosIsolator
+
+        host_numbers = dict(components.inventory.control_devices) if components.inventory.kind == "simulated" else None
+        executor = Executor(1, name="gpu-isolator-create")
+        try:
+            control = await executor.run(probe_host, flags, host_numbers)
+        finally:
+            executor.shutdown(wait=False)
+        if devices is None:
+            devices = await DeviceControl.create(
+                backend=flags.device_backend,
+                hierarchy=flags.cgroups_hierarchy,
+                cgroups_root=flags.cgroups_root,
+                work_dir=flags.work_dir,
+                worker=flags.device_worker,
+            )
+        process = cls(flags, components, devices, control)
+        spawn(process)
+        return MesosIsolator(process, devices)
+
+    def initialize(self) -> None:
+        self._schedule_reconcile()
+
+    def finalize(self) -> None:
+        self._stopping = True
+        if self._reconcile_timer is not None:
+            self._reconcile_timer.cancel()
+            self._reconcile_timer = None
+        self._executor.shutdown(wait=False)
+        for sequence in list(self._sequences.values()):
+            # A claimed call that never started (trio: terminated before its
+            # task ran) must not hold what waits behind it: those now fail
+            # with ProcessTerminated, as every queued event does.
+            sequence.release()
+
+    # -- periodic drift repair (R-DV-5, ``flags.reconcile_interval``) ----------
+    def _schedule_reconcile(self) -> None:
+        interval = self.flags.reconcile_interval
+        if interval is not None and not self._stopping:
+            self._reconcile_timer = delay(interval, self.pid, NvidiaGpuIsolatorProcess._periodic_reconcile)
+
+    async def _periodic_reconcile(self) -> None:
+        self._reconcile_timer = None
+        try:
+            repairs = await self.reconcile()
+            self.reconcile_runs += 1
+            if repairs:
+                logger.warning("Periodic reconcile repaired %d drifted device rules", len(repairs))
+        except Exception as e:  # keep the schedule: the next run may succeed
+            logger.error("Periodic reconcile failed: %s", e)
+        finally:
+            self._schedule_reconcile()
+
+    def supports_nesting(self) -> bool:
+        return True
+
+    def supports_standalone(self) -> bool:
+        return True
+
+    # -- per-container ordering ---------------------------------------------
+    def _in_order(self, container_id: ContainerID, operation: Any, *args: Any) -> Any:
+        """Run ``operation(*args)`` on this actor after every earlier call on
+        this container (its Sequence). When none is in flight, the call runs
+        as the current event (``Sequence.claim``: no Future, no hop);
+        otherwise it is dispatched in its turn."""
+        sequence = self._sequences.get(container_id)
+        if sequence is None:
+            sequence = self._sequences[container_id] = Sequence(on_idle=self._forgetter(container_id))
+        if sequence.claim():
+            return self._run(container_id, operation, args, sequence)
+        return sequence.add(dispatch, self.pid, NvidiaGpuIsolatorProcess._run, container_id, operation, args, None)
+
+    def _in_flight(self, container_id: ContainerID) -> bool:
+        """Whether a call on this container is running or waiting."""
+        sequence = self._sequences.get(container_id)
+        return sequence is not None and not sequence.is_idle()
+
+    def _forgetter(self, container_id: ContainerID) -> Any:
+        def forget() -> None:  # idle: kept while the container has a record
+            if container_id not in self.infos:
+                self._sequences.pop(container_id, None)
+        return forget
+
+    async def _run(self, container_id: ContainerID, operation: Any, args: tuple, claimed: Sequence | None) -> Any:
+        try:
+            if self._crashed is not None:
+                raise SimulatedCrash(f"the agent crashed earlier ({self._crashed})")
+            return await operation(*args)
+        except SimulatedCrash as crash:
+            # Fault injection: the agent "died" in this call. Fail it as an
+            # Exception (a BaseException would never complete its Future)
+            # and refuse every later call; drop every actor and recover.
+            while isinstance(crash.__context__, SimulatedCrash):  # an undo hit the dead backend
+                crash = crash.__context__
+            self._crashed = self._crashed or crash
+            raise IsolatorError(
+                f"Container {container_id}: simulated crash of the agent: {crash};"
+                " drop every actor and recover"
+            ) from crash
+        finally:
+            if claimed is not None:
+                claimed.release()  # the container's next call may start
+
+    # -- recover --------------------------------------------------------------
+    async def recover(self, states: list[ContainerState], orphans: set[ContainerID]) -> None:
+        for state in states:
+            check_container_id(getattr(state, "container_id", state))
+        for orphan in orphans or ():
+            check_container_id(orphan)
+        named: list[ContainerID] = [s.container_id for s in states] + sorted(orphans or ())
+        existing = await self.devices.list_cgroups()
+        candidates, report, missing = recovery_candidates(
+            named, existing, {cid.value for cid in self.infos}, {cid.value for cid in self._lingering})
+        read = [self.devices.state(cid.path()) for cid in candidates]  # one batch in device control
+        states_by_cgroup = {cid.path(): await state for cid, state in zip(candidates, read)}
+        held = await self.allocator.allocated()
+        candidates = [cid for cid in candidates if cid not in self.infos]  # re-check after the awaits
+        plan = plan_recovery(candidates, states_by_cgroup, self.allocator.total(), held, report, missing)
+        for cid in plan.missing:
+            logger.warning("Container %s: couldn't find the cgroup '%s' for recovery", cid, cid.path())
+        if plan.claim:
+            await self.allocator.reclaim(plan.claim)
+        self._quarantine |= plan.quarantine
+        recovered: list[ContainerRecord] = []
+        for container in plan.containers:
+            info = ContainerRecord(container.container_id, container.cgroup)
+            if container.kind == UNKNOWN:
+                info.unknown_state = True
+                info.allocated = self._quarantine  # shared on purpose; never mutated through an info
+            else:
+                info.allocated = set(container.gpus)
+                recovered.append(info)
+                if container.kind != BROAD:
+                    logger.info("Container %s: recovered with GPUs %s", container.container_id,
+                                minors(container.gpus))
+            self.infos[container.container_id] = info
+        for line in plan.report:
+            self._report(line)
+        for info in recovered:
+            await self._reconcile_recovered(info)
+
+    async def _reconcile_recovered(self, info: ContainerRecord) -> None:
+        """Make the kernel enforce a recovered container's policy: after a crash
+        the kernel may lag its record (v2: the checkpoint is written first)."""
+        allow, deny = self.policies.of(info.allocated)
+        for line in await self.devices.reconcile(info.cgroup, allow, deny):
+            self._report(f"Container {info.container_id}: recovery repaired its device rules: {line}")
+
+    def _report(self, line: str) -> None:
+        logger.warning("%s", line)
+        self.recovery_report.append(line)
+
+    # -- prepare --------------------------------------------------------------
+    def prepare(self, container_id: ContainerID, config: ContainerConfig) -> Any:
+        check_container_id(container_id)
+        if container_id.has_parent():
+            if config.container_class == ContainerClass.DEBUG:
+                return None
+            return self._in_order(container_id, self._launch_info, container_id, config)
+        return self._in_order(container_id, self._prepare, container_id, config)
+
+    async def _prepare(self, container_id: ContainerID, config: ContainerConfig) -> ContainerLaunchInfo | None:
+        if container_id in self.infos:
+            raise IsolatorError("Container has already been prepared")
+        requested = requested_gpus(config.resources)
+        if container_id in self._lingering and not await self._retry_lingering(container_id):
+            raise IsolatorError(
+                f"Container {container_id}: the cgroup '{container_id.path()}' of an earlier container with"
+                " this id still has processes; it cannot be prepared again until they are gone"
+            )
+        if container_id in self.infos:  # re-check after the await
+            raise IsolatorError("Container has already been prepared")
+        info = ContainerRecord(container_id, container_id.path())
+        self.infos[container_id] = info
+        configured = False
+        try:
+            gpus: set[Gpu] = set(await self.allocator.allocate(requested)) if requested else set()
+            info.allocated = gpus
+            allow, deny = self.policies.of(gpus)
+            await self.devices.configure(info.cgroup, allow, deny)
+            configured = True
+            launch = await self._launch_info(container_id, config) if config.rootfs is not None else None
+        except BaseException as e:
+            await self._undo_prepare(info, configured)
+            logger.warning("Container %s: prepare failed and was undone: %s", container_id, e)
+            raise
+        logger.info("Container %s: prepared with GPUs %s", container_id, minors(info.allocated))
+        return launch
+
+    async def _undo_prepare(self, info: ContainerRecord, configured: bool) -> None:
+        if self.infos.get(info.container_id) is info:
+            del self.infos[info.container_id]
+        if configured or await self.devices.exists(info.cgroup):
+            try:
+                if not await self.devices.remove(info.cgroup):
+                    # Processes of an earlier container are inside: take the GPUs back from them.
+                    allow, deny = self.policies.of(())
+                    await self.devices.configure(info.cgroup, allow, deny)
+                    self._lingering.add(info.container_id)
+            except Exception as e:  # keep undoing; report what stayed
+                logger.error("Container %s: failed to remove cgroup '%s' while undoing prepare: %s",
+                             info.container_id, info.cgroup, e)
+                return  # the cgroup still grants the GPUs: keep them out of the pool
+        if info.allocated:
+            await self.allocator.deallocate(info.allocated)
+            info.allocated = set()
+
+    async def _launch_info(self, container_id: ContainerID, config: ContainerConfig) -> ContainerLaunchInfo | None:
+        launch, copied = await build_launch_info(
+            self._executor, self.volume, self.flags.runtime_dir, self.flags.dev_dir, container_id, config)
+        if copied:
+            self._device_dirs.add(container_id)
+        return launch
+
+    # -- update ---------------------------------------------------------------
+    def update(self, container_id: ContainerID, resources: Resources, limits: dict | None = None) -> Any:
+        check_container_id(container_id)
+        if container_id.has_parent():
+            raise IsolatorError("Not supported for nested containers")
+        info = self.infos.get(container_id)
+        if (info is not None and not self._in_flight(container_id) and self._crashed is None
+                and not info.unknown_state and requested_gpus(resources) == len(info.allocated)):
+            return None  # nothing to change, and no earlier call on it in flight: done now
+        return self._in_order(container_id, self._update, container_id, resources)
+
+    async def _update(self, container_id: ContainerID, resources: Resources) -> None:
+        info = self.infos.get(container_id)
+        if info is None:
+            raise IsolatorError("Unknown container")
+        requested = requested_gpus(resources)
+        if info.unknown_state:
+            raise IsolatorError(
+                f"Container {container_id}: its device state was unknown at recovery (GPUs"
+                f" {minors(info.allocated)} are held back for it); it can only be cleaned up"
+            )
+        held = len(info.allocated)
+        if requested > held:
+            extra = set(await self.allocator.allocate(requested - held))
+            try:
+                await self.devices.reconfigure(info.cgroup, gpu_rules(extra), [])
+            except BaseException:
+                await self.allocator.deallocate(extra)
+                raise
+            info.allocated = info.allocated | extra
+            self._arm(info)
+            logger.info("Container %s: granted GPUs %s (now %s)", container_id, minors(extra), minors(info.allocated))
+        elif requested < held:
+            surplus = set(sorted(info.allocated, reverse=True)[: held - requested])
+            keep = info.allocated - surplus
+            # The whole policy of the GPUs kept, not a bare deny: the model would
+            # then also deny mknod of the surplus, which a fresh prepare allows
+            # (c *:* m), and reconcile/recovery would see that as drift.
+            allow, deny = self.policies.of(keep)
+            await self.devices.configure(info.cgroup, allow, deny)
+            info.allocated = keep
+            self._arm(info)
+            await self.allocator.deallocate(surplus)
+            logger.info("Container %s: released GPUs %s, highest minors first (now %s)",
+                        container_id, minors(surplus), minors(info.allocated))
+
+    # -- usage ----------------------------------------------------------------
+    def usage(self, container_id: ContainerID) -> Any:
+        check_container_id(container_id)
+        if container_id.has_parent():
+            raise IsolatorError("Not supported for nested containers")
+        if self._in_flight(container_id):  # answer after the call in flight (arrival order)
+            return self._in_order(container_id, self._usage_in_order, container_id)
+        return self._usage_now(container_id)
+
+    async def _usage_in_order(self, container_id: ContainerID) -> ResourceStatistics:
+        result = self._usage_now(container_id)
+        return result if isinstance(result, ResourceStatistics) else await result
+
+    def _usage_now(self, container_id: ContainerID) -> Any:
+        info = self.infos.get(container_id)
+        if info is None:
+            raise IsolatorError("Unknown container")
+        gpus = sorted(info.allocated)
+        if not gpus:
+            return ResourceStatistics(timestamp=time.time(), gpus_allocated=0)
+        return self._usage(gpus)
+
+    async def _usage(self, gpus: list[Gpu]) -> ResourceStatistics:
+        readings = await self.nvml.usages(gpus)
+        by_gpu = self.inventory.by_gpu()
+        stats = []
+        for gpu in gpus:
+            r = readings.get(gpu)
+            info = by_gpu.get(gpu)
+            stats.append(GpuStatistics(
+                minor=gpu.minor,
+                uuid=info.uuid if info is not None else None,
+                memory_used_bytes=r.memory_used_bytes if r else None,
+                memory_total_bytes=r.memory_total_bytes if r else None,
+                utilization_gpu_percent=r.utilization_gpu_percent if r else None,
+                utilization_memory_percent=r.utilization_memory_percent if r else None,
+                power_milliwatts=r.power_mw if r else None,
+                temperature_celsius=r.temperature_c if r else None,
+            ))
+        return ResourceStatistics(timestamp=time.time(), gpus_allocated=len(gpus), gpus=stats)
+
+    # -- cleanup --------------------------------------------------------------
+    def cleanup(self, container_id: ContainerID) -> Any:
+        check_container_id(container_id)
+        if container_id.has_parent():
+            if container_id in self._device_dirs:  # only its copied device nodes to remove
+                return self._in_order(container_id, self._remove_device_copies, container_id)
+            return None
+        return self._in_order(container_id, self._cleanup, container_id)
+
+    async def _cleanup(self, container_id: ContainerID) -> None:
+        info = self.infos.get(container_id)
+        if info is None:
+            if container_id in self._lingering:
+                await self._retry_lingering(container_id)
+            else:
+                logger.debug("Container %s: ignoring cleanup request for unknown container", container_id)
+            await self._remove_device_copies(container_id)
+            return
+        removed = await self.devices.remove(info.cgroup)
+        if not removed:
+            # Processes remain: the cgroup keeps the standard set and the
+            # control devices, and loses every GPU (whatever it held).
+            allow, deny = self.policies.of(())
+            await self.devices.configure(info.cgroup, allow, deny)
+            self._lingering.add(container_id)
+            logger.warning("Container %s: cgroup '%s' still has processes; it stays, its GPUs %s were denied"
+                           " and released", container_id, info.cgroup, minors(info.allocated))
+        self.infos.pop(container_id, None)
+        self._stop_watching(info)
+        if info.unknown_state:
+            info.allocated = set()
+            waiting = sorted(str(i.container_id) for i in self.infos.values() if i.unknown_state)
+            if waiting:
+                gpus: set[Gpu] = set()
+                logger.warning("Container %s: cleaned up; GPUs %s stay out of the free pool until %s (of unknown"
+                               " device state too) are cleaned up", container_id, minors(self._quarantine), waiting)
+            else:
+                gpus, self._quarantine = self._quarantine, set()
+        else:
+            gpus, info.allocated = info.allocated, set()
+        if gpus:
+            await self.allocator.deallocate(gpus)
+        if container_id in self._device_dirs:
+            await self._remove_device_copies(container_id)
+        logger.info("Container %s: cleaned up, released GPUs %s", container_id, minors(gpus))
+
+    async def _retry_lingering(self, container_id: ContainerID) -> bool:
+        """Remove the cgroup a cleanup had to leave; True once it is gone."""
+        if await self.devices.remove(container_id.path()):
+            self._lingering.discard(container_id)
+            logger.info("Container %s: removed the cgroup its processes had kept", container_id)
+            return True
+        return False
+
+    async def _remove_device_copies(self, container_id: ContainerID) -> None:
+        if container_id not in self._device_dirs:
+            return
+        self._device_dirs.discard(container_id)
+        try:
+            await self._executor.run(remove_devices_dir, self.flags.runtime_dir, runtime_path(container_id))
+        except OSError as e:
+            logger.warning("Container %s: failed to remove its copied device nodes: %s", container_id, e)
+
+    # -- drift repair (R-DV-5) ------------------------------------------------
+    async def reconcile(self) -> list[Repair]:
+        """R-DV-5: make every container's kernel device state match its record;
+        the repairs made (empty when nothing drifted). Each container's repair
+        waits behind its earlier calls, so it never races a prepare, update or
+        cleanup of it (a cleaned-up container is skipped, never recreated)."""
+        runs = [self._in_order(cid, self._reconcile_one, cid) for cid in sorted(self.infos)]
+        repairs: list[Repair] = []
+        failure: Exception | None = None
+        for run in runs:  # await every one, so none is left queued
+            try:
+                repairs += await run
+            except Exception as e:
+                failure = failure or e
+        if failure is not None:
+            raise failure
+        return repairs
+
+    async def _reconcile_one(self, cid: ContainerID) -> list[Repair]:
+        info = self.infos.get(cid)
+        if info is None or info.unknown_state:
+            return []
+        allow, deny = self.policies.of(info.allocated)
+        repairs = []
+        for line in await self.devices.reconcile(info.cgroup, allow, deny):
+            logger.warning("Container %s: drift repaired: %s", cid, line)
+            repairs.append(Repair(str(cid), line))
+        return repairs
+
+    def containers(self) -> dict[str, list[int]]:
+        """The containers known and the minors each holds (for scripts and tests)."""
+        return {str(cid): sorted(g.minor for g in info.allocated) for cid, info in self.infos.items()}
