@@ -7,9 +7,9 @@ Rules (Mesos ``NvidiaGpuIsolatorProcess::_update``, R-IS-3/4):
 - ``gpu_rule(gpu)``: the rule that grants one GPU, ``c 195:<minor> rwm``.
 - ``Policies(control_devices).of(gpus)``: a container's whole device policy
   for the GPUs it holds -- deny all; the standard container devices, the
-  control devices and those GPUs allowed (``container_policy``). Pure; the
-  same tuples come back for the same GPU set (churn repeats a few), at most
-  256 sets are kept.
+  control devices and those GPUs allowed (``Policy.container``). Pure; the
+  same ``Policy`` comes back for the same GPU set (churn repeats a few), at
+  most 256 sets are kept.
 - ``ContainerRecord``: the isolator's record of one top-level container.
 """
 
@@ -17,15 +17,13 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from actors.devices import DeviceRule, container_policy
+from actors.devices import DeviceRule, Policy
 from actors import Gpu
 from actors.resources import Resources
 from runtime import Future, Promise
 
 from ._errors import IsolatorError
 from ._types import ContainerID
-
-PolicyRules = tuple[tuple[DeviceRule, ...], tuple[DeviceRule, ...]]
 
 
 def requested_gpus(resources: Resources) -> int:
@@ -54,17 +52,17 @@ class Policies:
 
     def __init__(self, control_devices: Iterable[DeviceRule]) -> None:
         self.control_devices = list(control_devices)
-        self._by_gpus: dict[frozenset[Gpu], PolicyRules] = {}
+        self._by_gpus: dict[frozenset[Gpu], Policy] = {}
 
-    def of(self, gpus: Iterable[Gpu]) -> PolicyRules:
-        """The ``(allow, deny)`` rules of a container holding ``gpus``."""
+    def of(self, gpus: Iterable[Gpu]) -> Policy:
+        """The device policy of a container holding ``gpus``."""
         key = frozenset(gpus)
         policy = self._by_gpus.get(key)
         if policy is None:
-            allow, deny = container_policy(self.control_devices, gpu_rules(key))
+            policy = Policy.container(self.control_devices, gpu_rules(key))
             if len(self._by_gpus) >= 256:
                 self._by_gpus.clear()
-            policy = self._by_gpus[key] = (tuple(allow), tuple(deny))
+            self._by_gpus[key] = policy
         return policy
 
     def __len__(self) -> int:

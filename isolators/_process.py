@@ -59,7 +59,8 @@ import time
 from typing import Any
 
 from actors import Gpu
-from actors.devices import DeviceControl, DeviceRule, SimulatedCrash
+from actors.devices import DeviceControl, DeviceRule
+from actors.devices.testing import SimulatedCrash
 from actors.flags import Flags
 from actors.resources import Resources
 from runtime import Executor, Process, Sequence, delay, dispatch, spawn
@@ -271,8 +272,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
     async def _reconcile_recovered(self, info: ContainerRecord) -> None:
         """Make the kernel enforce a recovered container's policy: after a crash
         the kernel may lag its record (v2: the checkpoint is written first)."""
-        allow, deny = self.policies.of(info.allocated)
-        for line in await self.devices.reconcile(info.cgroup, allow, deny):
+        for line in await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated)):
             self._report(f"Container {info.container_id}: recovery repaired its device rules: {line}")
 
     def _report(self, line: str) -> None:
@@ -305,8 +305,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         try:
             gpus: set[Gpu] = set(await self.allocator.allocate(requested)) if requested else set()
             info.allocated = gpus
-            allow, deny = self.policies.of(gpus)
-            await self.devices.configure(info.cgroup, allow, deny)
+            await self.devices.configure(info.cgroup, self.policies.of(gpus))
             configured = True
             launch = await self._launch_info(container_id, config) if config.rootfs is not None else None
         except BaseException as e:
@@ -323,8 +322,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             try:
                 if not await self.devices.remove(info.cgroup):
                     # Processes of an earlier container are inside: take the GPUs back from them.
-                    allow, deny = self.policies.of(())
-                    await self.devices.configure(info.cgroup, allow, deny)
+                    await self.devices.configure(info.cgroup, self.policies.of(()))
                     self._lingering.add(info.container_id)
             except Exception as e:  # keep undoing; report what stayed
                 logger.error("Container %s: failed to remove cgroup '%s' while undoing prepare: %s",
@@ -379,8 +377,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             # The whole policy of the GPUs kept, not a bare deny: the model would
             # then also deny mknod of the surplus, which a fresh prepare allows
             # (c *:* m), and reconcile/recovery would see that as drift.
-            allow, deny = self.policies.of(keep)
-            await self.devices.configure(info.cgroup, allow, deny)
+            await self.devices.configure(info.cgroup, self.policies.of(keep))
             info.allocated = keep
             self._arm(info)
             await self.allocator.deallocate(surplus)
@@ -450,8 +447,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         if not removed:
             # Processes remain: the cgroup keeps the standard set and the
             # control devices, and loses every GPU (whatever it held).
-            allow, deny = self.policies.of(())
-            await self.devices.configure(info.cgroup, allow, deny)
+            await self.devices.configure(info.cgroup, self.policies.of(()))
             self._lingering.add(container_id)
             logger.warning("Container %s: cgroup '%s' still has processes; it stays, its GPUs %s were denied"
                            " and released", container_id, info.cgroup, minors(info.allocated))
@@ -513,9 +509,8 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         info = self.infos.get(cid)
         if info is None or info.unknown_state:
             return []
-        allow, deny = self.policies.of(info.allocated)
         repairs = []
-        for line in await self.devices.reconcile(info.cgroup, allow, deny):
+        for line in await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated)):
             logger.warning("Container %s: drift repaired: %s", cid, line)
             repairs.append(Repair(str(cid), line))
         return repairs

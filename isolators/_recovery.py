@@ -35,7 +35,7 @@ from typing import Iterable, Mapping
 import msgspec
 
 from actors import NVIDIA_MAJOR, Gpu
-from actors.devices import CgroupDeviceAccess, DeviceRule
+from actors.devices import Policy, DeviceRule
 
 from ._types import ContainerID
 
@@ -106,7 +106,7 @@ def recovery_candidates(named: Iterable[ContainerID], existing: Iterable[str], k
     return candidates, report, missing
 
 
-def plan_recovery(candidates: Iterable[ContainerID], states: Mapping[str, CgroupDeviceAccess | None],
+def plan_recovery(candidates: Iterable[ContainerID], states: Mapping[str, Policy | None],
                   total: Iterable[Gpu], held: Iterable[Gpu], report: Iterable[str] = (),
                   missing: Iterable[ContainerID] = ()) -> RecoveryPlan:
     """The recovery plan for ``candidates`` (see the module rules).

@@ -3,11 +3,14 @@
 One actor (``DeviceControl`` / ``DeviceControlProcess``) owns every device
 rule write, behind one port with three backends: cgroups v1 (files), cgroups
 v2 (an eBPF program per cgroup, checkpointed) and in-memory. Shaped like
-runc's ``libcontainer/cgroups/devices``: a pure rule model (``_rules``), a
-compiler of it to eBPF (``_device_program``), and backends that only apply,
+runc's ``libcontainer/cgroups/devices``: a pure rule model (``_rules``),
+one interned policy value (``_policy``), a pure emulator of the v1
+kernel's semantics (``_v1_emulator``), a compiler of policies to eBPF
+(``_device_program``), and backends that only apply,
 driven in line, in a thread or in a device worker process of their own
 (``_drivers``, ``_worker``). Each module states its rules at the top.
-``bpf`` offers the bpf(2) calls to tools that drive the kernel directly.
+``bpf`` offers the bpf(2) calls to tools that drive the kernel directly;
+``testing`` the fault-injection doubles tests use.
 
 Names are imported when first used, so that a device worker process can
 import the backend modules alone (``_worker_child``).
@@ -19,9 +22,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "._backend": ("DeviceBackend", "DeviceOperation", "FaultInjectingBackend", "SimulatedCrash", "validate_cgroup",
-                  "validate_cgroups_root"),
-    "._cgroups_v1": ("CgroupsV1Backend", "plan_writes", "v1_exceptions"),
+    "._backend": ("DeviceBackend", "DeviceOperation", "validate_cgroup", "validate_cgroups_root"),
+    "._cgroups_v1": ("CgroupsV1Backend",),
     "._cgroups_v2": ("PROGRAM_NAME", "CgroupsV2Backend", "checkpoint_file"),
     "._control": ("DeviceControl", "DeviceControlProcess"),
     "._detect": ("default_hierarchy", "detect_backend", "resolve_backend"),
@@ -29,8 +31,9 @@ _EXPORTS = {
     "._errors": ("CheckpointError", "DeviceControlError", "DeviceRuleError", "InvalidCgroupError",
                  "KernelOperationError", "WorkerError"),
     "._memory": ("MemoryBackend",),
-    "._rules": ("STANDARD_CONTAINER_DEVICES", "CgroupDeviceAccess", "DeviceRule", "apply_diff", "container_policy",
-                "is_granted", "normalize"),
+    "._policy": ("STANDARD_CONTAINER_DEVICES", "Policy", "apply_diff", "container_policy"),
+    "._rules": ("DeviceRule", "is_granted", "normalize"),
+    "._v1_emulator": ("plan_writes", "v1_exceptions"),
 }
 
 __all__ = [name for names in _EXPORTS.values() for name in names]
@@ -57,15 +60,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from ._backend import (
-        DeviceBackend,
-        DeviceOperation,
-        FaultInjectingBackend,
-        SimulatedCrash,
-        validate_cgroup,
-        validate_cgroups_root,
-    )
-    from ._cgroups_v1 import CgroupsV1Backend, plan_writes, v1_exceptions
+    from ._backend import DeviceBackend, DeviceOperation, validate_cgroup, validate_cgroups_root
+    from ._cgroups_v1 import CgroupsV1Backend
     from ._cgroups_v2 import PROGRAM_NAME, CgroupsV2Backend, checkpoint_file
     from ._control import DeviceControl, DeviceControlProcess
     from ._detect import default_hierarchy, detect_backend, resolve_backend
@@ -79,12 +75,6 @@ if TYPE_CHECKING:
         WorkerError,
     )
     from ._memory import MemoryBackend
-    from ._rules import (
-        STANDARD_CONTAINER_DEVICES,
-        CgroupDeviceAccess,
-        DeviceRule,
-        apply_diff,
-        container_policy,
-        is_granted,
-        normalize,
-    )
+    from ._policy import STANDARD_CONTAINER_DEVICES, Policy, apply_diff, container_policy
+    from ._rules import DeviceRule, is_granted, normalize
+    from ._v1_emulator import plan_writes, v1_exceptions

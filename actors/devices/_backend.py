@@ -19,12 +19,11 @@ Rules:
   returns one result per operation: its value, or the exception it raised
   (one failure never stops the others). The default runs the methods one by
   one; cgroups v2 overrides it to write its checkpoint once per batch.
-- ``FaultInjectingBackend(inner, fail_at=k)`` sits in front of any backend
-  and fails exactly its k-th kernel operation (1-based) with ``errno``;
-  ``operations`` counts them and ``log`` lists them. ``crash_at=k`` instead
-  raises ``SimulatedCrash`` before the k-th operation: nothing is rolled
-  back and the rest of the batch is not applied, as if the process died
-  after operation k-1 (drop every actor, then recover).
+- An exception that is not an ``Exception`` (a simulated crash, see
+  ``actors.devices.testing``) is never rolled back nor caught per
+  operation: nothing runs after it, as if the process had died there.
+- ``blocking = False`` marks a backend that never blocks (in memory):
+  device control applies it in line (``_drivers``).
 """
 
 from __future__ import annotations
@@ -36,7 +35,8 @@ import re
 from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, TypeVar, runtime_checkable
 
 from ._errors import InvalidCgroupError, KernelOperationError
-from ._rules import CgroupDeviceAccess, DeviceRule
+from ._policy import Policy
+from ._rules import DeviceRule
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +91,6 @@ def validate_cgroups_root(cgroups_root: object) -> str:
     return _check_relative(cgroups_root, "cgroups_root")
 
 
-class SimulatedCrash(BaseException):
-    """Raised by ``FaultInjectingBackend(crash_at=k)``: the agent "dies" here.
-
-    A ``BaseException`` so that no rollback or per-operation handler catches
-    it; the device control actor fails the callers of its batch with it."""
-
-
 class DeviceOperation(NamedTuple):
     """One queued call of a backend method: ``kind`` is the method's name."""
 
@@ -139,19 +132,19 @@ class DeviceBackend(Protocol):
         """The absolute path of ``cgroup``."""
 
     def configure(
-        self, cgroup: str, allow: Iterable[DeviceRule], deny: Iterable[DeviceRule]
-    ) -> CgroupDeviceAccess:
-        """Create ``cgroup`` if missing and make its policy exactly ``(allow, deny)``."""
+        self, cgroup: str, allow: Policy | Iterable[DeviceRule], deny: Iterable[DeviceRule] = ()
+    ) -> Policy:
+        """Create ``cgroup`` if missing and make its policy exactly ``(allow, deny)`` (or the Policy given)."""
 
     def reconfigure(
         self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]
-    ) -> CgroupDeviceAccess:
+    ) -> Policy:
         """Grant ``add`` and revoke ``remove`` (exact rules) on an existing cgroup."""
 
     def remove(self, cgroup: str) -> bool:
         """Delete ``cgroup``; False (and a warning) when processes are still in it."""
 
-    def state(self, cgroup: str) -> CgroupDeviceAccess | None:
+    def state(self, cgroup: str) -> Policy | None:
         """The cgroup's policy, or None when the backend has no record of it."""
 
     def exists(self, cgroup: str) -> bool:
@@ -160,7 +153,7 @@ class DeviceBackend(Protocol):
     def list_cgroups(self) -> list[str]:
         """Every cgroup below the root, as relative paths, sorted."""
 
-    def reconcile(self, cgroup: str, desired: CgroupDeviceAccess) -> list[str]:
+    def reconcile(self, cgroup: str, desired: Policy) -> list[str]:
         """Make the kernel enforce ``desired``; describe each repair made."""
 
     def remove_root(self) -> bool:
@@ -205,6 +198,40 @@ class BackendBase:
         self._kernel_op("rmdir", self.root, os.rmdir, self.root)
         return True
 
+    # -- making cgroups (the kernel backends) ------------------------------------
+    def _mkdir(self, path: str) -> None:
+        self._kernel_op("mkdir", path, os.mkdir, path)
+
+    def _ensure_root(self) -> None:
+        """mkdir the root unless it exists (another agent may make it meanwhile)."""
+        if not os.path.isdir(self.root):
+            try:
+                self._mkdir(self.root)
+            except KernelOperationError:
+                if not os.path.isdir(self.root):
+                    raise
+
+    def _create(self, path: str) -> bool:
+        """mkdir ``path`` (and the root when missing); False if it already
+        exists. The common case is one plain mkdir (no stat first); errors
+        are reported as ``_kernel_op`` reports them."""
+        try:
+            os.mkdir(path)
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError:
+            self._ensure_root()
+        except OSError as error:
+            self._kernel_op("mkdir", path, reraise, error)
+        try:
+            self._mkdir(path)
+        except KernelOperationError as error:
+            if error.errno == errno_module.EEXIST:
+                return False
+            raise
+        return True
+
     def _kernel_op(self, op: str, target: str, fn: Callable[..., T], *args: Any) -> T:
         """Run one kernel operation through the hook (see module rules)."""
         try:
@@ -220,103 +247,9 @@ class BackendBase:
             ) from error
 
 
-class FaultInjectingBackend:
-    """Wraps a backend and fails its ``fail_at``-th kernel operation (1-based).
-
-    ``fail_at=None`` only counts. ``errno`` is the injected error (EIO by
-    default; ENOSPC and EBUSY are other useful ones). ``crash_at=k`` raises
-    ``SimulatedCrash`` before the k-th operation (it is not performed).
-    ``operations`` is the number of kernel operations seen, ``log`` their
-    ``(op, target)``, ``injected`` whether the fault fired. ``arm(k)``
-    resets the count.
-    """
-
-    def __init__(
-        self,
-        inner: DeviceBackend,
-        fail_at: int | None = None,
-        errno: int = errno_module.EIO,
-        crash_at: int | None = None,
-    ) -> None:
-        self.inner = inner
-        self.fail_at = fail_at
-        self.crash_at = crash_at
-        self.errno = errno
-        self.operations = 0
-        self.log: list[tuple[str, str]] = []
-        self.injected = False
-        inner.kernel_hook = self._hook
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def root(self) -> str:
-        return self.inner.root
-
-    @property
-    def blocking(self) -> bool:
-        return self.inner.blocking
-
-    def arm(self, fail_at: int | None, errno: int | None = None, crash_at: int | None = None) -> None:
-        """Start counting again from zero; fail the ``fail_at``-th operation
-        (or crash before the ``crash_at``-th)."""
-        self.fail_at = fail_at
-        self.crash_at = crash_at
-        if errno is not None:
-            self.errno = errno
-        self.operations = 0
-        self.log = []
-        self.injected = False
-
-    def _hook(self, op: str, target: str) -> None:
-        if self.crash_at is not None and self.operations + 1 == self.crash_at:
-            self.injected = True
-            raise SimulatedCrash(f"simulated crash before kernel operation #{self.crash_at}: {op} {target}")
-        self.operations += 1
-        self.log.append((op, target))
-        if self.fail_at is not None and self.operations == self.fail_at:
-            self.injected = True
-            raise OSError(
-                self.errno,
-                f"{os.strerror(self.errno)} (injected at kernel operation #{self.operations}: {op})",
-            )
-
-    def path(self, cgroup: str) -> str:
-        return self.inner.path(cgroup)
-
-    def configure(self, cgroup: str, allow: Iterable[DeviceRule], deny: Iterable[DeviceRule]) -> CgroupDeviceAccess:
-        return self.inner.configure(cgroup, allow, deny)
-
-    def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> CgroupDeviceAccess:
-        return self.inner.reconfigure(cgroup, add, remove)
-
-    def remove(self, cgroup: str) -> bool:
-        return self.inner.remove(cgroup)
-
-    def state(self, cgroup: str) -> CgroupDeviceAccess | None:
-        return self.inner.state(cgroup)
-
-    def exists(self, cgroup: str) -> bool:
-        return self.inner.exists(cgroup)
-
-    def list_cgroups(self) -> list[str]:
-        return self.inner.list_cgroups()
-
-    def reconcile(self, cgroup: str, desired: CgroupDeviceAccess) -> list[str]:
-        return self.inner.reconcile(cgroup, desired)
-
-    def remove_root(self) -> bool:
-        return self.inner.remove_root()
-
-    def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:
-        return self.inner.apply_batch(ops)
-
-    def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
+def reraise(error: OSError) -> None:
+    """Raise ``error`` (for ``_kernel_op`` to report an error already caught)."""
+    raise error
 
 
 def list_cgroup_dirs(root: str) -> list[str]:

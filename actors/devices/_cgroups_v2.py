@@ -29,7 +29,7 @@ Rules:
 - A loaded program is kept (up to ``PROGRAM_CACHE_SIZE``, least recently
   used out) and attached again to every cgroup whose policy compiles to the
   same instructions: one load per distinct policy, not per cgroup. The
-  compiled instructions are cached by policy too.
+  instructions themselves are compiled once per policy (``Policy.program``).
 - ``reconcile`` makes the kernel match the given policy: it re-attaches a
   missing program, replaces one whose instructions differ (by tag), detaches
   leaked extra own programs, recreates a missing cgroup, and records the
@@ -39,7 +39,6 @@ Rules:
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import os
 import weakref
@@ -50,16 +49,15 @@ from . import _bpf
 from ._backend import (
     BackendBase,
     DeviceOperation,
-    SimulatedCrash,
     apply_one,
     list_cgroup_dirs,
     validate_cgroup,
     validate_cgroups_root,
 )
 from ._checkpoint import DeviceCheckpoint
-from ._device_program import build_device_program
 from ._errors import DeviceControlError, KernelOperationError
-from ._rules import CgroupDeviceAccess, DeviceRule, apply_diff, check_diff
+from ._policy import Policy, apply_diff, as_policy
+from ._rules import DeviceRule, check_diff
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +108,8 @@ class CgroupsV2Backend(BackendBase):
         self.program_name = program_name
         self._prefix = self.root.rstrip("/") + "/"
         self.checkpoint = DeviceCheckpoint(checkpoint_file(work_dir), self.root)
-        self._states: dict[str, CgroupDeviceAccess] = self.checkpoint.load()
-        self._on_disk: dict[str, CgroupDeviceAccess] = dict(self._states)
+        self._states: dict[str, Policy] = self.checkpoint.load()
+        self._on_disk: dict[str, Policy] = dict(self._states)
         self._programs: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         weakref.finalize(self, _close_programs, self._programs)
         for cgroup in [c for c in self._states if not os.path.isdir(os.path.join(self.root, c))]:
@@ -123,19 +121,21 @@ class CgroupsV2Backend(BackendBase):
 
     # -- the port ------------------------------------------------------------
 
-    def configure(self, cgroup: str, allow: Iterable[DeviceRule], deny: Iterable[DeviceRule]) -> CgroupDeviceAccess:
+    def configure(
+        self, cgroup: str, allow: Policy | Iterable[DeviceRule], deny: Iterable[DeviceRule] = ()
+    ) -> Policy:
         return _unwrap(self.apply_batch([DeviceOperation("configure", (cgroup, allow, deny))])[0])
 
-    def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> CgroupDeviceAccess:
+    def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> Policy:
         return _unwrap(self.apply_batch([DeviceOperation("reconfigure", (cgroup, add, remove))])[0])
 
-    def reconcile(self, cgroup: str, desired: CgroupDeviceAccess) -> list[str]:
+    def reconcile(self, cgroup: str, desired: Policy) -> list[str]:
         return _unwrap(self.apply_batch([DeviceOperation("reconcile", (cgroup, desired))])[0])
 
     def remove(self, cgroup: str) -> bool:
         return _unwrap(self.apply_batch([DeviceOperation("remove", (cgroup,))])[0])
 
-    def state(self, cgroup: str) -> CgroupDeviceAccess | None:
+    def state(self, cgroup: str) -> Policy | None:
         return self._states.get(validate_cgroup(cgroup))
 
     def exists(self, cgroup: str) -> bool:
@@ -148,8 +148,8 @@ class CgroupsV2Backend(BackendBase):
 
     def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:
         results: list[Any] = [_PENDING] * len(ops)
-        plans: dict[int, CgroupDeviceAccess] = {}
-        scratch: dict[str, CgroupDeviceAccess] = {}
+        plans: dict[int, Policy] = {}
+        scratch: dict[str, Policy] = {}
         for index, op in enumerate(ops):
             if op.kind in _CHANGES:
                 try:
@@ -203,14 +203,14 @@ class CgroupsV2Backend(BackendBase):
                 logger.error("Could not rewrite the device checkpoint %s: %s", self.checkpoint.file, error)
         return results
 
-    def _plan(self, op: DeviceOperation, scratch: dict[str, CgroupDeviceAccess]) -> CgroupDeviceAccess:
+    def _plan(self, op: DeviceOperation, scratch: dict[str, Policy]) -> Policy:
         cgroup = validate_cgroup(op.cgroup)
         if op.kind == "configure":
-            return _policy(tuple(op.args[1]), tuple(op.args[2]))
+            return as_policy(*op.args[1:])
         if op.kind == "reconcile":
             desired = op.args[1]
-            if not isinstance(desired, CgroupDeviceAccess):
-                raise DeviceControlError(f"reconcile needs a CgroupDeviceAccess, got {desired!r}")
+            if not isinstance(desired, Policy):
+                raise DeviceControlError(f"reconcile needs a Policy, got {desired!r}")
             return desired
         add, remove = check_diff(op.args[1], op.args[2])
         current = scratch.get(cgroup, self._states.get(cgroup))
@@ -220,13 +220,13 @@ class CgroupsV2Backend(BackendBase):
             )
         return apply_diff(current, add, remove)
 
-    def _write_checkpoint(self, snapshot: dict[str, CgroupDeviceAccess]) -> None:
+    def _write_checkpoint(self, snapshot: dict[str, Policy]) -> None:
         self._kernel_op("write checkpoint", self.checkpoint.file, self.checkpoint.write, snapshot)
         self._on_disk = snapshot
 
     # -- applying one cgroup -----------------------------------------------------
 
-    def _enforce(self, op: DeviceOperation, access: CgroupDeviceAccess) -> Any:
+    def _enforce(self, op: DeviceOperation, access: Policy) -> Any:
         cgroup = op.cgroup
         path = self.path(cgroup)
         previous = self._states.get(cgroup)
@@ -241,22 +241,21 @@ class CgroupsV2Backend(BackendBase):
             if op.kind == "reconfigure":
                 raise DeviceControlError(f"Cannot reconfigure cgroup '{cgroup}': {path} does not exist")
             self._ensure_root()
-            self._kernel_op("mkdir", path, os.mkdir, path)
+            self._mkdir(path)
             created = True
             if op.kind == "reconcile":
                 repairs.append(f"{path}: recreated the missing cgroup")
         try:
             repairs += self._attach(path, access, fresh=created)
-        except BaseException as error:
-            if not isinstance(error, SimulatedCrash):
-                self._rollback(path, created, previous, error)
+        except Exception as error:  # not a simulated crash: nothing runs after one
+            self._rollback(path, created, previous, error)
             raise
         self._states[cgroup] = access
         if op.kind == "reconcile":
             return repairs
         return access
 
-    def _rollback(self, path: str, created: bool, previous: CgroupDeviceAccess | None, error: BaseException) -> None:
+    def _rollback(self, path: str, created: bool, previous: Policy | None, error: Exception) -> None:
         try:
             if created:
                 self._kernel_op("rmdir", path, os.rmdir, path)
@@ -264,41 +263,13 @@ class CgroupsV2Backend(BackendBase):
                 self._attach(path, previous, fresh=False)
         except Exception as rollback_error:
             logger.error("Rollback of %s after '%s' failed too: %s", path, error, rollback_error)
-            if isinstance(error, Exception):
-                error.add_note(f"Rollback failed too, {path} may be left part-way: {rollback_error}")
+            error.add_note(f"Rollback failed too, {path} may be left part-way: {rollback_error}")
 
-    def _create(self, path: str) -> bool:
-        """mkdir ``path`` (and the root when missing); False if it already exists."""
-        try:
-            os.mkdir(path)
-            return True
-        except FileExistsError:
-            return False
-        except FileNotFoundError:
-            self._ensure_root()
-        except OSError as error:
-            self._kernel_op("mkdir", path, _reraise, error)
-        try:
-            self._kernel_op("mkdir", path, os.mkdir, path)
-        except KernelOperationError as error:
-            if error.errno == errno.EEXIST:
-                return False
-            raise
-        return True
-
-    def _ensure_root(self) -> None:
-        if not os.path.isdir(self.root):
-            try:
-                self._kernel_op("mkdir", self.root, os.mkdir, self.root)
-            except KernelOperationError:
-                if not os.path.isdir(self.root):
-                    raise
-
-    def _attach(self, path: str, access: CgroupDeviceAccess, fresh: bool) -> list[str]:
+    def _attach(self, path: str, access: Policy, fresh: bool) -> list[str]:
         """Leave exactly one own program, compiled from ``access``, on ``path``.
 
         Returns what it had to change beyond the normal replace, in words."""
-        code, tags = _compiled(access)
+        code, tags = access.program
         op = self._kernel_op
         fds: list[int] = []
         repairs: list[str] = []
@@ -418,24 +389,6 @@ class CgroupsV2Backend(BackendBase):
                 raise
         self._states.pop(cgroup, None)
         return True
-
-
-@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
-def _compiled(access: CgroupDeviceAccess) -> tuple[bytes, frozenset[bytes]]:
-    """The program of a policy and the tags the kernel may give it (pure,
-    cached: containers repeat a few policies, compiling is Python work)."""
-    code = build_device_program(access)
-    return code, _bpf.program_tags(code)
-
-
-@functools.lru_cache(maxsize=1024)
-def _policy(allow: tuple[DeviceRule, ...], deny: tuple[DeviceRule, ...]) -> CgroupDeviceAccess:
-    # Cached: ``CgroupDeviceAccess.create`` (its errors are not cached).
-    return CgroupDeviceAccess.create(allow, deny)
-
-
-def _reraise(error: OSError) -> None:
-    raise error
 
 
 def _close_programs(programs: "OrderedDict[bytes, tuple[int, int]]") -> None:

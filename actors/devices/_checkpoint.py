@@ -17,7 +17,6 @@ Rules:
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Mapping
 
@@ -25,14 +24,14 @@ import msgspec
 
 from ._backend import validate_cgroup
 from ._errors import CheckpointError, DeviceControlError
-from ._rules import CgroupDeviceAccess, DeviceRule
+from ._policy import Policy
 
 VERSION = 1
 
 
 class _Entry(msgspec.Struct, forbid_unknown_fields=True):
-    allow: list[str]
-    deny: list[str]
+    allow: tuple[str, ...]
+    deny: tuple[str, ...]
 
 
 class _File(msgspec.Struct, forbid_unknown_fields=True):
@@ -43,14 +42,6 @@ class _File(msgspec.Struct, forbid_unknown_fields=True):
 
 _decoder = msgspec.json.Decoder(_File)
 _encoder = msgspec.json.Encoder()
-
-
-@functools.lru_cache(maxsize=1024)
-def _entry(access: CgroupDeviceAccess) -> _Entry:
-    # Cached: the whole file is written per batch, and containers repeat a
-    # few policies (entries are only ever encoded, never changed).
-    allow, deny = access.lines()
-    return _Entry(allow, deny)
 
 
 class DeviceCheckpoint:
@@ -68,7 +59,7 @@ class DeviceCheckpoint:
             " and delete the file to start afresh."
         )
 
-    def load(self) -> dict[str, CgroupDeviceAccess]:
+    def load(self) -> dict[str, Policy]:
         """Every cgroup's policy; {} when there is no file yet."""
         try:
             with open(self.file, "rb") as handle:
@@ -87,24 +78,21 @@ class DeviceCheckpoint:
             raise self._error(f"unknown version {decoded.version} (this build reads version {VERSION})")
         if decoded.root != self.root:
             raise self._error(f"it belongs to cgroup root {decoded.root!r}, not {self.root!r}")
-        states: dict[str, CgroupDeviceAccess] = {}
+        states: dict[str, Policy] = {}
         for cgroup, entry in decoded.cgroups.items():
             try:
                 validate_cgroup(cgroup)
-                states[cgroup] = CgroupDeviceAccess(
-                    tuple(DeviceRule.parse(line) for line in entry.allow),
-                    tuple(DeviceRule.parse(line) for line in entry.deny),
-                )
+                states[cgroup] = Policy.from_lines(entry.allow, entry.deny)
             except DeviceControlError as error:
                 raise self._error(f"bad entry for cgroup {cgroup!r}: {error}") from error
         return states
 
-    def encode(self, states: Mapping[str, CgroupDeviceAccess]) -> bytes:
+    def encode(self, states: Mapping[str, Policy]) -> bytes:
         """The file's bytes for ``states``."""
-        cgroups = {cgroup: _entry(states[cgroup]) for cgroup in sorted(states)}
+        cgroups = {cgroup: _Entry(*states[cgroup].lines()) for cgroup in sorted(states)}
         return _encoder.encode(_File(VERSION, self.root, cgroups))
 
-    def write(self, states: Mapping[str, CgroupDeviceAccess]) -> None:
+    def write(self, states: Mapping[str, Policy]) -> None:
         """Replace the file with ``states``, atomically and durably."""
         data = self.encode(states)
         directory = os.path.dirname(self.file)

@@ -20,7 +20,9 @@ Rules:
 - ``DeviceControl`` is the handle. Its methods return Futures (await them).
   A cgroup is a relative path under the root (a container id, or
   ``"parent/child"``): empty, absolute or ``..`` paths are refused before
-  anything is queued, and rules given as v1 lines are parsed there too.
+  anything is queued, and so is a bad policy (rules given as v1 lines are
+  parsed there too). A policy goes to the backend as one interned
+  ``Policy``; the isolator passes its policies as such.
 - ``DeviceControl.create`` picks the backend (``auto``: see
   ``detect_backend``, probed in the executor) and, with a ``work_dir``,
   takes the work directory's lock (``_lock``) before reading any device
@@ -48,7 +50,8 @@ from ._drivers import InlineDriver, ThreadDriver
 from ._errors import DeviceControlError, WorkerError
 from ._lock import LOCK_TIMEOUT, WorkDirLock
 from ._memory import MemoryBackend
-from ._rules import CgroupDeviceAccess, DeviceRule, as_rules, check_diff
+from ._policy import Policy, as_policy
+from ._rules import DeviceRule, check_diff
 from ._worker import WorkerDriver
 
 logger = logging.getLogger(__name__)
@@ -124,7 +127,6 @@ class DeviceControl:
     def __init__(self, process: DeviceControlProcess) -> None:
         self._process = process
         self.pid = process.pid
-        self._checked: dict[int, tuple[tuple, tuple[DeviceRule, ...]]] = {}
         self.backend_name: str = process.driver.name
         self.root: str = process.driver.root
 
@@ -168,32 +170,19 @@ class DeviceControl:
     def _submit(self, kind: str, *args: Any) -> Future:
         return dispatch(self.pid, DeviceControlProcess.submit, DeviceOperation(kind, args))
 
-    def _rules(self, rules: Iterable[DeviceRule | str]) -> tuple[DeviceRule, ...]:
-        """``as_rules(rules)``; a tuple seen before (callers pass the same
-        policy tuples again and again) is found by identity, unchecked."""
-        if type(rules) is not tuple:
-            return as_rules(rules)
-        hit = self._checked.get(id(rules))
-        if hit is not None and hit[0] is rules:
-            return hit[1]
-        checked = as_rules(rules)
-        if len(self._checked) >= 256:
-            self._checked.clear()
-        self._checked[id(rules)] = (rules, checked)  # keeps ``rules`` alive: its id stays its own
-        return checked
-
     def configure(
-        self, cgroup: str, allow: Iterable[DeviceRule | str], deny: Iterable[DeviceRule | str] = ()
-    ) -> Future[CgroupDeviceAccess]:
-        """Create ``cgroup`` if missing and make its policy ``(allow, deny)``; the normalised policy."""
+        self, cgroup: str, allow: Policy | Iterable[DeviceRule | str], deny: Iterable[DeviceRule | str] = ()
+    ) -> Future[Policy]:
+        """Create ``cgroup`` if missing and make its policy ``(allow, deny)``, or
+        the ``Policy`` given; the policy the kernel enforces."""
         try:
-            return self._submit("configure", validate_cgroup(cgroup), self._rules(allow), self._rules(deny))
+            return self._submit("configure", validate_cgroup(cgroup), as_policy(allow, deny))
         except DeviceControlError as error:
             return Future.failed(error)
 
     def reconfigure(
         self, cgroup: str, add: Iterable[DeviceRule | str] = (), remove: Iterable[DeviceRule | str] = ()
-    ) -> Future[CgroupDeviceAccess]:
+    ) -> Future[Policy]:
         """Grant ``add`` and revoke ``remove`` (exact rules); the new policy."""
         try:
             return self._submit("reconfigure", validate_cgroup(cgroup), *check_diff(add, remove))
@@ -207,7 +196,7 @@ class DeviceControl:
         except DeviceControlError as error:
             return Future.failed(error)
 
-    def state(self, cgroup: str) -> Future[CgroupDeviceAccess | None]:
+    def state(self, cgroup: str) -> Future[Policy | None]:
         """The cgroup's policy (v1: read from the kernel), None when unknown."""
         try:
             return self._submit("state", validate_cgroup(cgroup))
@@ -226,12 +215,12 @@ class DeviceControl:
         return self._submit("list_cgroups")
 
     def reconcile(
-        self, cgroup: str, allow: Iterable[DeviceRule | str], deny: Iterable[DeviceRule | str] = ()
+        self, cgroup: str, allow: Policy | Iterable[DeviceRule | str], deny: Iterable[DeviceRule | str] = ()
     ) -> Future[list[str]]:
-        """Repair drift: make the kernel enforce ``(allow, deny)``; the repairs, in words."""
+        """Repair drift: make the kernel enforce ``(allow, deny)`` (or the
+        ``Policy`` given); the repairs, in words."""
         try:
-            desired = CgroupDeviceAccess.create(as_rules(allow), as_rules(deny))
-            return self._submit("reconcile", validate_cgroup(cgroup), desired)
+            return self._submit("reconcile", validate_cgroup(cgroup), as_policy(allow, deny))
         except DeviceControlError as error:
             return Future.failed(error)
 

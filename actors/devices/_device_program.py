@@ -6,7 +6,7 @@ Rules:
   u32 minor;}``: low 16 bits of access_type the device type (block 1,
   char 2), high 16 bits the access (mknod 1, read 2, write 4). Returning 1
   allows, 0 refuses with EPERM.
-- The program decides exactly as ``CgroupDeviceAccess.is_granted``: a deny
+- The program decides exactly as ``Policy.is_granted``: a deny
   rule covering the device with an overlapping bit refuses; otherwise one
   allow rule must cover the device and every requested bit.
 - Compact layout (the verifier's time grows with the branches it must
@@ -24,9 +24,12 @@ Rules:
 from __future__ import annotations
 
 import struct
-from typing import Iterable, Sequence, Union
+from typing import TYPE_CHECKING, Iterable, Sequence, Union
 
-from ._rules import CgroupDeviceAccess, DeviceRule, normalize
+from ._rules import DeviceRule, normalize
+
+if TYPE_CHECKING:
+    from ._policy import Policy
 
 # struct bpf_cgroup_dev_ctx offsets and the kernel's encodings.
 CTX_ACCESS_TYPE = 0
@@ -139,7 +142,7 @@ def _section(rules: Sequence[DeviceRule], target: str, prefix: str, deny: bool) 
     return code
 
 
-def program_instructions(access: CgroupDeviceAccess) -> list[Insn]:
+def program_instructions(access: "Policy") -> list[Insn]:
     """The program for ``access`` as resolved instructions (see module rules)."""
     allow = normalize(access.allow)
     deny = normalize(access.deny)
@@ -191,6 +194,6 @@ def encode(insns: Sequence[Insn]) -> bytes:
     return b"".join(struct.pack("<BBhi", op, dst | (src << 4), off, imm) for op, dst, src, off, imm in insns)
 
 
-def build_device_program(access: CgroupDeviceAccess) -> bytes:
+def build_device_program(access: "Policy") -> bytes:
     """The encoded program enforcing ``access``."""
     return encode(program_instructions(access))

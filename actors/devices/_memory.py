@@ -2,7 +2,7 @@
 
 Rules:
 - The same semantics as the kernel backends, kept in a dict
-  ``cgroup -> CgroupDeviceAccess``; for non-root use and the demo.
+  ``cgroup -> Policy``; for non-root use and the demo.
 - Its pretend kernel operations (``mkdir``, ``apply``, ``rmdir``) still go
   through the hook, so faults can be injected here too.
 - Processes never live in a memory cgroup, so ``remove`` always succeeds.
@@ -26,12 +26,13 @@ from typing import Iterable
 
 from ._backend import BackendBase, validate_cgroup
 from ._errors import DeviceControlError
-from ._rules import CgroupDeviceAccess, DeviceRule, apply_diff, check_diff
+from ._policy import Policy, apply_diff, as_policy
+from ._rules import DeviceRule, check_diff
 
 logger = logging.getLogger(__name__)
 
 
-_PRETEND_KERNEL: dict[str, dict[str, CgroupDeviceAccess]] = {}
+_PRETEND_KERNEL: dict[str, dict[str, Policy]] = {}
 """Shared in-memory cgroups by root (see ``shared``)."""
 
 _PRETEND_CHILDREN: dict[str, dict[str, int]] = {}
@@ -47,14 +48,14 @@ class MemoryBackend(BackendBase):
     def __init__(self, root: str = "memory:/gpu-isolator", shared: bool = False) -> None:
         super().__init__(root)
         self._shared = shared
-        self._cgroups: dict[str, CgroupDeviceAccess] = _PRETEND_KERNEL.setdefault(root, {}) if shared else {}
+        self._cgroups: dict[str, Policy] = _PRETEND_KERNEL.setdefault(root, {}) if shared else {}
         self._children: dict[str, int] = _PRETEND_CHILDREN.setdefault(root, {}) if shared else {}
         if not self._children:
             for cgroup in self._cgroups:
                 self._count(cgroup, 1)
 
     @staticmethod
-    def shared_table(root: str) -> dict[str, CgroupDeviceAccess] | None:
+    def shared_table(root: str) -> dict[str, Policy] | None:
         """The live shared table of ``root`` (cgroup -> access), None when there is none."""
         return _PRETEND_KERNEL.get(root)
 
@@ -77,7 +78,7 @@ class MemoryBackend(BackendBase):
             _PRETEND_CHILDREN.pop(self.root, None)
         return True
 
-    def _set(self, cgroup: str, access: CgroupDeviceAccess) -> None:
+    def _set(self, cgroup: str, access: Policy) -> None:
         if cgroup not in self._cgroups:
             self._count(cgroup, 1)
         self._cgroups[cgroup] = access
@@ -106,11 +107,13 @@ class MemoryBackend(BackendBase):
             other.startswith(cgroup + "/") for other in self._cgroups
         )
 
-    def configure(self, cgroup: str, allow: Iterable[DeviceRule], deny: Iterable[DeviceRule]) -> CgroupDeviceAccess:
+    def configure(
+        self, cgroup: str, allow: Policy | Iterable[DeviceRule], deny: Iterable[DeviceRule] = ()
+    ) -> Policy:
         validate_cgroup(cgroup)
-        access = CgroupDeviceAccess.create(allow, deny)
+        access = as_policy(allow, deny)
         if cgroup not in self._cgroups:
-            self._kernel_op("mkdir", self.path(cgroup), self._set, cgroup, CgroupDeviceAccess())
+            self._kernel_op("mkdir", self.path(cgroup), self._set, cgroup, Policy())
             try:
                 self._kernel_op("apply", self.path(cgroup), self._set, cgroup, access)
             except Exception:
@@ -120,7 +123,7 @@ class MemoryBackend(BackendBase):
             self._kernel_op("apply", self.path(cgroup), self._set, cgroup, access)
         return access
 
-    def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> CgroupDeviceAccess:
+    def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> Policy:
         validate_cgroup(cgroup)
         add, remove = check_diff(add, remove)
         current = self._cgroups.get(cgroup)
@@ -139,7 +142,7 @@ class MemoryBackend(BackendBase):
             self._kernel_op("rmdir", self.path(cgroup), self._drop, cgroup)
         return True
 
-    def state(self, cgroup: str) -> CgroupDeviceAccess | None:
+    def state(self, cgroup: str) -> Policy | None:
         return self._cgroups.get(validate_cgroup(cgroup))
 
     def exists(self, cgroup: str) -> bool:
@@ -148,7 +151,7 @@ class MemoryBackend(BackendBase):
     def list_cgroups(self) -> list[str]:
         return sorted(self._cgroups)
 
-    def reconcile(self, cgroup: str, desired: CgroupDeviceAccess) -> list[str]:
+    def reconcile(self, cgroup: str, desired: Policy) -> list[str]:
         validate_cgroup(cgroup)
         current = self._cgroups.get(cgroup)
         if current == desired:

@@ -1,6 +1,7 @@
 """Device rules: the pure model of which devices a cgroup may use.
 
-Rules of the model (cgroups v1 line format, Mesos' ``CgroupDeviceAccess``):
+Rules of the model (cgroups v1 line format, Mesos' ``CgroupDeviceAccess``;
+the policy value itself is ``_policy.Policy``):
 - A ``DeviceRule`` is ``{a|b|c} <major|*>:<minor|*> <access>``; access is a
   non-empty subset of ``rwm`` (read, write, mknod), kept in ``rwm`` order.
   Bare ``a`` means ``a *:* rwm``; type ``a`` (all types) takes no numbers.
@@ -18,20 +19,14 @@ Rules of the model (cgroups v1 line format, Mesos' ``CgroupDeviceAccess``):
   (type, then major, then minor; ``*`` first), so equal policies compare
   equal whatever order they were given in. It never changes a verdict of
   the merged list.
-- Reconfigure (``apply_diff``) takes exact rules only: each addition is
-  added to allow and its bits leave deny rules of the same device; each
-  removal takes its bits off allow rules of the same device, and what a
-  wildcard allow rule still grants of it is added to deny. A removal that
+- Reconfigure takes exact rules only (``check_diff``); a removal that
   encompasses an addition is an error.
-- The container policy denies everything, then allows the standard
-  container devices, the control devices and the container's GPUs.
 
 Everything here is pure: no files, no kernel, no clock.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Iterable, Sequence
 
 import msgspec
@@ -168,14 +163,8 @@ def as_rules(rules: Iterable[DeviceRule | str]) -> tuple[DeviceRule, ...]:
 
 def normalize(rules: Iterable[DeviceRule | str]) -> tuple[DeviceRule, ...]:
     """Merge rules with the same selector, drop rules another encompasses, sort."""
-    return _normalize(as_rules(rules))
-
-
-@functools.lru_cache(maxsize=4096)
-def _normalize(rules: tuple[DeviceRule, ...]) -> tuple[DeviceRule, ...]:
-    # Cached: containers repeat the same few policies (rules are frozen).
     merged: dict[tuple, DeviceRule] = {}
-    for rule in rules:
+    for rule in as_rules(rules):
         key = (rule.type, rule.major, rule.minor)
         seen = merged.get(key)
         if seen is None:
@@ -199,7 +188,7 @@ def _order(rule: DeviceRule) -> tuple[str, int, int]:
     return (rule.type, -1 if rule.major is None else rule.major, -1 if rule.minor is None else rule.minor)
 
 
-def _check_query(type: str, major: int, minor: int, access: str) -> str:
+def query_access(type: str, major: int, minor: int, access: str) -> str:
     if type not in ("b", "c"):
         raise DeviceRuleError(f"Invalid device query type {type!r}: expected 'b' or 'c'")
     if not isinstance(major, int) or not isinstance(minor, int):
@@ -221,10 +210,10 @@ def is_granted(
     device and every requested bit; a deny rule covering the device with any
     requested bit refuses it (see module rules).
     """
-    return _granted(normalize(allow), normalize(deny), type, major, minor, _check_query(type, major, minor, access))
+    return granted(normalize(allow), normalize(deny), type, major, minor, query_access(type, major, minor, access))
 
 
-def _granted(
+def granted(
     allow: Sequence[DeviceRule], deny: Sequence[DeviceRule], type: str, major: int, minor: int, access: str
 ) -> bool:
     wanted = set(access)
@@ -232,42 +221,6 @@ def _granted(
     if not allowed:
         return False
     return not any(rule.covers_device(type, major, minor) and wanted & set(rule.access) for rule in deny)
-
-
-class CgroupDeviceAccess(msgspec.Struct, frozen=True):
-    """The normalised policy ``(allow, deny)`` of one cgroup (see module rules)."""
-
-    allow: tuple[DeviceRule, ...] = ()
-    deny: tuple[DeviceRule, ...] = ()
-
-    @classmethod
-    def create(
-        cls, allow: Iterable[DeviceRule | str] = (), deny: Iterable[DeviceRule | str] = ()
-    ) -> "CgroupDeviceAccess":
-        """Normalise and check a policy: exact deny rules, no allow rule a deny rule swallows."""
-        allow_list = normalize(allow)
-        deny_list = normalize(deny)
-        for rule in deny_list:
-            if rule.has_wildcard:
-                raise DeviceRuleError(
-                    f"Invalid deny rule '{rule}': deny rules name exact devices (no 'a', no '*')"
-                )
-        for allowed in allow_list:
-            for denied in deny_list:
-                if denied.encompasses(allowed):
-                    raise DeviceRuleError(
-                        f"Failed to configure allow and deny devices: allow entry '{allowed}'"
-                        f" cannot be encompassed by deny entry '{denied}'"
-                    )
-        return cls(allow_list, deny_list)
-
-    def is_granted(self, type: str, major: int, minor: int, access: str) -> bool:
-        """Whether this policy grants ``access`` to device ``type major:minor``."""
-        return _granted(self.allow, self.deny, type, major, minor, _check_query(type, major, minor, access))
-
-    def lines(self) -> tuple[list[str], list[str]]:
-        """The allow and deny lists as v1 lines (the checkpoint form)."""
-        return [str(rule) for rule in self.allow], [str(rule) for rule in self.deny]
 
 
 def _exact(rules: Iterable[DeviceRule | str], what: str) -> tuple[DeviceRule, ...]:
@@ -278,11 +231,6 @@ def _exact(rules: Iterable[DeviceRule | str], what: str) -> tuple[DeviceRule, ..
                 f"Invalid {what} '{rule}': reconfigure takes exact devices only (no 'a', no '*')"
             )
     return result
-
-
-def _without(rule: DeviceRule, bits: str) -> DeviceRule | None:
-    left = "".join(ch for ch in rule.access if ch not in bits)
-    return DeviceRule(rule.type, rule.major, rule.minor, left) if left else None
 
 
 def check_diff(
@@ -300,75 +248,3 @@ def check_diff(
                     f" cannot be encompassed by removal '{removal}'"
                 )
     return additions, removals
-
-
-def apply_diff(
-    current: CgroupDeviceAccess,
-    add: Iterable[DeviceRule | str] = (),
-    remove: Iterable[DeviceRule | str] = (),
-) -> CgroupDeviceAccess:
-    """The policy after adding ``add`` and removing ``remove`` (exact rules; see module rules)."""
-    additions, removals = check_diff(add, remove)
-    allow = list(current.allow)
-    deny = list(current.deny)
-    for addition in additions:
-        deny = [
-            kept
-            for rule in deny
-            if (kept := (_without(rule, addition.access) if rule.selector == addition.selector else rule))
-        ]
-        allow.append(addition)
-    for removal in removals:
-        by_wildcards = ""
-        revoked: list[DeviceRule] = []
-        for rule in allow:
-            if rule.has_wildcard:
-                if rule.selector_encompasses(removal):
-                    by_wildcards += rule.access
-                revoked.append(rule)
-            elif rule.selector == removal.selector:
-                kept = _without(rule, removal.access)
-                if kept is not None:
-                    revoked.append(kept)
-            else:
-                revoked.append(rule)
-        allow = revoked
-        still = "".join(ch for ch in removal.access if ch in by_wildcards)
-        if still:
-            deny.append(DeviceRule(removal.type, removal.major, removal.minor, still))
-    return CgroupDeviceAccess(normalize(allow), normalize(deny))
-
-
-STANDARD_CONTAINER_DEVICES: tuple[DeviceRule, ...] = tuple(
-    DeviceRule.parse(line)
-    for line in (
-        "c *:* m",
-        "b *:* m",
-        "c 1:3 rwm",  # /dev/null
-        "c 1:5 rwm",  # /dev/zero
-        "c 1:7 rwm",  # /dev/full
-        "c 1:8 rwm",  # /dev/random
-        "c 1:9 rwm",  # /dev/urandom
-        "c 5:0 rwm",  # /dev/tty
-        "c 5:1 rwm",  # /dev/console
-        "c 5:2 rwm",  # /dev/ptmx
-        "c 4:0 rwm",  # /dev/tty0
-        "c 4:1 rwm",  # /dev/tty1
-        "c 136:* rwm",  # /dev/pts/*
-        "c 10:200 rwm",  # /dev/net/tun
-    )
-)
-"""The devices every container may use (Mesos' default whitelist)."""
-
-
-def container_policy(
-    control_devices: Iterable[DeviceRule | str], gpu_rules: Iterable[DeviceRule | str]
-) -> tuple[tuple[DeviceRule, ...], tuple[DeviceRule, ...]]:
-    """``(allow, deny)`` of a container: deny all (the default), then allow the
-    standard set, the control devices and the GPUs. The deny list is empty:
-    "deny all" is the model's default, which v1 realises by writing ``a`` to
-    ``devices.deny`` first."""
-    policy = CgroupDeviceAccess.create(
-        [*STANDARD_CONTAINER_DEVICES, *as_rules(control_devices), *as_rules(gpu_rules)], ()
-    )
-    return policy.allow, policy.deny

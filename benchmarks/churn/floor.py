@@ -24,7 +24,7 @@ from typing import Callable
 
 from actors import NVIDIA_MAJOR
 from actors.devices import (
-    CgroupDeviceAccess,
+    Policy,
     DeviceRule,
     bpf,
     build_device_program,
@@ -38,10 +38,10 @@ from .workload import GPUS, ChurnRun
 Progress = Callable[[float, int], None]
 
 
-def _policy(control: list[DeviceRule], gpu_minor: int | None) -> CgroupDeviceAccess:
+def _policy(control: list[DeviceRule], gpu_minor: int | None) -> Policy:
     gpus = [DeviceRule("c", NVIDIA_MAJOR, gpu_minor, "rwm")] if gpu_minor is not None else []
     allow, deny = container_policy(control, gpus)
-    return CgroupDeviceAccess.create(allow, deny)
+    return Policy.create(allow, deny)
 
 
 def _timed_loop(body: Callable[[int], None], workers: int, seconds: float, progress: Progress | None) -> ChurnRun:

@@ -12,7 +12,7 @@ import os
 
 from hypothesis import given, settings, strategies as st
 
-from actors.devices import CgroupDeviceAccess, CgroupsV1Backend, CgroupsV2Backend, DeviceRule, DeviceRuleError
+from actors.devices import Policy, CgroupsV1Backend, CgroupsV2Backend, DeviceRule, DeviceRuleError
 
 MAJORS = [None, 195, 240]
 MINORS = [None, 0, 1, 255]
@@ -30,7 +30,7 @@ OPEN_MODES = [(os.O_RDONLY, "r"), (os.O_WRONLY, "w"), (os.O_RDWR, "rw")]
 MKNOD_DEVICES = [("c", 195, 0), ("c", 240, 9), ("b", 240, 1), ("b", 195, 255)]
 
 
-def check_verdicts(probe, device_nodes, scratch: str, access: CgroupDeviceAccess) -> int:
+def check_verdicts(probe, device_nodes, scratch: str, access: Policy) -> int:
     """Compare every probe answer with ``access.is_granted``; the number of checks."""
     checks = 0
     for kind, major, minor in sorted(device_nodes.paths):
@@ -62,7 +62,7 @@ def test_v2_program_verdicts_equal_is_granted(v2_sandbox, device_nodes, tmp_path
     @given(st.lists(st.sampled_from(ALLOW), max_size=8), st.lists(st.sampled_from(DENY), max_size=3))
     def check(allow: list[DeviceRule], deny: list[DeviceRule]) -> None:
         try:
-            access = CgroupDeviceAccess.create(allow, deny)
+            access = Policy.create(allow, deny)
         except DeviceRuleError:
             return
         assert backend.configure("eq", access.allow, access.deny) == access
@@ -85,7 +85,7 @@ def test_v1_kernel_verdicts_equal_is_granted(v1_sandbox, device_nodes, tmp_path)
     @settings(max_examples=40, derandomize=True, deadline=None, database=None)
     @given(st.lists(st.sampled_from(ALLOW), max_size=8))
     def check(allow: list[DeviceRule]) -> None:
-        access = CgroupDeviceAccess.create(allow, [])
+        access = Policy.create(allow, [])
         try:
             state = backend.configure("eq", access.allow, [])
         except DeviceRuleError as error:  # 'a *:* r' beside 'b *:* w': v1 cannot hold it

@@ -13,10 +13,10 @@ import pytest
 from actors.devices import (
     CgroupsV1Backend,
     DeviceRule,
-    FaultInjectingBackend,
     KernelOperationError,
     container_policy,
 )
+from actors.devices.testing import FaultInjectingBackend
 
 R = DeviceRule.parse
 CONTROL = ["c 195:255 rwm"]
@@ -198,7 +198,7 @@ def test_nested_cgroups(v1_sandbox, device_nodes) -> None:
 
 
 def test_a_crash_after_every_kernel_operation_is_repaired_by_reconcile(v1_sandbox, device_nodes) -> None:
-    from actors.devices import SimulatedCrash
+    from actors.devices.testing import SimulatedCrash
 
     allow, deny = container_policy(CONTROL, ["c 195:0 rwm"])
     os.mkdir(v1_sandbox.root)

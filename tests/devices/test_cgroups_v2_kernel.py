@@ -12,19 +12,19 @@ import pytest
 
 from actors.devices import (
     PROGRAM_NAME,
-    CgroupDeviceAccess,
+    Policy,
     CgroupsV2Backend,
     CheckpointError,
     DeviceControlError,
     DeviceOperation,
     DeviceRule,
-    FaultInjectingBackend,
     KernelOperationError,
     apply_diff,
     build_device_program,
     checkpoint_file,
     container_policy,
 )
+from actors.devices.testing import FaultInjectingBackend
 from actors.devices import _bpf
 from tests.support.kernel import attach_program, detach_program
 
@@ -36,7 +36,7 @@ def backend_for(sandbox, work_dir) -> CgroupsV2Backend:
     return CgroupsV2Backend(sandbox.hierarchy, sandbox.cgroups_root, str(work_dir))
 
 
-def assert_enforces(sandbox, cgroup: str, access: CgroupDeviceAccess) -> int:
+def assert_enforces(sandbox, cgroup: str, access: Policy) -> int:
     """Exactly one own program is attached and it is the one ``access`` compiles to."""
     own = [info for info in sandbox.programs(cgroup) if info.name == PROGRAM_NAME]
     assert len(own) == 1, own
@@ -44,7 +44,7 @@ def assert_enforces(sandbox, cgroup: str, access: CgroupDeviceAccess) -> int:
     return own[0].id
 
 
-def attach_extra(sandbox, cgroup: str, access: CgroupDeviceAccess, name: str = PROGRAM_NAME) -> int:
+def attach_extra(sandbox, cgroup: str, access: Policy, name: str = PROGRAM_NAME) -> int:
     prog_id = attach_program(os.path.join(sandbox.root, cgroup), build_device_program(access), name)
     sandbox.program_ids.append(prog_id)
     return prog_id
@@ -146,7 +146,7 @@ def test_reconcile_detaches_a_leaked_extra_program(v2_sandbox, device_nodes, tmp
     backend = backend_for(v2_sandbox, tmp_path)
     access = backend.configure("c1", *container_policy(CONTROL, ["c 195:0 rw"]))
     kept = assert_enforces(v2_sandbox, "c1", access)
-    leaked = attach_extra(v2_sandbox, "c1", CgroupDeviceAccess.create(["a"]))
+    leaked = attach_extra(v2_sandbox, "c1", Policy.create(["a"]))
     assert backend.reconcile("c1", access) == [
         f"{v2_sandbox.root}/c1: detached leaked extra device program {leaked}"
     ]
@@ -171,7 +171,7 @@ def test_reconcile_replaces_a_program_with_other_rules(v2_sandbox, device_nodes,
     access = backend.configure("c1", *container_policy(CONTROL, ["c 195:0 rw"]))
     ours = assert_enforces(v2_sandbox, "c1", access)
     detach(v2_sandbox, "c1", ours)
-    wrong = attach_extra(v2_sandbox, "c1", CgroupDeviceAccess.create(["a"]))
+    wrong = attach_extra(v2_sandbox, "c1", Policy.create(["a"]))
     repairs = backend.reconcile("c1", access)
     assert repairs == [f"{v2_sandbox.root}/c1: replaced device program {wrong}, whose rules differed"]
     assert_enforces(v2_sandbox, "c1", access)
@@ -182,7 +182,7 @@ def test_reconcile_replaces_a_program_with_other_rules(v2_sandbox, device_nodes,
 def test_reconcile_records_new_rules_and_recreates_a_missing_cgroup(v2_sandbox, tmp_path) -> None:
     backend = backend_for(v2_sandbox, tmp_path)
     old = assert_enforces(v2_sandbox, "c1", backend.configure("c1", *container_policy(CONTROL, ["c 195:0 rw"])))
-    desired = CgroupDeviceAccess.create(*container_policy(CONTROL, ["c 195:1 rw"]))
+    desired = Policy.create(*container_policy(CONTROL, ["c 195:1 rw"]))
     assert backend.reconcile("c1", desired) == [
         f"{v2_sandbox.root}/c1: recorded the desired device rules in the checkpoint",
         f"{v2_sandbox.root}/c1: replaced device program {old}, whose rules differed",
@@ -197,7 +197,7 @@ def test_reconcile_records_new_rules_and_recreates_a_missing_cgroup(v2_sandbox, 
 def test_programs_of_others_are_left_alone_and_still_apply(v2_sandbox, device_nodes, tmp_path) -> None:
     backend = backend_for(v2_sandbox, tmp_path)
     access = backend.configure("c1", *container_policy(CONTROL, ["c 195:0 rw", "c 195:1 rw"]))
-    other = attach_extra(v2_sandbox, "c1", CgroupDeviceAccess.create(["a"], ["c 195:1 rw"]), name="someone_else")
+    other = attach_extra(v2_sandbox, "c1", Policy.create(["a"], ["c 195:1 rw"]), name="someone_else")
     assert backend.reconcile("c1", access) == []
     after = backend.reconfigure("c1", [R("c 195:2 rw")], [])
     assert other in v2_sandbox.attached("c1") and assert_enforces(v2_sandbox, "c1", after)
@@ -209,7 +209,7 @@ def test_programs_of_others_are_left_alone_and_still_apply(v2_sandbox, device_no
 def test_a_program_attached_without_allow_multi_is_explained(v2_sandbox, tmp_path) -> None:
     backend = backend_for(v2_sandbox, tmp_path)
     os.makedirs(os.path.join(v2_sandbox.root, "c1"))
-    prog_fd = _bpf.prog_load(build_device_program(CgroupDeviceAccess.create(["a"])), "exclusive")
+    prog_fd = _bpf.prog_load(build_device_program(Policy.create(["a"])), "exclusive")
     cgroup_fd = os.open(os.path.join(v2_sandbox.root, "c1"), os.O_RDONLY | os.O_DIRECTORY)
     try:
         _bpf.prog_attach(cgroup_fd, prog_fd, flags=0)
@@ -272,7 +272,7 @@ def test_a_failure_in_a_batch_fails_later_operations_on_that_cgroup_only(v2_sand
         ]
     )
     assert isinstance(results[0], KernelOperationError) and "load device program" in str(results[0])
-    assert isinstance(results[1], CgroupDeviceAccess)
+    assert isinstance(results[1], Policy)
     assert isinstance(results[2], DeviceControlError)
     assert "an earlier operation on it in the same batch failed" in str(results[2])
     assert not backend.exists("c1") and backend.state("c1") is None
@@ -353,7 +353,7 @@ def test_nested_cgroups(v2_sandbox, device_nodes, tmp_path) -> None:
 
 
 def test_a_crash_after_every_kernel_operation_recovers_from_the_checkpoint(v2_sandbox, tmp_path) -> None:
-    from actors.devices import SimulatedCrash
+    from actors.devices.testing import SimulatedCrash
 
     plain = backend_for(v2_sandbox, tmp_path)
     before = plain.configure("c1", *container_policy(CONTROL, ["c 195:0 rw", "c 195:1 rw"]))

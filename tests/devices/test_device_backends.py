@@ -10,12 +10,11 @@ import os
 import pytest
 
 from actors.devices import (
-    CgroupDeviceAccess,
+    Policy,
     DeviceControlError,
     DeviceOperation,
     DeviceRule,
     DeviceRuleError,
-    FaultInjectingBackend,
     InvalidCgroupError,
     KernelOperationError,
     MemoryBackend,
@@ -25,7 +24,8 @@ from actors.devices import (
     validate_cgroup,
     validate_cgroups_root,
 )
-from actors.devices._cgroups_v1 import parse_devices_list, plan_writes, table_access, v1_exceptions
+from actors.devices.testing import FaultInjectingBackend
+from actors.devices._v1_emulator import parse_devices_list, plan_writes, table_access, v1_exceptions
 
 R = DeviceRule.parse
 POLICY = container_policy(["c 195:255 rwm"], ["c 195:0 rw"])
@@ -72,7 +72,7 @@ def test_memory_backend_lifecycle() -> None:
     backend = MemoryBackend()
     assert backend.state("c1") is None and not backend.exists("c1")
     access = backend.configure("c1", *POLICY)
-    assert access == CgroupDeviceAccess.create(*POLICY)
+    assert access == Policy.create(*POLICY)
     assert backend.exists("c1") and backend.state("c1") == access
     after = backend.reconfigure("c1", [R("c 195:1 rw")], [R("c 195:0 rw")])
     assert after.is_granted("c", 195, 1, "rw") and not after.is_granted("c", 195, 0, "r")
@@ -98,7 +98,7 @@ def test_memory_backend_keeps_a_parent_with_children(caplog: pytest.LogCaptureFi
 
 def test_memory_reconcile_reports_and_restores() -> None:
     backend = MemoryBackend()
-    desired = CgroupDeviceAccess.create(*POLICY)
+    desired = Policy.create(*POLICY)
     backend.configure("c1", *POLICY)
     assert backend.reconcile("c1", desired) == []
     backend.reconfigure("c1", [], [R("c 195:0 rw")])
@@ -117,7 +117,7 @@ def test_apply_batch_returns_one_result_per_operation_and_isolates_failures() ->
             DeviceOperation("bogus"),
         ]
     )
-    assert isinstance(results[0], CgroupDeviceAccess)
+    assert isinstance(results[0], Policy)
     assert isinstance(results[1], DeviceControlError)
     assert results[2:4] == [True, ["a"]]
     assert isinstance(results[4], ValueError)
@@ -167,7 +167,7 @@ def test_memory_configure_fault_leaves_no_cgroup() -> None:
 
 
 def test_v1_exceptions_follow_the_kernel() -> None:
-    access = CgroupDeviceAccess.create(["a *:* r", "c 195:* rw", "c 195:1 rwm"], ["c 195:1 w"])
+    access = Policy.create(["a *:* r", "c 195:* rw", "c 195:1 rwm"], ["c 195:1 w"])
     table = v1_exceptions(access)
     # 'a' is written as its c and b rules; a deny takes bits off the exact rule only.
     assert [str(rule) for rule in table_access(table).allow] == ["b *:* r", "c *:* r", "c 195:* rw", "c 195:1 rm"]
@@ -175,15 +175,15 @@ def test_v1_exceptions_follow_the_kernel() -> None:
 
 def test_v1_refuses_what_the_kernel_would_merge_into_more() -> None:
     with pytest.raises(DeviceRuleError, match=r"cgroups v1 cannot hold 'b \*:\* wm' beside 'b \*:\* r'"):
-        v1_exceptions(CgroupDeviceAccess.create(["a *:* r", "b *:* wm"]))
+        v1_exceptions(Policy.create(["a *:* r", "b *:* wm"]))
     # A subset merges into what one rule already grants: fine.
-    assert v1_exceptions(CgroupDeviceAccess.create(["a *:* r", "b *:* rw"])) == {
+    assert v1_exceptions(Policy.create(["a *:* r", "b *:* rw"])) == {
         ("b", None, None): "rw", ("c", None, None): "r",
     }
 
 
 def test_v1_plan_for_a_new_cgroup_denies_all_first() -> None:
-    target = v1_exceptions(CgroupDeviceAccess.create(["c 1:3 rwm", "c 195:0 rw"]))
+    target = v1_exceptions(Policy.create(["c 1:3 rwm", "c 195:0 rw"]))
     assert plan_writes(None, target) == [
         ("devices.deny", "a"), ("devices.allow", "c 1:3 rwm"), ("devices.allow", "c 195:0 rw"),
     ]
@@ -191,13 +191,13 @@ def test_v1_plan_for_a_new_cgroup_denies_all_first() -> None:
 
 def test_v1_plan_for_an_existing_cgroup_writes_only_the_difference_allows_first() -> None:
     current = parse_devices_list("c 1:3 rwm\nc 195:0 rw\nc 195:1 rwm\n")
-    target = v1_exceptions(CgroupDeviceAccess.create(["c 1:3 rwm", "c 195:1 rw", "c 195:2 rw"]))
+    target = v1_exceptions(Policy.create(["c 1:3 rwm", "c 195:1 rw", "c 195:2 rw"]))
     assert plan_writes(current, target) == [("devices.allow", "c 195:2 rw"), ("devices.deny", "c 195:0 rw"), ("devices.deny", "c 195:1 m")]
     assert plan_writes(target, target) == []
 
 
 def test_v1_plan_after_allow_all_drift_rewrites() -> None:
-    target = v1_exceptions(CgroupDeviceAccess.create(["c 1:3 rwm"]))
+    target = v1_exceptions(Policy.create(["c 1:3 rwm"]))
     assert plan_writes(parse_devices_list("a *:* rwm\n"), target) == [("devices.deny", "a"), ("devices.allow", "c 1:3 rwm")]
 
 
@@ -232,14 +232,14 @@ def test_resolve_backend() -> None:
 
 
 def test_a_simulated_crash_rolls_nothing_back() -> None:
-    from actors.devices import SimulatedCrash
+    from actors.devices.testing import SimulatedCrash
 
     inner = MemoryBackend()
     backend = FaultInjectingBackend(inner, crash_at=2)  # after mkdir, before the rules
     with pytest.raises(SimulatedCrash, match="simulated crash before kernel operation #2: apply"):
         backend.configure("c1", *POLICY)
     assert backend.injected and backend.operations == 1
-    assert inner.state("c1") == CgroupDeviceAccess()  # left part-way: exists, denies all
-    desired = CgroupDeviceAccess.create(*POLICY)
+    assert inner.state("c1") == Policy()  # left part-way: exists, denies all
+    desired = Policy.create(*POLICY)
     inner.kernel_hook = None  # "restarted" without the fault injector
     assert inner.reconcile("c1", desired) == ["memory:/gpu-isolator/c1: restored the device policy"]

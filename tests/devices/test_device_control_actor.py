@@ -11,20 +11,20 @@ from typing import Any, Sequence
 import pytest
 
 from actors.devices import (
-    CgroupDeviceAccess,
+    Policy,
     CheckpointError,
     DeviceControl,
     DeviceControlError,
     DeviceOperation,
     DeviceRule,
     DeviceRuleError,
-    FaultInjectingBackend,
     InvalidCgroupError,
     KernelOperationError,
     MemoryBackend,
     checkpoint_file,
     container_policy,
 )
+from actors.devices.testing import FaultInjectingBackend
 from runtime import ProcessTerminated, Runtime, collect, dispatch
 
 R = DeviceRule.parse
@@ -59,7 +59,7 @@ async def test_the_port_on_memory() -> None:
         assert control.backend_name == "memory"
         assert control.path("c1") == "memory:/gpu-isolator/c1"
         access = await control.configure("c1", [str(rule) for rule in POLICY[0]])
-        assert access == CgroupDeviceAccess.create(*POLICY)
+        assert access == Policy.create(*POLICY)
         assert await control.exists("c1") and await control.state("c1") == access
         after = await control.reconfigure("c1", ["c 195:1 rw"], ["c 195:0 rw"])
         assert after.is_granted("c", 195, 1, "rw") and not after.is_granted("c", 195, 0, "r")
@@ -158,7 +158,7 @@ async def test_a_failing_operation_fails_only_its_own_caller() -> None:
         ok1 = control.configure("c1", *POLICY)
         bad = control.reconfigure("never-configured", ["c 195:1 rw"])
         ok2 = control.configure("c2", *POLICY)
-        assert isinstance(await ok1, CgroupDeviceAccess) and isinstance(await ok2, CgroupDeviceAccess)
+        assert isinstance(await ok1, Policy) and isinstance(await ok2, Policy)
         with pytest.raises(DeviceControlError, match="Cannot reconfigure cgroup 'never-configured'"):
             await bad
         assert control.batches == 1 and await control.list_cgroups() == ["c1", "c2"]
@@ -173,7 +173,7 @@ async def test_an_injected_fault_reaches_its_caller_only() -> None:
         control = await DeviceControl.create(backend_impl=backend)
         futures = [control.configure(f"c{i}", *POLICY) for i in (1, 2, 3)]
         first, second, third = [await _settle(f) for f in futures]
-        assert isinstance(first, CgroupDeviceAccess) and isinstance(third, CgroupDeviceAccess)
+        assert isinstance(first, Policy) and isinstance(third, Policy)
         assert isinstance(second, KernelOperationError) and second.errno == errno.EIO
         assert await control.list_cgroups() == ["c1", "c3"]
         await control.close()
@@ -291,7 +291,7 @@ async def test_v2_through_the_actor_survives_a_restart(v2_sandbox, device_nodes,
 
 @pytest.mark.asyncio
 async def test_a_simulated_crash_fails_every_caller_of_its_batch() -> None:
-    from actors.devices import SimulatedCrash
+    from actors.devices.testing import SimulatedCrash
 
     async with Runtime():
         inner = BatchRecordingBackend()

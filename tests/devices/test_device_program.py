@@ -11,7 +11,7 @@ import struct
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from actors.devices import CgroupDeviceAccess, DeviceRule, build_device_program, container_policy, program_instructions
+from actors.devices import Policy, DeviceRule, build_device_program, container_policy, program_instructions
 from actors.devices import _device_program as dp
 from actors.devices._bpf import program_tags
 
@@ -59,13 +59,13 @@ def run(program: bytes, kind: str, major: int, minor: int, access: str) -> int:
 
 
 def test_an_empty_allow_list_is_deny_everything() -> None:
-    program = build_device_program(CgroupDeviceAccess())
+    program = build_device_program(Policy())
     assert len(program) == 16
     assert run(program, "c", 1, 3, "r") == 0
 
 
 def test_allow_all_with_a_deny() -> None:
-    access = CgroupDeviceAccess.create(["a"], ["c 195:1 w"])
+    access = Policy.create(["a"], ["c 195:1 w"])
     program = build_device_program(access)
     assert run(program, "b", 8, 0, "rwm") == 1
     assert run(program, "c", 195, 1, "r") == 1
@@ -74,7 +74,7 @@ def test_allow_all_with_a_deny() -> None:
 
 def test_container_policy_verdicts() -> None:
     allow, deny = container_policy(["c 195:255 rwm"], ["c 195:0 rw", "c 195:1 rw"])
-    program = build_device_program(CgroupDeviceAccess(allow, deny))
+    program = build_device_program(Policy(allow, deny))
     assert run(program, "c", 1, 3, "rw") == 1
     assert run(program, "c", 195, 0, "rw") == 1
     assert run(program, "c", 195, 2, "r") == 0
@@ -86,7 +86,7 @@ def test_container_policy_verdicts() -> None:
 def test_program_length_does_not_grow_with_consecutive_gpus() -> None:
     control = ["c 195:255 rwm", "c 195:254 rwm", "c 235:0 rwm", "c 235:1 rwm"]
     lengths = {
-        len(program_instructions(CgroupDeviceAccess(*container_policy(control, [f"c 195:{i} rw" for i in range(n)]))))
+        len(program_instructions(Policy(*container_policy(control, [f"c 195:{i} rw" for i in range(n)]))))
         for n in (1, 2, 8, 64)
     }
     assert len(lengths) == 1, lengths
@@ -95,7 +95,7 @@ def test_program_length_does_not_grow_with_consecutive_gpus() -> None:
 
 
 def test_tags_match_the_kernel_hash_of_the_instructions() -> None:
-    program = build_device_program(CgroupDeviceAccess.create(["c 1:3 rwm"]))
+    program = build_device_program(Policy.create(["c 1:3 rwm"]))
     assert len(program_tags(program)) == 2 and all(len(tag) == 8 for tag in program_tags(program))
 
 
@@ -119,7 +119,7 @@ QUERY_DEVICES = list(itertools.product(("b", "c"), (0, 1, 195, 196, 7), (0, 1, 2
 @given(st.lists(st.sampled_from(ALLOW), max_size=10), st.lists(st.sampled_from(DENY), max_size=4))
 def test_program_verdict_equals_is_granted(allow: list[DeviceRule], deny: list[DeviceRule]) -> None:
     try:
-        access = CgroupDeviceAccess.create(allow, deny)
+        access = Policy.create(allow, deny)
     except ValueError:
         return
     program = build_device_program(access)
@@ -131,7 +131,7 @@ def test_program_verdict_equals_is_granted(allow: list[DeviceRule], deny: list[D
 
 def test_jumps_never_go_backwards_or_out_of_the_program() -> None:
     allow, deny = container_policy(["c 195:255 rwm"], [f"c 195:{i} rw" for i in (0, 2, 4, 5, 6)])
-    insns = program_instructions(CgroupDeviceAccess.create(allow, ["c 1:3 w"]))
+    insns = program_instructions(Policy.create(allow, ["c 1:3 w"]))
     for index, (op, _dst, _src, off, _imm) in enumerate(insns):
         if op & 0x07 == 0x05 and op != dp.JMP_EXIT:
             assert 0 <= off and index + 1 + off < len(insns)
@@ -139,5 +139,5 @@ def test_jumps_never_go_backwards_or_out_of_the_program() -> None:
 
 @pytest.mark.parametrize("n", [0, 1, 3])
 def test_encode_is_eight_bytes_per_instruction(n: int) -> None:
-    access = CgroupDeviceAccess.create([f"c 195:{i} rw" for i in range(n)])
+    access = Policy.create([f"c 195:{i} rw" for i in range(n)])
     assert len(build_device_program(access)) == 8 * len(program_instructions(access))

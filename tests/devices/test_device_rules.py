@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from actors.devices import (
     STANDARD_CONTAINER_DEVICES,
-    CgroupDeviceAccess,
+    Policy,
     DeviceRule,
     DeviceRuleError,
     apply_diff,
@@ -194,7 +194,7 @@ def test_is_granted_deny_overrides_allow_on_any_overlapping_bit() -> None:
 
 def test_is_granted_grants_nothing_by_default() -> None:
     assert not is_granted([], [], "c", 1, 3, "r")
-    assert CgroupDeviceAccess().is_granted("c", 1, 3, "r") is False
+    assert Policy().is_granted("c", 1, 3, "r") is False
 
 
 def test_is_granted_rejects_bad_queries() -> None:
@@ -209,7 +209,7 @@ def test_is_granted_rejects_bad_queries() -> None:
 
 def test_create_refuses_wildcard_deny_rules() -> None:
     with pytest.raises(DeviceRuleError, match=r"Invalid deny rule 'c 195:\* rwm': deny rules name exact devices"):
-        CgroupDeviceAccess.create(["c 1:3 rwm"], ["c 195:* rwm"])
+        Policy.create(["c 1:3 rwm"], ["c 195:* rwm"])
 
 
 def test_create_refuses_an_allow_rule_swallowed_by_a_deny_rule() -> None:
@@ -217,13 +217,13 @@ def test_create_refuses_an_allow_rule_swallowed_by_a_deny_rule() -> None:
         DeviceRuleError,
         match="allow entry 'c 195:0 rw' cannot be encompassed by deny entry 'c 195:0 rwm'",
     ):
-        CgroupDeviceAccess.create(["c 195:0 rw"], ["c 195:0 rwm"])
+        Policy.create(["c 195:0 rw"], ["c 195:0 rwm"])
 
 
 def test_create_normalises_and_lines_give_the_checkpoint_form() -> None:
-    access = CgroupDeviceAccess.create(["c 195:0 r", "c 195:0 w", "c *:* m"], ["c 1:1 m"])
+    access = Policy.create(["c 195:0 r", "c 195:0 w", "c *:* m"], ["c 1:1 m"])
     assert access.allow == (R("c *:* m"), R("c 195:0 rw"))
-    assert access.lines() == (["c *:* m", "c 195:0 rw"], ["c 1:1 m"])
+    assert access.lines() == (("c *:* m", "c 195:0 rw"), ("c 1:1 m",))
 
 
 def test_standard_container_devices_are_mesos_default_whitelist() -> None:
@@ -250,13 +250,13 @@ def test_container_policy_denies_all_then_allows_standard_control_and_gpus() -> 
 
 
 def test_diff_adds_and_removes_exact_rules() -> None:
-    current = CgroupDeviceAccess.create(["c 1:3 rwm", "c 195:0 rw"])
+    current = Policy.create(["c 1:3 rwm", "c 195:0 rw"])
     after = apply_diff(current, ["c 195:1 rw"], ["c 195:0 rw"])
-    assert after == CgroupDeviceAccess((R("c 1:3 rwm"), R("c 195:1 rw")), ())
+    assert after == Policy((R("c 1:3 rwm"), R("c 195:1 rw")), ())
 
 
 def test_diff_removal_under_a_wildcard_becomes_a_deny_rule() -> None:
-    current = CgroupDeviceAccess.create(["c *:* m", "c 195:* r", "c 195:0 rw"])
+    current = Policy.create(["c *:* m", "c 195:* r", "c 195:0 rw"])
     after = apply_diff(current, [], ["c 195:0 rwm"])
     assert after.allow == (R("c *:* m"), R("c 195:* r"))  # sorted
     assert after.deny == (R("c 195:0 rm"),)
@@ -265,7 +265,7 @@ def test_diff_removal_under_a_wildcard_becomes_a_deny_rule() -> None:
 
 
 def test_diff_addition_lifts_a_deny_rule() -> None:
-    current = apply_diff(CgroupDeviceAccess.create(["c 195:* rw"]), [], ["c 195:0 rw"])
+    current = apply_diff(Policy.create(["c 195:* rw"]), [], ["c 195:0 rw"])
     assert current.deny == (R("c 195:0 rw"),)
     after = apply_diff(current, ["c 195:0 r"], [])
     assert after.deny == (R("c 195:0 w"),)
@@ -273,7 +273,7 @@ def test_diff_addition_lifts_a_deny_rule() -> None:
 
 
 def test_diff_partial_removal_keeps_the_other_bits() -> None:
-    after = apply_diff(CgroupDeviceAccess.create(["c 195:0 rwm"]), [], ["c 195:0 w"])
+    after = apply_diff(Policy.create(["c 195:0 rwm"]), [], ["c 195:0 w"])
     assert after.allow == (R("c 195:0 rm"),) and after.deny == ()
 
 
@@ -282,9 +282,9 @@ def test_diff_refuses_a_removal_covering_an_addition() -> None:
         DeviceRuleError,
         match="addition 'c 195:0 rw' cannot be encompassed by removal 'c 195:0 rwm'",
     ):
-        apply_diff(CgroupDeviceAccess(), ["c 195:0 rw"], ["c 195:0 rwm"])
+        apply_diff(Policy(), ["c 195:0 rw"], ["c 195:0 rwm"])
     # A partial overlap is fine: the removal's bits win.
-    after = apply_diff(CgroupDeviceAccess(), ["c 195:0 rw"], ["c 195:0 w"])
+    after = apply_diff(Policy(), ["c 195:0 rw"], ["c 195:0 w"])
     assert after.allow == (R("c 195:0 r"),)
 
 
@@ -302,7 +302,7 @@ def test_diff_verdicts(allow: list[DeviceRule], deny: list[DeviceRule], add: lis
     """After a diff: a query overlapping a removal is refused; one an addition
     covers is granted; a device neither names keeps its verdict."""
     try:
-        current = CgroupDeviceAccess.create(allow, deny)
+        current = Policy.create(allow, deny)
         after = apply_diff(current, add, remove)
     except DeviceRuleError:
         return

@@ -23,7 +23,7 @@ import pytest
 
 from isolators import Flags, FlagsError
 from actors.devices import (
-    CgroupDeviceAccess,
+    Policy,
     DeviceControl,
     DeviceControlError,
     DeviceRule,
@@ -263,7 +263,7 @@ async def test_termination_fails_what_the_worker_has_not_reported_and_the_child_
         await control.close()
         results = await collect([call.recover(lambda error: error) for call in calls])
         terminated = [r for r in results if isinstance(r, ProcessTerminated)]
-        assert terminated and all(isinstance(r, (ProcessTerminated, CgroupDeviceAccess)) for r in results)
+        assert terminated and all(isinstance(r, (ProcessTerminated, Policy)) for r in results)
         assert "terminated before the operation completed" in str(terminated[0])
     assert _wait_exit(pid)
 

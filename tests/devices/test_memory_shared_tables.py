@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 
-from actors.devices import CgroupDeviceAccess, DeviceRule, MemoryBackend, container_policy
+from actors.devices import Policy, DeviceRule, MemoryBackend, container_policy
 
 ALLOW, DENY = container_policy([DeviceRule.parse("c 195:255 rwm")], [DeviceRule.parse("c 195:0 rwm")])
 
@@ -23,9 +23,9 @@ def test_a_shared_table_is_the_backends_live_state_and_outlives_it() -> None:
     table = MemoryBackend.shared_table(root)
     assert table == {"parent/c1": access} and root in MemoryBackend.shared_roots()
     # drift faked from outside is what the backend (and a restarted one) sees
-    table["parent/c1"] = CgroupDeviceAccess.create(["a *:* rwm"], [])
+    table["parent/c1"] = Policy.create(["a *:* rwm"], [])
     restarted = MemoryBackend(root, shared=True)
-    assert restarted.state("parent/c1") == CgroupDeviceAccess.create(["a *:* rwm"], [])
+    assert restarted.state("parent/c1") == Policy.create(["a *:* rwm"], [])
     assert restarted.reconcile("parent/c1", access) == [f"{root}/parent/c1: restored the device policy"]
     assert backend.state("parent/c1") == access
     assert restarted.remove("parent/c1") and restarted.remove_root()

@@ -6,7 +6,7 @@ the report -- tested here without any backend, actor or runtime."""
 from __future__ import annotations
 
 from actors import Gpu
-from actors.devices import CgroupDeviceAccess
+from actors.devices import Policy
 from isolators import ContainerID
 from isolators._recovery import BROAD, EXACT, UNKNOWN, plan_recovery, recovery_candidates
 
@@ -14,8 +14,8 @@ TOTAL = {Gpu(195, i) for i in range(4)}
 CONTROL = ["c 195:255 rwm", "c 235:0 rwm"]
 
 
-def grants(*minors: int) -> CgroupDeviceAccess:
-    return CgroupDeviceAccess.create([*CONTROL, *(f"c 195:{m} rwm" for m in minors)])
+def grants(*minors: int) -> Policy:
+    return Policy.create([*CONTROL, *(f"c 195:{m} rwm" for m in minors)])
 
 
 def gpus(*minors: int) -> frozenset[Gpu]:
@@ -50,7 +50,7 @@ def test_exact_grants_keep_exactly_their_gpus() -> None:
 
 
 def test_a_wildcard_grant_keeps_only_what_nobody_else_holds_and_is_reported() -> None:
-    wiped = CgroupDeviceAccess.create(["a *:* rwm"])
+    wiped = Policy.create(["a *:* rwm"])
     plan = plan_recovery(ids("wiped", "b"), {"wiped": wiped, "b": grants(1)}, TOTAL, held={Gpu(195, 3)})
     assert by_id(plan) == {"b": (EXACT, [1]), "wiped": (BROAD, [0, 2])}  # exact claims first
     assert plan.claim == gpus(0, 1, 2)

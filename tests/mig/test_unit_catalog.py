@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.devices import CgroupDeviceAccess, DeviceRule, container_policy
+from actors.devices import Policy, DeviceRule, container_policy
 from actors.gpu import Gpu
 from actors.mig import MigCapabilityError, MigDevice, read_mig_capabilities
 from actors.resources import Resources
@@ -52,14 +52,14 @@ def test_a_mig_device_needs_its_parent_and_its_two_capabilities(catalog):
 def test_a_grant_is_recognised_from_the_parent_and_both_capabilities(catalog):
     control = [DeviceRule("c", 195, 255, "rwm")]
     allow, deny = container_policy(control, catalog.rules({A, G1}))
-    state = CgroupDeviceAccess(allow, deny)
+    state = Policy(allow, deny)
     everything = set().union(*POOLS.values())
     assert catalog.granted(state, everything) == {A, G1}
     # The parent alone (another container's MIG device) is not a grant of B, C or D.
-    only_parent = CgroupDeviceAccess(*container_policy(control, [gpu_rule(G0)]))
+    only_parent = Policy(*container_policy(control, [gpu_rule(G0)]))
     assert catalog.granted(only_parent, everything) == set()
     # One capability missing: not a grant.
-    partial = CgroupDeviceAccess(*container_policy(control, catalog.rules({A})[:2]))
+    partial = Policy(*container_policy(control, catalog.rules({A})[:2]))
     assert catalog.granted(partial, {A}) == set()
     assert catalog.covers_by_wildcard(DeviceRule("c", 239, None, "r"))
     assert catalog.covers_by_wildcard(DeviceRule("c", 195, None, "rw"))

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from actors.devices import PROGRAM_NAME, CgroupDeviceAccess, MemoryBackend, build_device_program
+from actors.devices import PROGRAM_NAME, Policy, MemoryBackend, build_device_program
 from isolators import ContainerConfig, ContainerID, NvidiaGpuIsolatorProcess, Resources
 from runtime import Clock, Runtime
 from tests.support.kernel import attach_program, detach_program, program_infos
@@ -66,14 +66,14 @@ def detach_v2(node: Any, name: str) -> None:
     detach_program(os.path.join(node.root, name), prog_id)
 
 
-def attach_extra_v2(node: Any, name: str, access: CgroupDeviceAccess) -> int:
+def attach_extra_v2(node: Any, name: str, access: Policy) -> int:
     """A leaked extra program of our own name (every attached program must allow)."""
     return attach_program(os.path.join(node.root, name), build_device_program(access), PROGRAM_NAME)
 
 
-def without_gpu(access: CgroupDeviceAccess, minor: int) -> CgroupDeviceAccess:
+def without_gpu(access: Policy, minor: int) -> Policy:
     allow = [r for r in access.allow if not (r.major == 195 and r.minor == minor)]
-    return CgroupDeviceAccess.create(allow, access.deny)
+    return Policy.create(allow, access.deny)
 
 
 @pytest.mark.asyncio
@@ -178,7 +178,7 @@ async def test_memory_a_replaced_record_is_restored(node_factory: Any) -> None:
         isolator = await two_containers(node)
         table = MemoryBackend.shared_table(node.root)
         good = table["c1"]
-        table["c1"] = CgroupDeviceAccess.create(["a *:* rwm"], [])
+        table["c1"] = Policy.create(["a *:* rwm"], [])
         del table["c2"]
         repairs = await isolator.reconcile()
         assert sorted(r.container_id for r in repairs) == ["c1", "c2"]
@@ -217,7 +217,7 @@ async def test_periodic_reconcile_runs_on_the_clock_and_stops_with_the_isolator(
         process: NvidiaGpuIsolatorProcess = isolator.process
         table = MemoryBackend.shared_table(node.root)
         good = table["c1"]
-        table["c1"] = CgroupDeviceAccess.create(["a *:* rwm"], [])
+        table["c1"] = Policy.create(["a *:* rwm"], [])
         Clock.advance(29.5)
         await Clock.settle()
         assert process.reconcile_runs == 0 and table["c1"] != good
@@ -242,11 +242,11 @@ async def test_periodic_reconcile_is_off_by_default(node_factory: Any) -> None:
         Clock.pause()
         isolator = await two_containers(node)
         table = MemoryBackend.shared_table(node.root)
-        table["c1"] = CgroupDeviceAccess.create(["a *:* rwm"], [])
+        table["c1"] = Policy.create(["a *:* rwm"], [])
         Clock.advance(3600)
         await Clock.settle()
         assert isolator.process.reconcile_runs == 0 and isolator.process._reconcile_timer is None
-        assert table["c1"] == CgroupDeviceAccess.create(["a *:* rwm"], [])
+        assert table["c1"] == Policy.create(["a *:* rwm"], [])
         assert len(await isolator.reconcile()) == 1
         await node.clean_all()
         await node.stop()

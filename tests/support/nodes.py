@@ -28,16 +28,16 @@ from typing import Any
 
 from actors.devices import (
     PROGRAM_NAME,
-    CgroupDeviceAccess,
+    Policy,
     CgroupsV1Backend,
     CgroupsV2Backend,
     DeviceControl,
     DeviceRule,
-    FaultInjectingBackend,
     MemoryBackend,
     build_device_program,
     checkpoint_file,
 )
+from actors.devices.testing import FaultInjectingBackend
 from actors.devices import bpf
 from isolators import NvidiaComponents
 from isolators.testing import DRIVER_VERSION, SimulatedNode
@@ -127,7 +127,7 @@ class Node(SimulatedNode):
 
     # -- what the kernel grants -------------------------------------------------------
 
-    def checkpoint(self) -> dict[str, CgroupDeviceAccess]:
+    def checkpoint(self) -> dict[str, Policy]:
         """The v2 checkpoint file as written (raw JSON; {} when absent)."""
         try:
             with open(checkpoint_file(self.work_dir), "rb") as handle:
@@ -135,7 +135,7 @@ class Node(SimulatedNode):
         except FileNotFoundError:
             return {}
         return {
-            name: CgroupDeviceAccess(
+            name: Policy(
                 tuple(DeviceRule.parse(line) for line in entry["allow"]),
                 tuple(DeviceRule.parse(line) for line in entry["deny"]),
             )

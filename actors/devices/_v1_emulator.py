@@ -1,0 +1,160 @@
+"""The cgroups v1 devices controller's semantics, emulated (pure).
+
+What the kernel holds for a v1 cgroup is an exception list: selectors
+``(type, major, minor)`` with access bits. This module models how writes to
+``devices.allow`` / ``devices.deny`` change that list, so the backend
+(``_cgroups_v1``) can plan its writes and say what the kernel enforces,
+and tests can check the model without a kernel (as runc keeps its
+emulator apart from the code that applies).
+
+Kernel rules (SPEC R-DV-1, measured on 6.x):
+- A cgroup is created allowing what its parent allows. ``a`` written to
+  ``devices.deny`` switches it to deny-by-default with an empty list; ``a``
+  written to ``devices.allow`` switches it to allow-all, and
+  ``devices.list`` then reads ``a *:* rwm``.
+- An allow rule adds an exception, or-ing access bits into an existing one
+  with the same selector; a deny rule takes access bits off the exception
+  with exactly the same selector and nothing else (``deny c 195:* rwm``
+  leaves ``c 195:3 rwm``). So a GPU is revoked by denying its exact rule,
+  and a deny can never carve a device out of a wildcard allow.
+- A rule of type ``a`` is written as its ``c`` and ``b`` rules. Beside a
+  ``c *:*`` / ``b *:*`` rule with other access bits the kernel would merge
+  the two into one exception granting more than either (``a *:* r`` and
+  ``b *:* w`` would allow ``rw``): such a policy is refused.
+
+Everything here is pure: no files, no kernel.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from ._errors import DeviceRuleError
+from ._rules import DeviceRule
+
+if TYPE_CHECKING:
+    from ._policy import Policy
+
+Selector = tuple[str, "int | None", "int | None"]
+ExceptionTable = dict[Selector, str]
+
+ALLOW_ALL: Selector = ("a", None, None)
+
+
+def _merge(a: str, b: str) -> str:
+    return "".join(ch for ch in "rwm" if ch in a or ch in b)
+
+
+def _minus(a: str, b: str) -> str:
+    return "".join(ch for ch in a if ch not in b)
+
+
+def line(key: Selector, access: str) -> str:
+    """The v1 line of one exception."""
+    kind, major, minor = key
+    return f"{kind} {'*' if major is None else major}:{'*' if minor is None else minor} {access}"
+
+
+def v1_exceptions(access: "Policy") -> ExceptionTable:
+    """The exception list the kernel holds after ``a`` to deny, the allow
+    rules and then the deny rules of ``access`` (see kernel rules)."""
+    table: ExceptionTable = {}
+    for rule in access.allow:
+        for kind in ("c", "b") if rule.type == "a" else (rule.type,):
+            key = (kind, rule.major, rule.minor)
+            seen = table.get(key)
+            if seen is None:
+                table[key] = rule.access
+                continue
+            merged = _merge(seen, rule.access)
+            if merged not in (seen, rule.access):
+                raise DeviceRuleError(
+                    f"cgroups v1 cannot hold '{rule}' beside '{line(key, seen)}': the kernel would merge them"
+                    f" into '{line(key, merged)}', granting more than either rule"
+                )
+            table[key] = merged
+    return apply_rules(table, (), access.deny)
+
+
+def apply_rules(table: ExceptionTable, allow: tuple[DeviceRule, ...], deny: tuple[DeviceRule, ...]) -> ExceptionTable:
+    """The list after writing ``allow`` rules and then ``deny`` rules (exact
+    selectors, as ``reconfigure`` writes them) to one holding ``table``."""
+    table = dict(table)
+    for rule in allow:
+        table[rule.selector] = _merge(table.get(rule.selector, ""), rule.access)
+    for rule in deny:
+        key = rule.selector
+        if key in table:
+            left = _minus(table[key], rule.access)
+            if left:
+                table[key] = left
+            else:
+                del table[key]
+    return table
+
+
+def parse_devices_list(text: str) -> ExceptionTable:
+    """``devices.list`` as a table ``selector -> access`` (in list order)."""
+    table: ExceptionTable = {}
+    for text_line in text.splitlines():
+        if text_line.strip():
+            rule = DeviceRule.parse(text_line)
+            table[rule.selector] = _merge(table.get(rule.selector, ""), rule.access)
+    return table
+
+
+def table_rules(table: ExceptionTable) -> list[DeviceRule]:
+    """The table as rules, in order."""
+    return [DeviceRule(kind, major, minor, access) for (kind, major, minor), access in table.items()]
+
+
+def table_access(table: ExceptionTable) -> "Policy":
+    """What the kernel enforces for this exception list, as a policy."""
+    from ._policy import Policy
+
+    return Policy(tuple(table_rules(table)), ())
+
+
+def plan_writes(current: ExceptionTable | None, target: ExceptionTable) -> list[tuple[str, str]]:
+    """The ``(file, line)`` writes that turn ``current`` into ``target``.
+
+    ``current`` None (a new cgroup) or allow-all starts with ``a`` to
+    devices.deny; otherwise only the difference is written, allows first."""
+    if current is None or ALLOW_ALL in current:
+        return [("devices.deny", "a")] + [("devices.allow", line(key, access)) for key, access in target.items()]
+    writes: list[tuple[str, str]] = []
+    for key, access in target.items():
+        if _minus(access, current.get(key, "")):
+            writes.append(("devices.allow", line(key, access)))
+    for key, access in current.items():
+        extra = _minus(access, target.get(key, ""))
+        if extra:
+            writes.append(("devices.deny", line(key, extra)))
+    return writes
+
+
+class V1Plan(NamedTuple):
+    """How a policy is written to a new cgroup (computed once per policy:
+    ``Policy.v1_plan``)."""
+
+    target: ExceptionTable
+    """The exception list the kernel then holds."""
+    groups: tuple[tuple[str, tuple[bytes, ...]], ...]
+    """The writes from nothing as runs of ``(file, lines)``, in order."""
+    enforced: "Policy"
+    """What the kernel then enforces, as a policy."""
+
+
+def fresh_plan(access: "Policy") -> V1Plan:
+    """The ``V1Plan`` of ``access`` (see ``V1Plan``)."""
+    target = v1_exceptions(access)
+    groups: list[tuple[str, list[bytes]]] = []
+    for name, text_line in plan_writes(None, target):
+        if not groups or groups[-1][0] != name:
+            groups.append((name, []))
+        groups[-1][1].append(text_line.encode())
+    if not access.deny and all(rule.type != "a" for rule in access.allow):
+        enforced = access  # the kernel holds exactly these rules
+    else:
+        enforced = table_access(target)
+    return V1Plan(target, tuple((name, tuple(lines)) for name, lines in groups), enforced)

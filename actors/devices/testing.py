@@ -1,0 +1,131 @@
+"""Test doubles for device control (as ``trio.testing``): fault injection.
+
+Rules:
+- ``FaultInjectingBackend(inner, fail_at=k)`` sits in front of any backend
+  and fails exactly its k-th kernel operation (1-based) with ``errno``;
+  ``operations`` counts them and ``log`` lists them. ``crash_at=k`` instead
+  raises ``SimulatedCrash`` before the k-th operation: nothing is rolled
+  back and the rest of the batch is not applied, as if the process died
+  after operation k-1 (drop every actor, then recover).
+- Hand one to ``DeviceControl.create(backend_impl=...)``: it runs in a
+  thread (or in line when its inner backend never blocks), never in a
+  device worker process.
+- ``SimulatedCrash`` is a ``BaseException``: no rollback and no
+  per-operation handler catches it; device control fails every caller of
+  its batch with it, and the isolator takes it as the agent's death.
+"""
+
+from __future__ import annotations
+
+import errno as errno_module
+import os
+from typing import Any, Iterable, Sequence
+
+from ._backend import DeviceBackend, DeviceOperation
+from ._policy import Policy
+from ._rules import DeviceRule
+
+__all__ = ["FaultInjectingBackend", "SimulatedCrash"]
+
+
+class SimulatedCrash(BaseException):
+    """Raised by ``FaultInjectingBackend(crash_at=k)``: the agent "dies" here (see module rules)."""
+
+
+class FaultInjectingBackend:
+    """Wraps a backend and fails its ``fail_at``-th kernel operation (1-based).
+
+    ``fail_at=None`` only counts. ``errno`` is the injected error (EIO by
+    default; ENOSPC and EBUSY are other useful ones). ``crash_at=k`` raises
+    ``SimulatedCrash`` before the k-th operation (it is not performed).
+    ``operations`` is the number of kernel operations seen, ``log`` their
+    ``(op, target)``, ``injected`` whether the fault fired. ``arm(k)``
+    resets the count.
+    """
+
+    def __init__(
+        self,
+        inner: DeviceBackend,
+        fail_at: int | None = None,
+        errno: int = errno_module.EIO,
+        crash_at: int | None = None,
+    ) -> None:
+        self.inner = inner
+        self.fail_at = fail_at
+        self.crash_at = crash_at
+        self.errno = errno
+        self.operations = 0
+        self.log: list[tuple[str, str]] = []
+        self.injected = False
+        inner.kernel_hook = self._hook
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def root(self) -> str:
+        return self.inner.root
+
+    @property
+    def blocking(self) -> bool:
+        return self.inner.blocking
+
+    def arm(self, fail_at: int | None, errno: int | None = None, crash_at: int | None = None) -> None:
+        """Start counting again from zero; fail the ``fail_at``-th operation
+        (or crash before the ``crash_at``-th)."""
+        self.fail_at = fail_at
+        self.crash_at = crash_at
+        if errno is not None:
+            self.errno = errno
+        self.operations = 0
+        self.log = []
+        self.injected = False
+
+    def _hook(self, op: str, target: str) -> None:
+        if self.crash_at is not None and self.operations + 1 == self.crash_at:
+            self.injected = True
+            raise SimulatedCrash(f"simulated crash before kernel operation #{self.crash_at}: {op} {target}")
+        self.operations += 1
+        self.log.append((op, target))
+        if self.fail_at is not None and self.operations == self.fail_at:
+            self.injected = True
+            raise OSError(
+                self.errno,
+                f"{os.strerror(self.errno)} (injected at kernel operation #{self.operations}: {op})",
+            )
+
+    def path(self, cgroup: str) -> str:
+        return self.inner.path(cgroup)
+
+    def configure(self, cgroup: str, allow: Policy | Iterable[DeviceRule], deny: Iterable[DeviceRule] = ()) -> Policy:
+        return self.inner.configure(cgroup, allow, deny)
+
+    def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> Policy:
+        return self.inner.reconfigure(cgroup, add, remove)
+
+    def remove(self, cgroup: str) -> bool:
+        return self.inner.remove(cgroup)
+
+    def state(self, cgroup: str) -> Policy | None:
+        return self.inner.state(cgroup)
+
+    def exists(self, cgroup: str) -> bool:
+        return self.inner.exists(cgroup)
+
+    def list_cgroups(self) -> list[str]:
+        return self.inner.list_cgroups()
+
+    def reconcile(self, cgroup: str, desired: Policy) -> list[str]:
+        return self.inner.reconcile(cgroup, desired)
+
+    def remove_root(self) -> bool:
+        return self.inner.remove_root()
+
+    def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:
+        return self.inner.apply_batch(ops)
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
