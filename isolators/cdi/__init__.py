@@ -20,13 +20,16 @@ from ._container import (
     container_spec,
     container_spec_file_name,
     device_node,
+    spec_extras,
 )
 from ._document import SpecFormat, decode_spec, encode_spec, spec_format
 from ._files import (
     CdiWriteError,
     apply_spec_changes,
+    ensure_spec_file,
     is_temporary_name,
     list_spec_files,
+    read_spec_files,
     remove_spec_file,
     write_spec_file,
 )
@@ -46,10 +49,10 @@ from ._rules import (
 
 __all__ = [
     "CONTAINER_KIND", "CONTAINER_SPEC_PREFIX", "bind_mount", "container_device_name",
-    "container_qualified_name", "container_spec", "container_spec_file_name", "device_node",
+    "container_qualified_name", "container_spec", "container_spec_file_name", "device_node", "spec_extras",
     "SpecFormat", "decode_spec", "encode_spec", "spec_format",
-    "CdiWriteError", "apply_spec_changes", "is_temporary_name", "list_spec_files", "remove_spec_file",
-    "write_spec_file", "VISIBLE_DEVICES", "container_grant",
+    "CdiWriteError", "apply_spec_changes", "ensure_spec_file", "is_temporary_name", "list_spec_files",
+    "read_spec_files", "remove_spec_file", "write_spec_file", "VISIBLE_DEVICES", "container_grant",
     "CdiContainerEdits", "CdiDevice", "CdiDeviceNode", "CdiHook", "CdiMount", "CdiSpec",
     "NODE_KIND", "generate_node_spec", "node_spec", "merge_oci",
     "SUPPORTED_VERSIONS", "CdiSpecError", "is_valid_device_name", "required_version",

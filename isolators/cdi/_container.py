@@ -15,6 +15,10 @@ Rules:
   spec naming: ``<vendor>-<class>_<id>``); only files with that prefix are
   ever written, rewritten or removed in a spec directory, so other
   vendors' specs there are never touched.
+- ``spec_extras(spec)`` reads back what a spec holds beyond the device
+  nodes -- its bind mounts and its environment except
+  ``NVIDIA_VISIBLE_DEVICES`` -- so a recovered container keeps its driver
+  volume in later rewrites.
 - ``container_spec(name, grant)`` renders a grant as a spec with exactly
   one device: its device nodes (``hostPath`` only when it differs from the
   container path), the bind mounts and the environment; the version is
@@ -28,12 +32,13 @@ import hashlib
 import msgspec
 
 from .._types import ContainerBindMount, ContainerDevice, ContainerGrant, ContainerID, check_container_id
+from ._grant import VISIBLE_DEVICES
 from ._model import CdiContainerEdits, CdiDevice, CdiDeviceNode, CdiMount, CdiSpec
 from ._rules import is_valid_device_name, required_version
 
 __all__ = [
     "CONTAINER_KIND", "CONTAINER_SPEC_PREFIX", "container_device_name", "container_spec_file_name",
-    "container_qualified_name", "container_spec", "device_node", "bind_mount",
+    "container_qualified_name", "container_spec", "device_node", "bind_mount", "spec_extras",
 ]
 
 CONTAINER_KIND = "gpu-isolator/container"
@@ -85,3 +90,19 @@ def container_spec(name: str, grant: ContainerGrant) -> CdiSpec:
     )
     spec = CdiSpec(cdi_version="0.3.0", kind=CONTAINER_KIND, devices=[CdiDevice(name=name, container_edits=edits)])
     return msgspec.structs.replace(spec, cdi_version=required_version(spec))
+
+
+def spec_extras(spec: CdiSpec) -> tuple[tuple[ContainerBindMount, ...], dict[str, str]]:
+    """The bind mounts and the environment (without ``NVIDIA_VISIBLE_DEVICES``) of a container spec."""
+    mounts: list[ContainerBindMount] = []
+    environment: dict[str, str] = {}
+    for device in spec.devices:
+        edits = device.container_edits
+        for mount in edits.mounts:
+            mounts.append(ContainerBindMount(host_path=mount.host_path, container_path=mount.container_path,
+                                             read_only="ro" in mount.options))
+        for entry in edits.env:
+            key, _, value = entry.partition("=")
+            if key != VISIBLE_DEVICES:
+                environment[key] = value
+    return tuple(mounts), environment

@@ -17,6 +17,9 @@ Rules:
 - ``list_spec_files(directory, prefix)`` lists the spec files whose names
   start with ``prefix`` and the temporary files a crashed write of such a
   name left behind; nothing else in the directory is looked at.
+- ``read_spec_files(directory, prefix)`` reads our spec files (not the
+  temporaries) into name -> bytes; ``ensure_spec_file`` rewrites one file
+  only when it is missing or its bytes differ, and says which.
 - All of these block: callers run them through their executor, one job
   per container operation (``apply_spec_changes`` does a batch of writes
   and removals in one call).
@@ -33,7 +36,7 @@ from runtime import Failure
 
 __all__ = [
     "CdiWriteError", "write_spec_file", "remove_spec_file", "list_spec_files", "apply_spec_changes",
-    "is_temporary_name",
+    "is_temporary_name", "read_spec_files", "ensure_spec_file",
 ]
 
 _TMP_SUFFIX = ".tmp"
@@ -158,3 +161,37 @@ def apply_spec_changes(directory: str, writes: Iterable[tuple[str, bytes]], remo
             failure = failure or error
     if failure is not None:
         raise failure
+
+
+def read_spec_files(directory: str, prefix: str) -> dict[str, bytes]:
+    """The bytes of every spec file starting with ``prefix`` (temporaries left out)."""
+    found: dict[str, bytes] = {}
+    for name in list_spec_files(directory, prefix):
+        if is_temporary_name(name):
+            continue
+        try:
+            with open(os.path.join(directory, name), "rb") as handle:
+                found[name] = handle.read()
+        except FileNotFoundError:
+            continue  # removed while listing
+        except OSError as error:
+            raise CdiWriteError(f"Failed to read CDI spec '{os.path.join(directory, name)}':"
+                                f" {_reason(directory, error)}") from error
+    return found
+
+
+def ensure_spec_file(directory: str, name: str, data: bytes) -> str | None:
+    """Make ``<directory>/<name>`` hold ``data``: None when it already did,
+    ``"missing"`` or ``"differed"`` when it had to be (re)written."""
+    _check_name(name)
+    try:
+        with open(os.path.join(directory, name), "rb") as handle:
+            if handle.read() == data:
+                return None
+        state = "differed"
+    except FileNotFoundError:
+        state = "missing"
+    except OSError:
+        state = "differed"  # unreadable (a directory in the way, ...): the write says why it fails
+    write_spec_file(directory, name, data)
+    return state

@@ -22,7 +22,9 @@ from isolators.cdi import (
     CONTAINER_SPEC_PREFIX,
     CdiWriteError,
     apply_spec_changes,
+    ensure_spec_file,
     list_spec_files,
+    read_spec_files,
     remove_spec_file,
     write_spec_file,
 )
@@ -156,3 +158,16 @@ def test_a_full_directory_is_one_clear_error_with_no_half_written_file(tmp_path)
         " (No space left on device)",
         f"{sorted(['filler', NAME])!r} b'old'",
     ]
+
+
+def test_reading_and_ensuring_our_files(tmp_path) -> None:
+    a, b = CONTAINER_SPEC_PREFIX + "a.json", CONTAINER_SPEC_PREFIX + "b.json"
+    (tmp_path / a).write_bytes(b"A")
+    (tmp_path / f".{b}.1.abcd.tmp").write_bytes(b"partial")
+    (tmp_path / "nvidia.yaml").write_bytes(b"theirs")
+    assert read_spec_files(str(tmp_path), CONTAINER_SPEC_PREFIX) == {a: b"A"}
+    assert ensure_spec_file(str(tmp_path), a, b"A") is None
+    assert ensure_spec_file(str(tmp_path), a, b"A2") == "differed"
+    assert ensure_spec_file(str(tmp_path), b, b"B") == "missing"
+    assert read_spec_files(str(tmp_path), CONTAINER_SPEC_PREFIX) == {a: b"A2", b: b"B"}
+    assert (tmp_path / "nvidia.yaml").read_bytes() == b"theirs"

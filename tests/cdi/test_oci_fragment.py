@@ -18,6 +18,7 @@ from isolators.cdi import (
     container_spec,
     encode_spec,
     merge_oci,
+    spec_extras,
     validate_spec,
 )
 from isolators._types import ContainerBindMount
@@ -149,3 +150,13 @@ def test_container_spec_declares_0_3_0_when_nodes_are_in_dev_and_the_name_starts
     assert spec.cdi_version == "0.3.0"
     assert all(node.host_path is None for node in spec.devices[0].container_edits.device_nodes)
     assert container_spec("4b1c", grant).cdi_version == "0.5.0"
+
+
+def test_spec_extras_read_back_the_volume_and_its_environment() -> None:
+    grant = container_grant({Gpu.nvidia(1)}, UUIDS, CONTROL, "/tmp/dev", volume=VOLUME, volume_env=VOLUME_ENV)
+    mounts, env = spec_extras(container_spec("c1", grant))
+    assert mounts == (VOLUME,) and env == VOLUME_ENV
+    again = container_grant({Gpu.nvidia(1), Gpu.nvidia(2)}, UUIDS, CONTROL, "/tmp/dev", volume=mounts[0],
+                            volume_env=env)
+    assert again.mounts == grant.mounts and list(again.environment)[1:] == list(grant.environment)[1:]
+    assert spec_extras(container_spec("c1", container_grant(set(), UUIDS, CONTROL, "/dev"))) == ((), {})
