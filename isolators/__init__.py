@@ -30,7 +30,8 @@ _EXPORTS = {
     "._handle": ("MesosIsolator",),
     "._process": ("NvidiaGpuIsolatorProcess",),
     "._types": ("ContainerClass", "ContainerConfig", "ContainerID", "ContainerLaunchInfo", "ContainerLimitation",
-                "ContainerMountInfo", "ContainerState", "GpuStatistics", "Repair", "ResourceStatistics"),
+                "ContainerMountInfo", "ContainerState", "GpuStatistics", "Repair", "ResourceStatistics",
+                "ContainerGrant", "ContainerDevice", "ContainerBindMount"),
     ".script._action": ("ScriptError",),
     ".script._format": ("Script",),
     ".script._loading": ("load_script", "load_script_file"),
@@ -71,8 +72,11 @@ if TYPE_CHECKING:
     from ._handle import MesosIsolator
     from ._process import NvidiaGpuIsolatorProcess
     from ._types import (
+        ContainerBindMount,
         ContainerClass,
         ContainerConfig,
+        ContainerDevice,
+        ContainerGrant,
         ContainerID,
         ContainerLaunchInfo,
         ContainerLimitation,

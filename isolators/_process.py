@@ -66,6 +66,7 @@ from actors.resources import Resources
 from runtime import Executor, Process, Sequence, delay, dispatch, spawn
 
 from ._components import NvidiaComponents
+from ._container_specs import ContainerSpecs
 from ._errors import IsolatorError
 from ._health import HealthWatch
 from ._grant import ContainerRecord, Policies, gpu_rules, requested_gpus
@@ -105,6 +106,9 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         """Per container: its calls in arrival order (dropped when idle)."""
         self.policies = Policies(control_devices.values())
         self._executor = Executor(max_workers=2, name="gpu-isolator")
+        self.specs = ContainerSpecs(flags.cdi_spec_dir, flags.dev_dir, components.inventory, control_devices,
+                                    components.volume, self._executor)
+        """The containers' transient CDI specs (R-CD-1; nothing written without ``cdi_spec_dir``)."""
         self.recovery_report: list[str] = []
         self._quarantine: set[Gpu] = set()
         """GPUs held back for every container whose device state was unknown at recovery."""
@@ -268,6 +272,13 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             self._report(line)
         for info in recovered:
             await self._reconcile_recovered(info)
+        known = {cid: info.allocated for cid, info in self.infos.items() if not info.unknown_state}
+        unknown = [cid for cid, info in self.infos.items() if info.unknown_state]
+        try:
+            for line in await self.specs.recover(known, unknown):
+                self._report(line)
+        except IsolatorError as e:  # the kernel and the allocator are recovered; say what the specs lack
+            self._report(f"The CDI specs could not be brought in line with the recovered containers: {e}")
 
     async def _reconcile_recovered(self, info: ContainerRecord) -> None:
         """Make the kernel enforce a recovered container's policy: after a crash
@@ -285,7 +296,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         if container_id.has_parent():
             if config.container_class == ContainerClass.DEBUG:
                 return None
-            return self._in_order(container_id, self._launch_info, container_id, config)
+            return self._in_order(container_id, self._nested_launch_info, container_id, config)
         return self._in_order(container_id, self._prepare, container_id, config)
 
     async def _prepare(self, container_id: ContainerID, config: ContainerConfig) -> ContainerLaunchInfo | None:
@@ -308,7 +319,9 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             await self.devices.configure(info.cgroup, self.policies.of(gpus))
             configured = True
             launch = await self._launch_info(container_id, config) if config.rootfs is not None else None
+            launch = await self.specs.attach(container_id, info.allocated, config, launch)
         except BaseException as e:
+            await self._remove_device_copies(container_id)
             await self._undo_prepare(info, configured)
             logger.warning("Container %s: prepare failed and was undone: %s", container_id, e)
             raise
@@ -339,6 +352,14 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             self._device_dirs.add(container_id)
         return launch
 
+    async def _nested_launch_info(self, container_id: ContainerID, config: ContainerConfig) -> ContainerLaunchInfo | None:
+        """A nested container's launch info: it shares its top-level container's grant (R-CD-1)."""
+        launch = await self._launch_info(container_id, config)
+        root = self.infos.get(container_id.root())
+        if root is None or root.unknown_state:
+            return launch
+        return self.specs.attach_nested(container_id, launch, root.allocated)
+
     # -- update ---------------------------------------------------------------
     def update(self, container_id: ContainerID, resources: Resources, limits: dict | None = None) -> Any:
         check_container_id(container_id)
@@ -368,6 +389,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             except BaseException:
                 await self.allocator.deallocate(extra)
                 raise
+            await self._respec(info, info.allocated | extra, extra)
             info.allocated = info.allocated | extra
             self._arm(info)
             logger.info("Container %s: granted GPUs %s (now %s)", container_id, minors(extra), minors(info.allocated))
@@ -378,11 +400,31 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             # then also deny mknod of the surplus, which a fresh prepare allows
             # (c *:* m), and reconcile/recovery would see that as drift.
             await self.devices.configure(info.cgroup, self.policies.of(keep))
+            await self._respec(info, keep)
             info.allocated = keep
             self._arm(info)
             await self.allocator.deallocate(surplus)
             logger.info("Container %s: released GPUs %s, highest minors first (now %s)",
                         container_id, minors(surplus), minors(info.allocated))
+
+    async def _respec(self, info: ContainerRecord, gpus: set[Gpu], extra: set[Gpu] | None = None) -> None:
+        """After an update's kernel change, rewrite the container's CDI spec
+        (before any GPU is released: no stale spec names a freed GPU). If it
+        cannot be written, the kernel goes back to the GPUs held before and
+        the ``extra`` ones go back to the pool: the update changes nothing."""
+        try:
+            await self.specs.write(info.container_id, gpus)
+        except IsolatorError:
+            try:
+                await self.devices.configure(info.cgroup, self.policies.of(info.allocated))
+            except Exception as e:  # the cgroup may still grant them: keep them held
+                logger.error("Container %s: failed to restore its device rules after a failed CDI spec write: %s",
+                             info.container_id, e)
+                info.allocated = info.allocated | (extra or set())
+                raise
+            if extra:
+                await self.allocator.deallocate(extra)
+            raise
 
     # -- usage ----------------------------------------------------------------
     def usage(self, container_id: ContainerID) -> Any:
@@ -443,6 +485,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
                 logger.debug("Container %s: ignoring cleanup request for unknown container", container_id)
             await self._remove_device_copies(container_id)
             return
+        await self.specs.remove(container_id)  # first: a failure here changes nothing, and no spec outlives its GPUs
         removed = await self.devices.remove(info.cgroup)
         if not removed:
             # Processes remain: the cgroup keeps the standard set and the
@@ -511,6 +554,10 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             return []
         repairs = []
         for line in await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated)):
+            logger.warning("Container %s: drift repaired: %s", cid, line)
+            repairs.append(Repair(str(cid), line))
+        line = await self.specs.ensure(cid, info.allocated)
+        if line is not None:
             logger.warning("Container %s: drift repaired: %s", cid, line)
             repairs.append(Repair(str(cid), line))
         return repairs

@@ -16,7 +16,7 @@ from actors import Gpu
 from actors.devices import DeviceRule
 from actors.nvml import load_host_file
 from isolators import ContainerLaunchInfo, cli
-from isolators._types import ContainerBindMount
+from isolators import ContainerBindMount
 from isolators.cdi import container_grant
 from isolators.cdi.testing import parse_probe
 

@@ -21,7 +21,7 @@ from isolators.cdi import (
     spec_extras,
     validate_spec,
 )
-from isolators._types import ContainerBindMount
+from isolators import ContainerBindMount
 
 UUIDS = {Gpu.nvidia(i): f"GPU-{i:04d}" for i in range(4)}
 CONTROL = {"/tmp/dev/nvidiactl": DeviceRule("c", 195, 255, "rwm"), "/tmp/dev/nvidia-uvm": DeviceRule("c", 235, 0, "rwm")}

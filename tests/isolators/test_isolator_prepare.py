@@ -195,7 +195,8 @@ async def test_volume_is_not_injected_otherwise(memory_node, manifest) -> None:
     async with runtime.Runtime():
         components, isolator = await memory_node.start()
         info = await isolator.prepare(ContainerID("c1"), config("gpus:1", rootfs=rootfs, docker_manifest=manifest))
-        assert info == ContainerLaunchInfo(mounts=[])
+        assert (info.mounts, info.environment, info.task_environment, info.cdi_devices) == ([], None, None, [])
+        assert info.grant.mounts == () and list(info.grant.environment) == ["NVIDIA_VISIBLE_DEVICES"]  # no volume
         assert not os.path.exists(os.path.join(rootfs, "usr"))
         await isolator.cleanup(ContainerID("c1"))
 
