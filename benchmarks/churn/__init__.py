@@ -32,6 +32,10 @@ Rules of the measurement:
   (``peak_rss_mb_before``: before the first). ``device_ops_per_batch`` is
   how many operations device control applied per executor job (group
   commit).
+- CPU per lifecycle (``cpu``): the event loop's thread, this process's
+  other threads and the device worker process, in µs of CPU time per
+  lifecycle, and the floor's the same way. Wall-clock rates swing with
+  whatever else the machine runs; CPU per lifecycle is what the work costs.
 - ``--device-worker`` (the isolator's ``device_worker`` flag): ``process``
   (default) runs the kernel work in a device worker process, ``thread`` in
   a thread of this process. ``worker_peak_rss_mb`` is the worker process's
@@ -45,12 +49,13 @@ Run: ``python -m benchmarks.churn [--workers 64] [--seconds 5] [--repeat 3]
 [--backends memory,cgroups_v1,cgroups_v2]`` (``run.main``).
 """
 
+from .cpu import CpuClock, CpuUse, process_cpu_seconds
 from .floor import floor_v1, floor_v2
 from .report import Progress, format_table, peak_rss_mb, worker_peak_rss_mb
 from .run import ROOT_PREFIX, main, measure_backend, summary_row
 from .workload import CALLS, GPUS, ChurnRun, churn
 
 __all__ = [
-    "floor_v1", "floor_v2", "Progress", "format_table", "peak_rss_mb", "worker_peak_rss_mb",
+    "CpuClock", "CpuUse", "process_cpu_seconds", "floor_v1", "floor_v2", "Progress", "format_table", "peak_rss_mb", "worker_peak_rss_mb",
     "ROOT_PREFIX", "main", "measure_backend", "summary_row", "CALLS", "GPUS", "ChurnRun", "churn",
 ]

@@ -12,6 +12,8 @@ Rules:
   included), attach it, for a GPU container load and attach (replace) the
   gpus:0 program, rmdir; ``cached``: every program loaded once up front,
   each lifecycle only attaching.
+- Its CPU time is measured as the isolator's is (``ChurnRun.cpu``): all of
+  it is the loop's thread, syscalls included.
 - Cgroups are made under ``<hierarchy>/<cgroups_root>`` (created if
   missing; the caller removes it).
 """
@@ -33,6 +35,7 @@ from actors.devices import (
     v1_exceptions,
 )
 
+from .cpu import CpuClock
 from .workload import GPUS, ChurnRun
 
 Progress = Callable[[float, int], None]
@@ -47,6 +50,7 @@ def _policy(control: list[DeviceRule], gpu_minor: int | None) -> Policy:
 def _timed_loop(body: Callable[[int], None], workers: int, seconds: float, progress: Progress | None) -> ChurnRun:
     run = ChurnRun()
     clock = time.perf_counter
+    cpu_start = CpuClock.read()
     start = clock()
     deadline = start + seconds
     i = 0
@@ -57,6 +61,7 @@ def _timed_loop(body: Callable[[int], None], workers: int, seconds: float, progr
         if progress is not None:
             progress((clock() - start) / seconds, i)
     run.elapsed = clock() - start
+    run.cpu = CpuClock.read().since(cpu_start)
     run.lifecycles = i
     return run
 

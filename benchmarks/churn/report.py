@@ -5,8 +5,10 @@ Rules:
   lifecycles so far), at most five updates a second; ``clear()`` wipes it.
 - ``format_table(rows, workers, device_worker)``: a header naming the
   setup, one row a backend (lifecycles/s, floor/s, ratio, p50/p99 µs of
-  each call, peak RSS), then the worker's peak RSS, the cached v2 floor and
-  failed lifecycles where there are any; a skipped backend says why.
+  each call, peak RSS), then the CPU each lifecycle cost (µs: the event
+  loop, the other threads, the device worker process, and the floor's),
+  the worker's peak RSS, the cached v2 floor and failed lifecycles where
+  there are any; a skipped backend says why.
 - ``peak_rss_mb()``: this process's high-water mark; ``worker_peak_rss_mb()``:
   the largest high-water mark among this process's children (the device
   worker; None when there is none).
@@ -95,6 +97,9 @@ def format_table(rows: list[dict[str, Any]], workers: int, device_worker: str = 
         )
         lines.append(f"{row['backend']:<11} {row['lifecycles_per_s']:>12,.0f} {floor} {ratio}  {cells}"
                      f"  {row['peak_rss_mb']:>6.1f} MiB")
+        cpu = _cpu_line(row)
+        if cpu:
+            lines.append(f"{'':<11} {cpu}")
         if row.get("worker_peak_rss_mb") is not None:
             lines.append(f"{'':<11} device worker process: peak RSS {row['worker_peak_rss_mb']:.1f} MiB")
         if "floor_cached_per_s" in row:
@@ -103,3 +108,20 @@ def format_table(rows: list[dict[str, Any]], workers: int, device_worker: str = 
         if row.get("errors"):
             lines.append(f"{'':<11} {row['errors']} failed lifecycles, first: {row.get('first_error')}")
     return "\n".join(lines)
+
+
+def _cpu_line(row: dict[str, Any]) -> str:
+    """``CPU µs per lifecycle: loop 70.1, other threads 1.2, device worker 80.4; floor 60.2 ...``"""
+    cpu = row.get("cpu_us_per_lifecycle")
+    if not cpu:
+        return ""
+    parts = [f"loop {cpu['loop']:,.1f}", f"other threads {cpu['other_threads']:,.1f}"]
+    if cpu.get("device_worker") is not None:
+        parts.append(f"device worker {cpu['device_worker']:,.1f}")
+    text = "CPU µs per lifecycle: " + ", ".join(parts)
+    floors = []
+    if row.get("floor_cpu_us_per_lifecycle") is not None:
+        floors.append(f"floor {row['floor_cpu_us_per_lifecycle']:,.1f}")
+    if row.get("floor_cached_cpu_us_per_lifecycle") is not None:
+        floors.append(f"cached floor {row['floor_cached_cpu_us_per_lifecycle']:,.1f}")
+    return text + ("; " + ", ".join(floors) if floors else "")

@@ -12,6 +12,10 @@ Rules:
 - ``measure_backend`` runs ``--repeat`` repetitions, each in a fresh
   runtime on a fresh ``SimulatedNode``: the floor(s) right before a
   warm-up and the timed isolator churn; the row holds the medians.
+- CPU per lifecycle (``cpu_us_per_lifecycle``: the event loop, the other
+  threads, the device worker process; ``floor_cpu_us_per_lifecycle`` and
+  ``floor_cached_cpu_us_per_lifecycle``) is the median of each figure over
+  the repetitions.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ def summary_row(backend: str, runs: list[ChurnRun], floors: list[ChurnRun], cach
         if middle.device_batches else None,
         "errors": sum(len(run.errors) for run in runs),
     }
+    row["cpu_us_per_lifecycle"] = _median_cpu(runs)
     errors = [e for run in runs for e in run.errors]
     if errors:
         row["first_error"] = errors[0]
@@ -104,11 +109,31 @@ def summary_row(backend: str, runs: list[ChurnRun], floors: list[ChurnRun], cach
         row["floor_per_s"] = round(statistics.median(floor_rates), 1)
         row["floor_runs_per_s"] = [round(r, 1) for r in floor_rates]
         row["ratio"] = round(statistics.median(r / f for r, f in zip(rates, floor_rates)), 3)
+        row["floor_cpu_us_per_lifecycle"] = _median_loop_cpu(floors)
     if cached_floors:
         cached_rates = [f.per_second for f in cached_floors]
         row["floor_cached_per_s"] = round(statistics.median(cached_rates), 1)
         row["ratio_cached"] = round(statistics.median(r / f for r, f in zip(rates, cached_rates)), 3)
+        row["floor_cached_cpu_us_per_lifecycle"] = _median_loop_cpu(cached_floors)
     return row
+
+
+def _median_cpu(runs: list[ChurnRun]) -> dict[str, float | None] | None:
+    """Each CPU figure per lifecycle, the median over the repetitions that measured it."""
+    figures = [f for f in (run.cpu_us_per_lifecycle() for run in runs) if f is not None]
+    if not figures:
+        return None
+    medians: dict[str, float | None] = {}
+    for key in figures[0]:
+        values = [f[key] for f in figures if f[key] is not None]
+        medians[key] = round(statistics.median(values), 1) if values else None
+    return medians
+
+
+def _median_loop_cpu(floors: list[ChurnRun]) -> float | None:
+    """The floor's CPU per lifecycle (all of it on its one thread), median."""
+    figures = _median_cpu(floors)
+    return figures["loop"] if figures is not None else None
 
 
 def _parser() -> argparse.ArgumentParser:

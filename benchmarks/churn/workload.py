@@ -10,6 +10,10 @@ Rules:
 - With ``seconds`` workers start lifecycles until the deadline; with
   ``lifecycles`` exactly that many are started in all.
 - ``ChurnRun.per_second`` = lifecycles completed / time until the last ended.
+- ``ChurnRun.cpu`` is the CPU time the run cost (``cpu.CpuUse``: the event
+  loop's thread, this process's other threads, the device worker process),
+  read right before the first lifecycle and after the last;
+  ``cpu_us_per_lifecycle()`` divides it by the lifecycles completed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from array import array
 from typing import Any, Callable, Sequence
 
 from isolators import ContainerConfig, ContainerID, Resources
+
+from .cpu import CpuClock, CpuUse
 
 CALLS = ("prepare", "usage", "update", "cleanup")
 GPUS = 8
@@ -36,10 +42,21 @@ class ChurnRun:
         self.errors: list[str] = []
         self.device_batches = 0
         self.device_operations = 0
+        self.cpu: CpuUse | None = None
 
     @property
     def per_second(self) -> float:
         return self.lifecycles / self.elapsed if self.elapsed > 0 else 0.0
+
+    def cpu_us_per_lifecycle(self) -> dict[str, float | None] | None:
+        """µs of CPU per lifecycle: ``loop``, ``other_threads``, ``device_worker``
+        (None without a worker process); None before the run was measured."""
+        if self.cpu is None or not self.lifecycles:
+            return None
+        per = 1e6 / self.lifecycles
+        worker = self.cpu.worker
+        return {"loop": round(self.cpu.loop * per, 1), "other_threads": round(self.cpu.other_threads * per, 1),
+                "device_worker": round(worker * per, 1) if worker is not None else None}
 
     def percentiles_us(self) -> dict[str, dict[str, float]]:
         result = {}
@@ -73,10 +90,12 @@ async def churn(
     without_gpu = ContainerConfig(resources=Resources.parse("gpus:0"))
     no_gpus = Resources.parse("gpus:0")
     started = [0]
+    devices = isolator.devices
+    worker_pid = getattr(devices, "worker_pid", None)
+    cpu_start = CpuClock.read(worker_pid)
     start = clock()
     deadline = start + seconds if seconds is not None else None
     prepare_lat, usage_lat, update_lat, cleanup_lat = (run.latency[c] for c in CALLS)
-    devices = isolator.devices
     batches0, operations0 = getattr(devices, "batches", 0), getattr(devices, "operations", 0)
 
     def more() -> bool:
@@ -131,6 +150,7 @@ async def churn(
         if reporter is not None:
             reporter.cancel()
     run.elapsed = clock() - start
+    run.cpu = CpuClock.read(getattr(devices, "worker_pid", None)).since(cpu_start)
     run.device_batches = getattr(devices, "batches", 0) - batches0
     run.device_operations = getattr(devices, "operations", 0) - operations0
     return run

@@ -13,6 +13,10 @@ import io
 import json
 import os
 import statistics
+import subprocess
+import sys
+import threading
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -21,6 +25,7 @@ import pytest
 
 from benchmarks import churn
 from benchmarks.churn import run as churn_run
+from benchmarks.churn.cpu import CpuClock, CpuUse, process_cpu_seconds
 from isolators.testing import SimulatedNode, backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
 from runtime import Runtime
 
@@ -29,7 +34,7 @@ CALLS = {"prepare", "usage", "update", "cleanup"}
 JSON_FIELDS = {"benchmark", "workers", "gpu_workers", "seconds", "repeat", "device_worker", "python", "kernel",
                "cpus", "peak_rss_mb_before", "results"}
 ROW_FIELDS = {"backend", "lifecycles_per_s", "runs_per_s", "latency_us", "peak_rss_mb", "worker_peak_rss_mb",
-              "lifecycles", "gpu_lifecycles", "device_ops_per_batch", "errors"}
+              "lifecycles", "gpu_lifecycles", "device_ops_per_batch", "errors", "cpu_us_per_lifecycle"}
 
 
 def run_json(capsys: Any, *args: str) -> dict:
@@ -95,13 +100,15 @@ async def test_every_lifecycle_is_four_calls_and_every_gpu_comes_back(backend: s
 
 
 def test_a_row_is_the_median_of_its_repetitions() -> None:
-    def timed(lifecycles: int, seconds: float, errors: tuple[str, ...] = ()) -> churn.ChurnRun:
+    def timed(lifecycles: int, seconds: float, errors: tuple[str, ...] = (), worker: float | None = None
+              ) -> churn.ChurnRun:
         run = churn.ChurnRun()
         run.lifecycles, run.elapsed, run.errors = lifecycles, seconds, list(errors)
         run.latency["prepare"].extend([lifecycles * 1e-6] * 3)
+        run.cpu = CpuUse(lifecycles * 1e-4, 0.001, worker)  # loop: 100 µs a lifecycle
         return run
 
-    runs = [timed(300, 1.0), timed(100, 1.0, ("c1-0: boom",)), timed(200, 1.0)]
+    runs = [timed(300, 1.0, worker=0.03), timed(100, 1.0, ("c1-0: boom",), worker=0.05), timed(200, 1.0)]
     floors = [timed(600, 1.0), timed(1000, 1.0), timed(250, 1.0)]
     row = churn.summary_row("cgroups_v1", runs, floors, [], [15.5, None, 16.0])
     assert row["runs_per_s"] == [300.0, 100.0, 200.0] and row["lifecycles_per_s"] == 200.0
@@ -111,6 +118,9 @@ def test_a_row_is_the_median_of_its_repetitions() -> None:
     assert row["lifecycles"] == 200 and row["latency_us"]["prepare"]["p50"] == 200.0  # the median run's
     assert (row["errors"], row["first_error"], row["worker_peak_rss_mb"]) == (1, "c1-0: boom", 16.0)
     assert "floor_cached_per_s" not in row and row["device_ops_per_batch"] is None
+    # CPU per lifecycle: each figure's median over the repetitions that measured it
+    assert row["cpu_us_per_lifecycle"] == {"loop": 100.0, "other_threads": 5.0, "device_worker": 300.0}
+    assert row["floor_cpu_us_per_lifecycle"] == 100.0
 
 
 def test_memory_run_reports_every_figure(capsys: Any) -> None:
@@ -126,6 +136,41 @@ def test_memory_run_reports_every_figure(capsys: Any) -> None:
     for figures in row["latency_us"].values():
         assert set(figures) == {"p50", "p99"} and 0 <= figures["p50"] <= figures["p99"]
     assert row["peak_rss_mb"] >= report["peak_rss_mb_before"] > 0
+    cpu = row["cpu_us_per_lifecycle"]
+    assert set(cpu) == {"loop", "other_threads", "device_worker"}
+    assert cpu["loop"] > 0 and cpu["other_threads"] >= 0 and cpu["device_worker"] is None  # in memory: in line
+
+
+def test_cpu_readings_count_this_thread_this_process_and_a_child() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.2\n"
+                              "while time.process_time() < end: pass\nimport sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        before = CpuClock.read(child.pid)
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:  # this thread: the "loop"
+            pass
+        done = threading.Event()
+
+        def spin() -> None:  # another thread of this process
+            stop = time.thread_time() + 0.05
+            while time.thread_time() < stop:
+                pass
+            done.set()
+
+        threading.Thread(target=spin).start()
+        done.wait(5)
+        deadline = time.monotonic() + 5
+        while process_cpu_seconds(child.pid) < 0.2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        use = CpuClock.read(child.pid).since(before)
+        assert 0.05 <= use.loop < 1 and 0.04 <= use.other_threads < 1
+        assert use.worker is not None and 0.1 <= use.worker < 2
+        assert CpuClock.read(child.pid + 10**7).since(before).worker is None  # another worker: not comparable
+    finally:
+        child.stdin.close()
+        child.wait(5)
+    assert process_cpu_seconds(child.pid) is None  # reaped: gone
 
 
 def test_table_then_json_and_the_median_of_repeats(capsys: Any) -> None:
@@ -181,6 +226,12 @@ def test_kernel_run_measures_the_floor_and_removes_its_root(capsys: Any, backend
         # the ratio is the isolator's figure over the floor's (rounded as reported)
         assert row["ratio"] == pytest.approx(row["lifecycles_per_s"] / row["floor_per_s"], abs=2e-3)
         assert row["device_ops_per_batch"] >= 1
+        cpu = row["cpu_us_per_lifecycle"]
+        assert cpu["loop"] > 0 and row["floor_cpu_us_per_lifecycle"] > 0
+        if worker == "process":
+            assert cpu["device_worker"] > 0
+        else:
+            assert cpu["device_worker"] is None and cpu["other_threads"] > 0  # the device thread
         if backend == "cgroups_v2":
             assert row["ratio_cached"] == pytest.approx(row["lifecycles_per_s"] / row["floor_cached_per_s"],
                                                         abs=2e-3)
