@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import msgspec
 from actors import Gpu
 from actors.devices import DeviceRule
 from actors.nvml import load_host_file
 from isolators import ContainerLaunchInfo, cli
 from isolators import ContainerBindMount
-from isolators.cdi import container_grant
+from isolators.cdi import container_grant, container_spec, encode_spec
 from isolators.cdi.testing import parse_probe
 
 from .conftest import CONTROL_NODES
@@ -87,3 +88,21 @@ def test_runc_with_a_merged_oci_fragment(runc, busybox_rootfs, gpu_dev, tmp_path
     assert report.env["NVIDIA_VISIBLE_DEVICES"] == "GPU-0,GPU-3"
     assert report.env["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib64"
     assert "ro" in report.mounts["/usr/local/nvidia"]
+
+
+def test_podman_refuses_a_version_newer_than_it_reads_and_the_debug_log_says_why(podman, tmp_path) -> None:
+    """Why ``SUPPORTED_VERSIONS`` stops at 0.5.0: podman 4.3.1 refuses 0.6.0,
+    and says so only in its debug log (the harness shows it)."""
+    spec = container_spec("c1", container_grant(set(), {}, {}, "/dev"))
+    assert spec.cdi_version == "0.3.0"
+    newer = msgspec.structs.replace(spec, cdi_version="0.6.0")
+    (tmp_path / "gpu-isolator-container_c1.json").write_bytes(msgspec.json.encode(newer))
+    refused = podman.run(podman.image, ["/bin/true"], devices=["gpu-isolator/container=c1"], cdi_dir=str(tmp_path))
+    assert refused.returncode != 0
+    assert "unresolvable CDI devices gpu-isolator/container=c1" in refused.stderr
+    assert 'invalid version \\"0.6.0\\"' in refused.stderr  # from the --log-level=debug rerun
+    (tmp_path / "gpu-isolator-container_c1.json").write_bytes(encode_spec(spec))
+    accepted = podman.run(podman.image, ["/bin/sh", "-c", "echo $NVIDIA_VISIBLE_DEVICES"],
+                          devices=["gpu-isolator/container=c1"], cdi_dir=str(tmp_path))
+    assert accepted.returncode == 0, accepted.stderr
+    assert accepted.stdout == "none\n"
