@@ -6,7 +6,9 @@ Rules:
   directory fd (``BPF_CGROUP_DEVICE``), query the attached program ids, and
   open a program by id to read its name. No compiler, no libbpf.
 - Every call returns a value or raises ``OSError`` with the kernel's errno;
-  a refused load carries the verifier's log in the message.
+  a refused load carries the verifier's log in the message. A load the
+  verifier broke off with EAGAIN (a signal pending, e.g. SIGSTOP/SIGCONT)
+  is tried again, up to ``PROG_LOAD_ATTEMPTS`` times, as libbpf does.
 - File descriptors returned are the caller's to close.
 - A program's tag (``ProgInfo.tag``) is a hash of its instructions, so
   ``program_tags`` tells whether an attached program is the one a policy
@@ -21,11 +23,12 @@ Rules:
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import os
 import platform
 import struct
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 _SYSCALL_NUMBERS = {"x86_64": 321, "amd64": 321, "aarch64": 280, "arm64": 280}
 
@@ -85,6 +88,23 @@ def _attr() -> ctypes.Array:
     return ctypes.create_string_buffer(_ATTR_SIZE)
 
 
+PROG_LOAD_ATTEMPTS = 5
+"""Loads tried at most while the verifier answers EAGAIN (as libbpf does)."""
+
+
+def _retrying(attempt: Callable[[Any], int], log: Any) -> int:
+    """``attempt(log)``, again while the verifier answers EAGAIN: it stops
+    when a signal is pending for the loading thread (a SIGSTOP/SIGCONT of
+    the process), not because the program is wrong."""
+    for _ in range(PROG_LOAD_ATTEMPTS - 1):
+        try:
+            return attempt(log)
+        except OSError as error:
+            if error.errno != errno.EAGAIN:
+                raise
+    return attempt(log)
+
+
 def prog_load(insns: bytes, name: str, license: bytes = b"GPL") -> int:
     """Load a cgroup device program; return its fd. ``name`` at most 15 bytes."""
     code = ctypes.create_string_buffer(insns, len(insns))
@@ -102,13 +122,13 @@ def prog_load(insns: bytes, name: str, license: bytes = b"GPL") -> int:
         return bpf(BPF_PROG_LOAD, attr)
 
     try:
-        return attempt(None)
+        return _retrying(attempt, None)
     except OSError as error:
-        if error.errno not in (13, 22):  # EACCES / EINVAL: ask the verifier why
+        if error.errno not in (errno.EACCES, errno.EINVAL):  # ask the verifier why
             raise
         log = ctypes.create_string_buffer(_LOG_SIZE)
         try:
-            return attempt(log)
+            return _retrying(attempt, log)
         except OSError as again:
             text = log.value.decode(errors="replace").strip()
             raise OSError(again.errno, f"{again.strerror}; verifier log: {text[-2000:]}") from None

@@ -1,16 +1,20 @@
 """The device worker process itself: the child's entry point.
 
 The agent (``_worker``) starts it as ``python -I -S -c BOOT SPEC PATH...``;
-``BOOT`` puts ``PATH...`` in front of ``sys.path`` and calls ``main(SPEC)``.
+``BOOT`` asks for the parent-death signal first of all, puts ``PATH...`` in
+front of ``sys.path`` and calls ``main(SPEC)``.
 Importing this module imports the device backend modules it needs and
 nothing of the agent (the ``actors`` packages load their names lazily).
 
 Rules:
-- It dies with its agent. First thing, it asks the kernel for SIGKILL when
-  its parent goes (``PR_SET_PDEATHSIG``), then checks that its parent is
-  still the agent that started it (one that died before that call is not
-  noticed by the kernel). Before each operation it checks again: once the
-  agent is gone it exits at once, applying nothing more (fenced).
+- It dies with its agent. First thing (in ``BOOT``, before any import),
+  it asks the kernel for SIGKILL when its parent goes
+  (``PR_SET_PDEATHSIG``); ``main`` asks again, checking the answer, and
+  then checks that its parent is still the agent that started it (one that
+  died before that call is not noticed by the kernel). Before each
+  operation it checks again: once the agent is gone it exits at once,
+  applying nothing more (fenced). A worker stopped before it got that far
+  is fenced all the same: when it runs again its first check exits.
 - It keeps the agent's work-directory lock open for its whole life (it
   inherited the descriptor): a new agent cannot take the lock, and so
   cannot start, while this process can still touch the kernel.
@@ -47,7 +51,10 @@ PR_SET_PDEATHSIG = 1
 FENCED_EXIT = 3
 """Exit status of a worker that found its agent gone."""
 
-BOOT = "import sys; sys.path[:0] = sys.argv[2:]; from actors.devices._worker_child import main; main(sys.argv[1])"
+BOOT = (
+    "import ctypes, sys; ctypes.CDLL(None).prctl(1, 9, 0, 0, 0); "  # PR_SET_PDEATHSIG, SIGKILL: before any import
+    "sys.path[:0] = sys.argv[2:]; from actors.devices._worker_child import main; main(sys.argv[1])"
+)
 
 
 class _Collect(logging.Handler):

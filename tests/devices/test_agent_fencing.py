@@ -26,6 +26,7 @@ import pytest
 
 from actors.devices import DeviceControl, DeviceControlError, checkpoint_file, container_policy
 from runtime import Runtime, collect
+from tests.support.kernel import process_state, wait_gone
 
 AGENT = r"""
 import json, os, sys
@@ -55,21 +56,6 @@ def read_line(process: subprocess.Popen, timeout: float = 30.0) -> str:
     ready, _, _ = select.select([process.stdout], [], [], timeout)
     assert ready, "the agent did not answer in time"
     return process.stdout.readline()
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return not alive(pid)
 
 
 def cgroups(root: str) -> set[str]:
@@ -140,7 +126,7 @@ async def test_a_stale_worker_of_a_killed_agent_applies_nothing_after_a_new_agen
         if agent.poll() is None:
             agent.kill()
             agent.wait(timeout=10)
-        if stale is not None and alive(stale):
+        if stale is not None and process_state(stale) not in (None, "Z"):
             os.kill(stale, signal.SIGKILL)
             wait_gone(stale)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from typing import Any
 
 import pytest
 
@@ -384,3 +385,32 @@ def test_a_crash_after_every_kernel_operation_recovers_from_the_checkpoint(v2_sa
         restarted.remove("c2")
         restarted.close()
     assert crashes >= 10
+
+
+def test_a_load_the_verifier_broke_off_with_eagain_is_tried_again(v2_sandbox, tmp_path, monkeypatch) -> None:
+    """The verifier answers EAGAIN when a signal is pending for the loading
+    thread (the random fault run hit it with SIGSTOP/SIGCONT): not an error
+    of the program, so the load is tried again, as libbpf does."""
+    real = _bpf.bpf
+    loads: list[int] = []
+
+    def interrupted(cmd: int, attr: Any) -> int:
+        if cmd == _bpf.BPF_PROG_LOAD:
+            loads.append(cmd)
+            if len(loads) <= failures:
+                raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+        return real(cmd, attr)
+
+    monkeypatch.setattr(_bpf, "bpf", interrupted)
+    failures = _bpf.PROG_LOAD_ATTEMPTS - 1
+    backend = backend_for(v2_sandbox, tmp_path)
+    access = backend.configure("c1", *container_policy(CONTROL, ["c 195:1 rw"]))
+    assert len(loads) == _bpf.PROG_LOAD_ATTEMPTS
+    assert_enforces(v2_sandbox, "c1", access)
+    loads.clear()
+    failures = _bpf.PROG_LOAD_ATTEMPTS  # never gets through: the kernel's error, with its errno
+    with pytest.raises(KernelOperationError, match=r"Failed to load device program for .*c2.*\(EAGAIN\)") as raised:
+        backend.configure("c2", *container_policy(CONTROL, ["c 195:2 rw"]))
+    assert raised.value.errno == errno.EAGAIN and len(loads) == _bpf.PROG_LOAD_ATTEMPTS
+    assert not os.path.isdir(os.path.join(v2_sandbox.root, "c2"))  # rolled back
+    backend.close()

@@ -15,7 +15,6 @@ import errno
 import logging
 import os
 import signal
-import time
 from typing import Any
 
 import anyio
@@ -31,22 +30,9 @@ from actors.devices import (
 )
 from actors.devices import WorkerError, _frames, _worker, _worker_process
 from runtime import Runtime, collect
+from tests.support.kernel import wait_gone
 
 R = DeviceRule.parse
-
-
-def _wait_exit(pid: int, timeout: float = 5.0) -> bool:
-    """True once ``pid`` is gone (reaped by its Popen, or a zombie no more)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.01)
-    return False
 
 
 # -- frames (no kernel) ---------------------------------------------------------------
@@ -118,7 +104,7 @@ async def test_v1_in_the_worker_enforces_what_the_thread_would(v1_sandbox, devic
         assert all(await collect([control.remove(f"c{i}") for i in range(4)]))
         assert await control.exists("c1") is False
         await control.close()
-    assert _wait_exit(pid), "the device worker process outlived its device control"
+    assert wait_gone(pid), "the device worker process outlived its device control"
 
 
 @pytest.mark.asyncio
@@ -173,7 +159,7 @@ async def test_a_killed_idle_worker_is_replaced_by_the_next_call(v1_sandbox, dev
         await control.configure("kept", *container_policy([], ["c 195:2 rwm"]))
         first = control.worker_pid
         os.kill(first, signal.SIGKILL)
-        assert _wait_exit(first)
+        assert wait_gone(first)
         # the next call starts a new child; nothing was lost; what the kernel held is intact
         assert await control.configure("next", *container_policy([], [])) is not None
         assert await control.exists("kept") is True
@@ -265,7 +251,7 @@ async def test_termination_fails_what_the_worker_has_not_reported_and_the_child_
         terminated = [r for r in results if isinstance(r, ProcessTerminated)]
         assert terminated and all(isinstance(r, (ProcessTerminated, Policy)) for r in results)
         assert "terminated before the operation completed" in str(terminated[0])
-    assert _wait_exit(pid)
+    assert wait_gone(pid)
 
 
 @pytest.mark.anyio

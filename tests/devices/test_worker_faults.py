@@ -33,6 +33,7 @@ import pytest
 
 from actors.devices import DeviceControl, Policy, WorkerError, checkpoint_file, container_policy
 from runtime import Runtime, collect
+from tests.support.kernel import wait_gone
 
 GPU0 = container_policy([], ["c 195:0 rwm"])
 NO_GPU = container_policy([], [])
@@ -42,20 +43,6 @@ def worker_pid(control: DeviceControl) -> int:
     pid = control.worker_pid
     assert pid is not None, "device control runs no worker process"
     return pid
-
-
-def wait_exit(pid: int, timeout: float = 10.0) -> bool:
-    """True once ``pid`` is gone or a zombie (bounded)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def zombie_children() -> list[int]:
@@ -106,7 +93,7 @@ async def test_calls_while_a_killed_worker_restarts_get_their_own_results(kernel
         for round_ in range(3):
             first = worker_pid(control)
             os.kill(first, signal.SIGKILL)
-            assert wait_exit(first)
+            assert wait_gone(first)
             calls: list[tuple[str, Any]] = []
             with anyio.fail_after(30):  # a restart that never ends fails here
                 for wave in range(40):  # calls keep coming while the new worker starts
@@ -141,7 +128,7 @@ async def test_a_call_that_never_reached_a_dead_worker_goes_to_the_next_one(kern
         await control.configure("kept", *GPU0)
         first = worker_pid(control)
         os.kill(first, signal.SIGKILL)
-        assert wait_exit(first)
+        assert wait_gone(first)
         with anyio.fail_after(30):  # nothing of it reached the dead worker: applied by the next, not guessed
             granted = await control.configure("next", *container_policy([], ["c 195:1 rwm"]))
         assert granted.is_granted("c", 195, 1, "rw")
@@ -276,7 +263,7 @@ async def test_start_restart_and_reaping_never_block_the_event_loop(v1_sandbox, 
             )
             first = worker_pid(control)
             os.kill(first, signal.SIGKILL)
-            assert wait_exit(first)
+            assert wait_gone(first)
             with anyio.fail_after(30):
                 assert await control.exists("x") is False  # a restart
             await control.close()
@@ -326,7 +313,7 @@ async def test_a_restart_that_cannot_start_fails_its_callers_in_time(kernel, san
         monkeypatch.setattr(_worker, "START_TIMEOUT", 0.5)
         first = worker_pid(control)
         os.kill(first, signal.SIGKILL)
-        assert wait_exit(first)
+        assert wait_gone(first)
         with anyio.fail_after(30):
             results = await collect([control.exists("c1").recover(lambda e: e) for _ in range(5)])
         for error in results:
@@ -357,7 +344,7 @@ async def test_workers_that_keep_dying_fail_the_calls_instead_of_restarting_for_
         monkeypatch.setattr(_worker, "BOOT", READY_THEN_EXITS)
         first = worker_pid(control)
         os.kill(first, signal.SIGKILL)
-        assert wait_exit(first)
+        assert wait_gone(first)
         with anyio.fail_after(30):
             results = await collect([control.exists(f"c{i}").recover(lambda e: e) for i in range(20)])
         assert all(isinstance(r, WorkerError) for r in results), results

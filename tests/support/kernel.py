@@ -218,3 +218,22 @@ def children() -> set[int]:
         if int(fields[1]) == me and fields[0] != "Z":
             found.add(int(entry))
     return found
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie ...); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):  # gone, or going as we read
+        return None
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    """Wait (bounded) until ``pid`` has exited (gone or a zombie); whether it has."""
+    deadline = time.monotonic() + timeout
+    while process_state(pid) not in (None, "Z"):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
