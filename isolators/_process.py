@@ -49,6 +49,9 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
 - A ``SimulatedCrash`` from device control (fault injection) fails the call
   with an ``IsolatorError`` and every later call too: the agent is "dead";
   drop every actor and recover.
+- Metrics (``_metrics``): published at initialize, given back at finalize;
+  prepare, update, cleanup and each container's reconcile are counted and
+  timed (``measured``), gauges read the records when a snapshot is taken.
 - Every log line names the container id.
 """
 
@@ -71,6 +74,7 @@ from ._errors import IsolatorError
 from ._health import HealthWatch
 from ._grant import ContainerRecord, Policies, gpu_rules, requested_gpus
 from ._launch import build_launch_info, remove_devices_dir, runtime_path
+from ._metrics import IsolatorMetrics, measured
 from ._recovery import BROAD, UNKNOWN, minors, plan_recovery, recovery_candidates
 from ._startup import probe_host
 from ._types import (
@@ -121,6 +125,8 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         self._crashed: SimulatedCrash | None = None
         self._reconcile_timer: Any = None
         self._stopping = False
+        self._metrics = IsolatorMetrics()
+        """Counts and timers (``_metrics``), published while the actor runs."""
 
     # -- construction -----------------------------------------------------
     @classmethod
@@ -153,10 +159,12 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         return MesosIsolator(process, devices)
 
     def initialize(self) -> None:
+        self._metrics.publish(self)
         self._schedule_reconcile()
 
     def finalize(self) -> None:
         self._stopping = True
+        self._metrics.close()
         if self._reconcile_timer is not None:
             self._reconcile_timer.cancel()
             self._reconcile_timer = None
@@ -284,6 +292,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         """Make the kernel enforce a recovered container's policy: after a crash
         the kernel may lag its record (v2: the checkpoint is written first)."""
         for line in await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated)):
+            self._metrics.repairs.inc()
             self._report(f"Container {info.container_id}: recovery repaired its device rules: {line}")
 
     def _report(self, line: str) -> None:
@@ -299,6 +308,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             return self._in_order(container_id, self._nested_launch_info, container_id, config)
         return self._in_order(container_id, self._prepare, container_id, config)
 
+    @measured("prepare")
     async def _prepare(self, container_id: ContainerID, config: ContainerConfig) -> ContainerLaunchInfo | None:
         if container_id in self.infos:
             raise IsolatorError("Container has already been prepared")
@@ -368,9 +378,11 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         info = self.infos.get(container_id)
         if (info is not None and not self._in_flight(container_id) and self._crashed is None
                 and not info.unknown_state and requested_gpus(resources) == len(info.allocated)):
+            self._metrics.update.runs.inc()
             return None  # nothing to change, and no earlier call on it in flight: done now
         return self._in_order(container_id, self._update, container_id, resources)
 
+    @measured("update")
     async def _update(self, container_id: ContainerID, resources: Resources) -> None:
         info = self.infos.get(container_id)
         if info is None:
@@ -476,6 +488,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             return None
         return self._in_order(container_id, self._cleanup, container_id)
 
+    @measured("cleanup")
     async def _cleanup(self, container_id: ContainerID) -> None:
         info = self.infos.get(container_id)
         if info is None:
@@ -548,6 +561,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             raise failure
         return repairs
 
+    @measured("reconcile")
     async def _reconcile_one(self, cid: ContainerID) -> list[Repair]:
         info = self.infos.get(cid)
         if info is None or info.unknown_state:
@@ -560,6 +574,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         if line is not None:
             logger.warning("Container %s: drift repaired: %s", cid, line)
             repairs.append(Repair(str(cid), line))
+        self._metrics.repairs.inc(len(repairs))
         return repairs
 
     def containers(self) -> dict[str, list[int]]:

@@ -21,7 +21,7 @@ _EXPORTS = {
     "._executor": ("Executor",),
     "._future": ("Future", "Promise", "await_all", "collect"),
     "._http": ("Limits", "Request", "Response"),
-    "._metrics": ("Counter", "Gauge", "Metrics", "MetricTimer"),
+    "._metrics": ("Counter", "Gauge", "Metrics", "MetricSet", "MetricTimer"),
     "._pid": ("PID", "generate_id"),
     "._process": ("Process",),
     "._sequence": ("Sequence",),
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from ._executor import Executor
     from ._future import Future, Promise, await_all, collect
     from ._http import Limits, Request, Response
-    from ._metrics import Counter, Gauge, Metrics, MetricTimer
+    from ._metrics import Counter, Gauge, Metrics, MetricSet, MetricTimer
     from ._pid import PID, generate_id
     from ._process import Process
     from ._sequence import Sequence

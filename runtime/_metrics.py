@@ -13,6 +13,16 @@ Rules (libprocess ``process/metrics/``):
   or pulled: ``read`` is called when a snapshot is taken (on the event
   loop, so it may read its actor's state directly; libprocess' PullGauge).
   A ``read`` that raises leaves the gauge out of that snapshot, logged.
+- ``MetricSet(metrics)``: the metrics one process publishes, registered in
+  its ``initialize`` and given back by ``close()`` in its ``finalize``.
+  Names are fixed per kind of process (``isolator/prepares``, as libprocess
+  names them), so several processes of one kind in a runtime (tests run
+  many isolators) share each metric: counters and timers are shared, and a
+  pulled gauge or counter is the SUM of what each process's ``read``
+  returns. A metric stays registered while any set holds it and is removed
+  with the last one. When a set closes, its pulled counters' last values
+  are kept in the shared count (a counter never goes down while the
+  metric lives); its pulled gauges stop counting at once.
 - ``MetricTimer`` (a timer): ``record(seconds)`` or ``with timer.time():``. Keeps the
   count, the sum, the last value and the last 1000 values (libprocess'
   time-series window); percentiles are computed from those when read.
@@ -40,7 +50,7 @@ from typing import Any, Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Metrics", "Counter", "Gauge", "MetricTimer"]
+__all__ = ["Metrics", "MetricSet", "Counter", "Gauge", "MetricTimer"]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_/.:-]*$")
 _PROM_INVALID = re.compile(r"[^A-Za-z0-9_:]")
@@ -49,26 +59,35 @@ PERCENTILES = (("p50", 0.5), ("p90", 0.9), ("p95", 0.95), ("p99", 0.99), ("p999"
 
 
 class Counter:
-    """A count that only goes up."""
+    """A count that only goes up: pushed (``inc``), plus what the pulled
+    ``sources`` of a ``MetricSet`` read."""
 
-    __slots__ = ("name", "help", "value")
+    __slots__ = ("name", "help", "value", "sources")
     kind = "counter"
 
     def __init__(self, name: str, help: str = "") -> None:
         self.name = name
         self.help = help
-        self.value = 0
+        self.value: int | float = 0
+        self.sources: list[Callable[[], float]] = []
 
     def inc(self, n: int | float = 1) -> None:
         """Add ``n`` (>= 0) to the count."""
         self.value += n
+
+    def current(self) -> float:
+        """The count now: what was pushed plus what each source reads."""
+        value = self.value
+        for read in self.sources:
+            value += read()
+        return value
 
 
 class Gauge:
     """A value that goes up and down: pushed with ``set``/``inc``/``dec``,
     or pulled from ``read()`` when a snapshot is taken."""
 
-    __slots__ = ("name", "help", "value", "read")
+    __slots__ = ("name", "help", "value", "read", "sources")
     kind = "gauge"
 
     def __init__(self, name: str, help: str = "", read: Callable[[], float] | None = None) -> None:
@@ -76,6 +95,8 @@ class Gauge:
         self.help = help
         self.value: float = 0
         self.read = read
+        self.sources: list[Callable[[], float]] = []
+        """The ``read`` of each ``MetricSet`` sharing this gauge (summed)."""
 
     def set(self, value: float) -> None:
         self.value = value
@@ -87,7 +108,13 @@ class Gauge:
         self.value -= n
 
     def current(self) -> float:
-        """The value now (calls ``read`` for a pulled gauge)."""
+        """The value now (calls ``read`` for a pulled gauge; the sum of the
+        sources for one shared by ``MetricSet``s)."""
+        if self.sources:
+            value = self.value
+            for read in self.sources:
+                value += read()
+            return value
         return self.read() if self.read is not None else self.value
 
 
@@ -155,6 +182,8 @@ class Metrics:
 
     def __init__(self) -> None:
         self._metrics: dict[str, Counter | Gauge | MetricTimer] = {}
+        self._holders: dict[str, int] = {}
+        """Per name: how many ``MetricSet``s hold it."""
 
     def _get(self, cls: type, name: str, help: str, **kw: Any) -> Any:
         metric = self._metrics.get(name)
@@ -184,30 +213,43 @@ class Metrics:
     def remove(self, name: str) -> None:
         """Forget the metric called ``name`` (no-op when unknown)."""
         self._metrics.pop(name, None)
+        self._holders.pop(name, None)
+
+    def _hold(self, metric: Any) -> None:
+        self._holders[metric.name] = self._holders.get(metric.name, 0) + 1
+
+    def _release(self, metric: Any) -> None:
+        """One ``MetricSet`` gives ``metric`` back; removed with the last one."""
+        if self._metrics.get(metric.name) is not metric:
+            return  # removed (or replaced) meanwhile
+        left = self._holders.get(metric.name, 0) - 1
+        if left > 0:
+            self._holders[metric.name] = left
+        else:
+            self.remove(metric.name)
 
     def names(self) -> list[str]:
         return sorted(self._metrics)
 
-    def _gauge_values(self) -> Iterator[tuple[Gauge, float]]:
+    def _pulled_values(self) -> Iterator[tuple[Counter | Gauge, float]]:
         for metric in list(self._metrics.values()):
-            if type(metric) is Gauge:
+            if type(metric) is Gauge or type(metric) is Counter:
                 try:
                     value = metric.current()
                     yield metric, value if type(value) is int else float(value)
                 except Exception:  # noqa: BLE001 - a broken read never breaks a snapshot
-                    logger.exception("Metric %s: reading the gauge failed; left out of this snapshot", metric.name)
+                    logger.exception("Metric %s: reading the %s failed; left out of this snapshot",
+                                     metric.name, metric.kind)
 
     def snapshot(self) -> dict[str, float]:
         """libprocess' ``/metrics/snapshot``: a flat ``{name: number}``."""
         out: dict[str, float] = {}
-        gauges = dict(self._gauge_values())
+        values = dict(self._pulled_values())
         for name in sorted(self._metrics):
             metric = self._metrics[name]
-            if type(metric) is Counter:
-                out[name] = metric.value
-            elif type(metric) is Gauge:
-                if metric in gauges:
-                    out[name] = gauges[metric]
+            if type(metric) is not MetricTimer:
+                if metric in values:
+                    out[name] = values[metric]
             else:
                 key = f"{name}_ms"
                 if metric.last is None:
@@ -221,18 +263,20 @@ class Metrics:
     def prometheus(self) -> str:
         """The Prometheus text exposition format (version 0.0.4)."""
         lines: list[str] = []
-        gauges = dict(self._gauge_values())
+        values = dict(self._pulled_values())
         for name in sorted(self._metrics):
             metric = self._metrics[name]
             base = prometheus_name(name)
             if type(metric) is Counter:
+                if metric not in values:
+                    continue
                 _family(lines, f"{base}_total", "counter", metric.help or name)
-                lines.append(f"{base}_total {_number(metric.value)}")
+                lines.append(f"{base}_total {_number(values[metric])}")
             elif type(metric) is Gauge:
-                if metric not in gauges:
+                if metric not in values:
                     continue
                 _family(lines, base, "gauge", metric.help or name)
-                lines.append(f"{base} {_number(gauges[metric])}")
+                lines.append(f"{base} {_number(values[metric])}")
             else:
                 family = f"{base}_seconds"
                 _family(lines, family, "summary", metric.help or name)
@@ -243,6 +287,68 @@ class Metrics:
                 lines.append(f"{family}_count {metric.count}")
                 lines.append(f"{family}_sum {_number(metric.sum)}")
         return "\n".join(lines) + "\n" if lines else ""
+
+
+class MetricSet:
+    """The metrics one process publishes (see module rules): register them
+    in ``initialize``, ``close()`` in ``finalize``."""
+
+    __slots__ = ("_registry", "_held", "_sources", "_closed")
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._registry = metrics
+        self._held: list[Counter | Gauge | MetricTimer] = []
+        self._sources: list[tuple[Counter | Gauge, Callable[[], float]]] = []
+        self._closed = False
+
+    def _take(self, metric: Any) -> Any:
+        if self._closed:
+            raise ValueError(f"Metric {metric.name!r}: this MetricSet is closed")
+        if metric not in self._held:
+            self._held.append(metric)
+            self._registry._hold(metric)
+        return metric
+
+    def counter(self, name: str, help: str = "", read: Callable[[], float] | None = None) -> Counter:
+        """The shared counter ``name``; with ``read`` this process's part is
+        pulled (an attribute it already keeps), else pushed with ``inc``."""
+        counter = self._take(self._registry.counter(name, help))
+        if read is not None:
+            counter.sources.append(read)
+            self._sources.append((counter, read))
+        return counter
+
+    def gauge(self, name: str, read: Callable[[], float], help: str = "") -> Gauge:
+        """The shared pulled gauge ``name``: this process adds ``read()`` to it."""
+        gauge = self._take(self._registry.gauge(name, help=help))
+        gauge.sources.append(read)
+        self._sources.append((gauge, read))
+        return gauge
+
+    def timer(self, name: str, help: str = "") -> MetricTimer:
+        """The shared timer ``name``."""
+        return self._take(self._registry.timer(name, help))
+
+    def close(self) -> None:
+        """Give every metric back (idempotent): a pulled counter keeps this
+        process's last count, a pulled gauge stops counting it, and a metric
+        no other set holds is removed."""
+        if self._closed:
+            return
+        self._closed = True
+        for metric, read in self._sources:
+            if read in metric.sources:
+                metric.sources.remove(read)
+            if type(metric) is Counter:
+                try:
+                    metric.value += read()
+                except Exception:  # noqa: BLE001 - closing never fails on a broken read
+                    logger.exception("Metric %s: reading the counter at close failed; its last part is lost",
+                                     metric.name)
+        for metric in self._held:
+            self._registry._release(metric)
+        self._sources.clear()
+        self._held.clear()
 
 
 def prometheus_name(name: str) -> str:

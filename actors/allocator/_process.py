@@ -42,6 +42,8 @@ Rules (R-AL-1..3; Mesos' ``NvidiaGpuAllocatorProcess``):
 - Every method is synchronous, so a call is one dispatch hop and never
   waits on I/O. The choice for a given free set and count is
   memoised (churn asks the same question again and again).
+- Metrics (``_metrics``: GPUs and MIG devices total, free, allocated,
+  unhealthy) are published at initialize and given back at finalize.
 """
 
 from __future__ import annotations
@@ -52,13 +54,14 @@ from collections.abc import Iterable
 
 import msgspec
 
-from runtime import Future, Process, ProcessTerminated, Promise, generate_id
+from runtime import Future, MetricSet, Process, ProcessTerminated, Promise, generate_id
 
 from actors.flags import DEFAULT_IGNORED_XIDS
 from actors.gpu import Gpu
 from actors.mig import MigDevice, Unit
 from actors.nvml import HealthEvent, NodeInventory
 
+from . import _metrics
 from ._errors import AllocatorError, format_gpus
 from ._topology import PairScores, allocate_best
 
@@ -142,10 +145,16 @@ class GpuAllocatorProcess(Process):
         unknown = self._units_of.keys() if unwatched is None else set(unwatched)
         self.unwatched = frozenset(u for gpu in unknown for u in self._units_of.get(gpu, ()))
         """Units on GPUs whose health NVML does not report (every unit without a monitor)."""
+        self._metrics: MetricSet | None = None
 
     # ------------------------------------------------------------ lifecycle
 
+    def initialize(self) -> None:
+        self._metrics = _metrics.publish(self)
+
     def finalize(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
         for _gpus, promise in self._watchers:
             promise.fail(ProcessTerminated(f"GPU allocator {self.pid} terminated"))
         self._watchers.clear()

@@ -33,6 +33,7 @@ Rules:
   cannot be started (no pipes, no ``sys.executable``, a child that dies at
   start) is logged as a warning and a thread is used instead; the
   backend's own errors (a bad hierarchy, a bad checkpoint) are raised.
+- The actor publishes its metrics (``_metrics``) from initialize to finalize.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any, Callable, Iterable
 
 from runtime import Executor, Future, Process, ProcessTerminated, dispatch, generate_id, spawn, terminate, wait
 
+from . import _metrics
 from ._backend import DeviceBackend, DeviceOperation, validate_cgroup, validate_cgroups_root
 from ._cgroups_v1 import CgroupsV1Backend
 from ._cgroups_v2 import CgroupsV2Backend
@@ -67,10 +69,12 @@ class DeviceControlProcess(Process):
         self.driver = driver
         self.operations = 0
         """Operations submitted so far."""
+        self._metrics: Any = None
 
     def initialize(self) -> None:
         pid = self.pid
         self.driver.bind(lambda fn: dispatch(pid, _call, fn))
+        self._metrics = _metrics.publish(self)  # operations, batches, worker restarts (pulled)
 
     def submit(self, op: DeviceOperation) -> Future:
         """A Future of ``op``'s result."""
@@ -78,6 +82,8 @@ class DeviceControlProcess(Process):
         return self.driver.submit(op)
 
     def finalize(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
         self.driver.stop(ProcessTerminated(f"Device control {self.pid} terminated before the operation completed"))
 
 

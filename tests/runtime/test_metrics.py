@@ -1,5 +1,6 @@
 """The runtime's metrics: counters, gauges, timers; libprocess' snapshot
-shape and Prometheus text (parsed by prometheus-client's own parser)."""
+shape and Prometheus text (parsed by prometheus-client's own parser); the
+metrics of several processes of one kind under fixed names (``MetricSet``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime import Metrics, Runtime, current_runtime
+from runtime import Metrics, MetricSet, Runtime, current_runtime
 
 
 def test_a_counter_a_pushed_gauge_and_a_pulled_gauge_read_in_the_snapshot() -> None:
@@ -108,3 +109,74 @@ async def test_every_runtime_has_its_own_registry_with_its_process_count() -> No
         assert rt.metrics.snapshot() == {"runtime/processes": 0}
     async with Runtime() as other:
         assert other.metrics is not rt.metrics
+
+
+def test_processes_of_one_kind_share_fixed_names_pulled_gauges_summed() -> None:
+    metrics = Metrics()
+    first, second = MetricSet(metrics), MetricSet(metrics)
+    held_a, held_b = ["c1"], ["c2", "c3"]
+    first.gauge("isolator/containers", lambda: len(held_a))
+    second.gauge("isolator/containers", lambda: len(held_b))
+    first.counter("isolator/prepares").inc()
+    second.counter("isolator/prepares").inc(2)
+    first.timer("isolator/prepare").record(0.001)
+    second.timer("isolator/prepare").record(0.003)
+    snap = metrics.snapshot()
+    assert snap["isolator/containers"] == 3 and snap["isolator/prepares"] == 3
+    assert snap["isolator/prepare_ms/count"] == 2
+    first.close()
+    snap = metrics.snapshot()
+    assert snap["isolator/containers"] == 2  # the closed one's gauge stops counting at once
+    assert snap["isolator/prepares"] == 3  # counts and timers stay while another holds them
+    assert snap["isolator/prepare_ms/count"] == 2
+    second.close()
+    assert metrics.snapshot() == {} and metrics.prometheus() == ""  # the last one out removes them
+    assert metrics.names() == []
+
+
+def test_a_pulled_counter_keeps_a_closed_process_count_and_never_goes_down() -> None:
+    metrics = Metrics()
+    first, second = MetricSet(metrics), MetricSet(metrics)
+    ops = {"a": 5, "b": 1}
+    first.counter("devices/operations", read=lambda: ops["a"])
+    second.counter("devices/operations", read=lambda: ops["b"])
+    assert metrics.snapshot() == {"devices/operations": 6}
+    ops["a"] = 7
+    first.close()
+    ops["a"] = 100  # read no more
+    ops["b"] = 2
+    assert metrics.snapshot() == {"devices/operations": 9}
+    families = {f.name: f for f in text_string_to_metric_families(metrics.prometheus())}
+    assert families["devices_operations"].type == "counter"
+    assert families["devices_operations"].samples[0].value == 9
+    second.close()
+    assert "devices/operations" not in metrics.names()
+
+
+def test_a_metric_set_closes_once_and_refuses_new_metrics_after(caplog: pytest.LogCaptureFixture) -> None:
+    metrics = Metrics()
+    published = MetricSet(metrics)
+    published.counter("x/broken", read=lambda: 1 / 0)
+    published.gauge("x/g", lambda: 1)
+    with caplog.at_level(logging.ERROR, logger="runtime._metrics"):
+        assert metrics.snapshot() == {"x/g": 1}  # a broken pulled counter is left out, logged
+        published.close()
+        published.close()  # idempotent
+    assert "Metric x/broken: reading the counter failed" in caplog.text
+    assert metrics.names() == []
+    with pytest.raises(ValueError, match="Metric 'x/g': this MetricSet is closed"):
+        published.gauge("x/g", lambda: 1)
+
+
+def test_a_metric_set_leaves_a_metric_registered_directly_under_another_kind_alone() -> None:
+    metrics = Metrics()
+    metrics.counter("a/b")
+    with pytest.raises(ValueError, match="Metric 'a/b' is already registered as a counter, not a gauge"):
+        MetricSet(metrics).gauge("a/b", lambda: 1)
+    metrics.remove("a/b")
+    published = MetricSet(metrics)
+    published.gauge("a/b", lambda: 1)
+    metrics.remove("a/b")  # removed under the set's feet: closing it is still fine
+    metrics.counter("a/b").inc()
+    published.close()
+    assert metrics.snapshot() == {"a/b": 1}

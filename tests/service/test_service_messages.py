@@ -174,6 +174,35 @@ async def test_state_route_and_the_runtime_endpoints(memory_service: ServeProces
     assert {"service_containers", "service_waiting", "service_releasing"} <= names
 
 
+def served_metrics(service: ServeProcess) -> dict[str, float]:
+    """The service's ``/metrics``, parsed by prometheus-client: {sample name: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = http_get(service, "/metrics")
+    assert status == 200
+    return {sample.name: sample.value for family in text_string_to_metric_families(body.decode())
+            for sample in family.samples if not sample.labels}
+
+
+async def test_the_served_metrics_follow_a_prepare_and_a_cleanup(memory_service: ServeProcess) -> None:
+    service = memory_service
+    before = await anyio.to_thread.run_sync(served_metrics, service)
+    assert (before["allocator_gpus_total"], before["allocator_gpus_free"], before["allocator_gpus_allocated"]) == (
+        4, 4, 0)
+    async with client_of(service) as client:
+        assert (await ask(client, "prepare", Prepare(request="m1", container_id="m1", gpus=3))).error is None
+        held = await anyio.to_thread.run_sync(served_metrics, service)
+        assert (held["allocator_gpus_free"], held["allocator_gpus_allocated"], held["isolator_containers"]) == (
+            1, 3, before["isolator_containers"] + 1)
+        assert held["isolator_prepares_total"] == before["isolator_prepares_total"] + 1
+        assert held["isolator_prepare_seconds_count"] == before["isolator_prepare_seconds_count"] + 1
+        assert held["devices_operations_total"] > before["devices_operations_total"]
+        assert (await ask(client, "cleanup", Cleanup(request="m2", container_id="m1"))).error is None
+    after = await anyio.to_thread.run_sync(served_metrics, service)
+    assert (after["allocator_gpus_free"], after["allocator_gpus_allocated"]) == (4, 0)
+    assert after["isolator_cleanups_total"] == before["isolator_cleanups_total"] + 1
+
+
 async def test_exec_picks_the_best_connected_gpus(serve_factory) -> None:
     service = serve_factory("memory", host_file=str(ROOT / "examples" / "dgx-8gpu.toml"),
                             gpu_allocation="topology").start()
