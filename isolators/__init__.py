@@ -18,8 +18,9 @@ import the whole agent.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from runtime._lazy import lazy_exports
 
 _EXPORTS = {
     "actors.flags": ("Flags", "FlagsError"),
@@ -39,27 +40,7 @@ _EXPORTS = {
     ".script._runner": ("ScriptRunner", "run_script"),
 }
 
-__all__ = [name for names in _EXPORTS.values() for name in names]
-
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:  # a submodule, as after an eager import of the package
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
 
 
 if TYPE_CHECKING:

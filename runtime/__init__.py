@@ -6,14 +6,16 @@ Rules of each concept are at the top of its module: ``_pid``, ``_future``,
 ``testing``; on the network (``Runtime(listen=...)``): ``_network``,
 ``_server``, ``_peers``, ``_http``; metrics: ``_metrics``.
 
-Names are imported when first used: a process that needs only
-``runtime.Failure`` (a device worker process) does not import asyncio.
+Names are imported when first used (``_lazy``, which every package's
+``__init__`` uses): a process that needs only ``runtime.Failure`` (a device
+worker process) does not import asyncio.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_exports
 
 _EXPORTS = {
     "._clock": ("Clock", "Timer"),
@@ -29,27 +31,7 @@ _EXPORTS = {
                   "terminate", "wait"),
 }
 
-__all__ = [name for names in _EXPORTS.values() for name in names]
-
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:  # a submodule, as after an eager import of the package
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
 
 
 if TYPE_CHECKING:

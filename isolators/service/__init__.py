@@ -18,8 +18,9 @@ Each module states its rules at the top. Names are imported when first used
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from runtime._lazy import lazy_exports
 
 _EXPORTS = {
     "._client": ("LostService", "ServiceClient"),
@@ -34,22 +35,7 @@ _EXPORTS = {
     "._status": ("fetch_state", "render_state"),
 }
 
-__all__ = [name for names in _EXPORTS.values() for name in names]
-
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
 
 
 if TYPE_CHECKING:

@@ -1,0 +1,47 @@
+"""Packages import their names when first used (``runtime._lazy``): a device
+worker process imports its backend modules and nothing of the agent, and a
+package answers for its exports, its submodules and nothing else."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What the device worker child runs (``_worker_child.BOOT``), reporting what it imported.
+CHILD = (
+    "import sys; sys.path[:0] = sys.argv[1:]; import actors.devices._worker_child;"
+    " print(' '.join(sorted(sys.modules)))"
+)
+
+
+def test_the_device_worker_child_imports_its_backends_and_nothing_of_the_agent() -> None:
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", CHILD, str(ROOT), *(p for p in sys.path if p)],
+                          capture_output=True, text=True, timeout=60, check=True)
+    imported = set(done.stdout.split())
+    assert {"actors.devices._backend", "actors.devices._worker_child", "runtime._errors"} <= imported
+    agent = sorted(name for name in imported if name.split(".")[0] in ("asyncio", "anyio", "trio", "isolators")
+                   or name in ("runtime._runtime", "runtime._process", "actors.allocator", "actors.nvml",
+                               "actors.devices._control"))
+    assert agent == []
+
+
+@pytest.mark.parametrize("package", ["runtime", "actors", "actors.devices", "isolators", "isolators.service"])
+def test_a_package_answers_for_its_exports_its_submodules_and_nothing_else(package: str) -> None:
+    module = importlib.import_module(package)
+    name = module.__all__[0]
+    assert getattr(module, name) is vars(module)[name]  # imported once, then kept
+    assert set(module.__all__) <= set(dir(module))
+    with pytest.raises(AttributeError, match=f"module '{package}' has no attribute 'no_such_name'"):
+        getattr(module, "no_such_name")
+
+
+def test_a_submodule_is_found_as_an_attribute() -> None:
+    import runtime
+
+    assert runtime.testing is importlib.import_module("runtime.testing")
