@@ -1,31 +1,20 @@
 """Fixtures for the inventory tests: host files, and the fake NVML (C).
 
-The fake NVML (tests/native/fake_nvml.c) is compiled once per session with
-gcc into ``libnvidia-ml.so.1``. The real ``pynvml`` path runs in a separate
-Python process (``nvml_probe.py``) that preloads the fake: pynvml caches its
-library handle in module globals, and loading the fake into the pytest
-process would make every later "is there a driver?" check say yes.
+The helpers behind them live in ``tests.support.fake_nvml``: the fake NVML
+(tests/native/fake_nvml.c, compiled once per session with gcc into
+``libnvidia-ml.so.1``) and ``NvmlProbe``, which runs the real ``pynvml`` in
+a child process that preloads the fake (``probe``).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from actors.mig import gpu_instance_profile, parse_profile
-from actors.nvml import HostSpec
+from tests.support.fake_nvml import NO_GCC, NvmlProbe, build_fake_nvml
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-DATA = HERE / "data"
-FAKE_NVML_SOURCE = REPO / "tests" / "native" / "fake_nvml.c"
-PROBE = HERE / "nvml_probe.py"
+DATA = Path(__file__).resolve().parent / "data"
 
 
 @pytest.fixture(scope="session")
@@ -36,104 +25,12 @@ def data_dir() -> Path:
 @pytest.fixture(scope="session")
 def fake_nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The fake NVML, built with gcc (skips when gcc is absent)."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("gcc is not installed: cannot build the fake NVML (tests/native/fake_nvml.c)")
-    out = tmp_path_factory.mktemp("fake-nvml") / "libnvidia-ml.so.1"
-    subprocess.run(
-        [gcc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror",
-         "-Wl,-soname,libnvidia-ml.so.1", "-o", str(out), str(FAKE_NVML_SOURCE)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return out
-
-
-EVENT_BITS = {"xid": 0x8, "ecc": 0x2}  # nvmlEventTypeXidCriticalError, nvmlEventTypeDoubleBitEccError
-
-
-def fake_config_text(spec: HostSpec) -> str:
-    """The fake NVML's line format (see fake_nvml.c) for a resolved host file."""
-    mib = 1024 * 1024
-    lines = [f"driver\t{spec.driver_version}"]
-    for g in spec.gpus:
-        fields = [
-            g.minor, g.memory_total_mib * mib, g.memory_used_mib * mib, g.utilization_gpu,
-            g.utilization_memory, -1 if g.power_mw is None else g.power_mw,
-            -1 if g.temperature_c is None else g.temperature_c,
-            -1 if g.numa_node is None else g.numa_node, int(g.mig), g.pci_bus_id, g.uuid,
-            g.name.replace("\t", " "),
-        ]
-        lines.append("gpu\t" + "\t".join(str(f) for f in fields))
-    for g in spec.gpus:
-        for peer, count in g.nvlink.items():
-            lines += [f"link\t{g.index}\t{peer}"] * count
-    for i in range(len(spec.gpus)):
-        for j in range(i + 1, len(spec.gpus)):
-            level = spec.topology_level(i, j)
-            if level is not None:
-                lines.append(f"topo\t{i}\t{j}\t{level}")
-    lines += fake_mig_lines(spec)
-    for g in spec.gpus:
-        mask = sum(EVENT_BITS[kind] for kind in g.supported_events)
-        lines.append(f"events\t{g.index}\t{mask}")
-    return "\n".join(lines) + "\n"
-
-
-def fake_mig_lines(spec: HostSpec) -> list[str]:
-    """The fake NVML's "mig" lines: one per MIG device, in MIG index order.
-    GPU-instance profiles get slots 0, 1, … per GPU in order of first use, and
-    ids that differ from their slots (as NVML's profile ids do)."""
-    mib = 1024 * 1024
-    lines = []
-    for g in spec.gpus:
-        slots: dict[str, int] = {}
-        for m in g.mig_devices:
-            gi_profile = gpu_instance_profile(m.profile)
-            slot = slots.setdefault(gi_profile, len(slots))
-            numbers = parse_profile(m.profile)
-            fields = [
-                g.index, m.gi, m.ci, slot, 19 + 3 * slot, numbers.gpu_slices, numbers.compute_slices,
-                m.memory_total_mib * mib, m.memory_used_mib * mib, m.uuid, f"MIG {gi_profile}",
-            ]
-            lines.append("mig\t" + "\t".join(str(f) for f in fields))
-    return lines
-
-
-class Probe:
-    """Runs jobs against the real pynvml + fake NVML in one child process."""
-
-    def __init__(self, lib: Path, tmp: Path) -> None:
-        self.lib = lib
-        self.tmp = tmp
-        self._n = 0
-
-    def config(self, spec: HostSpec) -> str:
-        self._n += 1
-        path = self.tmp / f"fake-nvml-{self._n}.conf"
-        path.write_text(fake_config_text(spec))
-        return str(path)
-
-    def run(self, jobs: list[dict], script: Path = PROBE) -> list[dict]:
-        """Run ``script LIB`` with ``jobs`` as JSON on stdin; its JSON answer."""
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        for name in ("FAKE_NVML_FAIL", "FAKE_NVML_CONFIG", "FAKE_NVML_EVENTS"):
-            env.pop(name, None)
-        done = subprocess.run(
-            [sys.executable, str(script), str(self.lib)],
-            input=json.dumps(jobs),
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-        )
-        if done.returncode != 0:
-            raise AssertionError(f"{script.name} failed ({done.returncode}):\n{done.stderr}")
-        return json.loads(done.stdout)
+    lib = build_fake_nvml(tmp_path_factory.mktemp("fake-nvml"))
+    if lib is None:
+        pytest.skip(NO_GCC)
+    return lib
 
 
 @pytest.fixture
-def probe(fake_nvml_lib: Path, tmp_path: Path) -> Probe:
-    return Probe(fake_nvml_lib, tmp_path)
+def probe(fake_nvml_lib: Path, tmp_path: Path) -> NvmlProbe:
+    return NvmlProbe(fake_nvml_lib, tmp_path)

@@ -19,9 +19,7 @@ import pytest
 
 from actors.nvml import host_spec_from_dict
 
-from .conftest import HERE
-
-HEALTH_PROBE = HERE / "health_probe.py"
+from tests.support.fake_nvml import HEALTH_PROBE
 
 # GPU 0 reports Xids but no ECC events (like many consumer or older boards);
 # GPU 3 reports none at all.
