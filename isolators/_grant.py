@@ -11,6 +11,12 @@ Rules (Mesos ``NvidiaGpuIsolatorProcess::_update``, R-IS-3/4):
   same ``Policy`` comes back for the same GPU set (churn repeats a few), at
   most 256 sets are kept.
 - ``ContainerRecord``: the isolator's record of one top-level container.
+  ``withheld``: GPUs allocated for it beyond its grant whose kernel state is
+  unknown (a device-control call failed with its effects unknown); they
+  stay out of the free pool until the kernel is read back or made to match.
+- ``LingeringCgroup``: a cgroup the isolator has no record of any more but
+  could not remove (processes inside, or the removal failed), with the GPUs
+  still withheld for it (empty once the kernel denies them) and why.
 """
 
 from __future__ import annotations
@@ -73,14 +79,27 @@ class ContainerRecord:
     """What the isolator knows of one top-level container: its cgroup, the GPUs
     it holds, whether its device state was unknown at recovery, who watches it."""
 
-    __slots__ = ("container_id", "cgroup", "allocated", "unknown_state", "watchers", "health")
+    __slots__ = ("container_id", "cgroup", "allocated", "withheld", "unknown_state", "watchers", "health")
 
     def __init__(self, container_id: ContainerID, cgroup: str) -> None:
         self.container_id = container_id
         self.cgroup = cgroup
         self.allocated: set[Gpu] = set()
+        self.withheld: set[Gpu] = set()
         self.unknown_state = False
         self.watchers: list[Promise] = []
         """Promises of ContainerLimitation handed out by ``watch``."""
         self.health: Future | None = None
         """The allocator's watch of ``allocated`` while there are watchers."""
+
+
+class LingeringCgroup:
+    """A cgroup left behind (see the module rules)."""
+
+    __slots__ = ("withheld", "reason")
+
+    def __init__(self, withheld: set[Gpu], reason: str) -> None:
+        self.withheld = withheld
+        """GPUs still allocated because the cgroup may grant them."""
+        self.reason = reason
+        """Why it is still there, for errors and logs."""

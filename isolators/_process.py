@@ -70,9 +70,9 @@ from runtime import Executor, Process, Sequence, delay, dispatch, spawn
 
 from ._components import NvidiaComponents
 from ._container_specs import ContainerSpecs
-from ._errors import IsolatorError
+from ._errors import IsolatorError, as_isolator_error
 from ._health import HealthWatch
-from ._grant import ContainerRecord, Policies, gpu_rules, requested_gpus
+from ._grant import ContainerRecord, LingeringCgroup, Policies, gpu_rules, requested_gpus
 from ._launch import build_launch_info, remove_devices_dir, runtime_path
 from ._metrics import IsolatorMetrics, measured
 from ._recovery import BROAD, UNKNOWN, minors, plan_recovery, recovery_candidates
@@ -116,8 +116,9 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         self.recovery_report: list[str] = []
         self._quarantine: set[Gpu] = set()
         """GPUs held back for every container whose device state was unknown at recovery."""
-        self._lingering: set[ContainerID] = set()
-        """Ids whose cgroup a cleanup had to leave (processes still inside)."""
+        self._lingering: dict[ContainerID, LingeringCgroup] = {}
+        """Ids whose cgroup could not be removed (processes inside, a failed or
+        unknown removal), with the GPUs still withheld for it."""
         self._device_dirs: set[ContainerID] = set()
         """Ids (nested too) whose device nodes a prepare copied."""
         self.reconcile_runs = 0
@@ -147,13 +148,16 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         finally:
             executor.shutdown(wait=False)
         if devices is None:
-            devices = await DeviceControl.create(
-                backend=flags.device_backend,
-                hierarchy=flags.cgroups_hierarchy,
-                cgroups_root=flags.cgroups_root,
-                work_dir=flags.work_dir,
-                worker=flags.device_worker,
-            )
+            try:
+                devices = await DeviceControl.create(
+                    backend=flags.device_backend,
+                    hierarchy=flags.cgroups_hierarchy,
+                    cgroups_root=flags.cgroups_root,
+                    work_dir=flags.work_dir,
+                    worker=flags.device_worker,
+                )
+            except Exception as error:
+                raise as_isolator_error(error) from error
         process = cls(flags, components, devices, control)
         spawn(process)
         return MesosIsolator(process, devices)
@@ -223,7 +227,10 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
                 self._sequences.pop(container_id, None)
         return forget
 
-    async def _run(self, container_id: ContainerID, operation: Any, args: tuple, claimed: Sequence | None) -> Any:
+    async def _run(self, container_id: ContainerID | None, operation: Any, args: tuple,
+                   claimed: Sequence | None) -> Any:
+        """Run one verb: every failure leaves as an ``IsolatorError`` with the
+        original text and cause (see ``as_isolator_error``)."""
         try:
             if self._crashed is not None:
                 raise SimulatedCrash(f"the agent crashed earlier ({self._crashed})")
@@ -235,20 +242,25 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             while isinstance(crash.__context__, SimulatedCrash):  # an undo hit the dead backend
                 crash = crash.__context__
             self._crashed = self._crashed or crash
-            raise IsolatorError(
-                f"Container {container_id}: simulated crash of the agent: {crash};"
-                " drop every actor and recover"
-            ) from crash
+            who = f"Container {container_id}" if container_id is not None else "Recovery"
+            raise IsolatorError(f"{who}: simulated crash of the agent: {crash}; drop every actor and recover") from crash
+        except IsolatorError:
+            raise
+        except Exception as error:
+            raise as_isolator_error(error) from error
         finally:
             if claimed is not None:
                 claimed.release()  # the container's next call may start
 
     # -- recover --------------------------------------------------------------
-    async def recover(self, states: list[ContainerState], orphans: set[ContainerID]) -> None:
+    def recover(self, states: list[ContainerState], orphans: set[ContainerID]) -> Any:
         for state in states:
             check_container_id(getattr(state, "container_id", state))
         for orphan in orphans or ():
             check_container_id(orphan)
+        return self._run(None, self._recover, (states, orphans), None)
+
+    async def _recover(self, states: list[ContainerState], orphans: set[ContainerID]) -> None:
         named: list[ContainerID] = [s.container_id for s in states] + sorted(orphans or ())
         existing = await self.devices.list_cgroups()
         candidates, report, missing = recovery_candidates(
@@ -313,47 +325,62 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         if container_id in self.infos:
             raise IsolatorError("Container has already been prepared")
         requested = requested_gpus(config.resources)
-        if container_id in self._lingering and not await self._retry_lingering(container_id):
-            raise IsolatorError(
-                f"Container {container_id}: the cgroup '{container_id.path()}' of an earlier container with"
-                " this id still has processes; it cannot be prepared again until they are gone"
-            )
+        if container_id in self._lingering:
+            await self._refuse_while_lingering(container_id)
         if container_id in self.infos:  # re-check after the await
             raise IsolatorError("Container has already been prepared")
         info = ContainerRecord(container_id, container_id.path())
         self.infos[container_id] = info
-        configured = False
+        touched = False  # whether the kernel was asked for anything
         try:
             gpus: set[Gpu] = set(await self.allocator.allocate(requested)) if requested else set()
             info.allocated = gpus
+            touched = True
             await self.devices.configure(info.cgroup, self.policies.of(gpus))
-            configured = True
             launch = await self._launch_info(container_id, config) if config.rootfs is not None else None
             launch = await self.specs.attach(container_id, info.allocated, config, launch)
         except BaseException as e:
             await self._remove_device_copies(container_id)
-            await self._undo_prepare(info, configured)
+            await self._undo_prepare(info, touched)
             logger.warning("Container %s: prepare failed and was undone: %s", container_id, e)
             raise
         logger.info("Container %s: prepared with GPUs %s", container_id, minors(info.allocated))
         return launch
 
-    async def _undo_prepare(self, info: ContainerRecord, configured: bool) -> None:
-        if self.infos.get(info.container_id) is info:
-            del self.infos[info.container_id]
-        if configured or await self.devices.exists(info.cgroup):
-            try:
-                if not await self.devices.remove(info.cgroup):
-                    # Processes of an earlier container are inside: take the GPUs back from them.
-                    await self.devices.configure(info.cgroup, self.policies.of(()))
-                    self._lingering.add(info.container_id)
-            except Exception as e:  # keep undoing; report what stayed
-                logger.error("Container %s: failed to remove cgroup '%s' while undoing prepare: %s",
-                             info.container_id, info.cgroup, e)
-                return  # the cgroup still grants the GPUs: keep them out of the pool
-        if info.allocated:
-            await self.allocator.deallocate(info.allocated)
-            info.allocated = set()
+    async def _undo_prepare(self, info: ContainerRecord, touched: bool) -> None:
+        """Forget the record and give its GPUs back -- once the kernel says no
+        cgroup of it grants them: a configure that failed may have applied
+        anything (its effects are unknown when the device worker died), so
+        the cgroup is removed first; while it cannot be, it lingers with the
+        GPUs, for a later cleanup or reconcile to finish."""
+        cid = info.container_id
+        if self.infos.get(cid) is info:
+            del self.infos[cid]
+        gpus, info.allocated, info.withheld = info.allocated | info.withheld, set(), set()
+        try:
+            if not touched:  # the kernel was never asked: nothing there to undo
+                if gpus:
+                    await self.allocator.deallocate(gpus)
+                return
+            self._lingering[cid] = LingeringCgroup(gpus, "its prepare failed")
+            await self._settle_lingering(cid)
+        except Exception as error:  # keep the original error; what stayed is recorded and logged
+            logger.error("Container %s: undoing a failed prepare did not finish: %s", cid, error)
+
+    async def _refuse_while_lingering(self, container_id: ContainerID) -> None:
+        """A cgroup of an earlier container with this id is still there: try to
+        remove it once more; refuse the prepare while it stays."""
+        try:
+            if await self._settle_lingering(container_id):
+                return
+        except Exception:
+            pass
+        lingering = self._lingering.get(container_id)
+        reason = lingering.reason if lingering is not None else "it is still there"
+        raise IsolatorError(
+            f"Container {container_id}: the cgroup '{container_id.path()}' of an earlier container with"
+            f" this id {reason}; it cannot be prepared again until it is gone"
+        )
 
     async def _launch_info(self, container_id: ContainerID, config: ContainerConfig) -> ContainerLaunchInfo | None:
         launch, copied = await build_launch_info(
@@ -399,7 +426,11 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             try:
                 await self.devices.reconfigure(info.cgroup, gpu_rules(extra), [])
             except BaseException:
-                await self.allocator.deallocate(extra)
+                # Never released on a guess: the grant may be in the kernel
+                # (a device worker that died mid-batch); they are held back
+                # until the kernel is made to match the record, or read back.
+                info.withheld |= extra
+                await self._settle_withheld(info)
                 raise
             await self._respec(info, info.allocated | extra, extra)
             info.allocated = info.allocated | extra
@@ -423,7 +454,9 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         """After an update's kernel change, rewrite the container's CDI spec
         (before any GPU is released: no stale spec names a freed GPU). If it
         cannot be written, the kernel goes back to the GPUs held before and
-        the ``extra`` ones go back to the pool: the update changes nothing."""
+        the ``extra`` ones go back to the pool: the update changes nothing.
+        If the kernel cannot be put back, the ``extra`` GPUs stay withheld
+        until it is (reconcile) or it is read back."""
         try:
             await self.specs.write(info.container_id, gpus)
         except IsolatorError:
@@ -432,7 +465,8 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             except Exception as e:  # the cgroup may still grant them: keep them held
                 logger.error("Container %s: failed to restore its device rules after a failed CDI spec write: %s",
                              info.container_id, e)
-                info.allocated = info.allocated | (extra or set())
+                info.withheld |= extra or set()
+                await self._settle_withheld(info)
                 raise
             if extra:
                 await self.allocator.deallocate(extra)
@@ -461,7 +495,10 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         return self._usage(gpus)
 
     async def _usage(self, gpus: list[Gpu]) -> ResourceStatistics:
-        readings = await self.nvml.usages(gpus)
+        try:
+            readings = await self.nvml.usages(gpus)
+        except Exception as error:
+            raise as_isolator_error(error) from error
         by_gpu = self.inventory.by_gpu()
         stats = []
         for gpu in gpus:
@@ -493,20 +530,21 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         info = self.infos.get(container_id)
         if info is None:
             if container_id in self._lingering:
-                await self._retry_lingering(container_id)
+                await self._settle_lingering(container_id)
             else:
                 logger.debug("Container %s: ignoring cleanup request for unknown container", container_id)
             await self._remove_device_copies(container_id)
             return
+        # Until the kernel has removed the cgroup (or, processes inside,
+        # denies it every GPU) a failure changes nothing: the record and its
+        # GPUs stay, and the cleanup can be retried.
         await self.specs.remove(container_id)  # first: a failure here changes nothing, and no spec outlives its GPUs
-        removed = await self.devices.remove(info.cgroup)
-        if not removed:
-            # Processes remain: the cgroup keeps the standard set and the
-            # control devices, and loses every GPU (whatever it held).
+        if not await self.devices.remove(info.cgroup):
+            # The standard set and the control devices stay.
             await self.devices.configure(info.cgroup, self.policies.of(()))
-            self._lingering.add(container_id)
+            self._lingering[container_id] = LingeringCgroup(set(), "still has processes")
             logger.warning("Container %s: cgroup '%s' still has processes; it stays, its GPUs %s were denied"
-                           " and released", container_id, info.cgroup, minors(info.allocated))
+                           " and released", container_id, info.cgroup, minors(info.allocated | info.withheld))
         self.infos.pop(container_id, None)
         self._stop_watching(info)
         if info.unknown_state:
@@ -519,20 +557,72 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             else:
                 gpus, self._quarantine = self._quarantine, set()
         else:
-            gpus, info.allocated = info.allocated, set()
+            gpus, info.allocated, info.withheld = info.allocated | info.withheld, set(), set()
         if gpus:
             await self.allocator.deallocate(gpus)
-        if container_id in self._device_dirs:
-            await self._remove_device_copies(container_id)
+        await self._remove_device_copies(container_id)
         logger.info("Container %s: cleaned up, released GPUs %s", container_id, minors(gpus))
 
-    async def _retry_lingering(self, container_id: ContainerID) -> bool:
-        """Remove the cgroup a cleanup had to leave; True once it is gone."""
-        if await self.devices.remove(container_id.path()):
-            self._lingering.discard(container_id)
-            logger.info("Container %s: removed the cgroup its processes had kept", container_id)
-            return True
-        return False
+    async def _settle_lingering(self, container_id: ContainerID) -> bool:
+        """Remove a lingering cgroup; True once it is gone. The GPUs withheld
+        for it go back only when the kernel has removed it, or (processes
+        inside: it stays) denies them; a failure keeps them and is raised."""
+        lingering = self._lingering[container_id]
+        cgroup = container_id.path()
+        try:
+            removed = await self.devices.remove(cgroup)
+            if not removed and lingering.withheld:
+                # Processes inside: take every GPU back from them.
+                await self.devices.configure(cgroup, self.policies.of(()))
+        except BaseException as error:
+            lingering.reason = f"could not be removed ({error})"
+            logger.error("Container %s: cgroup '%s' could not be removed (%s); GPUs %s stay out of the free pool"
+                         " until a cleanup or reconcile removes it", container_id, cgroup, error,
+                         minors(lingering.withheld))
+            raise
+        released, lingering.withheld = lingering.withheld, set()
+        if removed:
+            del self._lingering[container_id]
+        else:
+            lingering.reason = "still has processes"
+            logger.warning("Container %s: cgroup '%s' still has processes; it stays, its GPUs %s were denied"
+                           " and released", container_id, cgroup, minors(released))
+        if released:
+            await self.allocator.deallocate(released)
+        return removed
+
+    async def _settle_withheld(self, info: ContainerRecord) -> None:
+        """Give back the withheld GPUs the kernel does not grant: make the
+        kernel enforce the record (reconcile) and release them all; failing
+        that, read the cgroup's state back and release those it does not
+        grant. Whatever cannot be known stays withheld."""
+        withheld = set(info.withheld)
+        if not withheld:
+            return
+        try:
+            await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated))
+            released = withheld
+        except Exception as error:
+            try:
+                state = await self.devices.state(info.cgroup)
+            except Exception as again:
+                logger.warning("Container %s: GPUs %s stay out of the free pool: the kernel state of cgroup '%s'"
+                               " is unknown (%s; %s)", info.container_id, minors(withheld), info.cgroup, error, again)
+                return
+            if state is None:
+                released = set()
+            else:
+                released = {g for g in withheld if not state.is_granted("c", g.major, g.minor, "r")
+                            and not state.is_granted("c", g.major, g.minor, "w")}
+        info.withheld -= released
+        if released:
+            await self.allocator.deallocate(released)
+        if info.withheld:
+            logger.warning("Container %s: GPUs %s stay out of the free pool: cgroup '%s' may still grant them",
+                           info.container_id, minors(info.withheld), info.cgroup)
+        else:
+            logger.info("Container %s: GPUs %s, whose grant had an unknown outcome, are not granted; released",
+                        info.container_id, minors(released))
 
     async def _remove_device_copies(self, container_id: ContainerID) -> None:
         if container_id not in self._device_dirs:
@@ -548,8 +638,12 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         """R-DV-5: make every container's kernel device state match its record;
         the repairs made (empty when nothing drifted). Each container's repair
         waits behind its earlier calls, so it never races a prepare, update or
-        cleanup of it (a cleaned-up container is skipped, never recreated)."""
+        cleanup of it (a cleaned-up container is skipped, never recreated).
+        GPUs withheld for an unknown outcome go back once the kernel matches
+        the record; lingering cgroups that hold GPUs are removed again."""
         runs = [self._in_order(cid, self._reconcile_one, cid) for cid in sorted(self.infos)]
+        runs += [self._in_order(cid, self._reconcile_lingering, cid)
+                 for cid, lingering in sorted(self._lingering.items()) if lingering.withheld]
         repairs: list[Repair] = []
         failure: Exception | None = None
         for run in runs:  # await every one, so none is left queued
@@ -574,8 +668,23 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         if line is not None:
             logger.warning("Container %s: drift repaired: %s", cid, line)
             repairs.append(Repair(str(cid), line))
+        if info.withheld:  # the kernel enforces the record now: they are not granted
+            released, info.withheld = info.withheld, set()
+            await self.allocator.deallocate(released)
+            logger.info("Container %s: GPUs %s, whose grant had an unknown outcome, released", cid, minors(released))
+            repairs.append(Repair(str(cid), f"released GPUs {minors(released)} whose grant had an unknown outcome"))
         self._metrics.repairs.inc(len(repairs))
         return repairs
+
+    async def _reconcile_lingering(self, cid: ContainerID) -> list[Repair]:
+        lingering = self._lingering.get(cid)
+        if lingering is None or not lingering.withheld:
+            return []
+        withheld = minors(lingering.withheld)
+        gone = await self._settle_lingering(cid)
+        line = (f"removed the cgroup '{cid.path()}' left behind; released GPUs {withheld}" if gone else
+                f"denied GPUs {withheld} to the cgroup '{cid.path()}' left behind (processes inside) and released them")
+        return [Repair(str(cid), line)]
 
     def containers(self) -> dict[str, list[int]]:
         """The containers known and the minors each holds (for scripts and tests)."""

@@ -27,7 +27,7 @@ async def test_ten_thousand_lifecycles_leave_nothing_behind() -> None:
 
             # The isolator: no record, no per-id queue, nothing lingering.
             assert process.infos == {} and process._sequences == {}
-            assert process._lingering == set() and process._device_dirs == set()
+            assert process._lingering == {} and process._device_dirs == set()
             assert await isolator.containers() == {}
             assert len(process.policies) <= 1 + 8  # by GPU set (none, or one of 8), not by container
 

@@ -137,9 +137,9 @@ async def test_prepare_refuses_fractional_and_excess_gpus_leaving_nothing(node) 
             await isolator.prepare(ContainerID("c1"), config("gpus:1.5"))
         assert str(error.value) == "The 'gpus' resource must be an unsigned integer"
         await assert_nothing_left(node, components, isolator, "c1")
-        with pytest.raises(runtime.Failure) as error:
+        with pytest.raises(IsolatorError) as error:
             await isolator.prepare(ContainerID("c2"), config("gpus:5"))
-        assert "Requested 5 gpus but only 4 available" in str(error.value)
+        assert type(error.value) is IsolatorError and str(error.value) == "Requested 5 gpus but only 4 available"
         await assert_nothing_left(node, components, isolator, "c2")
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import runtime
 from actors.devices import checkpoint_file
-from isolators import ContainerConfig, ContainerID, ContainerState, Resources
+from isolators import ContainerConfig, ContainerID, ContainerState, IsolatorError, Resources
 
 
 def cfg(text: str) -> ContainerConfig:
@@ -47,9 +47,9 @@ async def test_crash_and_recover_finds_the_same_gpus_held(node) -> None:
         assert await free_minors(components) == {3}
         assert isolator.recovery_report == []
 
-        with pytest.raises(runtime.Failure, match="Requested 2 gpus but only 1 available"):
+        with pytest.raises(IsolatorError, match="^Requested 2 gpus but only 1 available$"):
             await isolator.prepare(ContainerID("d"), cfg("gpus:2"))
-        with pytest.raises(runtime.Failure, match="Requested 2 gpus but only 1 available"):
+        with pytest.raises(IsolatorError, match="^Requested 2 gpus but only 1 available$"):
             await isolator.update(ContainerID("b"), Resources.parse("gpus:4"))
         # The recovered containers work as before.
         await isolator.update(ContainerID("b"), Resources.parse("gpus:1"))
@@ -158,7 +158,7 @@ async def test_v2_cgroup_absent_from_the_checkpoint_keeps_its_gpus_out(node_fact
         assert await free_minors(components) == set()
         report = isolator.recovery_report
         assert len(report) == 1 and "ghost" in report[0] and "[1, 2, 3]" in report[0]
-        with pytest.raises(runtime.Failure, match="Requested 1 gpus but only 0 available"):
+        with pytest.raises(IsolatorError, match="^Requested 1 gpus but only 0 available$"):
             await isolator.prepare(ContainerID("new"), cfg("gpus:1"))
         await isolator.cleanup(ContainerID("a"))
         assert await free_minors(components) == {0}
@@ -184,7 +184,7 @@ async def test_v2_lost_checkpoint_keeps_every_gpu_out_until_all_unknown_are_clea
         # Either unknown container may hold any of the GPUs: none is free until both are gone.
         await isolator.cleanup(ContainerID("a"))
         assert await free_minors(components) == set()
-        with pytest.raises(runtime.Failure, match="only 0 available"):
+        with pytest.raises(IsolatorError, match="^Requested 1 gpus but only 0 available$"):
             await isolator.prepare(ContainerID("new"), cfg("gpus:1"))
         await isolator.cleanup(ContainerID("b"))
         assert await free_minors(components) == {0, 1, 2, 3}

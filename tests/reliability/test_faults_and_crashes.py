@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from actors.devices import DeviceControlError
 from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
 from runtime import Runtime
 from tests.support.nodes import judge
@@ -60,6 +61,8 @@ async def fail_everywhere(node: Any, call: Any, check: Any, undo: Any, swallowed
                 await call()
             except Exception as error:
                 assert node.fault.injected, f"failed without a fault at operation {k}: {error}"
+                assert type(error) is IsolatorError, f"{type(error).__name__}: {error}"
+                assert isinstance(error.__cause__, DeviceControlError) and str(error) == str(error.__cause__)
                 op = node.fault.log[k - 1][0]
                 node.fault.arm(None)
                 message = str(error)

@@ -24,6 +24,7 @@ from isolators import (
     ContainerID,
     Flags,
     FlagsError,
+    IsolatorError,
     NvidiaComponents,
     NvidiaGpuIsolatorProcess,
     Resources,
@@ -121,8 +122,10 @@ async def test_a_bad_cgroups_root_writes_nothing_anywhere(backend: str, tmp_path
                 assert "cgroups_root" in one_line(caught.value)
                 flags = node.flags()
                 flags.cgroups_root = root  # msgspec Structs are mutable: no validation here
-                with pytest.raises(InvalidCgroupError):
+                with pytest.raises(IsolatorError) as refused:
                     await NvidiaGpuIsolatorProcess.create(flags, components)
+                assert type(refused.value) is IsolatorError and "cgroups_root" in one_line(refused.value)
+                assert isinstance(refused.value.__cause__, InvalidCgroupError)
                 if backend == "cgroups_v1":
                     with pytest.raises(InvalidCgroupError):
                         CgroupsV1Backend(hierarchy, root)
@@ -386,8 +389,9 @@ async def test_a_bad_v2_checkpoint_stops_the_start_and_is_never_read_as_empty(
                 handle.write(bad)
             components = await NvidiaComponents.create(node.flags())
             try:
-                with pytest.raises(CheckpointError) as caught:
+                with pytest.raises(IsolatorError) as caught:
                     await NvidiaGpuIsolatorProcess.create(node.flags(), components)
+                assert type(caught.value) is IsolatorError and isinstance(caught.value.__cause__, CheckpointError)
                 message = one_line(caught.value, limit=1000)
                 assert file in message and "never read as empty" in message, message
                 assert "Restore it from a backup" in message, message  # the operator hint

@@ -128,9 +128,8 @@ class IsolatorMachine(RuleBasedStateMachine):
     async def settle(future: Any) -> tuple[bool, Any]:
         try:
             return True, await future
-        except IsolatorError as error:
-            return False, error
-        except Exception as error:  # allocator errors are runtime Failures too
+        except IsolatorError as error:  # every isolator failure, allocator exhaustion included
+            assert type(error) is IsolatorError, f"{type(error).__name__}: {error}"
             return False, error
 
     def dispatch(self, kind: str, cid: str, k: int) -> Any:
