@@ -43,9 +43,9 @@ _INTERNED: dict[tuple, "Policy"] = {}
 
 
 def _intern(key: tuple, policy: "Policy") -> None:
-    if len(_INTERNED) >= INTERN_CAPACITY:
+    if len(_INTERNED) >= INTERN_CAPACITY:  # the older half out (a thread may be doing the same)
         for old in list(_INTERNED)[: INTERN_CAPACITY // 2]:
-            del _INTERNED[old]
+            _INTERNED.pop(old, None)
     _INTERNED[key] = policy
 
 

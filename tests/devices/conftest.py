@@ -105,3 +105,15 @@ def v1_sandbox() -> Iterator[CgroupSandbox]:
 @pytest.fixture
 def v2_sandbox() -> Iterator[CgroupSandbox]:
     yield from _sandbox("cgroups_v2", V2_HIERARCHY)
+
+
+@pytest.fixture(params=["v1", "v2"])
+def kernel(request: pytest.FixtureRequest) -> str:
+    """Each kernel test that takes it runs on cgroups v1 and on cgroups v2."""
+    return request.param
+
+
+@pytest.fixture
+def sandbox(kernel: str, request: pytest.FixtureRequest) -> CgroupSandbox:
+    """The ``v1_sandbox`` or the ``v2_sandbox``, as ``kernel`` says."""
+    return request.getfixturevalue(f"{kernel}_sandbox")

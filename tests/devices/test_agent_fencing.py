@@ -70,16 +70,6 @@ def read_bytes(path: str) -> bytes | None:
         return None
 
 
-@pytest.fixture(params=["v1", "v2"])
-def kernel(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture
-def sandbox(kernel: str, request: pytest.FixtureRequest) -> Any:
-    return request.getfixturevalue(f"{kernel}_sandbox")
-
-
 @pytest.mark.asyncio
 async def test_a_stale_worker_of_a_killed_agent_applies_nothing_after_a_new_agent_started(kernel, sandbox, tmp_path):
     backend = "cgroups_v1" if kernel == "v1" else "cgroups_v2"

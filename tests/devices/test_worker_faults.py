@@ -33,7 +33,7 @@ import pytest
 
 from actors.devices import DeviceControl, Policy, WorkerError, checkpoint_file, container_policy
 from runtime import Runtime, collect
-from tests.support.kernel import wait_gone
+from tests.support.kernel import children, wait_gone
 
 GPU0 = container_policy([], ["c 195:0 rwm"])
 NO_GPU = container_policy([], [])
@@ -45,22 +45,6 @@ def worker_pid(control: DeviceControl) -> int:
     return pid
 
 
-def zombie_children() -> list[int]:
-    """Children of this process that have exited but were never reaped."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] == "Z" and int(fields[1]) == os.getpid():
-            found.append(int(entry))
-    return found
-
-
 async def create(kernel: str, sandbox: Any, tmp_path: Any, **extra: Any) -> DeviceControl:
     return await DeviceControl.create(
         "cgroups_v1" if kernel == "v1" else "cgroups_v2",
@@ -70,16 +54,6 @@ async def create(kernel: str, sandbox: Any, tmp_path: Any, **extra: Any) -> Devi
         worker="process",
         **extra,
     )
-
-
-@pytest.fixture(params=["v1", "v2"])
-def kernel(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture
-def sandbox(kernel: str, request: pytest.FixtureRequest) -> Any:
-    return request.getfixturevalue(f"{kernel}_sandbox")
 
 
 # -- 1. the restart race --------------------------------------------------------------
@@ -190,9 +164,9 @@ async def test_a_worker_whose_backend_fails_to_start_is_reaped(v2_sandbox, tmp_p
             with pytest.raises(Exception, match="Device checkpoint .* is unreadable"):
                 await create("v2", v2_sandbox, tmp_path)
     deadline = time.monotonic() + 10
-    while zombie_children() and time.monotonic() < deadline:
+    while children(zombies=True) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert zombie_children() == []
+    assert children(zombies=True) == set()
 
 
 def _lowest_free_fd() -> int:
@@ -299,7 +273,7 @@ async def test_a_worker_that_never_answers_is_killed_and_a_thread_used(v1_sandbo
                    and "uses a thread of this process instead" in w for w in warning), warning
         assert await control.exists("c1") is False
         await control.close()
-    assert zombie_children() == []
+    assert children(zombies=True) == set()
 
 
 @pytest.mark.asyncio
@@ -350,4 +324,4 @@ async def test_workers_that_keep_dying_fail_the_calls_instead_of_restarting_for_
         assert all(isinstance(r, WorkerError) for r in results), results
         assert control._process.driver.starts <= 1 + _worker.MAX_QUICK_DEATHS + 1
         await control.close()
-    assert zombie_children() == []
+    assert children(zombies=True) == set()

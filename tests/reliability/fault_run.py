@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from isolators.testing import SimulatedNode, backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
-from tests.support.kernel import process_state, wait_gone
+from tests.support.kernel import children, process_state, wait_gone
 from tests.support.probes import DeviceProbe, mknod_nodes
 
 GPUS = 8
@@ -75,20 +75,6 @@ class Figures:
     failed_calls: int = 0
     failure_reasons: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry))
-    return found
 
 
 def _describe(pid: int) -> str:
@@ -180,7 +166,7 @@ class Agent:
     def workers(self) -> list[int]:
         """The agent's device worker processes (its children running ``_worker_child``)."""
         found = []
-        for pid in _children(self.pid):
+        for pid in sorted(children(self.pid)):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
                     if b"_worker_child" in cmdline.read():

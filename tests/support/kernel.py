@@ -203,9 +203,10 @@ def bpf_fds() -> set[str]:
     return found
 
 
-def children() -> set[int]:
-    """Live (not zombie) child processes of this process."""
-    me = os.getpid()
+def children(parent: int | None = None, *, zombies: bool = False) -> set[int]:
+    """Live (not zombie) child processes of ``parent`` (default: this process);
+    with ``zombies``, only those that exited and were never reaped."""
+    me = os.getpid() if parent is None else parent
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -215,7 +216,7 @@ def children() -> set[int]:
                 fields = handle.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == me and fields[0] != "Z":
+        if int(fields[1]) == me and (fields[0] == "Z") == zombies:
             found.add(int(entry))
     return found
 
