@@ -3,13 +3,16 @@
 Rules (Mesos ``NvidiaGpuIsolatorProcess::_update``, R-IS-3/4):
 - ``requested_gpus(resources)``: the whole number of GPUs asked for (0 when
   absent); a fractional value, a range or a set is refused with Mesos' "The
-  'gpus' resource must be an unsigned integer".
+  'gpus' resource must be an unsigned integer". ``requested_count(resources,
+  name)`` is the same for any unit resource (``mig-1g.18gb``, R-MG-3).
 - ``gpu_rule(gpu)``: the rule that grants one GPU, ``c 195:<minor> rwm``.
 - ``Policies(control_devices).of(gpus)``: a container's whole device policy
   for the GPUs it holds -- deny all; the standard container devices, the
-  control devices and those GPUs allowed (``Policy.container``). Pure; the
-  same ``Policy`` comes back for the same GPU set (churn repeats a few), at
-  most 256 sets are kept.
+  control devices and those GPUs allowed (``Policy.container``). With
+  ``rules`` (a ``UnitCatalog``'s) the units may be MIG devices, granted by
+  their parent's rule and their capability nodes. Pure; the same ``Policy``
+  comes back for the same GPU set (churn repeats a few), at most 256 sets
+  are kept.
 - ``ContainerRecord``: the isolator's record of one top-level container.
   ``withheld``: GPUs allocated for it beyond its grant whose kernel state is
   unknown (a device-control call failed with its effects unknown); they
@@ -21,7 +24,7 @@ Rules (Mesos ``NvidiaGpuIsolatorProcess::_update``, R-IS-3/4):
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from actors.devices import DeviceRule, Policy
 from actors import Gpu
@@ -34,12 +37,16 @@ from ._types import ContainerID
 
 def requested_gpus(resources: Resources) -> int:
     """The whole number of GPUs ``resources`` asks for (0 when absent)."""
-    if "gpus" in resources.others:  # a range or set: never read as "no GPUs"
-        raise IsolatorError("The 'gpus' resource must be an unsigned integer")
-    gpus = resources.gpus()
-    value = gpus if gpus is not None else 0.0
+    return requested_count(resources, "gpus")
+
+
+def requested_count(resources: Resources, name: str) -> int:
+    """The whole number of ``name`` units ``resources`` asks for (0 when absent)."""
+    if name in resources.others:  # a range or set: never read as "no GPUs"
+        raise IsolatorError(f"The '{name}' resource must be an unsigned integer")
+    value = resources.scalars.get(name, 0.0)
     if int(round(value * 1000)) % 1000 != 0:
-        raise IsolatorError("The 'gpus' resource must be an unsigned integer")
+        raise IsolatorError(f"The '{name}' resource must be an unsigned integer")
     return int(round(value))
 
 
@@ -56,8 +63,10 @@ def gpu_rules(gpus: Iterable[Gpu]) -> list[DeviceRule]:
 class Policies:
     """Container policies by the set of GPUs held (see the module rules)."""
 
-    def __init__(self, control_devices: Iterable[DeviceRule]) -> None:
+    def __init__(self, control_devices: Iterable[DeviceRule],
+                 rules: Callable[[Iterable[Any]], list[DeviceRule]] | None = None) -> None:
         self.control_devices = list(control_devices)
+        self._rules = rules if rules is not None else gpu_rules
         self._by_gpus: dict[frozenset[Gpu], Policy] = {}
 
     def of(self, gpus: Iterable[Gpu]) -> Policy:
@@ -65,7 +74,7 @@ class Policies:
         key = frozenset(gpus)
         policy = self._by_gpus.get(key)
         if policy is None:
-            policy = Policy.container(self.control_devices, gpu_rules(key))
+            policy = Policy.container(self.control_devices, self._rules(key))
             if len(self._by_gpus) >= 256:
                 self._by_gpus.clear()
             self._by_gpus[key] = policy

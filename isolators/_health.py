@@ -3,9 +3,10 @@ turned unhealthy.
 
 Rules:
 - ``watch(id)`` returns a Future of a ``ContainerLimitation`` (reason
-  ``REASON_GPU_UNHEALTHY``, a message naming the GPU and the allocator's
-  reason), queued behind the container's earlier calls; nested ids ->
-  "Not supported for nested containers"; unknown ids -> "Unknown container".
+  ``REASON_GPU_UNHEALTHY``, a message naming the GPU -- or the MIG device,
+  whose resource the limitation then names -- and the allocator's reason),
+  queued behind the container's earlier calls; nested ids -> "Not
+  supported for nested containers"; unknown ids -> "Unknown container".
 - The allocator watches the GPUs the container holds NOW: the watch is
   re-armed at every change of them (``_arm``) and dropped when nobody
   watches. An event for GPUs since released is stale and ignored.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from actors.mig import MigDevice
 from actors.resources import Resources
 from runtime import Future, Promise, defer
 
@@ -35,6 +37,7 @@ class HealthWatch:
     pid: Any
     infos: dict
     allocator: Any
+    catalog: Any
     _in_order: Any
 
     def watch(self, container_id: ContainerID) -> Any:
@@ -93,9 +96,12 @@ class HealthWatch:
             return  # re-armed or cleaned up since: stale
         info.health = None
         cid = info.container_id
-        message = f"GPU {event.gpu} of container {cid} became unhealthy: {event.reason}"
+        unit = event.gpu
+        what = f"MIG device {unit}" if isinstance(unit, MigDevice) else f"GPU {unit}"
+        message = f"{what} of container {cid} became unhealthy: {event.reason}"
         logger.warning("Container %s: %s", cid, message)
-        limitation = ContainerLimitation(resources=Resources.parse("gpus:1"), message=message)
+        resource = self.catalog.pool_of(unit) or "gpus"
+        limitation = ContainerLimitation(resources=Resources(scalars={resource: 1.0}), message=message)
         watchers, info.watchers = info.watchers, []
         for watcher in watchers:
             watcher.set_value(limitation)

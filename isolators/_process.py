@@ -52,6 +52,12 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
 - Metrics (``_metrics``): published at initialize, given back at finalize;
   prepare, update, cleanup and each container's reconcile are counted and
   timed (``measured``), gauges read the records when a snapshot is taken.
+- Units (R-MG-3): with a MIG strategy the allocator hands out MIG devices
+  too (``UnitCatalog``): a container's demand is counted per resource
+  (``gpus``, ``mig-<profile>``), taken all or nothing, granted by the MIG
+  device's parent node and its two capability nodes, released highest
+  first per resource, recognised at recovery from the kernel's state.
+  Without MIG devices the whole-GPU paths run unchanged.
 - Every log line names the container id.
 """
 
@@ -64,6 +70,7 @@ from typing import Any
 from actors import Gpu
 from actors.devices import DeviceControl, DeviceRule
 from actors.devices.testing import SimulatedCrash
+from actors.mig import MigCapabilityError, MigDevice, read_mig_capabilities
 from actors.flags import Flags
 from actors.resources import Resources
 from runtime import Executor, Process, Sequence, delay, dispatch, spawn
@@ -73,6 +80,7 @@ from ._container_specs import ContainerSpecs
 from ._errors import IsolatorError, as_isolator_error
 from ._health import HealthWatch
 from ._grant import ContainerRecord, LingeringCgroup, Policies, gpu_rules, requested_gpus
+from ._units import UnitCatalog
 from ._launch import build_launch_info, remove_devices_dir, runtime_path
 from ._metrics import IsolatorMetrics, measured
 from ._recovery import BROAD, UNKNOWN, minors, plan_recovery, recovery_candidates
@@ -96,7 +104,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
     """The NVIDIA GPU isolator actor (see the module rules)."""
 
     def __init__(self, flags: Flags, components: NvidiaComponents, devices: DeviceControl,
-                 control_devices: dict[str, DeviceRule]) -> None:
+                 control_devices: dict[str, DeviceRule], catalog: UnitCatalog | None = None) -> None:
         super().__init__()
         self.flags = flags
         self.allocator = components.allocator
@@ -108,7 +116,11 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         self.infos: dict[ContainerID, ContainerRecord] = {}
         self._sequences: dict[ContainerID, Sequence] = {}
         """Per container: its calls in arrival order (dropped when idle)."""
-        self.policies = Policies(control_devices.values())
+        self.catalog = catalog if catalog is not None else UnitCatalog(components.allocator.pools())
+        """The units handed out: their rules, grants and resources."""
+        self._mig = self.catalog.has_mig
+        """MIG devices are handed out (else every path is the whole-GPU one)."""
+        self.policies = Policies(control_devices.values(), self.catalog.rules if self._mig else None)
         self._executor = Executor(max_workers=2, name="gpu-isolator")
         self.specs = ContainerSpecs(flags.cdi_spec_dir, flags.dev_dir, components.inventory, control_devices,
                                     components.volume, self._executor)
@@ -142,9 +154,15 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         from ._handle import MesosIsolator
 
         host_numbers = dict(components.inventory.control_devices) if components.inventory.kind == "simulated" else None
+        pools = components.allocator.pools()
+        has_mig = any(isinstance(unit, MigDevice) for units in pools.values() for unit in units)
         executor = Executor(1, name="gpu-isolator-create")
         try:
             control = await executor.run(probe_host, flags, host_numbers)
+            caps = await executor.run(read_mig_capabilities, flags.proc_dir) if has_mig else None
+            catalog = UnitCatalog(pools, caps, flags.nvidia_mig_strategy)
+        except MigCapabilityError as e:
+            raise IsolatorError(str(e)) from e
         finally:
             executor.shutdown(wait=False)
         if devices is None:
@@ -158,7 +176,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
                 )
             except Exception as error:
                 raise as_isolator_error(error) from error
-        process = cls(flags, components, devices, control)
+        process = cls(flags, components, devices, control, catalog)
         spawn(process)
         return MesosIsolator(process, devices)
 
@@ -269,7 +287,11 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         states_by_cgroup = {cid.path(): await state for cid, state in zip(candidates, read)}
         held = await self.allocator.allocated()
         candidates = [cid for cid in candidates if cid not in self.infos]  # re-check after the awaits
-        plan = plan_recovery(candidates, states_by_cgroup, self.allocator.total(), held, report, missing)
+        if self._mig:
+            plan = plan_recovery(candidates, states_by_cgroup, self.allocator.total(), held, report, missing,
+                                 granted=self.catalog.granted, covers=self.catalog.covers_by_wildcard)
+        else:
+            plan = plan_recovery(candidates, states_by_cgroup, self.allocator.total(), held, report, missing)
         for cid in plan.missing:
             logger.warning("Container %s: couldn't find the cgroup '%s' for recovery", cid, cid.path())
         if plan.claim:
@@ -324,7 +346,11 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
     async def _prepare(self, container_id: ContainerID, config: ContainerConfig) -> ContainerLaunchInfo | None:
         if container_id in self.infos:
             raise IsolatorError("Container has already been prepared")
-        requested = requested_gpus(config.resources)
+        if self._mig:
+            demand = self.catalog.demand(config.resources)
+            requested = sum(demand.values())
+        else:
+            requested = requested_gpus(config.resources)
         if container_id in self._lingering:
             await self._refuse_while_lingering(container_id)
         if container_id in self.infos:  # re-check after the await
@@ -333,7 +359,12 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         self.infos[container_id] = info
         touched = False  # whether the kernel was asked for anything
         try:
-            gpus: set[Gpu] = set(await self.allocator.allocate(requested)) if requested else set()
+            if not requested:
+                gpus: set[Gpu] = set()
+            elif self._mig:
+                gpus = set(await self.allocator.allocate_resources(demand))
+            else:
+                gpus = set(await self.allocator.allocate(requested))
             info.allocated = gpus
             touched = True
             await self.devices.configure(info.cgroup, self.policies.of(gpus))
@@ -384,7 +415,8 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
 
     async def _launch_info(self, container_id: ContainerID, config: ContainerConfig) -> ContainerLaunchInfo | None:
         launch, copied = await build_launch_info(
-            self._executor, self.volume, self.flags.runtime_dir, self.flags.dev_dir, container_id, config)
+            self._executor, self.volume, self.flags.runtime_dir, self.flags.dev_dir, container_id, config,
+            mig_files=self.catalog.container_files(self.flags.dev_dir) if self._mig else None)
         if copied:
             self._device_dirs.add(container_id)
         return launch
@@ -404,16 +436,25 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             raise IsolatorError("Not supported for nested containers")
         info = self.infos.get(container_id)
         if (info is not None and not self._in_flight(container_id) and self._crashed is None
-                and not info.unknown_state and requested_gpus(resources) == len(info.allocated)):
+                and not info.unknown_state and self._fits(info, resources)):
             self._metrics.update.runs.inc()
             return None  # nothing to change, and no earlier call on it in flight: done now
         return self._in_order(container_id, self._update, container_id, resources)
+
+    def _fits(self, info: ContainerRecord, resources: Resources) -> bool:
+        """Whether ``info`` holds exactly what ``resources`` ask for."""
+        if not self._mig:
+            return requested_gpus(resources) == len(info.allocated)
+        demand = {name: count for name, count in self.catalog.demand(resources).items() if count}
+        return demand == self.catalog.held(info.allocated)
 
     @measured("update")
     async def _update(self, container_id: ContainerID, resources: Resources) -> None:
         info = self.infos.get(container_id)
         if info is None:
             raise IsolatorError("Unknown container")
+        if self._mig:
+            return await self._update_units(info, self.catalog.demand(resources))
         requested = requested_gpus(resources)
         if info.unknown_state:
             raise IsolatorError(
@@ -472,6 +513,40 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
                 await self.allocator.deallocate(extra)
             raise
 
+    async def _update_units(self, info: ContainerRecord, demand: dict[str, int]) -> None:
+        """``update`` on a MIG node: per resource, take the extra units (all or
+        nothing) and give back the surplus, highest first; ONE ``configure`` of
+        the whole policy of what is kept, the CDI spec rewritten, then the
+        surplus goes back."""
+        container_id = info.container_id
+        if info.unknown_state:
+            raise IsolatorError(
+                f"Container {container_id}: its device state was unknown at recovery (GPUs"
+                f" {minors(info.allocated)} are held back for it); it can only be cleaned up"
+            )
+        held = self.catalog.held(info.allocated)
+        wanted = {name: count - held.get(name, 0) for name, count in demand.items() if count > held.get(name, 0)}
+        surplus = self.catalog.surplus(info.allocated, demand)
+        if not wanted and not surplus:
+            return
+        extra: set = set(await self.allocator.allocate_resources(wanted)) if wanted else set()
+        keep = (info.allocated - surplus) | extra
+        try:
+            await self.devices.configure(info.cgroup, self.policies.of(keep))
+        except BaseException:
+            # As for GPUs: never released on a guess (the grant may be in the
+            # kernel); held back until the kernel matches the record again.
+            info.withheld |= extra
+            await self._settle_withheld(info)
+            raise
+        await self._respec(info, keep, extra)
+        info.allocated = keep
+        self._arm(info)
+        if surplus:
+            await self.allocator.deallocate(surplus)
+        logger.info("Container %s: granted %s, released %s, highest first (now %s)", container_id,
+                    minors(extra), minors(surplus), minors(info.allocated))
+
     # -- usage ----------------------------------------------------------------
     def usage(self, container_id: ContainerID) -> Any:
         check_container_id(container_id)
@@ -500,9 +575,13 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         except Exception as error:
             raise as_isolator_error(error) from error
         by_gpu = self.inventory.by_gpu()
+        by_mig = self.inventory.by_mig() if self._mig else {}
         stats = []
         for gpu in gpus:
             r = readings.get(gpu)
+            if isinstance(gpu, MigDevice):
+                stats.append(_mig_statistics(gpu, by_mig.get(gpu), r))
+                continue
             info = by_gpu.get(gpu)
             stats.append(GpuStatistics(
                 minor=gpu.minor,
@@ -611,6 +690,8 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
                 return
             if state is None:
                 released = set()
+            elif self._mig:
+                released = {unit for unit in withheld if not self.catalog.may_use(state, unit)}
             else:
                 released = {g for g in withheld if not state.is_granted("c", g.major, g.minor, "r")
                             and not state.is_granted("c", g.major, g.minor, "w")}
@@ -687,5 +768,25 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         return [Repair(str(cid), line)]
 
     def containers(self) -> dict[str, list[int]]:
-        """The containers known and the minors each holds (for scripts and tests)."""
+        """The containers known and the minors each holds (for scripts and tests);
+        a MIG device is written ``195:0/gi3/ci0``."""
+        if self._mig:
+            return {str(cid): minors(info.allocated) for cid, info in self.infos.items()}
         return {str(cid): sorted(g.minor for g in info.allocated) for cid, info in self.infos.items()}
+
+
+def _mig_statistics(device: MigDevice, info: Any, reading: Any) -> GpuStatistics:
+    """NVML's view of one MIG device a container holds (on its MIG handle)."""
+    return GpuStatistics(
+        minor=device.parent.minor,
+        uuid=info.uuid if info is not None else None,
+        mig_profile=info.profile if info is not None else None,
+        gpu_instance_id=device.gi,
+        compute_instance_id=device.ci,
+        memory_used_bytes=reading.memory_used_bytes if reading else None,
+        memory_total_bytes=reading.memory_total_bytes if reading else None,
+        utilization_gpu_percent=reading.utilization_gpu_percent if reading else None,
+        utilization_memory_percent=reading.utilization_memory_percent if reading else None,
+        power_milliwatts=reading.power_mw if reading else None,
+        temperature_celsius=reading.temperature_c if reading else None,
+    )

@@ -22,6 +22,12 @@ asks ``plan_recovery`` and carries the plan out.
   may use any GPU, so every GPU nobody holds goes into ONE quarantine that
   they all share; none goes back to the pool before the last of them is
   cleaned up (reported, one line each).
+- Units (R-MG-3): ``granted(state, units)`` says which units a cgroup's
+  state grants and ``covers(rule)`` whether a rule grants them by wildcard
+  (defaults: whole GPUs by ``c 195:<minor>`` read and write; a
+  ``UnitCatalog`` also recognises a MIG device from its parent node and its
+  two capability nodes). Report lines name whole GPUs by minor and MIG
+  devices as ``195:0/gi3/ci0``.
 - The plan: the containers in that order (exact, broad, unknown), each with
   the GPUs it keeps and whether its rules must be reconciled (every one
   whose device state is known); the GPUs to reclaim from the allocator in
@@ -30,7 +36,7 @@ asks ``plan_recovery`` and carries the plan out.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import msgspec
 
@@ -108,7 +114,9 @@ def recovery_candidates(named: Iterable[ContainerID], existing: Iterable[str], k
 
 def plan_recovery(candidates: Iterable[ContainerID], states: Mapping[str, Policy | None],
                   total: Iterable[Gpu], held: Iterable[Gpu], report: Iterable[str] = (),
-                  missing: Iterable[ContainerID] = ()) -> RecoveryPlan:
+                  missing: Iterable[ContainerID] = (), *,
+                  granted: Callable[[Policy, Iterable[Any]], set] | None = None,
+                  covers: Callable[[DeviceRule], bool] | None = None) -> RecoveryPlan:
     """The recovery plan for ``candidates`` (see the module rules).
 
     ``states``: each candidate cgroup's device state (None when unknown);
@@ -116,6 +124,7 @@ def plan_recovery(candidates: Iterable[ContainerID], states: Mapping[str, Policy
     out already; ``report``/``missing``: from ``recovery_candidates``."""
     total = sorted(set(total))
     held = set(held)
+    covers = covers if covers is not None else covers_gpus
     lines = list(report)
     exact: list[RecoveredContainer] = []
     broad: list[tuple[ContainerID, str, set[Gpu]]] = []
@@ -127,8 +136,11 @@ def plan_recovery(candidates: Iterable[ContainerID], states: Mapping[str, Policy
         if state is None:
             unknown.append((cid, cgroup))
             continue
-        gpus = {g for g in total if state.is_granted("c", g.major, g.minor, "rw")}
-        if gpus & (claimed | held) or any(covers_gpus(rule) for rule in state.allow):
+        if granted is None:
+            gpus = {g for g in total if state.is_granted("c", g.major, g.minor, "rw")}
+        else:
+            gpus = granted(state, total)
+        if gpus & (claimed | held) or any(covers(rule) for rule in state.allow):
             broad.append((cid, cgroup, gpus))
             continue
         claimed |= gpus
@@ -170,6 +182,10 @@ def covers_gpus(rule: DeviceRule) -> bool:
     )
 
 
-def minors(gpus: Iterable[Gpu]) -> list[int]:
-    """The minors of ``gpus``, sorted (for log and report lines)."""
-    return sorted(g.minor for g in gpus)
+def minors(gpus: Iterable[Gpu]) -> list:
+    """The minors of ``gpus``, sorted (for log and report lines); a MIG device
+    is written ``195:0/gi3/ci0``, after its parent's minor."""
+    units = sorted(gpus)
+    if all(type(g) is Gpu for g in units):
+        return [g.minor for g in units]
+    return [g.minor if isinstance(g, Gpu) else str(g) for g in units]

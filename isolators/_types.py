@@ -265,7 +265,9 @@ class ContainerState(msgspec.Struct):
 
 
 class GpuStatistics(msgspec.Struct, kw_only=True):
-    """NVML's view of one GPU held by a container (None where NVML has no answer)."""
+    """NVML's view of one GPU held by a container (None where NVML has no answer).
+    For a MIG device: ``minor`` is its parent's, ``uuid`` its ``MIG-…`` UUID, and
+    ``mig_profile``, ``gpu_instance_id``, ``compute_instance_id`` say which one."""
 
     minor: int
     uuid: str | None = None
@@ -275,6 +277,9 @@ class GpuStatistics(msgspec.Struct, kw_only=True):
     utilization_memory_percent: int | None = None
     power_milliwatts: int | None = None
     temperature_celsius: int | None = None
+    mig_profile: str | None = None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
 
 
 class ResourceStatistics(msgspec.Struct, kw_only=True):

@@ -12,7 +12,11 @@ Rules (R-MG-2/3; a unit is a whole ``Gpu`` or a ``MigDevice``):
   shared by two MIG devices of one container appears once.
 - A grant is recognised from the kernel's state (recovery, R-IS-7): a GPU
   when the state grants its node read and write; a MIG device when it
-  grants its parent read and write and both capability nodes read. A rule
+  grants its parent read and write and both capability nodes read.
+  ``may_use`` is the cautious reading (a unit withheld after an unknown
+  kernel outcome goes back only when the state cannot use it): a GPU's
+  node readable or writable, one of a MIG device's capability nodes
+  readable. A rule
   that grants NVIDIA nodes, or capability nodes, by wildcard makes the
   state "broad" (the recovery planner then keeps only what nobody holds).
 - Demand (``demand(resources)``): ``gpus`` from the resources (a range, set
@@ -22,14 +26,20 @@ Rules (R-MG-2/3; a unit is a whole ``Gpu`` or a ``MigDevice``):
   ``held(units)`` counts units by the resource they belong to;
   ``surplus(units, demand)`` picks, per resource, the highest units to
   give back (``update`` shrinks highest first, as for GPUs).
-- ``describe(units)``: ``[0, 1]`` for whole GPUs (minors, as every log line
-  wrote them), ``195:0/gi3/ci0`` for MIG devices.
+- Launch info (``container_files``): a container with its own rootfs gets
+  the capability nodes of every MIG device the isolator hands out (copied,
+  like every ``/dev/nvidia*`` node in Mesos, so an update needs no new
+  node: the cgroup decides what opens) and their capability proc files,
+  bound read-only (``MigFiles``).
 - Pure once built: no I/O, no actor.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
+
+import msgspec
 
 from actors.devices import DeviceRule
 from actors.gpu import NVIDIA_MAJOR, Gpu
@@ -43,25 +53,20 @@ from actors.mig import (
 )
 
 from ._errors import IsolatorError
+from ._grant import gpu_rule, gpu_rules, requested_count
 
-__all__ = ["UnitCatalog", "gpu_rule", "requested_count"]
+__all__ = ["UnitCatalog", "MigFiles"]
 
 GPUS = "gpus"
 
 
-def gpu_rule(gpu: Gpu) -> DeviceRule:
-    """The device rule that grants one GPU (read, write, mknod as in Mesos)."""
-    return DeviceRule("c", gpu.major, gpu.minor, "rwm")
+class MigFiles(msgspec.Struct, frozen=True):
+    """What a container with its own rootfs gets of the MIG devices: capability
+    nodes to copy (host paths under ``<dev_dir>/nvidia-caps``) and proc files
+    to bind read-only (host path, path in the container)."""
 
-
-def requested_count(resources: Resources, name: str = GPUS) -> int:
-    """The whole number of ``name`` units ``resources`` asks for (0 when absent)."""
-    if name in resources.others:  # a range or set: never read as "no GPUs"
-        raise IsolatorError(f"The '{name}' resource must be an unsigned integer")
-    value = resources.scalars.get(name, 0.0)
-    if int(round(value * 1000)) % 1000 != 0:
-        raise IsolatorError(f"The '{name}' resource must be an unsigned integer")
-    return int(round(value))
+    cap_nodes: tuple[str, ...]
+    proc_files: tuple[tuple[str, str], ...]
 
 
 class UnitCatalog:
@@ -89,7 +94,7 @@ class UnitCatalog:
     def rules(self, units: Iterable[Unit]) -> list[DeviceRule]:
         """The device rules granting ``units`` (see module rules)."""
         if not self.has_mig:
-            return [gpu_rule(g) for g in sorted(units)]
+            return gpu_rules(units)
         rules: list[DeviceRule] = []
         seen: set[DeviceRule] = set()
         for unit in sorted(units, key=unit_sort_key):
@@ -115,6 +120,16 @@ class UnitCatalog:
             ):
                 found.add(unit)
         return found
+
+    def may_use(self, state, unit: Unit) -> bool:
+        """Whether a cgroup's state lets it use ``unit`` at all: a GPU's node
+        readable or writable; one of a MIG device's capability nodes readable
+        (its parent alone may be another MIG device's)."""
+        if isinstance(unit, Gpu):
+            return state.is_granted("c", unit.major, unit.minor, "r") or state.is_granted(
+                "c", unit.major, unit.minor, "w")
+        _parent, gi, ci = self._rules[unit]
+        return state.is_granted("c", gi.major, gi.minor, "r") or state.is_granted("c", ci.major, ci.minor, "r")
 
     def covers_by_wildcard(self, rule: DeviceRule) -> bool:
         """Whether an allow rule grants NVIDIA or capability nodes by wildcard."""
@@ -162,11 +177,15 @@ class UnitCatalog:
                 give_back.update(sorted(held, key=unit_sort_key, reverse=True)[:extra])
         return give_back
 
-    # -- words ------------------------------------------------------------------
-    @staticmethod
-    def describe(units: Iterable[Unit]) -> list:
-        """Minors of whole GPUs, ``195:0/gi3/ci0`` of MIG devices (log and report lines)."""
-        units = sorted(units, key=unit_sort_key)
-        if all(isinstance(unit, Gpu) for unit in units):
-            return [unit.minor for unit in units]
-        return [unit.minor if isinstance(unit, Gpu) else str(unit) for unit in units]
+    # -- launch info ------------------------------------------------------------
+    def container_files(self, dev_dir: str) -> MigFiles | None:
+        """The MIG files of a container with its own rootfs (see module rules)."""
+        if not self.has_mig:
+            return None
+        nodes: list[str] = []
+        files: list[tuple[str, str]] = []
+        for device in sorted(self.mig_devices, key=unit_sort_key):
+            nodes += self.caps.cap_node_paths(device, dev_dir)
+            for host in self.caps.proc_files(device):
+                files.append((host, "/proc/" + os.path.relpath(host, self.caps.proc_dir)))
+        return MigFiles(cap_nodes=tuple(nodes), proc_files=tuple(files))

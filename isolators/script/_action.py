@@ -48,6 +48,10 @@ RUNNER_FLAGS = ("host_file", "dev_dir", "runtime_dir", "work_dir", "volume_dir",
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=1000)]
 Text = Annotated[str, msgspec.Meta(max_length=10_000)]
 Minor = Annotated[int, msgspec.Meta(ge=0, le=(1 << 20) - 1)]
+MigText = Annotated[str, msgspec.Meta(pattern=r"^\d{1,4}:\d{1,7}/gi\d{1,3}/ci\d{1,3}$", max_length=40)]
+"""A MIG device as ``195:0/gi3/ci0`` (R-MG-3)."""
+Unit = Minor | MigText
+"""A whole GPU by minor, or a MIG device."""
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_CALLS)]
 
 
@@ -59,7 +63,8 @@ class Expect(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """What a step expects (which fields apply: its action's ``expects``)."""
 
     error: Text | None = None
-    gpus: list[Minor] | None = None
+    gpus: list[Unit] | None = None
+    """Whole GPUs by minor; MIG devices as ``195:0/gi3/ci0``."""
     count: Count | None = None
     none: bool | None = None
     result: dict[str, Any] | list[Any] | None = None

@@ -15,11 +15,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
+from actors.gpu import Gpu
 from actors.manifest import ImageManifest
+from actors.mig import MigDevice
 from actors.resources import Resources
 from runtime import Clock, Future, await_all
 
 from .._errors import IsolatorError
+from .._recovery import minors
 from .._types import ContainerClass, ContainerConfig, ContainerID, ContainerState
 from ._action import (
     ACTIONS,
@@ -31,9 +34,11 @@ from ._action import (
     Expect,
     Fail,
     Id,
+    MigText,
     Minor,
     Mismatch,
     Text,
+    Unit,
     action,
     concurrent_actions,
     error_text,
@@ -53,13 +58,18 @@ async def _held_text(run: "ScriptRunner", target: str) -> tuple[list[int] | None
     return held, (f"{target} holds GPUs {held}" if held is not None else f"{target} is not known")
 
 
+def units_in_order(units: list[Any]) -> list[Any]:
+    """Minors and MIG devices (``195:0/gi3/ci0``) in the order the isolator lists them."""
+    return minors(Gpu.nvidia(u) if isinstance(u, int) else MigDevice.parse(u) for u in units)
+
+
 async def _check_held(run: "ScriptRunner", target: str, expect: Expect) -> None:
     """``gpus`` / ``count``: what ``target`` holds after the step."""
     if expect.gpus is None and expect.count is None:
         return
     held, actual = await _held_text(run, target)
-    if expect.gpus is not None and held != sorted(expect.gpus):
-        raise Mismatch(f"{target} holds GPUs {sorted(expect.gpus)}", actual, "other GPUs than expected")
+    if expect.gpus is not None and held != units_in_order(expect.gpus):
+        raise Mismatch(f"{target} holds GPUs {units_in_order(expect.gpus)}", actual, "other GPUs than expected")
     if expect.count is not None and (held is None or len(held) != expect.count):
         raise Mismatch(f"{target} holds {expect.count} GPUs", actual, "another number of GPUs")
 
@@ -191,7 +201,10 @@ class UsageAction(_ByIdCall):
 
 
 def _gpu_usage(g: Any) -> str:
-    parts = [f"GPU {g.minor}"]
+    if g.gpu_instance_id is not None:  # a MIG device
+        parts = [f"MIG device 195:{g.minor}/gi{g.gpu_instance_id}/ci{g.compute_instance_id} ({g.mig_profile})"]
+    else:
+        parts = [f"GPU {g.minor}"]
     if g.memory_total_bytes is not None:
         used = "?" if g.memory_used_bytes is None else g.memory_used_bytes // (1 << 20)
         parts.append(f"{used}/{g.memory_total_bytes // (1 << 20)} MiB")
@@ -413,7 +426,7 @@ class RestartAction(Action):
 # -- assertions and operator calls -------------------------------------------------------
 @action
 class FreeAction(Action):
-    """``free: [minors]``: assert the allocator's free GPUs."""
+    """``free: [minors]``: assert the allocator's free (whole) GPUs."""
 
     name = "free"
     args = list[Minor]
@@ -423,7 +436,7 @@ class FreeAction(Action):
         return "free GPUs"
 
     async def perform(self, run: "ScriptRunner", args: list[int], expect: Expect) -> Any:
-        free = sorted(g.minor for g in await run.components.allocator.available())
+        free = sorted(g.minor for g in await run.components.allocator.available() if isinstance(g, Gpu))
         if free != sorted(args):
             raise Mismatch(f"free GPUs {sorted(args)}", f"free GPUs {free}", "the free GPUs differ")
         return free
@@ -434,10 +447,11 @@ class FreeAction(Action):
 
 @action
 class HeldAction(Action):
-    """``held: {container: [minors]}``: assert which GPUs each container holds."""
+    """``held: {container: [minors]}``: assert which GPUs (and MIG devices,
+    ``195:0/gi3/ci0``) each container holds."""
 
     name = "held"
-    args = dict[str, list[Minor]]
+    args = dict[str, list[Unit]]
     expects = ()
 
     def title(self, args: dict[str, list[int]]) -> str:
@@ -445,7 +459,7 @@ class HeldAction(Action):
 
     async def perform(self, run: "ScriptRunner", args: dict[str, list[int]], expect: Expect) -> Any:
         held = await run.isolator.containers()
-        expected = {k: sorted(v) for k, v in args.items()}
+        expected = {k: units_in_order(v) for k, v in args.items()}
         if held != expected:
             raise Mismatch(f"{expected}", f"{held}", "the containers hold other GPUs")
         return held
@@ -514,3 +528,25 @@ def gpu_by_minor(run: "ScriptRunner", minor: int) -> Any:
         if gpu.minor == minor:
             return gpu
     raise IsolatorError(f"No GPU with minor {minor} on this node")
+
+
+@action
+class FreeMigAction(Action):
+    """``free_mig: ["195:0/gi3/ci0", ...]``: assert the allocator's free MIG devices (R-MG-3)."""
+
+    name = "free_mig"
+    args = list[MigText]
+    expects = ()
+
+    def title(self, args: list[str]) -> str:
+        return "free MIG devices"
+
+    async def perform(self, run: "ScriptRunner", args: list[str], expect: Expect) -> Any:
+        free = minors(u for u in await run.components.allocator.available() if isinstance(u, MigDevice))
+        wanted = units_in_order(args)
+        if free != wanted:
+            raise Mismatch(f"free MIG devices {wanted}", f"free MIG devices {free}", "the free MIG devices differ")
+        return free
+
+    async def describe(self, run: "ScriptRunner", args: list[str], outcome: Any) -> str:
+        return f"{outcome}"

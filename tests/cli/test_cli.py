@@ -252,7 +252,7 @@ def test_python_m_isolators(tmp_path: Path) -> None:
     assert bad.stderr.strip() == (
         "gpu-isolator: error: bad.yaml:3: $.steps[0].reboot: unknown step 'reboot': a step holds one action"
         " (prepare, update, usage, cleanup, recover, create, concurrent, advance, restart, free, held,"
-        " reconcile, mark_unhealthy, mark_healthy) plus optional 'name' and 'expect'"
+        " reconcile, mark_unhealthy, mark_healthy, free_mig) plus optional 'name' and 'expect'"
     )
 
 

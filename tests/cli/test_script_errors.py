@@ -26,14 +26,15 @@ def error_of(text: str | bytes, source: str = "s.yaml") -> str:
     # unknown step / action
     (NODE + "steps:\n  - prepare: {id: a}\n  - reboot: {id: b}\n",
      "s.yaml:4: $.steps[1].reboot: unknown step 'reboot': a step holds one action (prepare, update, usage,"
-     " cleanup, recover, create, concurrent, advance, restart, free, held, reconcile, mark_unhealthy, mark_healthy)"
-     " plus optional 'name' and 'expect'"),
+     " cleanup, recover, create, concurrent, advance, restart, free, held, reconcile, mark_unhealthy,"
+     " mark_healthy, free_mig) plus optional 'name' and 'expect'"),
     (NODE + "steps:\n  - concurrent:\n      steps:\n        - restart: {}\n",
      "s.yaml:5: $.steps[0].concurrent.steps[0].restart: unknown step 'restart': inside 'concurrent' a step"
      " holds one action (prepare, update, usage, cleanup) plus optional 'name' and 'expect'"),
     (NODE + "steps:\n  - prepare: {id: a}\n    update: {id: a, resources: 'gpus:1'}\n",
      "s.yaml:3: $.steps[0]: a step holds exactly one action (prepare, update, usage, cleanup, recover, create,"
-     " concurrent, advance, restart, free, held, reconcile, mark_unhealthy, mark_healthy); got 'prepare' and 'update'"),
+     " concurrent, advance, restart, free, held, reconcile, mark_unhealthy, mark_healthy, free_mig);"
+     " got 'prepare' and 'update'"),
     (NODE + "steps:\n  - name: nothing to do\n",
      "s.yaml:3: $.steps[0]: a step holds exactly one action"),
     # the loader's line numbers are not a field a script can set

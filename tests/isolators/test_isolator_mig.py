@@ -1,0 +1,155 @@
+"""R-MG-2..4: MIG devices as units of the isolator, enforced by the kernel.
+
+A node of two H200s: GPU 0 in MIG mode with the balanced layout (GI 3 and
+GI 4 of profile 1g.18gb, GI 2 2g.35gb, GI 1 3g.71gb), GPU 1 whole; the
+capability facts are written as a driver has them, with a major that is not
+the default one (real hosts give nvidia-caps a dynamic major). On the
+kernel (root; v1 and v2) a child process moved into a container's cgroup
+opens mknod'ed nodes: its MIG device's parent and its two capability nodes
+give ENXIO (allowed, no driver), the capability nodes of the GPU's other
+MIG devices EPERM -- after prepare, after update and after an agent restart.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import runtime
+from actors.resources import Resources
+from isolators import ContainerConfig, ContainerID, ImageManifest, IsolatorError
+from tests.support.mig import (
+    EXPECTED, GPU1, HOST, MIG, expect, kernel_scenario, mknod_mig_nodes, sees, write_mig_proc,
+)
+
+
+def mig_node(node_factory, backend: str, strategy: str = "mixed", host: dict = HOST, **extra):
+    node = node_factory(backend, host=host, nvidia_mig_strategy=strategy, **extra)
+    write_mig_proc(node.proc_dir, host)
+    return node
+
+
+def config(resources: str, **more) -> ContainerConfig:
+    return ContainerConfig(resources=Resources.parse(resources), **more)
+
+
+@pytest.fixture
+def mig_nodes(tmp_path):
+    """mknod'ed GPU, control and capability nodes (``tests.support.mig``)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mknod device nodes")
+    directory = tmp_path / "mig-nodes"
+    directory.mkdir()
+    return mknod_mig_nodes(str(directory))
+
+
+@pytest.mark.asyncio
+async def test_a_container_opens_its_mig_device_and_nothing_of_the_others(
+        kernel_backend, node_factory, mig_nodes) -> None:
+    """Prepare, update, agent restart, update: each container opens exactly its
+    units' nodes (the scenario of ``tests.support.mig``; the fake-NVML tests run
+    the same one through the real pynvml bindings)."""
+    node = mig_node(node_factory, kernel_backend)
+    async with runtime.Runtime():
+        seen = await kernel_scenario(node.flags(), mig_nodes)
+    assert seen == EXPECTED
+
+
+@pytest.mark.asyncio
+async def test_single_strategy_counts_mig_devices_as_gpus(node_factory, backend, mig_nodes, probes) -> None:
+    host = {"driver_version": "550.90.07", "gpus": [dict(HOST["gpus"][0])]}
+    node = mig_node(node_factory, backend, "single", host=host)
+    async with runtime.Runtime():
+        _components, isolator = await node.start()
+        await isolator.prepare(ContainerID("two"), config("gpus:2"))
+        assert await isolator.containers() == {"two": ["195:0/gi1/ci0", "195:0/gi2/ci0"]}
+        with pytest.raises(runtime.Failure, match=r"^Requested 3 gpus but only 2 available$"):
+            await isolator.prepare(ContainerID("three"), config("gpus:3"))
+        await isolator.update(ContainerID("two"), Resources.parse("gpus:1"))
+        assert await isolator.containers() == {"two": ["195:0/gi1/ci0"]}  # the highest went back
+        if node.kernel:
+            probe = probes()
+            probe.move_to(isolator.devices.path("two"))
+            assert sees(probe, mig_nodes) == expect("3g")
+        await isolator.cleanup(ContainerID("two"))
+
+
+@pytest.mark.asyncio
+async def test_mig_requests_are_validated_with_clear_errors(node_factory) -> None:
+    node = mig_node(node_factory, "memory")
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        cases = {
+            "mig-1g.18gb:0.5": "The 'mig-1g.18gb' resource must be an unsigned integer",
+            "mig-1g.18gb:3": "Requested 3 mig-1g.18gb but only 2 available",
+            "mig-2g.20gb:1": "Requested 1 mig-2g.20gb but this node offers no 'mig-2g.20gb' (its resources:"
+                             " gpus, mig-1g.18gb, mig-2g.35gb, mig-3g.71gb)",
+            "gpus:2": "Requested 2 gpus but only 1 available",
+        }
+        for resources, message in cases.items():
+            with pytest.raises(runtime.Failure) as error:  # an IsolatorError, or the allocator's Failure
+                await isolator.prepare(ContainerID("x"), config(resources))
+            assert str(error.value) == message, resources
+        assert await isolator.containers() == {}
+        state = await components.allocator.state()
+        assert len(state.mig_available) == 4 and state.available == [GPU1]  # nothing taken
+
+
+@pytest.mark.asyncio
+async def test_a_node_whose_mig_devices_lack_capability_facts_does_not_start(node_factory) -> None:
+    node = node_factory("memory", host=HOST, nvidia_mig_strategy="mixed", proc_dir="/nonexistent-proc")
+    async with runtime.Runtime():
+        with pytest.raises(IsolatorError) as error:
+            await node.start()
+    assert str(error.value).startswith(
+        "MIG devices without capability facts in '/nonexistent-proc/driver/nvidia-caps/mig-minors' and"
+        " '/nonexistent-proc/devices' (4): MIG device 195:0/gi1/ci0: no 'nvidia-caps' line in")
+
+
+@pytest.mark.asyncio
+async def test_usage_of_a_mig_device_is_read_on_its_mig_handle(node_factory) -> None:
+    node = mig_node(node_factory, "memory")
+    async with runtime.Runtime():
+        _components, isolator = await node.start()
+        await isolator.prepare(ContainerID("u"), config("gpus:1;mig-1g.18gb:1"))
+        stats = await isolator.usage(ContainerID("u"))
+        assert stats.gpus_allocated == 2
+        mig, whole = stats.gpus
+        assert (mig.minor, mig.mig_profile, mig.gpu_instance_id, mig.compute_instance_id) == (0, "1g.18gb", 3, 0)
+        assert mig.uuid.startswith("MIG-")
+        assert (mig.memory_used_bytes, mig.memory_total_bytes) == (512 << 20, 16896 << 20)
+        assert mig.utilization_gpu_percent is None and mig.power_milliwatts is None
+        assert (whole.minor, whole.mig_profile, whole.utilization_gpu_percent) == (1, None, 7)
+
+
+@pytest.mark.asyncio
+async def test_watch_names_the_mig_device_and_its_resource(node_factory) -> None:
+    node = mig_node(node_factory, "memory")
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(ContainerID("h"), config("mig-2g.35gb:1"))
+        watch = isolator.watch(ContainerID("h"))
+        await components.allocator.mark_unhealthy(MIG["2g"], "Xid 79")
+        limitation = await watch
+        assert limitation.message == "MIG device 195:0/gi2/ci0 of container h became unhealthy: Xid 79"
+        assert limitation.resources == Resources.parse("mig-2g.35gb:1")
+
+
+@pytest.mark.asyncio
+async def test_a_rootfs_gets_the_capability_proc_files_read_only(node_factory, tmp_path) -> None:
+    node = mig_node(node_factory, "memory")
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir()
+    async with runtime.Runtime():
+        _components, isolator = await node.start()
+        info = await isolator.prepare(ContainerID("r"), config(
+            "mig-1g.18gb:1", rootfs=str(rootfs), docker_manifest=ImageManifest(env=[])))
+        proc = [m for m in info.mounts if "/capabilities/" in m.source]
+        assert [(os.path.relpath(m.source, node.proc_dir), os.path.relpath(m.target, rootfs)) for m in proc][:2] == [
+            ("driver/nvidia/capabilities/gpu0/mig/gi1/access", "proc/driver/nvidia/capabilities/gpu0/mig/gi1/access"),
+            ("driver/nvidia/capabilities/gpu0/mig/gi1/ci0/access",
+             "proc/driver/nvidia/capabilities/gpu0/mig/gi1/ci0/access"),
+        ]
+        assert len(proc) == 8 and all(m.flags & 1 for m in proc)  # MS_RDONLY, every MIG device of the node
+        await isolator.cleanup(ContainerID("r"))
