@@ -4,8 +4,9 @@ Rules:
 - Nothing is written unless ``Flags.cdi_spec_dir`` is set (``enabled``);
   ``grant`` works either way (every launch info carries the grant for
   ``to_oci()``).
-- ``grant(gpus, extras)``: the container's GPU nodes by minor, the control
-  devices, ``NVIDIA_VISIBLE_DEVICES``, and -- when the driver volume is
+- ``grant(gpus, extras)``: the container's GPU nodes by minor (a MIG
+  device: its parent's node and its capability nodes), the control
+  devices, ``NVIDIA_VISIBLE_DEVICES`` (``MIG-…`` UUIDs for MIG devices), and -- when the driver volume is
   injected -- its read-only mount and its PATH / LD_LIBRARY_PATH
   (``isolators.cdi.container_grant``). ``extras_for(config)`` decides the
   volume part from the docker manifest as Mesos does (R-VO-2), with or
@@ -34,9 +35,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from actors import Gpu, NvidiaVolume
 from actors.devices import DeviceRule
+from actors.mig import MigCapabilities
 from actors.nvml import NodeInventory
 from runtime import Executor
 
@@ -75,10 +78,14 @@ class ContainerSpecs:
     """Transient CDI specs of one isolator's containers (see the module rules)."""
 
     def __init__(self, directory: str | None, dev_dir: str, inventory: NodeInventory,
-                 control_devices: Mapping[str, DeviceRule], volume: NvidiaVolume, executor: Executor) -> None:
+                 control_devices: Mapping[str, DeviceRule], volume: NvidiaVolume, executor: Executor,
+                 caps: MigCapabilities | None = None) -> None:
         self.directory = directory
         self.dev_dir = dev_dir
-        self.uuids = {info.gpu: info.uuid for info in inventory.gpus}
+        self.uuids: dict[Any, str] = {info.gpu: info.uuid for info in inventory.gpus}
+        self.uuids.update({mig.device: mig.uuid for mig in inventory.mig_devices})
+        self.caps = caps
+        """MIG capability facts (a node handing out MIG devices)."""
         self.control_devices = dict(control_devices)
         self.volume = volume
         self.executor = executor
@@ -101,7 +108,7 @@ class ContainerSpecs:
         """The grant of a container holding ``gpus`` (its remembered extras unless given)."""
         mounts, env = extras if extras is not None else self._extras.get(container_id.root(), _NONE)
         return container_grant(gpus, self.uuids, self.control_devices, self.dev_dir,
-                               volume=mounts[0] if mounts else None, volume_env=env)
+                               volume=mounts[0] if mounts else None, volume_env=env, caps=self.caps)
 
     def names(self, container_id: ContainerID) -> list[str]:
         """The ``cdi_devices`` of a launch info: the top-level container's device (none when disabled)."""

@@ -123,7 +123,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         self.policies = Policies(control_devices.values(), self.catalog.rules if self._mig else None)
         self._executor = Executor(max_workers=2, name="gpu-isolator")
         self.specs = ContainerSpecs(flags.cdi_spec_dir, flags.dev_dir, components.inventory, control_devices,
-                                    components.volume, self._executor)
+                                    components.volume, self._executor, self.catalog.caps if self._mig else None)
         """The containers' transient CDI specs (R-CD-1; nothing written without ``cdi_spec_dir``)."""
         self.recovery_report: list[str] = []
         self._quarantine: set[Gpu] = set()

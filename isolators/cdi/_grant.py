@@ -7,8 +7,12 @@ Rules:
   (``/dev/<name>`` in the container, the node under ``dev_dir`` on the
   host, with their own numbers). Nothing else: a container never sees
   another container's GPU.
+- A MIG device (R-MG-3) brings its parent's node (once, right before its
+  first MIG device) and its two capability nodes
+  (``/dev/nvidia-caps/nvidia-cap<minor>``, read-only, mode 0444); units
+  are in their order (a MIG device after its parent's minor).
 - The environment starts with ``NVIDIA_VISIBLE_DEVICES``: the GPUs' UUIDs
-  by minor, comma-separated, or ``none`` for a container without GPUs
+  (``MIG-…`` for a MIG device) by minor, comma-separated, or ``none`` for a container without GPUs
   (NVIDIA's value for "no GPU, driver present"); then the driver volume's
   PATH and LD_LIBRARY_PATH when the volume is injected.
 - The driver volume, when injected, is one read-only recursive bind mount
@@ -67,13 +71,26 @@ def container_grant(
     *,
     volume: ContainerBindMount | None = None,
     volume_env: Mapping[str, str] | None = None,
+    caps: MigCapabilities | None = None,
 ) -> ContainerGrant:
-    """The grant of a container holding ``gpus`` (see the module rules)."""
+    """The grant of a container holding ``gpus`` (see the module rules); MIG
+    devices among them need the node's capability facts (``caps``)."""
     ordered = sorted(gpus)
     missing = [str(gpu) for gpu in ordered if gpu not in uuids]
     if missing:
         raise ValueError(f"No UUID known for GPUs {missing}: they are not in the node's inventory")
-    devices = [gpu_device(gpu, dev_dir) for gpu in ordered]
+    devices: list[ContainerDevice] = []
+    parents: set[Gpu] = set()
+    for unit in ordered:
+        if not isinstance(unit, MigDevice):
+            devices.append(gpu_device(unit, dev_dir))
+            continue
+        if caps is None:
+            raise ValueError(f"MIG device {unit} needs the node's capability facts")
+        if unit.parent not in parents and unit.parent not in ordered:
+            parents.add(unit.parent)
+            devices.append(gpu_device(unit.parent, dev_dir))
+        devices += capability_devices(unit, caps, dev_dir)
     devices += [control_device(path, rule) for path, rule in control_devices.items()]
     environment = {VISIBLE_DEVICES: ",".join(uuids[gpu] for gpu in ordered) or "none"}
     if volume is not None and volume_env:

@@ -1,7 +1,10 @@
-"""MIG devices in the node's static CDI spec (R-MG-3): NVIDIA's names
-(``<gpu>:<mig index>`` and the MIG UUID), each with its parent node and its
-two capability nodes; and podman, given one of them, lets the container open
-exactly those (ENXIO) and no other MIG device's capability nodes (EPERM)."""
+"""MIG devices in CDI (R-MG-3): the node's static spec names them as NVIDIA
+does (``<gpu>:<mig index>`` and the MIG UUID), each with its parent node and
+its two capability nodes; the isolator's transient spec and ``to_oci()`` of a
+container holding one MIG device hold the same, with its ``MIG-…`` UUID in
+``NVIDIA_VISIBLE_DEVICES``. podman and runc, given them, let the container
+open exactly those (ENXIO) and no other MIG device's capability nodes
+(EPERM); after an update, the new one only."""
 
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
+import runtime
 from actors.nvml import load_host_file
-from isolators import cli
+from isolators import ContainerConfig, ContainerID, Resources, cli
 from isolators.cdi import decode_spec
 from isolators.cdi.testing import make_device_nodes, parse_probe
+from tests.support.mig import HOST, MIG, caps_of, mknod_mig_nodes, write_mig_proc
 
 from .conftest import CONTROL_NODES
 
@@ -97,3 +102,58 @@ def test_podman_gives_a_container_one_mig_device_and_nothing_of_the_others(podma
         assert report.opens[inside] == ("ENXIO" if minor in mine else "ENOENT"), (minor, report.opens)
         assert report.opens[through_host] == ("ENXIO" if minor in mine else "EPERM"), (minor, report.opens)
     assert report.nodes["/dev/nvidia0"] == ("c", 195, 0, 0o666) and "/dev/nvidia1" not in report.nodes
+
+
+def _mig_probe_paths() -> list[str]:
+    minors = [m for device in MIG.values() for m in caps_of(device)]
+    inside = ["/dev/nvidia0", "/dev/nvidia1", *(f"/dev/nvidia-caps/nvidia-cap{m}" for m in minors)]
+    return [*inside, *(p.replace("/dev/", "/host-dev/", 1) for p in inside)]
+
+
+def _assert_sees_mig(report, granted: str) -> None:
+    mine = set(caps_of(MIG[granted]))
+    assert report.opens["/dev/nvidia0"] == report.opens["/host-dev/nvidia0"] == "ENXIO"
+    assert (report.opens["/dev/nvidia1"], report.opens["/host-dev/nvidia1"]) == ("ENOENT", "EPERM")
+    for device in MIG.values():
+        for minor in caps_of(device):
+            expected = ("ENXIO", "ENXIO") if minor in mine else ("ENOENT", "EPERM")
+            got = (report.opens[f"/dev/nvidia-caps/nvidia-cap{minor}"],
+                   report.opens[f"/host-dev/nvidia-caps/nvidia-cap{minor}"])
+            assert got == expected, (minor, report.opens)
+
+
+@pytest.mark.asyncio
+async def test_engines_run_the_isolators_grant_of_one_mig_device(podman, runc, busybox_rootfs, node_factory,
+                                                                  tmp_path) -> None:
+    cdi_dir = tmp_path / "cdi"
+    cdi_dir.mkdir()
+    node = node_factory("memory", host=HOST, nvidia_mig_strategy="mixed", cdi_spec_dir=str(cdi_dir))
+    write_mig_proc(node.proc_dir)
+    mknod_mig_nodes(node.dev_dir)
+    host_dev = f"{node.dev_dir}:/host-dev:dev"
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        uuid = {mig.device: mig.uuid for mig in components.inventory.mig_devices}
+        info = await isolator.prepare(ContainerID("a"), ContainerConfig(resources=Resources.parse("mig-1g.18gb:1")))
+        (device,) = info.cdi_devices
+        result = podman.run(podman.image, ["/bin/sh", "/bin/probe", *_mig_probe_paths()], devices=[device],
+                            volumes=[host_dev], cdi_dir=str(cdi_dir))
+        assert result.returncode == 0, result.stderr
+        by_podman = parse_probe(result.stdout)
+        _assert_sees_mig(by_podman, "1g-a")
+        assert by_podman.env["NVIDIA_VISIBLE_DEVICES"] == uuid[MIG["1g-a"]]
+        result = runc.run(busybox_rootfs, info.to_oci(), ["/bin/sh", "/bin/probe", *_mig_probe_paths()],
+                          binds={"/host-dev": node.dev_dir})
+        assert result.returncode == 0, result.stderr
+        _assert_sees_mig(parse_probe(result.stdout), "1g-a")
+
+        # After an update the spec names the new MIG device only.
+        await isolator.update(ContainerID("a"), Resources.parse("mig-2g.35gb:1"))
+        result = podman.run(podman.image, ["/bin/sh", "/bin/probe", *_mig_probe_paths()], devices=[device],
+                            volumes=[host_dev], cdi_dir=str(cdi_dir))
+        assert result.returncode == 0, result.stderr
+        by_podman = parse_probe(result.stdout)
+        _assert_sees_mig(by_podman, "2g")
+        assert by_podman.env["NVIDIA_VISIBLE_DEVICES"] == uuid[MIG["2g"]]
+        await isolator.cleanup(ContainerID("a"))
+        assert list(cdi_dir.iterdir()) == []
