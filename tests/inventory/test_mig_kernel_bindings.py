@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import os
 import uuid
-from pathlib import Path
 
 import pytest
 
 from actors.nvml import host_spec_from_dict
+from tests.support.fake_nvml import MIG_KERNEL_PROBE
 from tests.support.kernel import KERNEL_BACKENDS, hierarchy_of, remove_test_cgroups, skip_reason
 from tests.support.mig import EXPECTED, HOST, mknod_mig_nodes, write_mig_proc
 
-SCRIPT = Path(__file__).resolve().parent / "mig_kernel_probe.py"
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
@@ -36,7 +35,7 @@ def test_the_kernel_scenario_on_the_real_bindings(backend, probe, tmp_path, node
     }
     try:
         [seen] = probe.run([{"config": probe.config(host_spec_from_dict(HOST)), "flags": flags, "dev_dir": dev_dir}],
-                           script=SCRIPT)
+                           script=MIG_KERNEL_PROBE)
     finally:
         remove_test_cgroups(os.path.join(hierarchy_of(backend), root), v2=backend == "cgroups_v2")
     assert seen == EXPECTED

@@ -10,7 +10,8 @@ Rules:
   line format: driver, GPUs, NVLinks, topology, MIG devices, the event
   types each GPU supports.
 - ``NvmlProbe(lib, tmp)`` runs jobs in ONE child Python process that
-  preloads the fake (``nvml_probe.py``, or ``health_probe.py`` beside it):
+  preloads the fake (``nvml_probe.py``, or ``health_probe.py`` or
+  ``mig_kernel_probe.py`` beside it):
   pynvml caches its library handle in module globals, so loading the fake
   into the pytest process would make every later "is there a driver?"
   check say yes. ``config(spec)`` writes a config file for a job;
@@ -36,6 +37,7 @@ REPO = HERE.parents[1]
 FAKE_NVML_SOURCE = REPO / "tests" / "native" / "fake_nvml.c"
 NVML_PROBE = HERE / "nvml_probe.py"
 HEALTH_PROBE = HERE / "health_probe.py"
+MIG_KERNEL_PROBE = HERE / "mig_kernel_probe.py"
 NO_GCC = "gcc is not installed: cannot build the fake NVML (tests/native/fake_nvml.c)"
 
 EVENT_BITS = {"xid": 0x8, "ecc": 0x2}  # nvmlEventTypeXidCriticalError, nvmlEventTypeDoubleBitEccError

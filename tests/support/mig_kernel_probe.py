@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from tests.inventory.nvml_probe import error_of, serve
+from tests.support.nvml_probe import error_of, serve
 
 
 def run_job(job: dict) -> dict:
