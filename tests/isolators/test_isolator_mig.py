@@ -12,6 +12,7 @@ MIG devices EPERM -- after prepare, after update and after an agent restart.
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -153,3 +154,29 @@ async def test_a_rootfs_gets_the_capability_proc_files_read_only(node_factory, t
         ]
         assert len(proc) == 8 and all(m.flags & 1 for m in proc)  # MS_RDONLY, every MIG device of the node
         await isolator.cleanup(ContainerID("r"))
+
+
+@pytest.mark.asyncio
+async def test_a_failed_mig_update_changes_nothing_and_leaks_no_mig_device(backend, node_factory, probes,
+                                                                           mig_nodes) -> None:
+    """An update whose kernel write fails is an IsolatorError; the MIG device it
+    had taken is held back until the kernel matches the record again, then
+    goes back: the container keeps exactly what it had, the pool loses nothing."""
+    node = mig_node(node_factory, backend)
+    async with runtime.Runtime():
+        components, isolator = await node.start(fault={})
+        await isolator.prepare(ContainerID("a"), config("mig-1g.18gb:1"))
+        node.fault.arm(1, errno=errno.EIO)
+        with pytest.raises(IsolatorError, match="Input/output error"):
+            await isolator.update(ContainerID("a"), Resources.parse("mig-1g.18gb:1;mig-3g.71gb:1"))
+        node.fault.arm(None)
+        assert await isolator.containers() == {"a": ["195:0/gi3/ci0"]}
+        state = await components.allocator.state()
+        assert state.mig_allocated == [MIG["1g-a"]] and len(state.mig_available) == 3
+        assert await isolator.reconcile() == []
+        if node.kernel:
+            probe = probes()
+            probe.move_to(isolator.devices.path("a"))
+            assert sees(probe, mig_nodes) == expect("1g-a")
+            probe.close()
+        await isolator.cleanup(ContainerID("a"))
