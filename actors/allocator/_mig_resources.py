@@ -44,7 +44,7 @@ from actors.nvml import Nvml, NodeInventory, read_mig_devices
 from actors.resources import Resources
 
 from ._errors import AllocatorError
-from ._indices import enumerate_indices
+from ._indices import check_devices_pairing, enumerate_indices
 
 __all__ = ["mig_strategy_resources", "managed_units", "mig_resource_names", "needs_inventory"]
 
@@ -127,20 +127,8 @@ def mig_strategy_resources(flags: Flags, parsed: Resources, nvml: Nvml, availabl
                 ", ".join(profiles),
             )
         count = len(units)
-        if gpus == 0 and _WHOLE in parsed:
-            if devices is not None:
-                raise AllocatorError(
-                    "'--nvidia_gpu_devices' cannot be specified when '--resources' specifies 0 GPUs"
-                )
+        if check_devices_pairing(gpus, devices, gpus == 0 and _WHOLE in parsed):
             return Resources()
-        if devices is not None and gpus is None:
-            raise AllocatorError(
-                "'--nvidia_gpu_devices' cannot be set without also setting 'gpus' in '--resources'"
-            )
-        if gpus is not None and devices is None:
-            raise AllocatorError(
-                "The `gpus` resource cannot be set without also setting `--nvidia_gpu_devices`"
-            )
         if gpus is not None:
             if not _is_whole(gpus):
                 raise AllocatorError(f"The 'gpus' resource must be an non-negative integer (got {gpus:g})")

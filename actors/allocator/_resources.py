@@ -35,7 +35,7 @@ from actors.nvml import Nvml, NvmlError, NvmlUnavailable, open_nvml
 from actors.resources import Resources
 
 from ._errors import AllocatorError
-from ._indices import enumerate_indices
+from ._indices import check_devices_pairing, enumerate_indices
 from ._mig_resources import mig_resource_names, mig_strategy_resources
 
 __all__ = ["gpu_resources", "enumerate_indices", "has_explicit_zero_gpus"]
@@ -102,22 +102,9 @@ def gpu_resources(flags: Flags, nvml: Nvml | None = None) -> Resources:
         if opened:
             nvml.close()
 
-    if has_explicit_zero_gpus(resources):
-        if devices is not None:
-            raise AllocatorError(
-                "'--nvidia_gpu_devices' cannot be specified when '--resources' specifies 0 GPUs"
-            )
-        return Resources()
-
     gpus = resources.gpus()
-    if devices is not None and gpus is None:
-        raise AllocatorError(
-            "'--nvidia_gpu_devices' cannot be set without also setting 'gpus' in '--resources'"
-        )
-    if gpus is not None and devices is None:
-        raise AllocatorError(
-            "The `gpus` resource cannot be set without also setting `--nvidia_gpu_devices`"
-        )
+    if check_devices_pairing(gpus, devices, has_explicit_zero_gpus(resources)):
+        return Resources()
 
     if gpus is not None and devices is not None:
         if round(gpus * 1000) % 1000 != 0:

@@ -136,11 +136,16 @@ async def test_engines_run_the_isolators_grant_of_one_mig_device(podman, runc, b
         uuid = {mig.device: mig.uuid for mig in components.inventory.mig_devices}
         info = await isolator.prepare(ContainerID("a"), ContainerConfig(resources=Resources.parse("mig-1g.18gb:1")))
         (device,) = info.cdi_devices
-        result = podman.run(podman.image, ["/bin/sh", "/bin/probe", *_mig_probe_paths()], devices=[device],
-                            volumes=[host_dev], cdi_dir=str(cdi_dir))
-        assert result.returncode == 0, result.stderr
-        by_podman = parse_probe(result.stdout)
-        _assert_sees_mig(by_podman, "1g-a")
+
+        def podman_sees(granted: str):
+            result = podman.run(podman.image, ["/bin/sh", "/bin/probe", *_mig_probe_paths()], devices=[device],
+                                volumes=[host_dev], cdi_dir=str(cdi_dir))
+            assert result.returncode == 0, result.stderr
+            report = parse_probe(result.stdout)
+            _assert_sees_mig(report, granted)
+            return report
+
+        by_podman = podman_sees("1g-a")
         assert by_podman.env["NVIDIA_VISIBLE_DEVICES"] == uuid[MIG["1g-a"]]
         result = runc.run(busybox_rootfs, info.to_oci(), ["/bin/sh", "/bin/probe", *_mig_probe_paths()],
                           binds={"/host-dev": node.dev_dir})
@@ -149,11 +154,7 @@ async def test_engines_run_the_isolators_grant_of_one_mig_device(podman, runc, b
 
         # After an update the spec names the new MIG device only.
         await isolator.update(ContainerID("a"), Resources.parse("mig-2g.35gb:1"))
-        result = podman.run(podman.image, ["/bin/sh", "/bin/probe", *_mig_probe_paths()], devices=[device],
-                            volumes=[host_dev], cdi_dir=str(cdi_dir))
-        assert result.returncode == 0, result.stderr
-        by_podman = parse_probe(result.stdout)
-        _assert_sees_mig(by_podman, "2g")
+        by_podman = podman_sees("2g")
         assert by_podman.env["NVIDIA_VISIBLE_DEVICES"] == uuid[MIG["2g"]]
         await isolator.cleanup(ContainerID("a"))
         assert list(cdi_dir.iterdir()) == []
