@@ -19,33 +19,44 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
   "Container has already been prepared"; else allocate, then ONE device
   ``configure`` of the whole policy (deny all; standard set, control devices,
   GPUs), then the launch info (``_launch``). Any failure undoes what was
-  done: the GPUs go back, the cgroup is removed (if processes of an earlier
-  container hold it, it is stripped of every GPU and remembered as
-  lingering), no record stays.
+  done: the cgroup is removed, then the GPUs go back and no record stays
+  (if processes of an earlier container hold it, it is stripped of every
+  GPU and lingers; if it cannot be removed, it lingers WITH the GPUs, never
+  allocated without a record, until a cleanup, prepare or reconcile
+  removes it).
 - Every entry point re-validates the container id (``check_container_id``)
   before anything else: a bad or forged id fails with InvalidContainerID and
   no path is ever built from it.
 - ``update`` grows by allocating and allowing; shrinks by writing the policy
   of the GPUs it keeps (exactly what a fresh prepare would write, so the
   surplus is denied and reconcile sees no drift) and then releasing the
-  highest minors first. A failed update changes nothing.
+  highest minors first. A failed update changes nothing; the extra GPUs of
+  a failed grow go back only once the kernel is known not to grant them.
 - ``cleanup`` is idempotent: the cgroup is removed (if processes remain, the
   GPUs are first denied to it, then released, with a warning; the cgroup is
   remembered as lingering and a later prepare of that id is refused until
   its processes are gone), the GPUs go back, the copied device nodes are
   removed and the record is forgotten.
-- ``recover`` gathers the facts (the cgroups under the root, each one's
+- ``recover`` (``_recovering``; serialized, see below) gathers the facts (the cgroups under the root, each one's
   device state, the GPUs the allocator holds), asks the pure planner
   (``_recovery.plan_recovery``) and carries the plan out: one reclaim, the
   records, then every recovered cgroup whose state is known is reconciled
   to its recovered policy (the kernel may lag the record after a crash),
   repairs reported. Containers of unknown device state share one
   quarantine and can only be cleaned up.
+- ``usage`` (R-IS-5, ``_usage``): NVML readings per unit held.
 - ``watch`` (R-IS-9, ``_health``) follows the GPUs the container holds now
   (re-armed at every update); its Futures are discarded at cleanup.
-- ``reconcile`` (R-DV-5) repairs each container's kernel state, queued behind
-  its other calls; ``flags.reconcile_interval`` runs it periodically on the
-  runtime Clock (scheduled at initialize, cancelled at finalize).
+- ``reconcile`` (R-DV-5, ``_repair``) repairs each container's kernel state,
+  queued behind its other calls, also periodically; GPUs whose grant had an
+  unknown outcome, and cgroups that could not be removed, are settled there
+  by reading the kernel back, never by a guess.
+- ``recover`` runs one at a time, once every call issued before it is done,
+  and every call issued after it (usage included) waits for it: a prepare
+  right after ``recover()`` never gets a GPU a recovered container holds, and
+  a prepare of an id being recovered is refused ("Container has already been
+  prepared") without touching its cgroup. Calls wait rather than being
+  refused: an agent may issue them without awaiting the recovery.
 - A ``SimulatedCrash`` from device control (fault injection) fails the call
   with an ``IsolatorError`` and every later call too: the agent is "dead";
   drop every actor and recover.
@@ -64,7 +75,6 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from actors import Gpu
@@ -73,7 +83,7 @@ from actors.devices.testing import SimulatedCrash
 from actors.mig import MigCapabilityError, MigDevice, read_mig_capabilities
 from actors.flags import Flags
 from actors.resources import Resources
-from runtime import Executor, Process, Sequence, delay, dispatch, spawn
+from runtime import Executor, Future, Process, Sequence, await_all, dispatch, spawn
 
 from ._components import NvidiaComponents
 from ._container_specs import ContainerSpecs
@@ -83,24 +93,23 @@ from ._grant import ContainerRecord, LingeringCgroup, Policies, gpu_rules, reque
 from ._units import UnitCatalog
 from ._launch import build_launch_info, remove_devices_dir, runtime_path
 from ._metrics import IsolatorMetrics, measured
-from ._recovery import BROAD, UNKNOWN, minors, plan_recovery, recovery_candidates
+from ._usage import UsageReport
+from ._recovering import Recovering
+from ._repair import KernelRepair
+from ._recovery import minors
 from ._startup import probe_host
 from ._types import (
     ContainerClass,
     ContainerConfig,
     ContainerID,
     ContainerLaunchInfo,
-    ContainerState,
-    GpuStatistics,
-    Repair,
-    ResourceStatistics,
     check_container_id,
 )
 
 logger = logging.getLogger(__name__)
 
 
-class NvidiaGpuIsolatorProcess(HealthWatch, Process):
+class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatch, Process):
     """The NVIDIA GPU isolator actor (see the module rules)."""
 
     def __init__(self, flags: Flags, components: NvidiaComponents, devices: DeviceControl,
@@ -116,6 +125,10 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         self.infos: dict[ContainerID, ContainerRecord] = {}
         self._sequences: dict[ContainerID, Sequence] = {}
         """Per container: its calls in arrival order (dropped when idle)."""
+        self._recoveries = Sequence(on_idle=self._recovered)
+        """Recoveries, one at a time."""
+        self._recovering: Future | None = None
+        """The last recovery issued while it runs or waits: later calls wait for it."""
         self.catalog = catalog if catalog is not None else UnitCatalog(components.allocator.pools())
         """The units handed out: their rules, grants and resources."""
         self._mig = self.catalog.has_mig
@@ -197,24 +210,6 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             # with ProcessTerminated, as every queued event does.
             sequence.release()
 
-    # -- periodic drift repair (R-DV-5, ``flags.reconcile_interval``) ----------
-    def _schedule_reconcile(self) -> None:
-        interval = self.flags.reconcile_interval
-        if interval is not None and not self._stopping:
-            self._reconcile_timer = delay(interval, self.pid, NvidiaGpuIsolatorProcess._periodic_reconcile)
-
-    async def _periodic_reconcile(self) -> None:
-        self._reconcile_timer = None
-        try:
-            repairs = await self.reconcile()
-            self.reconcile_runs += 1
-            if repairs:
-                logger.warning("Periodic reconcile repaired %d drifted device rules", len(repairs))
-        except Exception as e:  # keep the schedule: the next run may succeed
-            logger.error("Periodic reconcile failed: %s", e)
-        finally:
-            self._schedule_reconcile()
-
     def supports_nesting(self) -> bool:
         return True
 
@@ -224,15 +219,18 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
     # -- per-container ordering ---------------------------------------------
     def _in_order(self, container_id: ContainerID, operation: Any, *args: Any) -> Any:
         """Run ``operation(*args)`` on this actor after every earlier call on
-        this container (its Sequence). When none is in flight, the call runs
-        as the current event (``Sequence.claim``: no Future, no hop);
-        otherwise it is dispatched in its turn."""
+        this container (its Sequence), and after a recovery issued before it.
+        When nothing is in flight, the call runs as the current event
+        (``Sequence.claim``: no Future, no hop); otherwise it is dispatched
+        in its turn."""
         sequence = self._sequences.get(container_id)
         if sequence is None:
             sequence = self._sequences[container_id] = Sequence(on_idle=self._forgetter(container_id))
-        if sequence.claim():
+        recovery = self._recovering
+        if recovery is None and sequence.claim():
             return self._run(container_id, operation, args, sequence)
-        return sequence.add(dispatch, self.pid, NvidiaGpuIsolatorProcess._run, container_id, operation, args, None)
+        return sequence.add(dispatch, self.pid, NvidiaGpuIsolatorProcess._run, container_id, operation, args, None,
+                            recovery)
 
     def _in_flight(self, container_id: ContainerID) -> bool:
         """Whether a call on this container is running or waiting."""
@@ -246,10 +244,13 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         return forget
 
     async def _run(self, container_id: ContainerID | None, operation: Any, args: tuple,
-                   claimed: Sequence | None) -> Any:
-        """Run one verb: every failure leaves as an ``IsolatorError`` with the
-        original text and cause (see ``as_isolator_error``)."""
+                   claimed: Sequence | None, recovery: Future | None = None) -> Any:
+        """Run one verb (once ``recovery``, issued before it, is done): every
+        failure leaves as an ``IsolatorError`` with the original text and
+        cause (see ``as_isolator_error``)."""
         try:
+            if recovery is not None and recovery.is_pending():
+                await await_all([recovery])  # its outcome is its caller's; this call goes on either way
             if self._crashed is not None:
                 raise SimulatedCrash(f"the agent crashed earlier ({self._crashed})")
             return await operation(*args)
@@ -269,69 +270,6 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         finally:
             if claimed is not None:
                 claimed.release()  # the container's next call may start
-
-    # -- recover --------------------------------------------------------------
-    def recover(self, states: list[ContainerState], orphans: set[ContainerID]) -> Any:
-        for state in states:
-            check_container_id(getattr(state, "container_id", state))
-        for orphan in orphans or ():
-            check_container_id(orphan)
-        return self._run(None, self._recover, (states, orphans), None)
-
-    async def _recover(self, states: list[ContainerState], orphans: set[ContainerID]) -> None:
-        named: list[ContainerID] = [s.container_id for s in states] + sorted(orphans or ())
-        existing = await self.devices.list_cgroups()
-        candidates, report, missing = recovery_candidates(
-            named, existing, {cid.value for cid in self.infos}, {cid.value for cid in self._lingering})
-        read = [self.devices.state(cid.path()) for cid in candidates]  # one batch in device control
-        states_by_cgroup = {cid.path(): await state for cid, state in zip(candidates, read)}
-        held = await self.allocator.allocated()
-        candidates = [cid for cid in candidates if cid not in self.infos]  # re-check after the awaits
-        if self._mig:
-            plan = plan_recovery(candidates, states_by_cgroup, self.allocator.total(), held, report, missing,
-                                 granted=self.catalog.granted, covers=self.catalog.covers_by_wildcard)
-        else:
-            plan = plan_recovery(candidates, states_by_cgroup, self.allocator.total(), held, report, missing)
-        for cid in plan.missing:
-            logger.warning("Container %s: couldn't find the cgroup '%s' for recovery", cid, cid.path())
-        if plan.claim:
-            await self.allocator.reclaim(plan.claim)
-        self._quarantine |= plan.quarantine
-        recovered: list[ContainerRecord] = []
-        for container in plan.containers:
-            info = ContainerRecord(container.container_id, container.cgroup)
-            if container.kind == UNKNOWN:
-                info.unknown_state = True
-                info.allocated = self._quarantine  # shared on purpose; never mutated through an info
-            else:
-                info.allocated = set(container.gpus)
-                recovered.append(info)
-                if container.kind != BROAD:
-                    logger.info("Container %s: recovered with GPUs %s", container.container_id,
-                                minors(container.gpus))
-            self.infos[container.container_id] = info
-        for line in plan.report:
-            self._report(line)
-        for info in recovered:
-            await self._reconcile_recovered(info)
-        known = {cid: info.allocated for cid, info in self.infos.items() if not info.unknown_state}
-        unknown = [cid for cid, info in self.infos.items() if info.unknown_state]
-        try:
-            for line in await self.specs.recover(known, unknown):
-                self._report(line)
-        except IsolatorError as e:  # the kernel and the allocator are recovered; say what the specs lack
-            self._report(f"The CDI specs could not be brought in line with the recovered containers: {e}")
-
-    async def _reconcile_recovered(self, info: ContainerRecord) -> None:
-        """Make the kernel enforce a recovered container's policy: after a crash
-        the kernel may lag its record (v2: the checkpoint is written first)."""
-        for line in await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated)):
-            self._metrics.repairs.inc()
-            self._report(f"Container {info.container_id}: recovery repaired its device rules: {line}")
-
-    def _report(self, line: str) -> None:
-        logger.warning("%s", line)
-        self.recovery_report.append(line)
 
     # -- prepare --------------------------------------------------------------
     def prepare(self, container_id: ContainerID, config: ContainerConfig) -> Any:
@@ -436,7 +374,7 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
             raise IsolatorError("Not supported for nested containers")
         info = self.infos.get(container_id)
         if (info is not None and not self._in_flight(container_id) and self._crashed is None
-                and not info.unknown_state and self._fits(info, resources)):
+                and self._recovering is None and not info.unknown_state and self._fits(info, resources)):
             self._metrics.update.runs.inc()
             return None  # nothing to change, and no earlier call on it in flight: done now
         return self._in_order(container_id, self._update, container_id, resources)
@@ -547,54 +485,6 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         logger.info("Container %s: granted %s, released %s, highest first (now %s)", container_id,
                     minors(extra), minors(surplus), minors(info.allocated))
 
-    # -- usage ----------------------------------------------------------------
-    def usage(self, container_id: ContainerID) -> Any:
-        check_container_id(container_id)
-        if container_id.has_parent():
-            raise IsolatorError("Not supported for nested containers")
-        if self._in_flight(container_id):  # answer after the call in flight (arrival order)
-            return self._in_order(container_id, self._usage_in_order, container_id)
-        return self._usage_now(container_id)
-
-    async def _usage_in_order(self, container_id: ContainerID) -> ResourceStatistics:
-        result = self._usage_now(container_id)
-        return result if isinstance(result, ResourceStatistics) else await result
-
-    def _usage_now(self, container_id: ContainerID) -> Any:
-        info = self.infos.get(container_id)
-        if info is None:
-            raise IsolatorError("Unknown container")
-        gpus = sorted(info.allocated)
-        if not gpus:
-            return ResourceStatistics(timestamp=time.time(), gpus_allocated=0)
-        return self._usage(gpus)
-
-    async def _usage(self, gpus: list[Gpu]) -> ResourceStatistics:
-        try:
-            readings = await self.nvml.usages(gpus)
-        except Exception as error:
-            raise as_isolator_error(error) from error
-        by_gpu = self.inventory.by_gpu()
-        by_mig = self.inventory.by_mig() if self._mig else {}
-        stats = []
-        for gpu in gpus:
-            r = readings.get(gpu)
-            if isinstance(gpu, MigDevice):
-                stats.append(_mig_statistics(gpu, by_mig.get(gpu), r))
-                continue
-            info = by_gpu.get(gpu)
-            stats.append(GpuStatistics(
-                minor=gpu.minor,
-                uuid=info.uuid if info is not None else None,
-                memory_used_bytes=r.memory_used_bytes if r else None,
-                memory_total_bytes=r.memory_total_bytes if r else None,
-                utilization_gpu_percent=r.utilization_gpu_percent if r else None,
-                utilization_memory_percent=r.utilization_memory_percent if r else None,
-                power_milliwatts=r.power_mw if r else None,
-                temperature_celsius=r.temperature_c if r else None,
-            ))
-        return ResourceStatistics(timestamp=time.time(), gpus_allocated=len(gpus), gpus=stats)
-
     # -- cleanup --------------------------------------------------------------
     def cleanup(self, container_id: ContainerID) -> Any:
         check_container_id(container_id)
@@ -642,69 +532,6 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         await self._remove_device_copies(container_id)
         logger.info("Container %s: cleaned up, released GPUs %s", container_id, minors(gpus))
 
-    async def _settle_lingering(self, container_id: ContainerID) -> bool:
-        """Remove a lingering cgroup; True once it is gone. The GPUs withheld
-        for it go back only when the kernel has removed it, or (processes
-        inside: it stays) denies them; a failure keeps them and is raised."""
-        lingering = self._lingering[container_id]
-        cgroup = container_id.path()
-        try:
-            removed = await self.devices.remove(cgroup)
-            if not removed and lingering.withheld:
-                # Processes inside: take every GPU back from them.
-                await self.devices.configure(cgroup, self.policies.of(()))
-        except BaseException as error:
-            lingering.reason = f"could not be removed ({error})"
-            logger.error("Container %s: cgroup '%s' could not be removed (%s); GPUs %s stay out of the free pool"
-                         " until a cleanup or reconcile removes it", container_id, cgroup, error,
-                         minors(lingering.withheld))
-            raise
-        released, lingering.withheld = lingering.withheld, set()
-        if removed:
-            del self._lingering[container_id]
-        else:
-            lingering.reason = "still has processes"
-            logger.warning("Container %s: cgroup '%s' still has processes; it stays, its GPUs %s were denied"
-                           " and released", container_id, cgroup, minors(released))
-        if released:
-            await self.allocator.deallocate(released)
-        return removed
-
-    async def _settle_withheld(self, info: ContainerRecord) -> None:
-        """Give back the withheld GPUs the kernel does not grant: make the
-        kernel enforce the record (reconcile) and release them all; failing
-        that, read the cgroup's state back and release those it does not
-        grant. Whatever cannot be known stays withheld."""
-        withheld = set(info.withheld)
-        if not withheld:
-            return
-        try:
-            await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated))
-            released = withheld
-        except Exception as error:
-            try:
-                state = await self.devices.state(info.cgroup)
-            except Exception as again:
-                logger.warning("Container %s: GPUs %s stay out of the free pool: the kernel state of cgroup '%s'"
-                               " is unknown (%s; %s)", info.container_id, minors(withheld), info.cgroup, error, again)
-                return
-            if state is None:
-                released = set()
-            elif self._mig:
-                released = {unit for unit in withheld if not self.catalog.may_use(state, unit)}
-            else:
-                released = {g for g in withheld if not state.is_granted("c", g.major, g.minor, "r")
-                            and not state.is_granted("c", g.major, g.minor, "w")}
-        info.withheld -= released
-        if released:
-            await self.allocator.deallocate(released)
-        if info.withheld:
-            logger.warning("Container %s: GPUs %s stay out of the free pool: cgroup '%s' may still grant them",
-                           info.container_id, minors(info.withheld), info.cgroup)
-        else:
-            logger.info("Container %s: GPUs %s, whose grant had an unknown outcome, are not granted; released",
-                        info.container_id, minors(released))
-
     async def _remove_device_copies(self, container_id: ContainerID) -> None:
         if container_id not in self._device_dirs:
             return
@@ -714,79 +541,9 @@ class NvidiaGpuIsolatorProcess(HealthWatch, Process):
         except OSError as e:
             logger.warning("Container %s: failed to remove its copied device nodes: %s", container_id, e)
 
-    # -- drift repair (R-DV-5) ------------------------------------------------
-    async def reconcile(self) -> list[Repair]:
-        """R-DV-5: make every container's kernel device state match its record;
-        the repairs made (empty when nothing drifted). Each container's repair
-        waits behind its earlier calls, so it never races a prepare, update or
-        cleanup of it (a cleaned-up container is skipped, never recreated).
-        GPUs withheld for an unknown outcome go back once the kernel matches
-        the record; lingering cgroups that hold GPUs are removed again."""
-        runs = [self._in_order(cid, self._reconcile_one, cid) for cid in sorted(self.infos)]
-        runs += [self._in_order(cid, self._reconcile_lingering, cid)
-                 for cid, lingering in sorted(self._lingering.items()) if lingering.withheld]
-        repairs: list[Repair] = []
-        failure: Exception | None = None
-        for run in runs:  # await every one, so none is left queued
-            try:
-                repairs += await run
-            except Exception as e:
-                failure = failure or e
-        if failure is not None:
-            raise failure
-        return repairs
-
-    @measured("reconcile")
-    async def _reconcile_one(self, cid: ContainerID) -> list[Repair]:
-        info = self.infos.get(cid)
-        if info is None or info.unknown_state:
-            return []
-        repairs = []
-        for line in await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated)):
-            logger.warning("Container %s: drift repaired: %s", cid, line)
-            repairs.append(Repair(str(cid), line))
-        line = await self.specs.ensure(cid, info.allocated)
-        if line is not None:
-            logger.warning("Container %s: drift repaired: %s", cid, line)
-            repairs.append(Repair(str(cid), line))
-        if info.withheld:  # the kernel enforces the record now: they are not granted
-            released, info.withheld = info.withheld, set()
-            await self.allocator.deallocate(released)
-            logger.info("Container %s: GPUs %s, whose grant had an unknown outcome, released", cid, minors(released))
-            repairs.append(Repair(str(cid), f"released GPUs {minors(released)} whose grant had an unknown outcome"))
-        self._metrics.repairs.inc(len(repairs))
-        return repairs
-
-    async def _reconcile_lingering(self, cid: ContainerID) -> list[Repair]:
-        lingering = self._lingering.get(cid)
-        if lingering is None or not lingering.withheld:
-            return []
-        withheld = minors(lingering.withheld)
-        gone = await self._settle_lingering(cid)
-        line = (f"removed the cgroup '{cid.path()}' left behind; released GPUs {withheld}" if gone else
-                f"denied GPUs {withheld} to the cgroup '{cid.path()}' left behind (processes inside) and released them")
-        return [Repair(str(cid), line)]
-
     def containers(self) -> dict[str, list[int]]:
         """The containers known and the minors each holds (for scripts and tests);
         a MIG device is written ``195:0/gi3/ci0``."""
         if self._mig:
             return {str(cid): minors(info.allocated) for cid, info in self.infos.items()}
         return {str(cid): sorted(g.minor for g in info.allocated) for cid, info in self.infos.items()}
-
-
-def _mig_statistics(device: MigDevice, info: Any, reading: Any) -> GpuStatistics:
-    """NVML's view of one MIG device a container holds (on its MIG handle)."""
-    return GpuStatistics(
-        minor=device.parent.minor,
-        uuid=info.uuid if info is not None else None,
-        mig_profile=info.profile if info is not None else None,
-        gpu_instance_id=device.gi,
-        compute_instance_id=device.ci,
-        memory_used_bytes=reading.memory_used_bytes if reading else None,
-        memory_total_bytes=reading.memory_total_bytes if reading else None,
-        utilization_gpu_percent=reading.utilization_gpu_percent if reading else None,
-        utilization_memory_percent=reading.utilization_memory_percent if reading else None,
-        power_milliwatts=reading.power_mw if reading else None,
-        temperature_celsius=reading.temperature_c if reading else None,
-    )

@@ -1,0 +1,186 @@
+"""Kernel read-back and drift repair: the kernel is the answer.
+
+Rules (R-DV-5, issue 20 items 2 and 5):
+- ``reconcile`` makes every container's kernel device state match its record
+  and returns the repairs made (empty when nothing drifted). Each container's
+  repair waits behind its earlier calls (its Sequence), so it never races a
+  prepare, update or cleanup of it; a cleaned-up container is skipped, never
+  recreated. ``flags.reconcile_interval`` runs it periodically on the runtime
+  Clock (scheduled at initialize, cancelled at finalize; a failed run keeps
+  the schedule).
+- No GPU goes back to the pool on a guess. GPUs whose grant had an unknown
+  outcome (a device-control call failed, e.g. a ``WorkerError`` when the
+  device worker died mid-batch) are ``withheld`` on the container's record:
+  they go back once the kernel is made to match the record (a reconcile
+  succeeded), or once the cgroup's state, read back, does not grant them.
+- A cgroup the isolator could not remove lingers (``LingeringCgroup``) with
+  the GPUs it may still grant; they go back once the kernel has removed it,
+  or (processes inside: it stays) denies them. A later cleanup of that id, a
+  prepare of it or a reconcile tries again.
+- Mixed into the isolator actor (``NvidiaGpuIsolatorProcess``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from runtime import delay
+
+from ._grant import ContainerRecord
+from ._metrics import measured
+from ._recovery import minors
+from ._types import ContainerID, Repair
+
+logger = logging.getLogger(__name__)
+
+
+class KernelRepair:
+    """The isolator actor's reconcile verb and kernel read-backs (see the module rules)."""
+
+    pid: Any
+    flags: Any
+    infos: dict
+    allocator: Any
+    devices: Any
+    policies: Any
+    specs: Any
+    _lingering: dict
+    _mig: bool
+    catalog: Any
+    _metrics: Any
+    _stopping: bool
+    _reconcile_timer: Any
+    _in_order: Any
+
+    def _schedule_reconcile(self) -> None:
+        interval = self.flags.reconcile_interval
+        if interval is not None and not self._stopping:
+            self._reconcile_timer = delay(interval, self.pid, type(self)._periodic_reconcile)
+
+    async def _periodic_reconcile(self) -> None:
+        self._reconcile_timer = None
+        try:
+            repairs = await self.reconcile()
+            self.reconcile_runs += 1
+            if repairs:
+                logger.warning("Periodic reconcile repaired %d drifted device rules", len(repairs))
+        except Exception as e:  # keep the schedule: the next run may succeed
+            logger.error("Periodic reconcile failed: %s", e)
+        finally:
+            self._schedule_reconcile()
+
+    async def reconcile(self) -> list[Repair]:
+        """R-DV-5: make every container's kernel device state match its record;
+        the repairs made (empty when nothing drifted). Each container's repair
+        waits behind its earlier calls, so it never races a prepare, update or
+        cleanup of it (a cleaned-up container is skipped, never recreated).
+        GPUs withheld for an unknown outcome go back once the kernel matches
+        the record; lingering cgroups that hold GPUs are removed again."""
+        runs = [self._in_order(cid, self._reconcile_one, cid) for cid in sorted(self.infos)]
+        runs += [self._in_order(cid, self._reconcile_lingering, cid)
+                 for cid, lingering in sorted(self._lingering.items()) if lingering.withheld]
+        repairs: list[Repair] = []
+        failure: Exception | None = None
+        for run in runs:  # await every one, so none is left queued
+            try:
+                repairs += await run
+            except Exception as e:
+                failure = failure or e
+        if failure is not None:
+            raise failure
+        return repairs
+
+    @measured("reconcile")
+    async def _reconcile_one(self, cid: ContainerID) -> list[Repair]:
+        info = self.infos.get(cid)
+        if info is None or info.unknown_state:
+            return []
+        repairs = []
+        for line in await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated)):
+            logger.warning("Container %s: drift repaired: %s", cid, line)
+            repairs.append(Repair(str(cid), line))
+        line = await self.specs.ensure(cid, info.allocated)
+        if line is not None:
+            logger.warning("Container %s: drift repaired: %s", cid, line)
+            repairs.append(Repair(str(cid), line))
+        if info.withheld:  # the kernel enforces the record now: they are not granted
+            released, info.withheld = info.withheld, set()
+            await self.allocator.deallocate(released)
+            logger.info("Container %s: GPUs %s, whose grant had an unknown outcome, released", cid, minors(released))
+            repairs.append(Repair(str(cid), f"released GPUs {minors(released)} whose grant had an unknown outcome"))
+        self._metrics.repairs.inc(len(repairs))
+        return repairs
+
+    async def _reconcile_lingering(self, cid: ContainerID) -> list[Repair]:
+        lingering = self._lingering.get(cid)
+        if lingering is None or not lingering.withheld:
+            return []
+        withheld = minors(lingering.withheld)
+        gone = await self._settle_lingering(cid)
+        line = (f"removed the cgroup '{cid.path()}' left behind; released GPUs {withheld}" if gone else
+                f"denied GPUs {withheld} to the cgroup '{cid.path()}' left behind (processes inside) and released them")
+        return [Repair(str(cid), line)]
+
+    async def _settle_lingering(self, container_id: ContainerID) -> bool:
+        """Remove a lingering cgroup; True once it is gone. The GPUs withheld
+        for it go back only when the kernel has removed it, or (processes
+        inside: it stays) denies them; a failure keeps them and is raised."""
+        lingering = self._lingering[container_id]
+        cgroup = container_id.path()
+        try:
+            removed = await self.devices.remove(cgroup)
+            if not removed and lingering.withheld:
+                # Processes inside: take every GPU back from them.
+                await self.devices.configure(cgroup, self.policies.of(()))
+        except BaseException as error:
+            lingering.reason = f"could not be removed ({error})"
+            logger.error("Container %s: cgroup '%s' could not be removed (%s); GPUs %s stay out of the free pool"
+                         " until a cleanup or reconcile removes it", container_id, cgroup, error,
+                         minors(lingering.withheld))
+            raise
+        released, lingering.withheld = lingering.withheld, set()
+        if removed:
+            del self._lingering[container_id]
+        else:
+            lingering.reason = "still has processes"
+            logger.warning("Container %s: cgroup '%s' still has processes; it stays, its GPUs %s were denied"
+                           " and released", container_id, cgroup, minors(released))
+        if released:
+            await self.allocator.deallocate(released)
+        return removed
+
+    async def _settle_withheld(self, info: ContainerRecord) -> None:
+        """Give back the withheld GPUs the kernel does not grant: make the
+        kernel enforce the record (reconcile) and release them all; failing
+        that, read the cgroup's state back and release those it does not
+        grant. Whatever cannot be known stays withheld."""
+        withheld = set(info.withheld)
+        if not withheld:
+            return
+        try:
+            await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated))
+            released = withheld
+        except Exception as error:
+            try:
+                state = await self.devices.state(info.cgroup)
+            except Exception as again:
+                logger.warning("Container %s: GPUs %s stay out of the free pool: the kernel state of cgroup '%s'"
+                               " is unknown (%s; %s)", info.container_id, minors(withheld), info.cgroup, error, again)
+                return
+            if state is None:
+                released = set()
+            elif self._mig:
+                released = {unit for unit in withheld if not self.catalog.may_use(state, unit)}
+            else:
+                released = {g for g in withheld if not state.is_granted("c", g.major, g.minor, "r")
+                            and not state.is_granted("c", g.major, g.minor, "w")}
+        info.withheld -= released
+        if released:
+            await self.allocator.deallocate(released)
+        if info.withheld:
+            logger.warning("Container %s: GPUs %s stay out of the free pool: cgroup '%s' may still grant them",
+                           info.container_id, minors(info.withheld), info.cgroup)
+        else:
+            logger.info("Container %s: GPUs %s, whose grant had an unknown outcome, are not granted; released",
+                        info.container_id, minors(released))
