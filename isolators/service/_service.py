@@ -41,6 +41,11 @@ Rules (SPEC R-SV-1..3):
 - ``GET /gpu-isolator/state``: ``ServiceState`` as JSON -- containers with
   their GPUs (minors and UUIDs), command, user, client, process and state;
   free and unhealthy GPUs; the waiting line.
+- Metrics (``/metrics``), published in ``initialize`` through a
+  ``runtime.MetricSet`` and given back in ``finalize``: gauges
+  ``service/containers``, ``service/waiting``, ``service/releasing``;
+  counters ``service/exec_started`` (processes moved in) and
+  ``service/released_when_empty``.
 - Termination (SIGTERM to ``serve``) touches no container: waiting
   requests are told the service stops; records and the kernel keep the
   rest for the next start.
@@ -57,7 +62,7 @@ from typing import Any
 from actors import Gpu
 from actors.flags import Flags
 from actors.resources import Resources
-from runtime import PID, Executor, Failure, Process, Response, current_runtime, delay, dispatch, spawn
+from runtime import PID, Executor, Failure, MetricSet, Process, Response, current_runtime, delay, dispatch, spawn
 
 from .._errors import IsolatorError
 from .._types import ContainerConfig, ContainerID, ContainerState
@@ -119,6 +124,7 @@ class GpuIsolatorService(Process):
         self._whole = {unit for unit in self.allocator.pools().get("gpus", set()) if isinstance(unit, Gpu)}
         self.started = 0
         self.released_when_empty = 0
+        self._metrics: MetricSet | None = None
 
     # -- construction and recovery -------------------------------------------------
     @classmethod
@@ -154,14 +160,14 @@ class GpuIsolatorService(Process):
         self.install("cleanup", GpuIsolatorService._on_cleanup, Cleanup)
         self.route("/state", GpuIsolatorService._state_route,
                    help="containers with their GPUs and commands, free and unhealthy GPUs, the waiting line (JSON)")
-        metrics = current_runtime().metrics
+        metrics = self._metrics = MetricSet(current_runtime().metrics)
         metrics.gauge("service/containers", lambda: len(self.records), "containers the service holds")
         metrics.gauge("service/waiting", lambda: len(self._line.waiting()), "prepare requests waiting in line for GPUs")
         metrics.gauge("service/releasing", lambda: sum(r.releasing for r in self.records.values()),
                       "exec containers released once their last process exits")
-        metrics.gauge("service/exec_started", lambda: self.started, "processes moved into exec containers")
-        metrics.gauge("service/released_when_empty", lambda: self.released_when_empty,
-                      "exec containers released once empty")
+        metrics.counter("service/exec_started", "processes moved into exec containers", read=lambda: self.started)
+        metrics.counter("service/released_when_empty", "exec containers released once empty",
+                        read=lambda: self.released_when_empty)
         for record in self.records.values():
             if record.is_exec and record.client is not None and not record.releasing:
                 self.link(PID.parse(record.client))  # gone already: exited() releases it once empty
@@ -172,6 +178,9 @@ class GpuIsolatorService(Process):
 
     def finalize(self) -> None:
         self._stopping = True
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -50,6 +50,7 @@ def test_concurrent_execs_each_run_inside_their_cgroup_with_exactly_their_gpus(k
                                                                               gpu_nodes: dict[int, str]) -> None:
     service = kernel_service
     paths = sorted(gpu_nodes.values())
+    before = service.metrics()
     one = service.probe(*paths, gpus=1, hold=True)
     two = service.probe(*paths, gpus=2, hold=True)
     none = service.probe(*paths, gpus=0, hold=True)
@@ -74,6 +75,10 @@ def test_concurrent_execs_each_run_inside_their_cgroup_with_exactly_their_gpus(k
         process.stdin.close()
     assert [service.finish(p)[0] for p in (one, two, none)] == [0, 0, 0]
     service.wait_state(lambda s: not s["containers"] and s["free"] == ALL)
+    after = service.metrics()
+    assert {name: after[name] - before[name] for name in ("service_exec_started_total",
+                                                          "service_released_when_empty_total")} == {
+        "service_exec_started_total": 3, "service_released_when_empty_total": 3}
 
 
 def test_wait_queues_first_come_first_served_and_too_few_fails_with_the_mesos_text(

@@ -8,7 +8,8 @@ Rules:
   then kills; its exit status is returned. ``restart()`` is stop and start
   at the same address. Its log (stderr) is kept in a file and shown by
   ``log()``.
-- ``state()`` is ``GET /gpu-isolator/state`` (JSON); ``wait_state(pred)``
+- ``state()`` is ``GET /gpu-isolator/state`` (JSON), ``metrics()`` the
+  parsed ``GET /metrics``; ``wait_state(pred)``
   polls it until ``pred(state)`` holds, failing with the last state after
   ``timeout`` seconds.
 - ``exec(...)`` starts ``python -m isolators exec --agent <address> ...``
@@ -159,6 +160,15 @@ class ServeProcess:
     def state(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"http://{self.address}/gpu-isolator/state", timeout=10) as response:
             return json.loads(response.read())
+
+    def metrics(self) -> dict[str, float]:
+        """``GET /metrics``, parsed by prometheus-client: {sample name: value} (unlabelled samples)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://{self.address}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return {sample.name: sample.value for family in text_string_to_metric_families(text)
+                for sample in family.samples if not sample.labels}
 
     def wait_state(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 15.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
