@@ -313,7 +313,8 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
             await self._undo_prepare(info, touched)
             logger.warning("Container %s: prepare failed and was undone: %s", container_id, e)
             raise
-        logger.info("Container %s: prepared with GPUs %s", container_id, minors(info.allocated))
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("Container %s: prepared with GPUs %s", container_id, minors(info.allocated))
         return launch
 
     async def _undo_prepare(self, info: ContainerRecord, touched: bool) -> None:
@@ -530,7 +531,8 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
         if gpus:
             await self.allocator.deallocate(gpus)
         await self._remove_device_copies(container_id)
-        logger.info("Container %s: cleaned up, released GPUs %s", container_id, minors(gpus))
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("Container %s: cleaned up, released GPUs %s", container_id, minors(gpus))
 
     async def _remove_device_copies(self, container_id: ContainerID) -> None:
         if container_id not in self._device_dirs:

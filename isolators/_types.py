@@ -75,10 +75,18 @@ def validate_container_id_value(value: Any) -> str:
     return value
 
 
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_-]{1,%d}" % MAX_CONTAINER_ID_LENGTH)
+"""Values every check of ``validate_container_id_value`` accepts: the common
+case, recognised in one match (every isolator entry point checks its id)."""
+
+
 def check_container_id(container_id: Any) -> "ContainerID":
     """Return ``container_id`` if it and every parent are valid ids, else raise
     InvalidContainerID (re-checks ids that may have been changed after
     construction; run it before building any path from an id)."""
+    if (type(container_id) is ContainerID and container_id.parent is None
+            and type(container_id.value) is str and _PLAIN_ID.fullmatch(container_id.value)):
+        return container_id
     cid = container_id
     if not isinstance(cid, ContainerID):
         raise InvalidContainerID(f"Invalid container id {cid!r}: expected a ContainerID")

@@ -19,7 +19,8 @@ Backend rules:
 - A failed operation converges the cgroup back to the list it had (or
   removes the cgroup it created) and re-raises.
 - Hot path (churn): the writes of a policy to a new cgroup are planned once
-  per policy (``Policy.v1_plan``); with no ``kernel_hook`` set,
+  per policy (``Policy.v1_plan``); a ``devices.list`` text is parsed once
+  (the tables of the last ``TABLE_CACHE_SIZE`` texts are kept); with no ``kernel_hook`` set,
   ``configure`` tries mkdir first (EEXIST: an existing cgroup) instead of a
   stat, and writes the plan without a wrapper call per rule. The syscalls
   and errors are the same; with a hook set every operation is reported in
@@ -72,9 +73,15 @@ class CgroupsV1Backend(BackendBase):
     # -- kernel operations -------------------------------------------------
 
     def _read_table(self, path: str) -> ExceptionTable:
-        file = os.path.join(path, "devices.list")
+        file = path + "/devices.list"
         text = self._kernel_op("read", file, _read_text, file)
-        return parse_devices_list(text)
+        table = _TABLES.get(text)
+        if table is None:
+            table = parse_devices_list(text)
+            if len(_TABLES) >= TABLE_CACHE_SIZE:
+                _TABLES.clear()
+            _TABLES[text] = table
+        return dict(table)
 
     def _write(self, path: str, writes: list[tuple[str, str]]) -> None:
         fds: dict[str, int] = {}
@@ -220,6 +227,22 @@ class CgroupsV1Backend(BackendBase):
         return repairs
 
 
+TABLE_CACHE_SIZE = 256
+"""``devices.list`` texts whose parsed table is kept: containers repeat a few
+policies, so an update reads a list it has parsed before."""
+
+_TABLES: dict[str, ExceptionTable] = {}
+
+
 def _read_text(file: str) -> str:
-    with open(file, encoding="ascii") as handle:
-        return handle.read()
+    fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while True:
+            data = os.read(fd, 1 << 16)
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("ascii")

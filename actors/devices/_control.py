@@ -18,6 +18,10 @@ Rules:
   ``ProcessTerminated`` (work already in a thread or a worker still
   finishes there; its effects stand but are not reported).
 - ``DeviceControl`` is the handle. Its methods return Futures (await them).
+  It hands each operation to the actor's driver at once, in the caller's
+  turn (no mailbox hop: the driver keeps the order of the calls and runs
+  its own continuations on the actor); once the actor has terminated, an
+  operation fails with ``ProcessTerminated``.
   A cgroup is a relative path under the root (a container id, or
   ``"parent/child"``): empty, absolute or ``..`` paths are refused before
   anything is queued, and so is a bad policy (rules given as v1 lines are
@@ -70,21 +74,30 @@ class DeviceControlProcess(Process):
         self.operations = 0
         """Operations submitted so far."""
         self._metrics: Any = None
+        self.stopped: ProcessTerminated | None = None
+        """Set once the actor has terminated: what every later operation fails with."""
 
-    def initialize(self) -> None:
+    def bind(self) -> None:
+        """Once spawned: the driver's continuations run as this actor's events."""
         pid = self.pid
         self.driver.bind(lambda fn: dispatch(pid, _call, fn))
+
+    def initialize(self) -> None:
         self._metrics = _metrics.publish(self)  # operations, batches, worker restarts (pulled)
 
     def submit(self, op: DeviceOperation) -> Future:
-        """A Future of ``op``'s result."""
+        """A Future of ``op``'s result (called by the handle in the caller's
+        turn, or dispatched)."""
+        if self.stopped is not None:
+            return Future.failed(self.stopped)
         self.operations += 1
         return self.driver.submit(op)
 
     def finalize(self) -> None:
         if self._metrics is not None:
             self._metrics.close()
-        self.driver.stop(ProcessTerminated(f"Device control {self.pid} terminated before the operation completed"))
+        self.stopped = ProcessTerminated(f"Device control {self.pid} terminated before the operation completed")
+        self.driver.stop(self.stopped)
 
 
 def _call(_process: DeviceControlProcess, fn: Callable[[], Any]) -> Any:
@@ -170,11 +183,12 @@ class DeviceControl:
             raise
         process = DeviceControlProcess(driver)
         spawn(process)
+        process.bind()  # before any operation: the handle hands them to the driver at once
         logger.info("Device control %s uses %s at %s", process.pid, driver.name, driver.root)
         return cls(process)
 
     def _submit(self, kind: str, *args: Any) -> Future:
-        return dispatch(self.pid, DeviceControlProcess.submit, DeviceOperation(kind, args))
+        return self._process.submit(DeviceOperation(kind, args))
 
     def configure(
         self, cgroup: str, allow: Policy | Iterable[DeviceRule | str], deny: Iterable[DeviceRule | str] = ()

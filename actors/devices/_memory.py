@@ -4,7 +4,8 @@ Rules:
 - The same semantics as the kernel backends, kept in a dict
   ``cgroup -> Policy``; for non-root use and the demo.
 - Its pretend kernel operations (``mkdir``, ``apply``, ``rmdir``) still go
-  through the hook, so faults can be injected here too.
+  through the hook, so faults can be injected here too (with no hook set
+  they are plain calls: no path is built for a hook nobody listens on).
 - Processes never live in a memory cgroup, so ``remove`` always succeeds.
 - ``reconcile`` has nothing to drift from: it stores ``desired`` when the
   record differs and says so.
@@ -22,7 +23,7 @@ Rules:
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Any, Iterable
 
 from ._backend import BackendBase, validate_cgroup
 from ._errors import DeviceControlError
@@ -107,20 +108,27 @@ class MemoryBackend(BackendBase):
             other.startswith(cgroup + "/") for other in self._cgroups
         )
 
+    def _pretend(self, op: str, cgroup: str, fn: Any, *args: Any) -> None:
+        """One pretend kernel operation, told to the hook when one is set."""
+        if self.kernel_hook is None:
+            fn(*args)
+        else:
+            self._kernel_op(op, self.path(cgroup), fn, *args)
+
     def configure(
         self, cgroup: str, allow: Policy | Iterable[DeviceRule], deny: Iterable[DeviceRule] = ()
     ) -> Policy:
         validate_cgroup(cgroup)
         access = as_policy(allow, deny)
         if cgroup not in self._cgroups:
-            self._kernel_op("mkdir", self.path(cgroup), self._set, cgroup, Policy())
+            self._pretend("mkdir", cgroup, self._set, cgroup, Policy())
             try:
-                self._kernel_op("apply", self.path(cgroup), self._set, cgroup, access)
+                self._pretend("apply", cgroup, self._set, cgroup, access)
             except Exception:
                 self._drop(cgroup)
                 raise
         else:
-            self._kernel_op("apply", self.path(cgroup), self._set, cgroup, access)
+            self._pretend("apply", cgroup, self._set, cgroup, access)
         return access
 
     def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> Policy:
@@ -130,7 +138,7 @@ class MemoryBackend(BackendBase):
         if current is None:
             raise DeviceControlError(f"Cannot reconfigure cgroup '{cgroup}': it is not configured")
         access = apply_diff(current, add, remove)
-        self._kernel_op("apply", self.path(cgroup), self._set, cgroup, access)
+        self._pretend("apply", cgroup, self._set, cgroup, access)
         return access
 
     def remove(self, cgroup: str) -> bool:
@@ -139,7 +147,7 @@ class MemoryBackend(BackendBase):
             logger.warning("Cgroup %s still has child cgroups; keeping it", self.path(cgroup))
             return False
         if cgroup in self._cgroups:
-            self._kernel_op("rmdir", self.path(cgroup), self._drop, cgroup)
+            self._pretend("rmdir", cgroup, self._drop, cgroup)
         return True
 
     def state(self, cgroup: str) -> Policy | None:
@@ -156,7 +164,7 @@ class MemoryBackend(BackendBase):
         current = self._cgroups.get(cgroup)
         if current == desired:
             return []
-        self._kernel_op("apply", self.path(cgroup), self._set, cgroup, desired)
+        self._pretend("apply", cgroup, self._set, cgroup, desired)
         if current is None:
             return [f"{self.path(cgroup)}: recreated the missing cgroup with its device policy"]
         return [f"{self.path(cgroup)}: restored the device policy"]
