@@ -78,11 +78,10 @@ class DeviceControlProcess(Process):
         """Set once the actor has terminated: what every later operation fails with."""
 
     def bind(self) -> None:
-        """Once spawned: the driver's continuations run as this actor's events."""
+        """Once spawned, before any operation: the driver's continuations run as
+        this actor's events; its metrics are published."""
         pid = self.pid
         self.driver.bind(lambda fn: dispatch(pid, _call, fn))
-
-    def initialize(self) -> None:
         self._metrics = _metrics.publish(self)  # operations, batches, worker restarts (pulled)
 
     def submit(self, op: DeviceOperation) -> Future:
