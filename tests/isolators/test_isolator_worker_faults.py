@@ -1,0 +1,219 @@
+"""The isolator when the device worker dies mid-call (issue 20 items 1 and 2),
+on cgroups v1 and v2, judged by the kernel: a probe process in each cgroup
+opens mknod'ed GPU nodes (ENXIO = granted, EPERM = denied).
+
+The worker is stopped (SIGSTOP) before the call, so the call's batch is
+written to it and never answered; when the test needs "the worker applied it
+and died before saying so", the test applies the same change to the kernel
+itself (what the worker would have done), then the worker is killed
+(SIGKILL). Device control then fails the call with a ``WorkerError`` (its
+effects are unknown) and the isolator must not release a GPU on a guess:
+- a growing update keeps the extra GPU out of the pool until the kernel is
+  made to match the record again (or read back), then releases it;
+- a cleanup whose removal was lost keeps the record and its GPUs (the call
+  fails; a retry finishes it, EBUSY included);
+- a shrink whose rule write was lost keeps every GPU with the container.
+Every wait is bounded."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+import runtime
+from actors.devices import DeviceRule, WorkerError
+from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
+from tests.support.nodes import judge
+
+GRANTED, DENIED = errno.ENXIO, errno.EPERM
+
+
+def C(name: str) -> ContainerID:
+    return ContainerID(name)
+
+
+def cfg(gpus: int) -> ContainerConfig:
+    return ContainerConfig(resources=Resources.parse(f"gpus:{gpus}"))
+
+
+def wait_exit(pid: int, timeout: float = 10.0) -> None:
+    """Until ``pid`` is gone or a zombie (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"device worker {pid} did not exit")
+
+
+class StoppedWorker:
+    """The isolator's device worker, stopped: what is sent to it is never answered."""
+
+    def __init__(self, isolator: Any) -> None:
+        self.devices = isolator.devices
+        self.pid = self.devices.worker_pid
+        assert self.pid is not None, "the isolator runs no device worker process"
+
+    def __enter__(self) -> "StoppedWorker":
+        os.kill(self.pid, signal.SIGSTOP)
+        self.sent_before = self.devices.operations
+        return self
+
+    async def sent(self, count: int = 1) -> None:
+        """Until ``count`` more device operations went to the (stopped) worker."""
+        with anyio.fail_after(10):
+            while self.devices.operations < self.sent_before + count:
+                await anyio.sleep(0.001)
+        await anyio.sleep(0.02)  # an idle worker's batch is written as it is submitted
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        wait_exit(self.pid)
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def applied_by_the_dead_worker(node: Any, cgroup: str, rule: DeviceRule) -> None:
+    """Grant ``rule`` to ``cgroup`` in the kernel, as the worker would have."""
+    if node.backend == "cgroups_v1":
+        with open(os.path.join(node.cgroup_dir(cgroup), "devices.allow"), "w") as allow:
+            allow.write(str(rule))
+        return
+    backend = node.inner_backend()  # the checkpoint and the attached program, as the worker writes them
+    try:
+        backend.reconfigure(cgroup, [rule], [])
+    finally:
+        backend.close()
+
+
+async def failed_with_unknown_effects(call: Any) -> IsolatorError:
+    with anyio.fail_after(30):
+        with pytest.raises(IsolatorError) as caught:
+            await call
+    error = caught.value
+    assert type(error) is IsolatorError and isinstance(error.__cause__, WorkerError), repr(error.__cause__)
+    assert "effects are unknown" in str(error)
+    return error
+
+
+@pytest.mark.asyncio
+async def test_a_grow_whose_worker_died_after_granting_releases_nothing_on_a_guess(
+    kernel_node, char_nodes, probes
+) -> None:
+    node = kernel_node
+    gpu = {m: char_nodes[(195, m)] for m in range(4)}
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(C("a"), cfg(1))  # GPU 0
+        probe_a = probes()
+        probe_a.move_to(node.cgroup_dir("a"))
+        assert (probe_a.open(gpu[0]), probe_a.open(gpu[1])) == (GRANTED, DENIED)
+        with StoppedWorker(isolator) as worker:
+            grow = isolator.update(C("a"), Resources.parse("gpus:2"))  # GPU 1's grant goes to the stopped worker
+            await worker.sent()
+            applied_by_the_dead_worker(node, "a", DeviceRule("c", 195, 1, "rwm"))
+            assert probe_a.open(gpu[1]) == GRANTED  # the kernel has it; the worker never says so
+            worker.kill()
+            await failed_with_unknown_effects(grow)
+        # The update failed and changes nothing: GPU 1 went back only once the
+        # kernel stopped granting it to a.
+        assert await isolator.containers() == {"a": [0]}
+        assert (probe_a.open(gpu[0]), probe_a.open(gpu[1])) == (GRANTED, DENIED)
+        await judge(node, {"a": 1})
+        await isolator.prepare(C("b"), cfg(1))
+        assert await isolator.containers() == {"a": [0], "b": [1]}
+        probe_b = probes()
+        probe_b.move_to(node.cgroup_dir("b"))
+        assert (probe_b.open(gpu[1]), probe_a.open(gpu[1])) == (GRANTED, DENIED)  # one holder
+        await judge(node, {"a": 1, "b": 1})
+        probe_a.close()
+        probe_b.close()
+        await node.clean_all()
+
+
+@pytest.mark.asyncio
+async def test_a_grow_whose_worker_died_before_granting_releases_after_reading_back(
+    kernel_node, char_nodes, probes
+) -> None:
+    node = kernel_node
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(C("a"), cfg(1))
+        with StoppedWorker(isolator) as worker:
+            grow = isolator.update(C("a"), Resources.parse("gpus:3"))
+            await worker.sent()
+            worker.kill()
+            await failed_with_unknown_effects(grow)
+        assert await isolator.containers() == {"a": [0]}
+        assert {g.minor for g in await components.allocator.available()} == {1, 2, 3}
+        await judge(node, {"a": 1})
+        await node.clean_all()
+
+
+@pytest.mark.asyncio
+async def test_a_cleanup_whose_worker_died_keeps_the_record_and_its_gpus(kernel_node, char_nodes, probes) -> None:
+    node = kernel_node
+    gpu = {m: char_nodes[(195, m)] for m in range(4)}
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(C("a"), cfg(1))  # GPU 0
+        probe_a = probes()
+        probe_a.move_to(node.cgroup_dir("a"))  # a live process: the kernel refuses to remove a
+        with StoppedWorker(isolator) as worker:
+            cleanup = isolator.cleanup(C("a"))
+            await worker.sent()
+            worker.kill()
+            await failed_with_unknown_effects(cleanup)
+        # Not forgotten: the record and GPU 0 stay; nobody else gets GPU 0.
+        assert await isolator.containers() == {"a": [0]}
+        assert probe_a.open(gpu[0]) == GRANTED
+        await isolator.prepare(C("b"), cfg(1))
+        assert await isolator.containers() == {"a": [0], "b": [1]}
+        await judge(node, {"a": 1, "b": 1})
+        # The retry finishes it: EBUSY, so GPU 0 is denied to the process, then released.
+        await isolator.cleanup(C("a"))
+        assert probe_a.open(gpu[0]) == DENIED
+        assert await isolator.containers() == {"b": [1]}
+        await judge(node, {"b": 1}, extra_cgroups={"a"})
+        probe_a.close()
+        with anyio.fail_after(10):
+            while node.cgroup_exists("a"):  # the process is gone: a cleanup of that id removes it now
+                await isolator.cleanup(C("a"))
+                await anyio.sleep(0.01)
+        await node.clean_all()
+
+
+@pytest.mark.asyncio
+async def test_a_shrink_whose_worker_died_keeps_every_gpu_with_the_container(
+    kernel_node, char_nodes, probes
+) -> None:
+    node = kernel_node
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(C("a"), cfg(2))  # GPUs 0, 1
+        with StoppedWorker(isolator) as worker:
+            shrink = isolator.update(C("a"), Resources.parse("gpus:1"))
+            await worker.sent()
+            worker.kill()
+            await failed_with_unknown_effects(shrink)
+        assert await isolator.containers() == {"a": [0, 1]}
+        assert {g.minor for g in await components.allocator.available()} == {2, 3}
+        await isolator.reconcile()  # the kernel made to match the record again, whatever the worker did
+        await judge(node, {"a": 2})
+        await isolator.update(C("a"), Resources.parse("gpus:1"))  # and the shrink can be done again
+        await judge(node, {"a": 1})
+        await node.clean_all()
