@@ -54,6 +54,7 @@ class Recovering:
     _quarantine: set
     _metrics: Any
     _run: Any
+    _enforce_record: Any
 
     def recover(self, states: list[ContainerState], orphans: set[ContainerID]) -> Future:
         for state in states:
@@ -119,10 +120,14 @@ class Recovering:
 
     async def _reconcile_recovered(self, info: ContainerRecord) -> None:
         """Make the kernel enforce a recovered container's policy: after a crash
-        the kernel may lag its record (v2: the checkpoint is written first)."""
-        for line in await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated)):
+        the kernel may lag its record (v2: the checkpoint is written first);
+        drift it cannot repair is reported and contained (``_repair``)."""
+        lines, failed = await self._enforce_record(info)
+        for line in lines:
             self._metrics.repairs.inc()
             self._report(f"Container {info.container_id}: recovery repaired its device rules: {line}")
+        if failed is not None:
+            self._report(f"Container {info.container_id}: recovery {failed.description}")
 
     def _report(self, line: str) -> None:
         logger.warning("%s", line)

@@ -13,6 +13,12 @@ Rules (R-DV-5, issue 20 items 2 and 5):
   device worker died mid-batch) are ``withheld`` on the container's record:
   they go back once the kernel is made to match the record (a reconcile
   succeeded), or once the cgroup's state, read back, does not grant them.
+- Drift that cannot be repaired is contained and reported: the repair comes
+  back as a ``Repair`` with ``failed`` and the reason; when the container
+  may reach GPUs beyond its record (the kernel refused to take them back),
+  every free GPU is held back for it (``withheld``) until a reconcile
+  repairs it or it is cleaned up. Programs of others attached beside ours
+  (v2) only deny more: reported, nothing held back. Recovery does the same.
 - A cgroup the isolator could not remove lingers (``LingeringCgroup``) with
   the GPUs it may still grant; they go back once the kernel has removed it,
   or (processes inside: it stays) denies them. A later cleanup of that id, a
@@ -26,6 +32,8 @@ import logging
 from typing import Any
 
 from runtime import delay
+
+from actors.devices import ForeignProgramsError
 
 from ._grant import ContainerRecord
 from ._metrics import measured
@@ -63,8 +71,12 @@ class KernelRepair:
         try:
             repairs = await self.reconcile()
             self.reconcile_runs += 1
-            if repairs:
-                logger.warning("Periodic reconcile repaired %d drifted device rules", len(repairs))
+            failed = [repair for repair in repairs if repair.failed]
+            if len(repairs) > len(failed):
+                logger.warning("Periodic reconcile repaired %d drifted device rules", len(repairs) - len(failed))
+            if failed:
+                logger.error("Periodic reconcile could not repair containers %s",
+                             sorted({repair.container_id for repair in failed}))
         except Exception as e:  # keep the schedule: the next run may succeed
             logger.error("Periodic reconcile failed: %s", e)
         finally:
@@ -82,7 +94,7 @@ class KernelRepair:
                  for cid, lingering in sorted(self._lingering.items()) if lingering.withheld]
         repairs: list[Repair] = []
         failure: Exception | None = None
-        for run in runs:  # await every one, so none is left queued
+        for run in runs:  # await every one, so none is left queued (drift not repaired is a failed Repair)
             try:
                 repairs += await run
             except Exception as e:
@@ -96,10 +108,13 @@ class KernelRepair:
         info = self.infos.get(cid)
         if info is None or info.unknown_state:
             return []
-        repairs = []
-        for line in await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated)):
+        lines, failed = await self._enforce_record(info)
+        repairs = [Repair(str(cid), line) for line in lines]
+        for line in lines:
             logger.warning("Container %s: drift repaired: %s", cid, line)
-            repairs.append(Repair(str(cid), line))
+        if failed is not None:
+            self._metrics.repairs.inc(len(repairs))
+            return repairs + [failed]
         line = await self.specs.ensure(cid, info.allocated)
         if line is not None:
             logger.warning("Container %s: drift repaired: %s", cid, line)
@@ -107,10 +122,50 @@ class KernelRepair:
         if info.withheld:  # the kernel enforces the record now: they are not granted
             released, info.withheld = info.withheld, set()
             await self.allocator.deallocate(released)
-            logger.info("Container %s: GPUs %s, whose grant had an unknown outcome, released", cid, minors(released))
-            repairs.append(Repair(str(cid), f"released GPUs {minors(released)} whose grant had an unknown outcome"))
+            logger.info("Container %s: GPUs %s, held back while its kernel state was unknown, released", cid,
+                        minors(released))
+            repairs.append(Repair(str(cid), f"released GPUs {minors(released)} held back while its kernel state"
+                                  " was unknown"))
         self._metrics.repairs.inc(len(repairs))
         return repairs
+
+    async def _enforce_record(self, info: ContainerRecord) -> tuple[list[str], Repair | None]:
+        """Make the kernel enforce ``info``'s record: the repairs made, and the
+        repair that failed (None when none did). Drift that cannot be repaired
+        (v1: a wiped cgroup whose child keeps the re-deny from the kernel; v2:
+        a program of others attached to override ours) may let the container
+        reach every GPU: every free GPU is then held back for it until a
+        reconcile repairs it or it is cleaned up. Programs of others attached
+        beside ours can only deny more: reported, nothing held back."""
+        cid = info.container_id
+        try:
+            return await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated)), None
+        except ForeignProgramsError as error:
+            reason = str(error)
+            logger.error("Container %s: drift not repaired: %s", cid, reason)
+            return [], Repair(str(cid), f"could not repair its device rules: {reason}", failed=True, reason=reason)
+        except Exception as error:
+            reason = "; ".join([str(error), *getattr(error, "__notes__", ())])
+            held = await self._withhold_reachable(info)
+            contained = (f"GPUs {minors(held)} are held back until it is repaired or cleaned up" if held
+                         else "no GPU is free to hold back")
+            description = f"could not repair its device rules ({reason}); it may reach any GPU, so {contained}"
+            logger.error("Container %s: %s", cid, description)
+            return [], Repair(str(cid), description, failed=True, reason=reason)
+
+    async def _withhold_reachable(self, info: ContainerRecord) -> set:
+        """Hold back every free GPU for ``info`` (it may reach them); what it holds back."""
+        for _attempt in range(3):
+            free = set(await self.allocator.available())
+            if not free:
+                break
+            try:
+                await self.allocator.allocate(free)
+            except Exception:  # another container took one meanwhile: look again
+                continue
+            info.withheld |= free
+            break
+        return set(info.withheld)
 
     async def _reconcile_lingering(self, cid: ContainerID) -> list[Repair]:
         lingering = self._lingering.get(cid)

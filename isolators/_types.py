@@ -307,10 +307,14 @@ class ContainerLimitation(msgspec.Struct, kw_only=True):
 
 
 class Repair(msgspec.Struct, frozen=True):
-    """One drift repair done by ``reconcile``."""
+    """One drift repair done by ``reconcile`` -- or one that could not be done:
+    ``failed`` is then True and ``reason`` says why (the GPUs the container
+    may reach are held back until it is repaired or cleaned up)."""
 
     container_id: str
     description: str
+    failed: bool = False
+    reason: str | None = None
 
 
 def decode_hook(type_: type, obj: Any) -> Any:

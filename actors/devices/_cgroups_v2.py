@@ -33,7 +33,10 @@ Rules:
 - ``reconcile`` makes the kernel match the given policy: it re-attaches a
   missing program, replaces one whose instructions differ (by tag), detaches
   leaked extra own programs, recreates a missing cgroup, and records the
-  policy in the checkpoint.
+  policy in the checkpoint. Programs of others found attached beside its own
+  then fail it with ``ForeignProgramsError`` (its own part done and kept):
+  the kernel runs them too, so the cgroup may lack devices its policy
+  grants; they are reported, never detached on a guess.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from ._backend import (
     validate_cgroups_root,
 )
 from ._checkpoint import DeviceCheckpoint
-from ._errors import DeviceControlError, KernelOperationError
+from ._errors import DeviceControlError, ForeignProgramsError, KernelOperationError
 from ._policy import Policy, apply_diff, as_policy
 from ._rules import DeviceRule, check_diff
 
@@ -245,13 +248,20 @@ class CgroupsV2Backend(BackendBase):
             created = True
             if op.kind == "reconcile":
                 repairs.append(f"{path}: recreated the missing cgroup")
+        foreign: list[int] = []
         try:
-            repairs += self._attach(path, access, fresh=created)
+            repairs += self._attach(path, access, fresh=created, foreign_out=foreign)
         except Exception as error:  # not a simulated crash: nothing runs after one
             self._rollback(path, created, previous, error)
             raise
         self._states[cgroup] = access
         if op.kind == "reconcile":
+            if foreign:
+                done = f" (done: {'; '.join(repairs)})" if repairs else ""
+                raise ForeignProgramsError(
+                    f"{path}: device programs {sorted(foreign)} that are not device control's are attached beside"
+                    " its own; the kernel runs them too, so the container may be denied devices its policy"
+                    f" grants; detach them{done}", tuple(sorted(foreign)))
             return repairs
         return access
 
@@ -265,10 +275,11 @@ class CgroupsV2Backend(BackendBase):
             logger.error("Rollback of %s after '%s' failed too: %s", path, error, rollback_error)
             error.add_note(f"Rollback failed too, {path} may be left part-way: {rollback_error}")
 
-    def _attach(self, path: str, access: Policy, fresh: bool) -> list[str]:
+    def _attach(self, path: str, access: Policy, fresh: bool, foreign_out: list[int] | None = None) -> list[str]:
         """Leave exactly one own program, compiled from ``access``, on ``path``.
 
-        Returns what it had to change beyond the normal replace, in words."""
+        Returns what it had to change beyond the normal replace, in words;
+        ``foreign_out`` gets the ids of the programs of others attached."""
         code, tags = access.program
         op = self._kernel_op
         fds: list[int] = []
@@ -334,6 +345,8 @@ class CgroupsV2Backend(BackendBase):
             if keep is None and not cached:
                 fds.remove(prog_fd)  # now owned by the cache
                 self._remember(code, prog_fd, keep_id)
+            if foreign_out is not None:
+                foreign_out.extend(prog_id for prog_id in ids if prog_id in foreign)
             return repairs
         finally:
             for fd in fds:

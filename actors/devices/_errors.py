@@ -13,6 +13,11 @@ Rules:
 - ``CheckpointError`` is a device checkpoint that cannot be read; its message
   says which file and what an operator should do. A checkpoint is never read
   as empty: that would free GPUs still in use.
+- ``ForeignProgramsError`` (v2 ``reconcile``): device programs that are not
+  device control's are attached to the cgroup beside its own. Its own
+  program is in place and recorded; the kernel runs the others too (they
+  may deny devices the policy grants), so the drift is reported, not
+  guessed away. ``program_ids`` names them.
 """
 
 from __future__ import annotations
@@ -46,3 +51,14 @@ class CheckpointError(DeviceControlError):
 
 class WorkerError(DeviceControlError):
     """The device worker process could not be started or went away (see module rules)."""
+
+
+class ForeignProgramsError(DeviceControlError):
+    """Programs of others are attached to a cgroup beside its own (see module rules)."""
+
+    def __init__(self, message: str, program_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.program_ids = tuple(program_ids)
+
+    def __reduce__(self) -> tuple:  # crosses the device worker's pipe
+        return (type(self), (str(self), self.program_ids))

@@ -17,6 +17,7 @@ from actors.devices import (
     CgroupsV2Backend,
     CheckpointError,
     DeviceControlError,
+    ForeignProgramsError,
     DeviceOperation,
     DeviceRule,
     KernelOperationError,
@@ -199,7 +200,9 @@ def test_programs_of_others_are_left_alone_and_still_apply(v2_sandbox, device_no
     backend = backend_for(v2_sandbox, tmp_path)
     access = backend.configure("c1", *container_policy(CONTROL, ["c 195:0 rw", "c 195:1 rw"]))
     other = attach_extra(v2_sandbox, "c1", Policy.create(["a"], ["c 195:1 rw"]), name="someone_else")
-    assert backend.reconcile("c1", access) == []
+    with pytest.raises(ForeignProgramsError) as reported:  # reported by reconcile, never detached on a guess
+        backend.reconcile("c1", access)
+    assert reported.value.program_ids == (other,) and "detach them" in str(reported.value)
     after = backend.reconfigure("c1", [R("c 195:2 rw")], [])
     assert other in v2_sandbox.attached("c1") and assert_enforces(v2_sandbox, "c1", after)
     probe = v2_sandbox.probe("c1")

@@ -1,0 +1,207 @@
+"""Drift that cannot be repaired is contained and reported (issue 20 item 5),
+judged by a process in the cgroup (granted node: ENXIO, denied: EPERM).
+
+- v1: a wiped cgroup (``a`` in devices.allow) with a child cgroup of an
+  outsider: the kernel refuses the re-deny (EINVAL);
+- v2: an outsider's allow-all program attached in place of ours with flags 0
+  or ``BPF_F_ALLOW_OVERRIDE``: ours cannot be attached (EPERM);
+- v2: an outsider's deny-all program attached beside ours: the container
+  lost even /dev/null, and reconcile used to say nothing.
+
+Each comes back from ``reconcile()`` as a ``Repair`` with ``failed`` and the
+reason; where the container may reach GPUs beyond its record, every free GPU
+is held back for it (no other container gets one) until a reconcile
+repairs it, then they go back.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from typing import Any
+
+import pytest
+
+from actors.devices import PROGRAM_NAME, Policy, _bpf, build_device_program
+from isolators import ContainerConfig, ContainerID, IsolatorError, Repair, Resources
+from runtime import Runtime
+from tests.support.kernel import SEEN_PROGRAMS, detach_program, program_infos
+from tests.support.nodes import judge
+
+GRANTED, DENIED = errno.ENXIO, errno.EPERM
+
+
+def C(name: str) -> ContainerID:
+    return ContainerID(name)
+
+
+def config(gpus: int) -> ContainerConfig:
+    return ContainerConfig(resources=Resources.parse(f"gpus:{gpus}"))
+
+
+async def two_containers(node: Any) -> Any:
+    _c, isolator = await node.start()
+    await isolator.recover([], set())
+    await isolator.prepare(C("c1"), config(1))  # GPU 0
+    await isolator.prepare(C("c2"), config(1))  # GPU 1
+    return isolator
+
+
+async def free(node: Any) -> set[int]:
+    return {g.minor for g in await node.components.allocator.available()}
+
+
+def attach(cgroup_dir: str, policy: Policy, name: str, flags: int) -> int:
+    """An outsider's device program on ``cgroup_dir``; its id."""
+    prog_fd = _bpf.prog_load(build_device_program(policy), name)
+    fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _bpf.prog_attach(fd, prog_fd, flags)
+        prog_id = _bpf.prog_info(prog_fd).id
+    finally:
+        os.close(fd)
+        os.close(prog_fd)
+    SEEN_PROGRAMS.add(prog_id)
+    return prog_id
+
+
+def ours(cgroup_dir: str) -> list[int]:
+    return [info.id for info in program_infos(cgroup_dir) if info.name == PROGRAM_NAME]
+
+
+async def reconcile_until_repaired(isolator: Any) -> list[Repair]:
+    """Reconcile until no repair fails (bounded): after the child cgroup's
+    rmdir the kernel needs a moment to let go of it before a re-deny works."""
+    deadline = time.monotonic() + 10
+    while True:
+        repairs = await isolator.reconcile()
+        if not any(r.failed for r in repairs) or time.monotonic() > deadline:
+            return repairs
+        time.sleep(0.1)
+
+
+def failed_only(repairs: list[Repair], cid: str) -> Repair:
+    assert [(r.container_id, r.failed) for r in repairs] == [(cid, True)], repairs
+    return repairs[0]
+
+
+@pytest.mark.asyncio
+async def test_v1_a_wiped_cgroup_with_an_outsiders_child_is_contained(
+    node_factory: Any, probes: Any, gpu_nodes: Any
+) -> None:
+    node = node_factory("cgroups_v1")
+    async with Runtime():
+        isolator = await two_containers(node)
+        c1 = node.cgroup_dir("c1")
+        probe = probes()
+        probe.move_to(c1)
+        with open(os.path.join(c1, "devices.allow"), "w") as allow:
+            allow.write("a")
+        os.mkdir(os.path.join(c1, "outsider"))  # the kernel now refuses to take anything back from c1
+        try:
+            assert probe.open(gpu_nodes[2]) == GRANTED  # c1 reaches the free GPUs
+            failed = failed_only(await isolator.reconcile(), "c1")
+            assert "Invalid argument" in failed.reason and "held back" in failed.description
+            assert await free(node) == set()  # GPUs 2 and 3 are held back for c1
+            with pytest.raises(IsolatorError, match="^Requested 1 gpus but only 0 available$"):
+                await isolator.prepare(C("c3"), config(1))
+            assert failed_only(await isolator.reconcile(), "c1").failed  # still, and still contained
+            assert await free(node) == set()
+        finally:
+            os.rmdir(os.path.join(c1, "outsider"))
+        repairs = await reconcile_until_repaired(isolator)  # repairable again: repaired, and the GPUs go back
+        assert [r.failed for r in repairs] == [False] * len(repairs) and len(repairs) >= 2
+        assert repairs[-1].description == "released GPUs [2, 3] held back while its kernel state was unknown"
+        assert (probe.open(gpu_nodes[0]), probe.open(gpu_nodes[2])) == (GRANTED, DENIED)
+        assert await free(node) == {2, 3}
+        await judge(node, {"c1": 1, "c2": 1})
+        probe.close()
+        await node.clean_all()
+        await node.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("flags", [0, _bpf.BPF_F_ALLOW_OVERRIDE], ids=["flags-0", "allow-override"])
+async def test_v2_an_outsiders_allow_all_program_in_place_of_ours_is_contained(
+    node_factory: Any, probes: Any, gpu_nodes: Any, flags: int
+) -> None:
+    node = node_factory("cgroups_v2")
+    async with Runtime():
+        isolator = await two_containers(node)
+        c1 = node.cgroup_dir("c1")
+        probe = probes()
+        probe.move_to(c1)
+        (own,) = ours(c1)
+        detach_program(c1, own)
+        outsider = attach(c1, Policy.create(["a"]), "outsider", flags)
+        assert probe.open(gpu_nodes[2]) == GRANTED
+        failed = failed_only(await isolator.reconcile(), "c1")
+        assert "Operation not permitted" in failed.reason and "without BPF_F_ALLOW_MULTI" in failed.reason
+        assert await free(node) == set()
+        with pytest.raises(IsolatorError, match="^Requested 1 gpus but only 0 available$"):
+            await isolator.prepare(C("c3"), config(1))
+        detach_program(c1, outsider)  # the outsider goes away: the next reconcile repairs it
+        repairs = await isolator.reconcile()
+        assert not any(r.failed for r in repairs)
+        assert any("attached the missing device program" in r.description for r in repairs)
+        assert (probe.open(gpu_nodes[0]), probe.open(gpu_nodes[2])) == (GRANTED, DENIED)
+        assert await free(node) == {2, 3}
+        await judge(node, {"c1": 1, "c2": 1})
+        probe.close()
+        await node.clean_all()
+        await node.stop()
+
+
+@pytest.mark.asyncio
+async def test_v2_an_outsiders_deny_all_program_beside_ours_is_reported(
+    node_factory: Any, probes: Any, gpu_nodes: Any
+) -> None:
+    node = node_factory("cgroups_v2")
+    async with Runtime():
+        isolator = await two_containers(node)
+        c1 = node.cgroup_dir("c1")
+        probe = probes()
+        probe.move_to(c1)
+        assert probe.open("/dev/null") == 0
+        outsider = attach(c1, Policy.create([]), "outsider", _bpf.BPF_F_ALLOW_MULTI)
+        assert (probe.open("/dev/null"), probe.open(gpu_nodes[0])) == (DENIED, DENIED)
+        failed = failed_only(await isolator.reconcile(), "c1")
+        assert f"device programs [{outsider}] that are not device control's" in failed.reason
+        assert await free(node) == {2, 3}  # it can only deny more: nothing held back
+        assert ours(c1) and outsider in [info.id for info in program_infos(c1)]  # reported, not detached
+        detach_program(c1, outsider)
+        assert await isolator.reconcile() == []
+        assert (probe.open("/dev/null"), probe.open(gpu_nodes[0])) == (0, GRANTED)
+        probe.close()
+        await node.clean_all()
+        await node.stop()
+
+
+@pytest.mark.asyncio
+async def test_recovery_contains_drift_it_cannot_repair(node_factory: Any, probes: Any, gpu_nodes: Any) -> None:
+    node = node_factory("cgroups_v1")
+    async with Runtime():
+        isolator = await two_containers(node)
+        await node.stop()  # the agent goes away
+        c1 = node.cgroup_dir("c1")
+        with open(os.path.join(c1, "devices.allow"), "w") as allow:
+            allow.write("a")
+        os.mkdir(os.path.join(c1, "outsider"))
+        try:
+            _c, isolator = await node.start()
+            await isolator.recover([], {C("c1"), C("c2")})
+            # c1 grants every GPU: it keeps the ones nobody holds (its record), and
+            # the rules that would take the rest back cannot be written: reported.
+            assert await isolator.containers() == {"c1": [0, 2, 3], "c2": [1]}
+            report = isolator.recovery_report
+            assert any("Container c1: recovery could not repair its device rules" in line and "Invalid argument"
+                       in line and "no GPU is free to hold back" in line for line in report), report
+            assert await free(node) == set()
+        finally:
+            os.rmdir(os.path.join(c1, "outsider"))
+        repairs = await reconcile_until_repaired(isolator)
+        assert not any(r.failed for r in repairs), repairs
+        await judge(node, {"c1": 3, "c2": 1})
+        await node.clean_all()
+        await node.stop()
