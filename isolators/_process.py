@@ -32,7 +32,10 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
   surplus is denied and reconcile sees no drift) and then releasing the
   highest minors first. A failed update changes nothing; the extra GPUs of
   a failed grow go back only once the kernel is known not to grant them.
-- ``cleanup`` is idempotent: the cgroup is removed (if processes remain, the
+- ``cleanup`` is idempotent (of an unknown id: nothing to do, unless a
+  cgroup of that name exists under the root -- someone else made it --
+  which is removed, or denied every GPU while processes keep it): the
+  cgroup is removed (if processes remain, the
   GPUs are first denied to it, then released, with a warning; the cgroup is
   remembered as lingering and a later prepare of that id is refused until
   its processes are gone), the GPUs go back, the copied device nodes are
@@ -502,7 +505,7 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
             if container_id in self._lingering:
                 await self._settle_lingering(container_id)
             else:
-                logger.debug("Container %s: ignoring cleanup request for unknown container", container_id)
+                await self._cleanup_unknown(container_id)
             await self._remove_device_copies(container_id)
             return
         # Until the kernel has removed the cgroup (or, processes inside,
@@ -533,6 +536,25 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
         await self._remove_device_copies(container_id)
         if logger.isEnabledFor(logging.INFO):
             logger.info("Container %s: cleaned up, released GPUs %s", container_id, minors(gpus))
+
+    async def _cleanup_unknown(self, container_id: ContainerID) -> None:
+        """Cleanup of an id the isolator has no record of: as in Mesos, nothing
+        to do -- unless a cgroup of that name exists under the root (someone
+        else made it): it would grant every device, so it is removed, or (it
+        has processes) denied every GPU and kept as lingering, with a warning."""
+        cgroup = container_id.path()
+        if not await self.devices.exists(cgroup):
+            logger.debug("Container %s: ignoring cleanup request for unknown container", container_id)
+            return
+        if await self.devices.remove(cgroup):
+            logger.warning("Container %s: cleanup of an unknown container found its cgroup '%s' under the isolator"
+                           " root (made by someone else); removed it", container_id, cgroup)
+            return
+        await self.devices.configure(cgroup, self.policies.of(()))
+        self._lingering[container_id] = LingeringCgroup(set(), "still has processes")
+        logger.warning("Container %s: cleanup of an unknown container found its cgroup '%s' under the isolator root"
+                       " (made by someone else) with processes inside; it stays, denied every GPU", container_id,
+                       cgroup)
 
     async def _remove_device_copies(self, container_id: ContainerID) -> None:
         if container_id not in self._device_dirs:

@@ -9,6 +9,7 @@ import errno
 import logging
 import os
 
+import anyio
 import pytest
 
 import runtime
@@ -122,3 +123,55 @@ async def test_failed_prepare_onto_an_occupied_cgroup_takes_the_gpus_back(kernel
         for name in ("taken", "seed"):
             await isolator.cleanup(ContainerID(name))
         assert await isolator.devices.list_cgroups() == []
+
+
+# -- an unknown id whose cgroup someone else made (issue 20 item 6) ----------------------------
+def outsider_makes(node, name: str) -> None:
+    """A cgroup under the isolator's root that the isolator never made (it grants every device)."""
+    if node.kernel:
+        os.mkdir(node.cgroup_dir(name))
+    else:
+        node.inner_backend().configure(name, ["a *:* rwm"], [])
+
+
+@pytest.mark.asyncio
+async def test_cleanup_of_an_unknown_id_removes_a_cgroup_someone_else_made(node, caplog) -> None:
+    caplog.set_level(logging.WARNING)
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(ContainerID("keep"), ContainerConfig(resources=Resources.parse("gpus:1")))
+        outsider_makes(node, "ghost")
+        assert node.cgroup_exists("ghost")
+        assert await isolator.cleanup(ContainerID("ghost")) is None
+        assert not node.cgroup_exists("ghost")
+        assert any("Container ghost: cleanup of an unknown container found its cgroup 'ghost'" in r.getMessage()
+                   and "removed it" in r.getMessage() for r in caplog.records)
+        assert await isolator.devices.list_cgroups() == ["keep"]
+        await isolator.cleanup(ContainerID("keep"))
+
+
+@pytest.mark.asyncio
+async def test_cleanup_of_an_unknown_id_whose_cgroup_has_processes_denies_every_gpu(
+    kernel_node, char_nodes, probes
+) -> None:
+    node = kernel_node
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(ContainerID("keep"), ContainerConfig(resources=Resources.parse("gpus:1")))
+        outsider_makes(node, "ghost")
+        probe = probes()
+        probe.move_to(node.cgroup_dir("ghost"))
+        assert probe.open(char_nodes[(195, 0)]) == errno.ENXIO  # granted every device
+        await isolator.cleanup(ContainerID("ghost"))
+        assert node.cgroup_exists("ghost")
+        assert [probe.open(char_nodes[(195, m)]) for m in range(4)] == [errno.EPERM] * 4
+        assert probe.open(char_nodes[(195, 255)]) == errno.ENXIO  # nvidiactl stays, as for a lingering container
+        with pytest.raises(IsolatorError, match="still has processes"):
+            await isolator.prepare(ContainerID("ghost"), ContainerConfig(resources=Resources.parse("gpus:1")))
+        probe.close()
+        with anyio.fail_after(10):
+            while node.cgroup_exists("ghost"):  # its processes gone: a cleanup of that id removes it
+                await isolator.cleanup(ContainerID("ghost"))
+                await anyio.sleep(0.01)
+        await isolator.cleanup(ContainerID("keep"))
+        assert await components.allocator.available() == components.allocator.total()

@@ -12,6 +12,7 @@ import pytest
 import runtime
 from actors.devices import DeviceRule
 from isolators import ContainerConfig, ContainerID, IsolatorError, NvidiaComponents, NvidiaGpuIsolatorProcess, Resources
+from isolators import _startup
 from isolators._startup import devices_subsystem_enabled, find_control_devices
 
 NO_DEVICES = (
@@ -198,3 +199,70 @@ def test_nvidia_uvm_still_missing_after_modprobe_is_an_error(tmp_path, monkeypat
         find_control_devices(memory_node.flags(), None)
     path = os.path.join(dev, "nvidia-uvm")
     assert str(error.value) == f"Failed to obtain device ID for '{path}': No such file or directory"
+
+
+# -- control devices that are not what they claim to be (issue 20 item 6) -----------------
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "nodes, bad, problem",
+    [
+        ({"nvidiactl": "file", "nvidia-uvm": (509, 0)}, "nvidiactl",
+         "is not a character device (a regular file): the NVIDIA control device 'nvidiactl' must be the driver's"
+         " device node; recreate it (nvidia-modprobe) or fix --dev_dir"),
+        ({"nvidiactl": (195, 255), "nvidia-uvm": "file"}, "nvidia-uvm",
+         "is not a character device (a regular file): the NVIDIA control device 'nvidia-uvm' must be the"
+         " driver's device node; recreate it (nvidia-modprobe) or fix --dev_dir"),
+        ({"nvidiactl": (10, 200), "nvidia-uvm": (509, 0)}, "nvidiactl",
+         "is the character device 10:200, not of the NVIDIA major 195: it is not the control device 'nvidiactl';"
+         " recreate it (nvidia-modprobe) or fix --dev_dir"),
+        ({"nvidiactl": (195, 255), "nvidia-uvm": (195, 0)}, "nvidia-uvm",
+         "is the character device 195:0, not of a major other than 195 (the nvidia-uvm module's own): it is not"
+         " the control device 'nvidia-uvm'; recreate it (nvidia-modprobe -u -c 0) or fix --dev_dir"),
+        ({"nvidiactl": (195, 255), "nvidia-uvm": (509, 0), "nvidia-modeset": "dir"}, "nvidia-modeset",
+         "is not a character device (a directory): the NVIDIA control device 'nvidia-modeset' must be the"
+         " driver's device node; recreate it (nvidia-modprobe) or fix --dev_dir"),
+    ],
+    ids=["nvidiactl-file", "uvm-file", "nvidiactl-wrong-major", "uvm-nvidia-major", "modeset-dir"],
+)
+async def test_control_devices_that_are_not_device_nodes_fail_create(memory_node, nodes, bad, problem) -> None:
+    needs_root()
+    dev = memory_node.dev_dir
+    for name, kind in nodes.items():
+        path = os.path.join(dev, name)
+        if kind == "file":
+            with open(path, "w") as handle:
+                handle.write("not a device\n")
+        elif kind == "dir":
+            os.mkdir(path)
+        else:
+            mknod(path, *kind)
+    async with runtime.Runtime():
+        components = await NvidiaComponents.create(memory_node.flags())
+        try:
+            with pytest.raises(IsolatorError) as error:
+                await NvidiaGpuIsolatorProcess.create(memory_node.flags(), components)
+            assert type(error.value) is IsolatorError
+            assert str(error.value) == f"'{os.path.join(dev, bad)}' {problem}"
+        finally:
+            await components.close()
+
+
+def test_nvidia_uvm_must_have_the_major_the_kernel_registered(memory_node, monkeypatch) -> None:
+    needs_root()
+    dev = memory_node.dev_dir
+    mknod(os.path.join(dev, "nvidiactl"), 195, 255)
+    mknod(os.path.join(dev, "nvidia-uvm"), 509, 0)
+    monkeypatch.setattr(_startup, "registered_major", lambda name: 510 if name == "nvidia-uvm" else None)
+    with pytest.raises(IsolatorError) as error:
+        find_control_devices(memory_node.flags(), None)
+    assert "is the character device 509:0, not of the major 510 the kernel registered for nvidia-uvm" in str(
+        error.value)
+
+
+def test_registered_major_reads_the_character_devices_of_proc_devices(tmp_path) -> None:
+    proc_devices = tmp_path / "devices"
+    proc_devices.write_text(
+        "Character devices:\n  1 mem\n195 nvidia-frontend\n509 nvidia-uvm\n\nBlock devices:\n  8 nvidia-uvm\n")
+    assert _startup.registered_major("nvidia-uvm", str(proc_devices)) == 509
+    assert _startup.registered_major("nvidia-caps", str(proc_devices)) is None
+    assert _startup.registered_major("nvidia-uvm", str(tmp_path / "missing")) is None
