@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors import Gpu
 from actors.devices import MemoryBackend
 from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
-from runtime import Failure, Runtime, current_runtime
+from runtime import Runtime, current_runtime
 
 pytestmark = pytest.mark.asyncio
 
@@ -43,8 +43,9 @@ async def test_counts_and_timers_after_prepare_update_cleanup(memory_node: Any) 
         await isolator.recover([], set())
         await isolator.prepare(ContainerID("c1"), config(1))
         await isolator.prepare(ContainerID("c2"), config(2))
-        with pytest.raises(Failure, match="Requested 5 gpus but only 1 available"):
+        with pytest.raises(IsolatorError, match="^Requested 5 gpus but only 1 available$") as error:
             await isolator.prepare(ContainerID("c3"), config(5))
+        assert type(error.value) is IsolatorError
         await isolator.prepare(ContainerID("n1", ContainerID("c1")), config(0))  # nested: holds no GPUs
         snap = snapshot()
         assert pick(snap, "isolator/prepares", "isolator/prepare_failures", "isolator/prepare_ms/count",

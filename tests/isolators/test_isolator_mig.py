@@ -65,8 +65,9 @@ async def test_single_strategy_counts_mig_devices_as_gpus(node_factory, backend,
         _components, isolator = await node.start()
         await isolator.prepare(ContainerID("two"), config("gpus:2"))
         assert await isolator.containers() == {"two": ["195:0/gi1/ci0", "195:0/gi2/ci0"]}
-        with pytest.raises(runtime.Failure, match=r"^Requested 3 gpus but only 2 available$"):
+        with pytest.raises(IsolatorError, match=r"^Requested 3 gpus but only 2 available$") as error:
             await isolator.prepare(ContainerID("three"), config("gpus:3"))
+        assert type(error.value) is IsolatorError
         await isolator.update(ContainerID("two"), Resources.parse("gpus:1"))
         assert await isolator.containers() == {"two": ["195:0/gi1/ci0"]}  # the highest went back
         if node.kernel:
@@ -89,9 +90,9 @@ async def test_mig_requests_are_validated_with_clear_errors(node_factory) -> Non
             "gpus:2": "Requested 2 gpus but only 1 available",
         }
         for resources, message in cases.items():
-            with pytest.raises(runtime.Failure) as error:  # an IsolatorError, or the allocator's Failure
+            with pytest.raises(IsolatorError) as error:  # the allocator's text, its error chained
                 await isolator.prepare(ContainerID("x"), config(resources))
-            assert str(error.value) == message, resources
+            assert type(error.value) is IsolatorError and str(error.value) == message, resources
         assert await isolator.containers() == {}
         state = await components.allocator.state()
         assert len(state.mig_available) == 4 and state.available == [GPU1]  # nothing taken
