@@ -217,3 +217,32 @@ async def test_a_shrink_whose_worker_died_keeps_every_gpu_with_the_container(
         await isolator.update(C("a"), Resources.parse("gpus:1"))  # and the shrink can be done again
         await judge(node, {"a": 1})
         await node.clean_all()
+
+
+@pytest.mark.asyncio
+async def test_a_prepare_whose_worker_died_after_configuring_is_undone_by_the_kernel(
+    kernel_node, char_nodes, probes
+) -> None:
+    node = kernel_node
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(C("keep"), cfg(1))  # GPU 0
+        with StoppedWorker(isolator) as worker:
+            prepare = isolator.prepare(C("c1"), cfg(2))  # GPUs 1, 2: their configure goes to the stopped worker
+            await worker.sent()
+            # What the worker would have done before dying: the cgroup, granting GPUs 1 and 2.
+            backend = node.inner_backend()
+            try:
+                backend.configure("c1", isolator.process.policies.of(
+                    {g for g in components.allocator.total() if g.minor in (1, 2)}))
+            finally:
+                getattr(backend, "close", lambda: None)()
+            assert node.cgroup_exists("c1")
+            worker.kill()
+            await failed_with_unknown_effects(prepare)
+        # Undone through the kernel: the cgroup removed first, then the GPUs back.
+        assert not node.cgroup_exists("c1")
+        assert await isolator.containers() == {"keep": [0]}
+        assert {g.minor for g in await components.allocator.available()} == {1, 2, 3}
+        await judge(node, {"keep": 1})
+        await node.clean_all()
