@@ -19,8 +19,10 @@ Backend rules:
 - A failed operation converges the cgroup back to the list it had (or
   removes the cgroup it created) and re-raises.
 - Hot path (churn): the writes of a policy to a new cgroup are planned once
-  per policy (``Policy.v1_plan``); a ``devices.list`` text is parsed once
-  (the tables of the last ``TABLE_CACHE_SIZE`` texts are kept); with no ``kernel_hook`` set,
+  per policy (``Policy.v1_plan``); a ``devices.list`` text that a plan
+  wrote is found by its text (``read_listing``: an update reads what its
+  prepare wrote) and any other is read line by line without building
+  rules; with no ``kernel_hook`` set,
   ``configure`` tries mkdir first (EEXIST: an existing cgroup) instead of a
   stat, and writes the plan without a wrapper call per rule. The syscalls
   and errors are the same; with a hook set every operation is reported in
@@ -42,8 +44,9 @@ from ._v1_emulator import (
     ALLOW_ALL,
     ExceptionTable,
     apply_rules,
-    parse_devices_list,
+    listed_access,
     plan_writes,
+    read_listing,
     table_access,
 )
 
@@ -72,16 +75,12 @@ class CgroupsV1Backend(BackendBase):
 
     # -- kernel operations -------------------------------------------------
 
-    def _read_table(self, path: str) -> ExceptionTable:
+    def _read_list(self, path: str) -> str:
         file = path + "/devices.list"
-        text = self._kernel_op("read", file, _read_text, file)
-        table = _TABLES.get(text)
-        if table is None:
-            table = parse_devices_list(text)
-            if len(_TABLES) >= TABLE_CACHE_SIZE:
-                _TABLES.clear()
-            _TABLES[text] = table
-        return dict(table)
+        return self._kernel_op("read", file, _read_text, file)
+
+    def _read_table(self, path: str) -> ExceptionTable:
+        return read_listing(self._read_list(path))
 
     def _write(self, path: str, writes: list[tuple[str, str]]) -> None:
         fds: dict[str, int] = {}
@@ -198,7 +197,7 @@ class CgroupsV1Backend(BackendBase):
         path = self.path(cgroup)
         if not os.path.isdir(path):
             return None
-        return table_access(self._read_table(path))
+        return listed_access(self._read_list(path))
 
     def exists(self, cgroup: str) -> bool:
         return os.path.isdir(self.path(cgroup))
@@ -225,13 +224,6 @@ class CgroupsV1Backend(BackendBase):
                 f"{path}: {'allowed' if name == 'devices.allow' else 'denied'} '{line}'" for name, line in writes
             )
         return repairs
-
-
-TABLE_CACHE_SIZE = 256
-"""``devices.list`` texts whose parsed table is kept: containers repeat a few
-policies, so an update reads a list it has parsed before."""
-
-_TABLES: dict[str, ExceptionTable] = {}
 
 
 def _read_text(file: str) -> str:

@@ -7,6 +7,9 @@ Rules:
   as a broken peer.
 - Agent to worker: one frame per batch, a list of ``(kind, args)`` tuples
   (plain tuples: a NamedTuple pickles through Python, twice as slowly).
+- A ``Policy`` (an argument, a result) crosses as ``(POLICY, its text)``
+  and is interned again on arrival (``wire`` / ``unwire``): pickling one
+  by reduction costs ~10 µs a frame, its text ~1 µs.
 - Worker to agent: the first frame is ``("ready", (name, root), records)``
   or ``("error", exception, records)``; after ``ready``, every frame is
   ``("part" | "done", results, records)`` for the oldest batch not yet
@@ -22,13 +25,31 @@ import io
 import os
 import pickle
 import struct
-from typing import Any
+from typing import Any, Sequence
 
 from ._errors import WorkerError
+from ._policy import Policy
 
 _HEADER = struct.Struct("<I")
 MAX_FRAME = 64 << 20
 """Frames larger than this are refused (a broken peer, not a batch)."""
+
+
+POLICY = "\0policy"
+"""Marks a policy's text in a frame."""
+
+
+def wire(values: Sequence[Any]) -> tuple[Any, ...]:
+    """``values`` with each ``Policy`` as ``(POLICY, text)`` (see module rules)."""
+    return tuple((POLICY, value.text) if type(value) is Policy else value for value in values)
+
+
+def unwire(values: Sequence[Any]) -> list[Any]:
+    """``wire``'s values back, each policy interned again."""
+    return [
+        Policy.from_text(value[1]) if type(value) is tuple and len(value) == 2 and value[0] == POLICY else value
+        for value in values
+    ]
 
 
 def encode(value: Any) -> bytes:

@@ -27,13 +27,11 @@ Everything here is pure: no files, no kernel.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from ._errors import DeviceRuleError
-from ._rules import DeviceRule
-
-if TYPE_CHECKING:
-    from ._policy import Policy
+from ._policy import Policy, intern, interned
+from ._rules import MAX_MAJOR, MAX_MINOR, DeviceRule
 
 Selector = tuple[str, "int | None", "int | None"]
 ExceptionTable = dict[Selector, str]
@@ -55,7 +53,7 @@ def line(key: Selector, access: str) -> str:
     return f"{kind} {'*' if major is None else major}:{'*' if minor is None else minor} {access}"
 
 
-def v1_exceptions(access: "Policy") -> ExceptionTable:
+def v1_exceptions(access: Policy) -> ExceptionTable:
     """The exception list the kernel holds after ``a`` to deny, the allow
     rules and then the deny rules of ``access`` (see kernel rules)."""
     table: ExceptionTable = {}
@@ -93,13 +91,52 @@ def apply_rules(table: ExceptionTable, allow: tuple[DeviceRule, ...], deny: tupl
     return table
 
 
+_CANONICAL = {
+    "".join(order): "".join(ch for ch in "rwm" if ch in order)
+    for order in ("r", "w", "m", "rw", "wr", "rm", "mr", "wm", "mw", "rwm", "rmw", "wrm", "wmr", "mrw", "mwr")
+}
+"""Every access string the kernel could print, and its canonical (``rwm``) order."""
+
+
+_NOT_A_NUMBER = -1
+
+
+def _number(text: str, limit: int) -> int | None:
+    """``*`` -> None, a number within ``limit`` -> it, anything else -> ``_NOT_A_NUMBER``."""
+    if text == "*":
+        return None
+    if text.isdigit() and text.isascii() and int(text) <= limit:
+        return int(text)
+    return _NOT_A_NUMBER
+
+
+def _exception(text_line: str) -> tuple[Selector, str]:
+    """One ``devices.list`` line as ``(selector, access)``: read directly in
+    the common case, through ``DeviceRule.parse`` (and its error) otherwise."""
+    fields = text_line.split()
+    if len(fields) == 3:
+        kind, numbers, access = fields
+        major_text, _, minor_text = numbers.partition(":")
+        major, minor, canonical = _number(major_text, MAX_MAJOR), _number(minor_text, MAX_MINOR), _CANONICAL.get(access)
+        if (
+            canonical is not None
+            and major != _NOT_A_NUMBER
+            and minor != _NOT_A_NUMBER
+            and (kind in ("b", "c") or (kind == "a" and major is None and minor is None))
+        ):
+            return (kind, major, minor), canonical
+    rule = DeviceRule.parse(text_line)
+    return rule.selector, rule.access
+
+
 def parse_devices_list(text: str) -> ExceptionTable:
     """``devices.list`` as a table ``selector -> access`` (in list order)."""
     table: ExceptionTable = {}
     for text_line in text.splitlines():
         if text_line.strip():
-            rule = DeviceRule.parse(text_line)
-            table[rule.selector] = _merge(table.get(rule.selector, ""), rule.access)
+            key, access = _exception(text_line)
+            seen = table.get(key)
+            table[key] = access if seen is None else _merge(seen, access)
     return table
 
 
@@ -108,11 +145,10 @@ def table_rules(table: ExceptionTable) -> list[DeviceRule]:
     return [DeviceRule(kind, major, minor, access) for (kind, major, minor), access in table.items()]
 
 
-def table_access(table: ExceptionTable) -> "Policy":
-    """What the kernel enforces for this exception list, as a policy."""
-    from ._policy import Policy
-
-    return Policy(tuple(table_rules(table)), ())
+def table_access(table: ExceptionTable) -> Policy:
+    """What the kernel enforces for this exception list, as a policy (found
+    by its text: lists repeat from cgroup to cgroup)."""
+    return Policy.from_text(";".join(line(key, access) for key, access in table.items()) + " | ")
 
 
 def plan_writes(current: ExceptionTable | None, target: ExceptionTable) -> list[tuple[str, str]]:
@@ -139,13 +175,15 @@ class V1Plan(NamedTuple):
 
     target: ExceptionTable
     """The exception list the kernel then holds."""
+    listing: str
+    """What ``devices.list`` then reads (the list in the order written)."""
     groups: tuple[tuple[str, tuple[bytes, ...]], ...]
     """The writes from nothing as runs of ``(file, lines)``, in order."""
-    enforced: "Policy"
+    enforced: Policy
     """What the kernel then enforces, as a policy."""
 
 
-def fresh_plan(access: "Policy") -> V1Plan:
+def fresh_plan(access: Policy) -> V1Plan:
     """The ``V1Plan`` of ``access`` (see ``V1Plan``)."""
     target = v1_exceptions(access)
     groups: list[tuple[str, list[bytes]]] = []
@@ -157,4 +195,23 @@ def fresh_plan(access: "Policy") -> V1Plan:
         enforced = access  # the kernel holds exactly these rules
     else:
         enforced = table_access(target)
-    return V1Plan(target, tuple((name, tuple(lines)) for name, lines in groups), enforced)
+    listing = "".join(line(key, bits) + "\n" for key, bits in target.items())
+    intern(("devices.list", listing), access)  # reading it back finds this plan (read_listing)
+    return V1Plan(target, listing, tuple((name, tuple(lines)) for name, lines in groups), enforced)
+
+
+def listed_access(text: str) -> Policy:
+    """What the kernel enforces for a ``devices.list`` text (see ``read_listing``)."""
+    policy = interned(("devices.list", text))
+    if policy is not None:
+        return policy.v1_plan.enforced
+    return table_access(parse_devices_list(text))
+
+
+def read_listing(text: str) -> ExceptionTable:
+    """``devices.list`` as a table: the target of a known plan when the text is
+    what that plan lists (no parsing), else ``parse_devices_list``."""
+    policy = interned(("devices.list", text))
+    if policy is not None:
+        return dict(policy.v1_plan.target)
+    return parse_devices_list(text)

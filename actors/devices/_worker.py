@@ -55,6 +55,7 @@ from runtime import Clock, Executor, Future, Promise
 from ._backend import DeviceOperation, validate_cgroup
 from ._drivers import resolve
 from ._errors import WorkerError
+from ._frames import unwire
 from ._lock import WorkDirLock
 from ._worker_child import BOOT
 from ._worker_process import Batch, ChildGone, Entry, WorkerProcess, start_process
@@ -257,8 +258,9 @@ class WorkerDriver:
         """The one reader of ``child``'s results, oldest batch first, until it goes."""
         try:
             while True:
-                tag, results, records = await child.next_frame()
+                tag, wired, records = await child.next_frame()
                 _relay(records)
+                results = unwire(wired)
                 if not child.sent:
                     raise WorkerError(f"Device worker process {child.pid} sent results for no batch")
                 self._quick_deaths = 0  # it answered

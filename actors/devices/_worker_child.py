@@ -41,7 +41,7 @@ from typing import Any
 
 from ._backend import DeviceOperation, apply_one
 from ._errors import DeviceControlError
-from ._frames import FrameReader, write_frame
+from ._frames import FrameReader, unwire, wire, write_frame
 
 SLICE = 0.0005
 """Seconds between result frames while an ``applies_each`` backend works
@@ -145,11 +145,11 @@ def serve(backend: Any, read_fd: int, write_fd: int, parent: int, collect: _Coll
                 return  # the agent closed its end
             frames.feed(data)
             continue
-        ops = [DeviceOperation(kind, args) for kind, args in frame]
+        ops = [DeviceOperation(kind, tuple(unwire(args))) for kind, args in frame]
         check_parent(parent)
         if not each:
             results = backend.apply_batch(ops)
-            write_frame(write_fd, ("done", results, collect.take()))
+            write_frame(write_fd, ("done", wire(results), collect.take()))
             continue
         results = []
         sent = clock()
@@ -158,7 +158,7 @@ def serve(backend: Any, read_fd: int, write_fd: int, parent: int, collect: _Coll
             check_parent(parent)
             results.append(apply_one(backend, op))
             if index == last or clock() - sent >= SLICE:
-                write_frame(write_fd, ("done" if index == last else "part", results, collect.take()))
+                write_frame(write_fd, ("done" if index == last else "part", wire(results), collect.take()))
                 results = []
                 sent = clock()
 

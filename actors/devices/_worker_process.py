@@ -35,7 +35,7 @@ from runtime import Promise
 
 from ._backend import DeviceOperation
 from ._errors import WorkerError
-from ._frames import FrameReader, encode
+from ._frames import FrameReader, encode, wire
 from ._lock import WorkDirLock
 from ._worker_child import BOOT, FENCED_EXIT
 
@@ -204,7 +204,7 @@ class WorkerProcess:
         """Frame a batch and write what the pipe takes now; True when all of
         it is written (else ``flush``). ``ChildGone`` when the pipe is broken
         (the batch is kept: its offsets tell whether any of it got through)."""
-        data = encode([(op.kind, op.args) for op, _ in entries])
+        data = encode([(op.kind, wire(op.args)) for op, _ in entries])
         self.sent.append(Batch(entries, self.offset))
         self.offset += len(data)
         if self.outbox:

@@ -212,3 +212,23 @@ def test_a_crash_after_every_kernel_operation_is_repaired_by_reconcile(v1_sandbo
         restarted.reconcile("c1", desired)
         assert restarted.state("c1") == desired, f"crash before operation {k}"
         assert restarted.remove("c1") and restarted.remove("reference")
+
+
+def test_what_devices_list_reads_after_a_configure_is_the_plans_listing(v1_sandbox) -> None:
+    """The kernel lists exceptions in the order written, each as the plan
+    writes it: reading a listing back finds its policy with no parsing, and
+    parsing it gives the same table."""
+    from actors.devices import Policy
+    from actors.devices._v1_emulator import parse_devices_list
+
+    backend = CgroupsV1Backend(v1_sandbox.hierarchy, v1_sandbox.cgroups_root)
+    for minors in ([], [0], [3, 1]):
+        policy = Policy.container(["c 195:255 rwm", "c 235:0 rwm"], [f"c 195:{m} rwm" for m in minors])
+        backend.configure(f"c{len(minors)}", policy)
+        with open(os.path.join(v1_sandbox.root, f"c{len(minors)}", "devices.list")) as listed:
+            text = listed.read()
+        assert text == policy.v1_plan.listing
+        assert parse_devices_list(text) == policy.v1_plan.target
+        assert backend.state(f"c{len(minors)}") == policy
+    for name in ("c0", "c1", "c2"):
+        assert backend.remove(name) is True

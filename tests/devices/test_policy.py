@@ -46,11 +46,19 @@ def test_what_backends_derive_is_computed_once_on_the_value() -> None:
     assert policy.v1_plan.groups[0] == ("devices.deny", (b"a",))
 
 
-def test_a_policy_crosses_a_pipe_as_its_lines_and_comes_back_as_the_same_object() -> None:
+def test_a_policy_crosses_a_pipe_as_its_text_and_comes_back_as_the_same_object() -> None:
+    from actors.devices._frames import FrameReader, encode, unwire, wire
+
     policy = Policy.container(CONTROL, ["c 195:3 rwm"])
+    assert Policy.from_text(policy.text) is policy
+    assert policy.text == ";".join(policy.lines()[0]) + " | "
     data = pickle.dumps(policy, protocol=pickle.HIGHEST_PROTOCOL)
     assert b"DeviceRule" not in data and b"c 195:3 rwm" in data
     assert pickle.loads(data) is policy
+    reader = FrameReader()
+    reader.feed(encode([("configure", wire(("c1", policy)))]))
+    ((kind, args),) = reader.next()
+    assert kind == "configure" and unwire(args) == ["c1", policy] and unwire(args)[1] is policy
 
 
 def test_correctness_does_not_depend_on_interning(monkeypatch: pytest.MonkeyPatch) -> None:
