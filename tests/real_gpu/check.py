@@ -293,12 +293,23 @@ def check_serve_exec(out: str, uuids: list[str]) -> None:
 
 
 def leftovers() -> None:
-    found = []
+    """No container cgroup is left; then the check's own roots are removed."""
+    found, roots = [], []
     for mount in ("/sys/fs/cgroup", "/sys/fs/cgroup/devices", "/sys/fs/cgroup/unified"):
-        if os.path.isdir(mount):
-            found += [os.path.join(mount, name) for name in os.listdir(mount) if name.startswith("gpu-isolator-gpucheck")
-                      and any(os.path.isdir(os.path.join(mount, name, child)) for child in os.listdir(os.path.join(mount, name)))]
+        if not os.path.isdir(mount):
+            continue
+        for name in os.listdir(mount):
+            root = os.path.join(mount, name)
+            if name.startswith("gpu-isolator-gpucheck") and os.path.isdir(root):
+                roots.append(root)
+                found += [os.path.join(root, child) for child in os.listdir(root)
+                          if os.path.isdir(os.path.join(root, child))]
     check("no container cgroup left behind", not found, found)
+    for root in roots:
+        try:
+            os.rmdir(root)
+        except OSError as exc:
+            print(f"cannot remove {root}: {exc}", flush=True)
 
 
 def main() -> int:
