@@ -253,7 +253,7 @@ def _cmd_cdi_generate(args: argparse.Namespace) -> int:
         try:
             spec = await generate_node_spec(flags)
         except NvmlUnavailable as error:  # the library's hint names the flag; here it is an option
-            raise Failure(f"{error.function} failed: {error.text}; is the NVIDIA driver installed and loaded?"
+            raise Failure(f"{error.headline}; is the NVIDIA driver installed and loaded?"
                           " Without a GPU, pass --host-file FILE to describe a simulated node") from error
         data = encode_spec(spec, spec_kind or "json")
         if output is None:

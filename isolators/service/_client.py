@@ -39,6 +39,7 @@ class ServiceClient(Process):
         self.service = service
         self._waiting: dict[str, Promise] = {}
         self._linked = False
+        self._heard = False  # any answer yet: "lost" the service, else never reached it
         self.on_queued: Any = None
 
     def initialize(self) -> None:
@@ -57,17 +58,20 @@ class ServiceClient(Process):
         return promise.future
 
     def _answer(self, sender: PID, body: Any) -> None:
+        self._heard = True
         promise = self._waiting.pop(body.request, None)
         if promise is not None:
             promise.set_value(body)
 
     def _queued(self, sender: PID, body: Queued) -> None:
+        self._heard = True
         if self.on_queued is not None:
             self.on_queued(body)
 
     def exited(self, pid: PID) -> None:
         self._linked = False
         waiting, self._waiting = self._waiting, {}
+        what = "lost" if self._heard else "cannot reach"
         for promise in waiting.values():
-            promise.fail(LostService(f"lost the gpu-isolator service at {self.service.host}:{self.service.port}"
+            promise.fail(LostService(f"{what} the gpu-isolator service at {self.service.host}:{self.service.port}"
                                      " (is 'gpu-isolator serve' running there?)"))

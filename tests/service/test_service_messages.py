@@ -243,7 +243,7 @@ def test_command_errors_are_one_line_and_non_zero(tmp_path: Path) -> None:
         _, stderr = process.communicate(timeout=60)
         if text is None:  # nothing listens there: the command never runs
             assert process.returncode == 125
-            assert stderr == ("gpu-isolator exec: error: lost the gpu-isolator service at 127.0.0.1:1 (is"
+            assert stderr == ("gpu-isolator exec: error: cannot reach the gpu-isolator service at 127.0.0.1:1 (is"
                               " 'gpu-isolator serve' running there?)\n")
             continue
         assert process.returncode == 2, (args, stderr)
