@@ -251,26 +251,26 @@ def _switch_groups(topology: list[list[int | None]]) -> list[int | None]:
     return [group if sizes[group] > 1 else None for group in groups]
 
 
+def _readings(nvml: Nvml, handle: object) -> dict[str, int | None]:
+    """One device's usage fields (a GPU's or a MIG device's handle); None where NVML has none."""
+    memory = _optional(nvml.memory, handle)
+    rates = _optional(nvml.utilization, handle)
+    return {
+        "memory_used_bytes": memory.used if memory else None,
+        "memory_total_bytes": memory.total if memory else None,
+        "utilization_gpu_percent": rates.gpu if rates else None,
+        "utilization_memory_percent": rates.memory if rates else None,
+        "power_mw": _optional(nvml.power_mw, handle),
+        "temperature_c": _optional(nvml.temperature_c, handle),
+    }
+
+
 def read_usage(nvml: Nvml, targets: list[tuple[int, Gpu]]) -> list[GpuUsage]:
     """Readings for ``(index, gpu)`` pairs in one blocking pass."""
     usages = []
     for index, gpu in targets:
         try:
-            handle = nvml.handle(index)
-            memory = _optional(nvml.memory, handle)
-            rates = _optional(nvml.utilization, handle)
-            usages.append(
-                GpuUsage(
-                    gpu=gpu,
-                    index=index,
-                    memory_used_bytes=memory.used if memory else None,
-                    memory_total_bytes=memory.total if memory else None,
-                    utilization_gpu_percent=rates.gpu if rates else None,
-                    utilization_memory_percent=rates.memory if rates else None,
-                    power_mw=_optional(nvml.power_mw, handle),
-                    temperature_c=_optional(nvml.temperature_c, handle),
-                )
-            )
+            usages.append(GpuUsage(gpu=gpu, index=index, **_readings(nvml, nvml.handle(index))))
         except NvmlError as exc:
             raise _at(index, exc) from None
     return usages
@@ -282,21 +282,8 @@ def read_mig_usage(nvml: Nvml, targets: list[tuple[int, int, MigDevice]]) -> lis
     for parent_index, index, device in targets:
         try:
             handle = nvml.mig_device_handle(nvml.handle(parent_index), index)
-            memory = _optional(nvml.memory, handle)
-            rates = _optional(nvml.utilization, handle)
-            usages.append(
-                MigDeviceUsage(
-                    device=device,
-                    parent_index=parent_index,
-                    index=index,
-                    memory_used_bytes=memory.used if memory else None,
-                    memory_total_bytes=memory.total if memory else None,
-                    utilization_gpu_percent=rates.gpu if rates else None,
-                    utilization_memory_percent=rates.memory if rates else None,
-                    power_mw=_optional(nvml.power_mw, handle),
-                    temperature_c=_optional(nvml.temperature_c, handle),
-                )
-            )
+            usages.append(MigDeviceUsage(device=device, parent_index=parent_index, index=index,
+                                         **_readings(nvml, handle)))
         except NvmlError as exc:
             raise _at(parent_index, exc) from None
     return usages
