@@ -119,8 +119,8 @@ class Recovering:
             self._report(f"The CDI specs could not be brought in line with the recovered containers: {e}")
 
     async def _reconcile_recovered(self, info: ContainerRecord) -> None:
-        """Make the kernel enforce a recovered container's policy: after a crash
-        the kernel may lag its record (v2: the checkpoint is written first);
+        """Make the kernel enforce a recovered container's policy: the kernel may
+        hold more (a broad grant rewritten to the GPUs kept) or other rules;
         drift it cannot repair is reported and contained (``_repair``)."""
         lines, failed = await self._enforce_record(info)
         for line in lines:

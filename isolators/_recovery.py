@@ -1,4 +1,4 @@
-"""Recovery planning: from what the kernel and the checkpoint say to a plan.
+"""Recovery planning: from what the kernel says to a plan.
 
 Rules (Mesos ``NvidiaGpuIsolatorProcess::recover``, R-IS-7, plus what Mesos
 never finished). Pure: no actor, no I/O; the isolator gathers the facts,
@@ -18,7 +18,8 @@ asks ``plan_recovery`` and carries the plan out.
   mkdir and its rules, a wiped policy), or GPUs someone else holds, keeps
   only the GPUs it may use that nobody holds; its rules are rewritten to
   exactly those (reported). No GPU is ever granted to two containers.
-- Unknown device states last (v2: a cgroup absent from the checkpoint): each
+- Unknown device states last (v2: a program of ours the kernel holds that
+  cannot be read back as one of ours): each
   may use any GPU, so every GPU nobody holds goes into ONE quarantine that
   they all share; none goes back to the pool before the last of them is
   cleaned up (reported, one line each).
@@ -163,7 +164,7 @@ def plan_recovery(candidates: Iterable[ContainerID], states: Mapping[str, Policy
         containers.append(RecoveredContainer(cid, cgroup, quarantine, UNKNOWN))
         lines.append(
             f"Container {cid}: cgroup '{cgroup}' exists but its device state is unknown"
-            f" (no checkpoint entry); GPUs {minors(quarantine)} are kept out of the free pool until"
+            f" (its device rules cannot be read back); GPUs {minors(quarantine)} are kept out of the free pool until"
             " it (and every other container of unknown state) is cleaned up"
         )
     return RecoveryPlan(

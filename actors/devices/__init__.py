@@ -2,7 +2,7 @@
 
 One actor (``DeviceControl`` / ``DeviceControlProcess``) owns every device
 rule write, behind one port with three backends: cgroups v1 (files), cgroups
-v2 (an eBPF program per cgroup, checkpointed) and in-memory. Shaped like
+v2 (an eBPF program per cgroup, read back from the kernel) and in-memory. Shaped like
 runc's ``libcontainer/cgroups/devices``: a pure rule model (``_rules``),
 one interned policy value (``_policy``), a pure emulator of the v1
 kernel's semantics (``_v1_emulator``), a compiler of policies to eBPF
@@ -25,11 +25,11 @@ from runtime._lazy import lazy_exports
 _EXPORTS = {
     "._backend": ("DeviceBackend", "DeviceOperation", "validate_cgroup", "validate_cgroups_root"),
     "._cgroups_v1": ("CgroupsV1Backend",),
-    "._cgroups_v2": ("PROGRAM_NAME", "CgroupsV2Backend", "checkpoint_file"),
+    "._cgroups_v2": ("PROGRAM_NAME", "CgroupsV2Backend"),
     "._control": ("DeviceControl", "DeviceControlProcess"),
     "._detect": ("default_hierarchy", "detect_backend", "resolve_backend"),
-    "._device_program": ("build_device_program", "program_instructions"),
-    "._errors": ("CheckpointError", "DeviceControlError", "DeviceRuleError", "ForeignProgramsError",
+    "._device_program": ("build_device_program", "program_instructions", "read_policy"),
+    "._errors": ("DeviceControlError", "DeviceRuleError", "ForeignProgramsError",
                  "InvalidCgroupError", "KernelOperationError", "WorkerError"),
     "._memory": ("MemoryBackend",),
     "._policy": ("STANDARD_CONTAINER_DEVICES", "Policy", "apply_diff", "container_policy"),
@@ -43,12 +43,11 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
 if TYPE_CHECKING:
     from ._backend import DeviceBackend, DeviceOperation, validate_cgroup, validate_cgroups_root
     from ._cgroups_v1 import CgroupsV1Backend
-    from ._cgroups_v2 import PROGRAM_NAME, CgroupsV2Backend, checkpoint_file
+    from ._cgroups_v2 import PROGRAM_NAME, CgroupsV2Backend
     from ._control import DeviceControl, DeviceControlProcess
     from ._detect import default_hierarchy, detect_backend, resolve_backend
-    from ._device_program import build_device_program, program_instructions
+    from ._device_program import build_device_program, program_instructions, read_policy
     from ._errors import (
-        CheckpointError,
         DeviceControlError,
         DeviceRuleError,
         ForeignProgramsError,

@@ -8,8 +8,10 @@ Rules:
   Every method takes a cgroup as a relative path under that root, checked by
   ``validate_cgroup``; nothing is ever written outside the root.
 - Every kernel operation (mkdir, open, each rule write, a read, each bpf(2)
-  command, a checkpoint write, rmdir ...) goes through ``_kernel_op``, which
-  first calls ``kernel_hook(op, target)`` when one is set. An ``OSError``
+  command, rmdir ...) goes through ``_kernel_op``, which first calls
+  ``kernel_hook(op, target)`` when one is set (with none set, a backend's
+  hot path may make the same syscalls without the wrapper, reporting
+  errors the same way). An ``OSError``
   from the hook or the operation becomes a ``KernelOperationError`` naming
   the operation and the target, with the kernel's errno.
 - A failed ``configure`` / ``reconfigure`` rolls the cgroup back to what it
@@ -17,8 +19,7 @@ Rules:
   error; a rollback that fails too is logged and named in the error.
 - ``apply_batch(ops)`` applies a drained batch of operations in order and
   returns one result per operation: its value, or the exception it raised
-  (one failure never stops the others). The default runs the methods one by
-  one; cgroups v2 overrides it to write its checkpoint once per batch.
+  (one failure never stops the others): the methods one by one.
 - An exception that is not an ``Exception`` (a simulated crash, see
   ``actors.devices.testing``) is never rolled back nor caught per
   operation: nothing runs after it, as if the process had died there.

@@ -4,7 +4,8 @@ Rules:
 - Only what cgroup v2 device control needs: load a
   ``BPF_PROG_TYPE_CGROUP_DEVICE`` program, attach / detach it on a cgroup
   directory fd (``BPF_CGROUP_DEVICE``), query the attached program ids, and
-  open a program by id to read its name. No compiler, no libbpf.
+  open a program by id to read its name, tag and instructions. No
+  compiler, no libbpf.
 - Every call returns a value or raises ``OSError`` with the kernel's errno;
   a refused load carries the verifier's log in the message. A load the
   verifier broke off with EAGAIN (a signal pending, e.g. SIGSTOP/SIGCONT)
@@ -50,6 +51,8 @@ BPF_OBJ_NAME_LEN = 16
 _ATTR_SIZE = 144  # >= every field used; the kernel wants the rest zero
 _INFO_SIZE = 232  # struct bpf_prog_info is longer on new kernels; it truncates
 _INFO_NAME_OFFSET = 64
+_INFO_XLATED_LEN = 20  # u32 xlated_prog_len
+_INFO_XLATED_INSNS = 32  # u64 xlated_prog_insns (a user pointer)
 _LOG_SIZE = 1 << 16
 
 _libc = None
@@ -180,10 +183,12 @@ class ProgInfo(NamedTuple):
     type: int
     name: str
     tag: bytes
+    xlated_len: int = 0
+    """Bytes of its instructions as the kernel holds them (``prog_xlated``)."""
 
 
 def prog_info(prog_fd: int) -> ProgInfo:
-    """The id, type and name of a program."""
+    """The id, type, name, tag and instruction length of a program."""
     info = ctypes.create_string_buffer(_INFO_SIZE)
     attr = _attr()
     struct.pack_into("<IIQ", attr, 0, prog_fd, _INFO_SIZE, ctypes.addressof(info))
@@ -191,7 +196,23 @@ def prog_info(prog_fd: int) -> ProgInfo:
     prog_type, prog_id = struct.unpack_from("<II", info, 0)
     raw = info.raw[_INFO_NAME_OFFSET:_INFO_NAME_OFFSET + BPF_OBJ_NAME_LEN]
     name = raw.split(b"\0", 1)[0].decode(errors="replace")
-    return ProgInfo(prog_id, prog_type, name, info.raw[8:16])
+    xlated_len = struct.unpack_from("<I", info, _INFO_XLATED_LEN)[0]
+    return ProgInfo(prog_id, prog_type, name, info.raw[8:16], xlated_len)
+
+
+def prog_xlated(prog_fd: int, size: int) -> bytes:
+    """The program's instructions as the kernel holds them (translated by the
+    verifier), at most ``size`` bytes (``ProgInfo.xlated_len``). Needs
+    CAP_SYS_ADMIN (else the kernel reports none: empty bytes)."""
+    buffer = ctypes.create_string_buffer(max(size, 1))
+    info = ctypes.create_string_buffer(_INFO_SIZE)
+    struct.pack_into("<I", info, _INFO_XLATED_LEN, size)
+    struct.pack_into("<Q", info, _INFO_XLATED_INSNS, ctypes.addressof(buffer))
+    attr = _attr()
+    struct.pack_into("<IIQ", attr, 0, prog_fd, _INFO_SIZE, ctypes.addressof(info))
+    bpf(BPF_OBJ_GET_INFO_BY_FD, attr)
+    length = struct.unpack_from("<I", info, _INFO_XLATED_LEN)[0]
+    return buffer.raw[: min(size, length)]
 
 
 def program_tags(insns: bytes) -> frozenset[bytes]:

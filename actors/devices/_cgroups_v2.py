@@ -1,14 +1,20 @@
 """cgroups v2 device backend: one eBPF device program per cgroup (SPEC R-DV-2).
 
 Rules:
-- The policy of every managed cgroup is kept in memory and in the
-  checkpoint (``DeviceCheckpoint``); a new backend reads it back, so state
-  survives a restart. A checkpoint that cannot be read stops construction.
-- Checkpoint first: a batch of operations computes every new policy, writes
-  the checkpoint once, and only then builds, loads and attaches programs.
-  After a crash the checkpoint may be ahead of the kernel, never behind an
-  attach it did not record: recovery must ``reconcile`` each cgroup to its
-  checkpointed policy before trusting the kernel.
+- The kernel is the record. A cgroup's policy is the program of ours
+  attached to it, read back when it is needed (``state``): its translated
+  instructions (``BPF_OBJ_GET_INFO_BY_FD``) are read as a policy
+  (``_device_program.read_policy``), and that policy is proven to be the
+  program's by its tag (the kernel's hash of the instructions it was
+  given, ``Policy.program``). So no file is written on the way, and there
+  is no moment when a file and the kernel disagree: after a crash, what
+  the kernel enforces is what a new backend reads.
+- What ``state`` says of a cgroup: None when it does not exist; with no
+  program of ours attached, ``a *:* rwm`` (nothing of ours restricts it:
+  a crash between mkdir and attach, a program someone detached); with
+  one, its policy (with several, the first: it grants at least what they
+  grant together); None (unknown) when a program of our name cannot be
+  read back as one of ours.
 - Each cgroup carries exactly one program of its own, recognised by its
   name (``gpuiso_dev``) through ``BPF_PROG_QUERY``. It is attached with
   ``BPF_F_ALLOW_MULTI``; a new policy replaces the old program in place
@@ -16,27 +22,29 @@ Rules:
   attaching, the backend checks that exactly one own program is attached.
   Programs of others on the same cgroup are left alone (the kernel runs them
   all; every one must allow).
+- A new cgroup (mkdir) gets its program attached at once; replacing the
+  program this backend attached last goes straight to the replace (its
+  loaded program is the one to swap out), and only when that fails, or
+  the check after it finds more than it expects, does it look the
+  cgroup's programs up one by one.
 - A failed operation restores the cgroup's previous program (or removes the
-  cgroup it created) and its checkpoint entry, then raises. Later
-  operations on the same cgroup in the same batch are refused with an error
-  that names the first failure; other cgroups are unaffected.
+  cgroup it created), then raises. Operations are independent: each one
+  of a batch is applied on its own (a device worker may report them as it
+  goes, ``applies_each``).
 - ``remove`` is ``rmdir`` alone: the kernel frees a removed cgroup's
   programs with it, while detaching first would leave a cgroup that still
-  has processes (rmdir EBUSY) with no device rules. The checkpoint entry is
-  dropped in memory at once and on disk with the next checkpoint write (no
-  fsync per removal; a leftover entry names a cgroup that no longer exists
-  and is pruned when a backend loads the file).
+  has processes (rmdir EBUSY) with no device rules.
 - A loaded program is kept (up to ``PROGRAM_CACHE_SIZE``, least recently
   used out) and attached again to every cgroup whose policy compiles to the
   same instructions: one load per distinct policy, not per cgroup. The
   instructions themselves are compiled once per policy (``Policy.program``).
 - ``reconcile`` makes the kernel match the given policy: it re-attaches a
   missing program, replaces one whose instructions differ (by tag), detaches
-  leaked extra own programs, recreates a missing cgroup, and records the
-  policy in the checkpoint. Programs of others found attached beside its own
-  then fail it with ``ForeignProgramsError`` (its own part done and kept):
-  the kernel runs them too, so the cgroup may lack devices its policy
-  grants; they are reported, never detached on a guess.
+  leaked extra own programs and recreates a missing cgroup. Programs of
+  others found attached beside its own then fail it with
+  ``ForeignProgramsError`` (its own part done and kept): the kernel runs
+  them too, so the cgroup may lack devices its policy grants; they are
+  reported, never detached on a guess.
 """
 
 from __future__ import annotations
@@ -46,18 +54,11 @@ import logging
 import os
 import weakref
 from collections import OrderedDict
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple
 
 from . import _bpf
-from ._backend import (
-    BackendBase,
-    DeviceOperation,
-    apply_one,
-    list_cgroup_dirs,
-    validate_cgroup,
-    validate_cgroups_root,
-)
-from ._checkpoint import DeviceCheckpoint
+from ._backend import BackendBase, list_cgroup_dirs, validate_cgroup, validate_cgroups_root
+from ._device_program import read_policy
 from ._errors import DeviceControlError, ForeignProgramsError, KernelOperationError
 from ._policy import Policy, apply_diff, as_policy
 from ._rules import DeviceRule, check_diff
@@ -72,8 +73,8 @@ PROGRAM_CACHE_SIZE = 64
 policies, and attaching a loaded program skips the verifier (most of a
 configure's kernel time)."""
 
-_CHANGES = ("configure", "reconfigure", "reconcile")
-_PENDING: Any = object()
+ALLOW_ALL = Policy.create(["a"])
+"""What a cgroup with no program of ours lets its processes use."""
 
 
 class _Attached(NamedTuple):
@@ -82,23 +83,19 @@ class _Attached(NamedTuple):
     tag: bytes
 
 
-def checkpoint_file(work_dir: str) -> str:
-    """Where the v2 checkpoint lives under ``work_dir``."""
-    return os.path.join(work_dir, "devices", "cgroups_v2.json")
+class _Recheck(Exception):
+    """The quick replace did not leave what it expected: look the programs up."""
 
 
 class CgroupsV2Backend(BackendBase):
     """Device rules as eBPF programs on a cgroup2 hierarchy (see module rules)."""
 
     name = "cgroups_v2"
+    applies_each = True
+    """Operations are independent: a device worker may apply them one by one
+    and report as it goes."""
 
-    def __init__(
-        self,
-        hierarchy: str,
-        cgroups_root: str = "gpu-isolator",
-        work_dir: str = "/var/lib/gpu-isolator",
-        program_name: str = PROGRAM_NAME,
-    ) -> None:
+    def __init__(self, hierarchy: str, cgroups_root: str = "gpu-isolator", program_name: str = PROGRAM_NAME) -> None:
         if not os.path.isfile(os.path.join(hierarchy, "cgroup.controllers")):
             raise DeviceControlError(
                 f"'{hierarchy}' is not a cgroup2 hierarchy (no cgroup.controllers);"
@@ -110,14 +107,10 @@ class CgroupsV2Backend(BackendBase):
         self.hierarchy = hierarchy
         self.program_name = program_name
         self._prefix = self.root.rstrip("/") + "/"
-        self.checkpoint = DeviceCheckpoint(checkpoint_file(work_dir), self.root)
-        self._states: dict[str, Policy] = self.checkpoint.load()
-        self._on_disk: dict[str, Policy] = dict(self._states)
+        self._attached: dict[str, Policy] = {}
+        """Per cgroup: the policy this backend attached last (the kernel stays the record)."""
         self._programs: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         weakref.finalize(self, _close_programs, self._programs)
-        for cgroup in [c for c in self._states if not os.path.isdir(os.path.join(self.root, c))]:
-            logger.info("Dropping checkpoint entry of %s: the cgroup no longer exists", self.path(cgroup))
-            del self._states[cgroup]
 
     def path(self, cgroup: str) -> str:
         return self._prefix + validate_cgroup(cgroup)  # os.path.join's result, on the hot path
@@ -127,19 +120,54 @@ class CgroupsV2Backend(BackendBase):
     def configure(
         self, cgroup: str, allow: Policy | Iterable[DeviceRule], deny: Iterable[DeviceRule] = ()
     ) -> Policy:
-        return _unwrap(self.apply_batch([DeviceOperation("configure", (cgroup, allow, deny))])[0])
+        access = as_policy(allow, deny)
+        self._enforce("configure", cgroup, access)
+        return access
 
     def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> Policy:
-        return _unwrap(self.apply_batch([DeviceOperation("reconfigure", (cgroup, add, remove))])[0])
+        add, remove = check_diff(add, remove)
+        path = self.path(cgroup)
+        if not os.path.isdir(path):
+            raise DeviceControlError(f"Cannot reconfigure cgroup '{cgroup}': {path} does not exist")
+        current = self._attached.get(cgroup)
+        if current is None:
+            current = self._read_state(path)
+            if current is None or current is ALLOW_ALL:
+                raise DeviceControlError(
+                    f"Cannot reconfigure cgroup '{cgroup}': no device program of ours can be read back"
+                    " from it (configure it first)"
+                )
+        access = apply_diff(current, add, remove)
+        self._enforce("reconfigure", cgroup, access, current)
+        return access
 
     def reconcile(self, cgroup: str, desired: Policy) -> list[str]:
-        return _unwrap(self.apply_batch([DeviceOperation("reconcile", (cgroup, desired))])[0])
+        if not isinstance(desired, Policy):
+            raise DeviceControlError(f"reconcile needs a Policy, got {desired!r}")
+        return self._enforce("reconcile", cgroup, desired)
 
     def remove(self, cgroup: str) -> bool:
-        return _unwrap(self.apply_batch([DeviceOperation("remove", (cgroup,))])[0])
+        path = self.path(cgroup)
+        try:
+            self._kernel_op("rmdir", path, os.rmdir, path)
+        except KernelOperationError as error:
+            if error.errno == errno.EBUSY:
+                logger.warning(
+                    "Cgroup %s still has processes or child cgroups; keeping it and its device program",
+                    path,
+                )
+                return False
+            if error.errno != errno.ENOENT:
+                raise
+        self._attached.pop(cgroup, None)
+        return True
 
     def state(self, cgroup: str) -> Policy | None:
-        return self._states.get(validate_cgroup(cgroup))
+        """What the kernel holds for ``cgroup``, read back (see module rules)."""
+        path = self.path(cgroup)
+        if not os.path.isdir(path):
+            return None
+        return self._read_state(path)
 
     def exists(self, cgroup: str) -> bool:
         return os.path.isdir(self.path(cgroup))
@@ -147,123 +175,52 @@ class CgroupsV2Backend(BackendBase):
     def list_cgroups(self) -> list[str]:
         return list_cgroup_dirs(self.root)
 
-    # -- batches ---------------------------------------------------------------
-
-    def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:
-        results: list[Any] = [_PENDING] * len(ops)
-        plans: dict[int, Policy] = {}
-        scratch: dict[str, Policy] = {}
-        for index, op in enumerate(ops):
-            if op.kind in _CHANGES:
-                try:
-                    plans[index] = scratch[op.cgroup] = self._plan(op, scratch)
-                except Exception as error:
-                    results[index] = error
-        fence = self.fence
-        if plans:
-            snapshot = {**self._states, **scratch}
-            if snapshot != self._on_disk:
-                if fence is not None:
-                    fence()
-                try:
-                    self._write_checkpoint(snapshot)
-                except Exception as error:
-                    for index in plans:
-                        results[index] = error
-                    plans = {}
-        broken: dict[str, Exception] = {}
-        for index, op in enumerate(ops):
-            if results[index] is not _PENDING:
-                continue
-            if fence is not None:
-                fence()
-            if op.kind in _CHANGES:
-                cgroup = op.cgroup
-                if cgroup in broken:
-                    results[index] = DeviceControlError(
-                        f"Not applied to cgroup '{cgroup}': an earlier operation on it in the same"
-                        f" batch failed: {broken[cgroup]}"
-                    )
-                    continue
-                try:
-                    results[index] = self._enforce(op, plans[index])
-                except Exception as error:
-                    results[index] = error
-                    broken[cgroup] = error
-            elif op.kind == "remove":
-                try:
-                    results[index] = self._remove(op.cgroup)
-                except Exception as error:
-                    results[index] = error
-            else:
-                results[index] = apply_one(self, op)
-        if broken and self._states != self._on_disk:
-            if fence is not None:
-                fence()
-            try:
-                self._write_checkpoint(dict(self._states))
-            except Exception as error:
-                logger.error("Could not rewrite the device checkpoint %s: %s", self.checkpoint.file, error)
-        return results
-
-    def _plan(self, op: DeviceOperation, scratch: dict[str, Policy]) -> Policy:
-        cgroup = validate_cgroup(op.cgroup)
-        if op.kind == "configure":
-            return as_policy(*op.args[1:])
-        if op.kind == "reconcile":
-            desired = op.args[1]
-            if not isinstance(desired, Policy):
-                raise DeviceControlError(f"reconcile needs a Policy, got {desired!r}")
-            return desired
-        add, remove = check_diff(op.args[1], op.args[2])
-        current = scratch.get(cgroup, self._states.get(cgroup))
-        if current is None:
-            raise DeviceControlError(
-                f"Cannot reconfigure cgroup '{cgroup}': it has no device state (configure it first)"
-            )
-        return apply_diff(current, add, remove)
-
-    def _write_checkpoint(self, snapshot: dict[str, Policy]) -> None:
-        self._kernel_op("write checkpoint", self.checkpoint.file, self.checkpoint.write, snapshot)
-        self._on_disk = snapshot
-
     # -- applying one cgroup -----------------------------------------------------
 
-    def _enforce(self, op: DeviceOperation, access: Policy) -> Any:
-        cgroup = op.cgroup
+    def _enforce(self, kind: str, cgroup: str, access: Policy, previous: Policy | None = None) -> Any:
+        """Make ``access`` the policy of ``cgroup``; on failure put back what was
+        there (``previous``: what this backend attached last, else what the
+        kernel holds) or remove the cgroup made for it."""
         path = self.path(cgroup)
-        previous = self._states.get(cgroup)
+        if previous is None:
+            previous = self._attached.get(cgroup)
         repairs: list[str] = []
-        if op.kind == "reconcile" and previous != access:
-            repairs.append(f"{path}: recorded the desired device rules in the checkpoint")
         created = False
-        if op.kind == "configure" and previous is None and self.kernel_hook is None:
+        if kind == "configure" and previous is None and self.kernel_hook is None:
             # A new container's cgroup, the common case: mkdir first, no stat.
             created = self._create(path)
         elif not os.path.isdir(path):
-            if op.kind == "reconfigure":
+            if kind == "reconfigure":
                 raise DeviceControlError(f"Cannot reconfigure cgroup '{cgroup}': {path} does not exist")
             self._ensure_root()
             self._mkdir(path)
             created = True
-            if op.kind == "reconcile":
+            if kind == "reconcile":
                 repairs.append(f"{path}: recreated the missing cgroup")
+        if not created and previous is None and kind != "reconcile":
+            held = self._read_state(path)  # a cgroup of an earlier agent: what to put back on failure
+            previous = held if held is not ALLOW_ALL else None
         foreign: list[int] = []
         try:
-            repairs += self._attach(path, access, fresh=created, foreign_out=foreign)
+            if created:
+                self._attach(path, access, fresh=True)
+            elif kind == "reconcile":
+                repairs += self._attach(path, access, fresh=False, foreign_out=foreign)
+            else:
+                self._replace(path, access, previous)
         except Exception as error:  # not a simulated crash: nothing runs after one
             self._rollback(path, created, previous, error)
             raise
-        self._states[cgroup] = access
-        if op.kind == "reconcile":
-            if foreign:
-                done = f" (done: {'; '.join(repairs)})" if repairs else ""
-                raise ForeignProgramsError(
-                    f"{path}: device programs {sorted(foreign)} that are not device control's are attached beside"
-                    " its own; the kernel runs them too, so the container may be denied devices its policy"
-                    f" grants; detach them{done}", tuple(sorted(foreign)))
-            return repairs
-        return access
+        self._attached[cgroup] = access
+        if kind != "reconcile":
+            return access
+        if foreign:
+            done = f" (done: {'; '.join(repairs)})" if repairs else ""
+            raise ForeignProgramsError(
+                f"{path}: device programs {sorted(foreign)} that are not device control's are attached beside"
+                " its own; the kernel runs them too, so the container may be denied devices its policy"
+                f" grants; detach them{done}", tuple(sorted(foreign)))
+        return repairs
 
     def _rollback(self, path: str, created: bool, previous: Policy | None, error: Exception) -> None:
         try:
@@ -274,6 +231,53 @@ class CgroupsV2Backend(BackendBase):
         except Exception as rollback_error:
             logger.error("Rollback of %s after '%s' failed too: %s", path, error, rollback_error)
             error.add_note(f"Rollback failed too, {path} may be left part-way: {rollback_error}")
+
+    def _replace(self, path: str, access: Policy, previous: Policy | None) -> None:
+        """An existing cgroup: when this backend attached ``previous`` there last
+        and its program is still loaded, swap it for ``access``'s straight away;
+        otherwise (or when the check after finds anything else) look every
+        program up (``_attach``)."""
+        if previous is not None and self.kernel_hook is None:
+            old = self._programs.get(previous.program[0])
+            if old is not None:
+                try:
+                    self._quick_replace(path, access, previous, old[0])
+                    return
+                except _Recheck:
+                    pass
+        self._attach(path, access, fresh=False)
+
+    def _quick_replace(self, path: str, access: Policy, previous: Policy, old_fd: int) -> None:
+        code, _tags = access.program
+        op = self._kernel_op
+        fds = [op("open", path, os.open, path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+        try:
+            cgroup_fd = fds[0]
+            if access is previous or code == previous.program[0]:
+                keep_id = self._programs[code][1]
+            else:
+                prog_fd, keep_id, cached = self._program(path, code)
+                if not cached:
+                    fds.append(prog_fd)
+                try:
+                    _bpf.prog_attach(cgroup_fd, prog_fd, _bpf.BPF_F_ALLOW_MULTI | _bpf.BPF_F_REPLACE, old_fd)
+                except OSError:  # not attached there any more (or not ours): look it up
+                    raise _Recheck() from None
+                if not cached:
+                    fds.remove(prog_fd)  # now owned by the cache
+                    self._remember(code, prog_fd, keep_id)
+            _flags, ids = op("query device programs of", path, _bpf.prog_query, cgroup_fd)
+            if ids != [keep_id]:
+                for prog_id in ids:  # others' programs are fine; a second of ours is not
+                    if prog_id != keep_id:
+                        info, _fd = self._open_program(prog_id, fds)
+                        if info is not None and info.name == self.program_name:
+                            raise _Recheck()
+                if keep_id not in ids:
+                    raise _Recheck()
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _attach(self, path: str, access: Policy, fresh: bool, foreign_out: list[int] | None = None) -> list[str]:
         """Leave exactly one own program, compiled from ``access``, on ``path``.
@@ -352,6 +356,33 @@ class CgroupsV2Backend(BackendBase):
             for fd in fds:
                 os.close(fd)
 
+    # -- reading the kernel back ----------------------------------------------------
+
+    def _read_state(self, path: str) -> Policy | None:
+        """The policy of the first program of ours on ``path`` (see module rules)."""
+        op = self._kernel_op
+        fds = [op("open", path, os.open, path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+        try:
+            _flags, ids = op("query device programs of", path, _bpf.prog_query, fds[0])
+            for prog_id in ids:
+                info, fd = self._open_program(prog_id, fds)
+                if info is None or info.name != self.program_name:
+                    continue
+                code = op("read the instructions of device program", str(prog_id), _bpf.prog_xlated, fd,
+                          info.xlated_len)
+                policy = read_policy(code)
+                if policy is None or info.tag not in policy.program[1]:
+                    logger.warning("Device program %d on %s is named '%s' but is not one this library wrote;"
+                                   " the cgroup's device state is unknown", prog_id, path, self.program_name)
+                    return None
+                return policy
+            return ALLOW_ALL
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    # -- loaded programs ------------------------------------------------------------
+
     def _program(self, path: str, code: bytes) -> tuple[int, int, bool]:
         """``(fd, id, cached)`` of a loaded program of ``code``: from the cache, or loaded now."""
         hit = self._programs.get(code)
@@ -387,30 +418,8 @@ class CgroupsV2Backend(BackendBase):
         fds.append(fd)
         return self._kernel_op("read info of device program", str(prog_id), _bpf.prog_info, fd), fd
 
-    def _remove(self, cgroup: str) -> bool:
-        path = self.path(cgroup)
-        try:
-            self._kernel_op("rmdir", path, os.rmdir, path)
-        except KernelOperationError as error:
-            if error.errno == errno.EBUSY:
-                logger.warning(
-                    "Cgroup %s still has processes or child cgroups; keeping it and its device program",
-                    path,
-                )
-                return False
-            if error.errno != errno.ENOENT:
-                raise
-        self._states.pop(cgroup, None)
-        return True
-
 
 def _close_programs(programs: "OrderedDict[bytes, tuple[int, int]]") -> None:
     while programs:
         _code, (fd, _id) = programs.popitem()
         os.close(fd)
-
-
-def _unwrap(result: Any) -> Any:
-    if isinstance(result, BaseException):
-        raise result
-    return result

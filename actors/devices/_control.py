@@ -32,11 +32,10 @@ Rules:
   takes the work directory's lock (``_lock``) before reading any device
   state: a second agent on the same directory waits for it, bounded, and
   refuses to start without it. It then builds the backend in the executor
-  or in the worker process (v2 reads its checkpoint there, so a bad
-  checkpoint fails ``create`` either way). A device worker process that
-  cannot be started (no pipes, no ``sys.executable``, a child that dies at
-  start) is logged as a warning and a thread is used instead; the
-  backend's own errors (a bad hierarchy, a bad checkpoint) are raised.
+  or in the worker process. A device worker process that cannot be started
+  (no pipes, no ``sys.executable``, a child that dies at start) is logged
+  as a warning and a thread is used instead; the backend's own errors (a
+  bad hierarchy) are raised.
 - The actor publishes its metrics (``_metrics``) from initialize to finalize.
 """
 
@@ -118,8 +117,6 @@ async def _build_driver(
     kind, hierarchy = await executor.run(resolve_backend, backend, hierarchy)
     if kind == "memory":
         return InlineDriver(MemoryBackend(f"memory:{hierarchy or ''}/{cgroups_root}", shared=True))
-    if kind == "cgroups_v2" and work_dir is None:
-        raise DeviceControlError("cgroups v2 device control needs a work_dir for its checkpoint")
     assert hierarchy is not None
     lock = await executor.run(WorkDirLock.acquire, work_dir, lock_timeout) if work_dir is not None else None
     try:
@@ -131,7 +128,7 @@ async def _build_driver(
         if kind == "cgroups_v1":
             impl: DeviceBackend = await executor.run(CgroupsV1Backend, hierarchy, cgroups_root)
         else:
-            impl = await executor.run(CgroupsV2Backend, hierarchy, cgroups_root, work_dir)
+            impl = await executor.run(CgroupsV2Backend, hierarchy, cgroups_root)
         return ThreadDriver(impl, executor, lock)
     except BaseException:
         if lock is not None:

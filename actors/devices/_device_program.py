@@ -19,6 +19,11 @@ Rules:
   ``r0 = 0; exit``.
 - No instruction is unreachable (the verifier refuses that): the input is
   normalised first, so a group never holds code after an unconditional jump.
+- ``read_policy(code)`` reads such a program back into its policy (the
+  layout above, reversed), None for instructions of any other shape. It
+  never guesses: a policy it gives compiles to ``code`` again, and the
+  caller proves that by the tag the kernel computed (cgroups v2 keeps no
+  other record of a cgroup's policy).
 """
 
 from __future__ import annotations
@@ -197,3 +202,199 @@ def encode(insns: Sequence[Insn]) -> bytes:
 def build_device_program(access: "Policy") -> bytes:
     """The encoded program enforcing ``access``."""
     return encode(program_instructions(access))
+
+
+# -- reading a program back (the kernel as the record) ---------------------------
+
+_EMPTY: list[Insn] = [(ALU64_MOV_K, R0, 0, 0, 0), (JMP_EXIT, 0, 0, 0, 0)]
+_HEADER: list[Insn] = [
+    (LDX_MEM_W, R_TYPE, R1, CTX_ACCESS_TYPE, 0),
+    (ALU32_AND_K, R_TYPE, 0, 0, 0xFFFF),
+    (LDX_MEM_W, R_ACCESS, R1, CTX_ACCESS_TYPE, 0),
+    (ALU32_RSH_K, R_ACCESS, 0, 0, 16),
+    (LDX_MEM_W, R_MAJOR, R1, CTX_MAJOR, 0),
+    (LDX_MEM_W, R_MINOR, R1, CTX_MINOR, 0),
+    (ALU64_MOV_K, R0, 0, 0, 0),
+]
+_ALLOW_EXIT: list[Insn] = [(ALU64_MOV_K, R0, 0, 0, 1), (JMP_EXIT, 0, 0, 0, 0)]
+_DENY_EXIT: Insn = (JMP_EXIT, 0, 0, 0, 0)
+_TYPE_NAMES = {number: name for name, number in DEVICE_TYPES.items()}
+
+
+class _Unreadable(Exception):
+    """The instructions are not a program this module wrote."""
+
+
+def decode(code: bytes) -> list[Insn]:
+    """``struct bpf_insn`` bytes as ``(code, dst, src, off, imm)`` tuples (``encode`` reversed)."""
+    if len(code) % 8:
+        raise ValueError(f"device program of {len(code)} bytes: not whole instructions")
+    return [(op, regs & 0xF, regs >> 4, off, imm) for op, regs, off, imm in struct.iter_unpack("<BBhi", code)]
+
+
+def _access_of(mask: int) -> str:
+    return "".join(ch for ch in "rwm" if mask & ACCESS_BITS[ch])
+
+
+def _target(insns: list[Insn], pc: int) -> int:
+    """Where the compare at ``pc`` jumps (a range check: its upper bound's jump)."""
+    if insns[pc][0] == JMP_JLT_K:
+        pc += 1
+    return pc + 1 + insns[pc][3]
+
+
+MAX_READ_RULES = 4096
+"""Rules a program read back may hold at most (a container's policy holds
+about twenty): instructions that would name more are not read, so a
+hostile program cannot make the reader build millions of rules."""
+
+
+def _read_runs(insns: list[Insn], pc: int, end: int, register: int, target: int) -> tuple[list[int], int]:
+    """``_runs`` reversed: the values a run of compares on ``register`` jumps
+    to ``target`` for, from ``pc`` up to ``end`` (or the first other instruction)."""
+    values: list[int] = []
+    while pc < end:
+        op, dst, _src, off, imm = insns[pc]
+        if dst != register:
+            break
+        if imm < 0:
+            raise _Unreadable(f"instruction {pc}: a negative device number")
+        if op == JMP_JEQ_K and pc + 1 + off == target:
+            values.append(imm)
+            pc += 1
+        elif op == JMP_JLT_K and off == 1 and pc + 1 < end:
+            op2, dst2, _src2, off2, high = insns[pc + 1]
+            if op2 != JMP_JLE_K or dst2 != register or pc + 2 + off2 != target or high <= imm:
+                raise _Unreadable(f"instruction {pc}: a range check without its upper bound")
+            low = imm
+            pc += 2
+        elif op == JMP_JLE_K and pc + 1 + off == target:
+            low, high = 0, imm
+            pc += 1
+        else:
+            break
+        if op != JMP_JEQ_K:
+            if high - low >= MAX_READ_RULES - len(values):
+                raise _Unreadable(f"instruction {pc}: a range of {high - low + 1} device numbers")
+            values.extend(range(low, high + 1))
+    if len(values) > MAX_READ_RULES:
+        raise _Unreadable(f"instruction {pc}: more than {MAX_READ_RULES} device numbers")
+    return values, pc
+
+
+def _read_group(insns: list[Insn], pc: int, end: int, exits: dict[int, str]
+                ) -> tuple[str, list[DeviceRule], int]:
+    """One group of ``_section`` reversed: ``(section, rules, next pc)``."""
+    kind, skip, mask, section = "a", None, ALL_ACCESS, None
+    op, dst, _src, off, imm = insns[pc]
+    if op == JMP_JNE_K and dst == R_TYPE:
+        if imm not in _TYPE_NAMES:
+            raise _Unreadable(f"instruction {pc}: unknown device type {imm}")
+        kind, skip = _TYPE_NAMES[imm], pc + 1 + off
+        pc += 1
+    op, dst, _src, off, imm = insns[pc]
+    if op == JMP_JSET_K and dst == R_ACCESS:
+        follow = insns[pc + 1] if pc + 1 < end else None
+        if (off == 1 and follow is not None and follow[0] == JMP_JA and skip is not None
+                and pc + 2 + follow[3] == skip):  # deny: no requested bit in the rule -> skip
+            mask, section = imm, "deny"
+            pc += 2
+        else:  # allow: a requested bit outside the rule -> skip
+            target = pc + 1 + off
+            if skip is not None and target != skip:
+                raise _Unreadable(f"instruction {pc}: an access check that skips elsewhere")
+            mask, skip, section = ALL_ACCESS & ~imm, target, "allow"
+            pc += 1
+    if skip is None or not pc < skip <= end:
+        raise _Unreadable(f"instruction {pc}: a group without a type or access check")
+    access = _access_of(mask)
+    if not access:
+        raise _Unreadable(f"instruction {pc}: a group granting no access")
+    rules: list[DeviceRule] = []
+    target = None
+    while pc < skip:
+        op, dst, _src, off, imm = insns[pc]
+        jump = pc + 1 + off
+        if op == JMP_JA:
+            rules.append(DeviceRule(kind, None, None, access))
+            target, pc = jump, pc + 1
+        elif op == JMP_JNE_K and dst == R_MAJOR:
+            block = pc + 1 + off
+            if not pc + 1 < block <= skip:
+                raise _Unreadable(f"instruction {pc}: an empty minor block")
+            goal = _target(insns, pc + 1)
+            minors, after = _read_runs(insns, pc + 1, block, R_MINOR, goal)
+            if after != block or not minors:
+                raise _Unreadable(f"instruction {pc}: a minor block that is not only compares")
+            rules += [DeviceRule(kind, imm, minor, access) for minor in minors]
+            target, pc = goal, block
+        elif dst in (R_MAJOR, R_MINOR) and op in (JMP_JEQ_K, JMP_JLT_K, JMP_JLE_K):
+            goal = _target(insns, pc)
+            values, after = _read_runs(insns, pc, skip, dst, goal)
+            if after == pc:
+                raise _Unreadable(f"instruction {pc}: not a compare of this group")
+            if dst == R_MAJOR:
+                rules += [DeviceRule(kind, major, None, access) for major in values]
+            else:
+                rules += [DeviceRule(kind, None, minor, access) for minor in values]
+            target, pc = goal, after
+        else:
+            raise _Unreadable(f"instruction {pc}: opcode {op:#x} is not a device match")
+        if len(rules) > MAX_READ_RULES:
+            raise _Unreadable(f"instruction {pc}: more than {MAX_READ_RULES} rules")
+        if exits.get(target) is None or (section is not None and exits[target] != section):
+            raise _Unreadable(f"instruction {pc}: a match that jumps to {target}, not to its exit")
+        section = exits[target]
+    if section is None or not rules:
+        raise _Unreadable(f"instruction {pc}: a group without matches")
+    return section, rules, pc
+
+
+def read_policy(code: bytes) -> "Policy | None":
+    """The policy a device program of this module enforces, read back from its
+    instructions (``program_instructions`` reversed); None for instructions
+    it did not write. The policy given compiles to exactly ``code``; the
+    kernel's tag of the program it loaded proves ``code`` is that program
+    (``Policy.program``)."""
+    from ._policy import Policy
+
+    try:
+        insns = decode(code)
+    except ValueError:
+        return None
+    if insns == _EMPTY:
+        return Policy((), ())  # (the program of any policy that allows nothing)
+    n = len(insns)
+    if n < len(_HEADER) + 2 or insns[: len(_HEADER)] != _HEADER:
+        return None
+    catch_all = False
+    if n >= len(_HEADER) + 3 and insns[-3:] == [_DENY_EXIT, *_ALLOW_EXIT]:
+        end, exits = n - 3, {n - 3: "deny", n - 2: "allow"}
+    elif insns[-3:] == [*_ALLOW_EXIT, _DENY_EXIT] and n > len(_HEADER) + 3:
+        end, exits, catch_all = n - 3, {n - 1: "deny"}, True
+    elif insns[len(_HEADER):] == _ALLOW_EXIT:
+        end, exits, catch_all = n - 2, {}, True
+    else:
+        return None
+    allow: list[DeviceRule] = [DeviceRule("a")] if catch_all else []
+    deny: list[DeviceRule] = []
+    pc, seen_allow = len(_HEADER), False
+    try:
+        while pc < end:
+            section, rules, pc = _read_group(insns, pc, end, exits)
+            if section == "deny":
+                if seen_allow:
+                    raise _Unreadable("a deny group after an allow group")
+                deny += rules
+            else:
+                seen_allow = True
+                allow += rules
+            if len(allow) + len(deny) > MAX_READ_RULES:
+                raise _Unreadable(f"more than {MAX_READ_RULES} rules")
+    except (_Unreadable, IndexError, ValueError):
+        return None
+    try:
+        policy = Policy.create(allow, deny)
+    except ValueError:
+        return None
+    return policy if policy.program[0] == code else None  # read, never guessed

@@ -10,9 +10,6 @@ Rules:
 - ``KernelOperationError`` wraps the ``OSError`` of one kernel operation: its
   message names the operation and the file or cgroup, ``errno`` is the
   kernel's, ``__cause__`` the original error.
-- ``CheckpointError`` is a device checkpoint that cannot be read; its message
-  says which file and what an operator should do. A checkpoint is never read
-  as empty: that would free GPUs still in use.
 - ``ForeignProgramsError`` (v2 ``reconcile``): device programs that are not
   device control's are attached to the cgroup beside its own. Its own
   program is in place and recorded; the kernel runs the others too (they
@@ -43,10 +40,6 @@ class KernelOperationError(DeviceControlError):
     def __init__(self, message: str, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
-
-
-class CheckpointError(DeviceControlError):
-    """A device checkpoint is truncated, garbled or unreadable."""
 
 
 class WorkerError(DeviceControlError):

@@ -2,7 +2,7 @@
 
 Rules:
 - Device control holds an exclusive ``flock`` on ``<work_dir>/agent.lock``
-  from before it reads any device state (the v2 checkpoint) until it can no
+  from before it reads or writes any device state until it can no
   longer touch the kernel. Its device worker process inherits the
   descriptor, that is the same open file, so the lock stays held while
   either of them lives: an agent that starts while a stale worker of an

@@ -16,8 +16,8 @@ Rules:
   the rules, so nothing depends on identity or on callers passing the same
   tuples again.
 - What the backends derive from a policy is computed once, on first use,
-  and kept on it: ``lines()`` (the v1 line form: the v2 checkpoint, the
-  frames to a device worker), ``v1_plan`` (how cgroups v1 writes it to a
+  and kept on it: ``lines()`` (the v1 line form: the frames to a device
+  worker), ``v1_plan`` (how cgroups v1 writes it to a
   new cgroup, ``_v1_emulator``) and ``program`` (the eBPF program and the
   tags the kernel may give it, ``_device_program``). There is no other
   policy cache in device control.
@@ -159,7 +159,7 @@ class Policy:
         return granted(self.allow, self.deny, type, major, minor, query_access(type, major, minor, access))
 
     def lines(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The allow and deny lists as v1 lines (the checkpoint form)."""
+        """The allow and deny lists as v1 lines (how a policy crosses a pipe)."""
         return self._lines
 
     # -- derived once (see module rules) ------------------------------------------

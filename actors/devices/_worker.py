@@ -11,7 +11,7 @@ child process they run side by side, on two cores. The child's side is
 Rules:
 - ``WorkerDriver.start(...)`` starts a child and waits for its first frame:
   ready, or the error building the backend raised there (a bad hierarchy,
-  a garbled v2 checkpoint), which ``start`` raises unchanged. Anything that
+  a hierarchy of the wrong kind), which ``start`` raises unchanged. Anything that
   keeps a child from starting (no pipes, no ``sys.executable``, a child
   that dies or does not answer within ``START_TIMEOUT`` seconds) is a
   ``WorkerError`` saying so.

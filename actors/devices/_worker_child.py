@@ -19,11 +19,11 @@ Rules:
   inherited the descriptor): a new agent cannot take the lock, and so
   cannot start, while this process can still touch the kernel.
 - It builds the one backend (v1 or v2), answers ``ready`` or the error that
-  building raised (a bad hierarchy, a garbled checkpoint) and then applies
-  batches in the order they come: one value or exception per operation. A
-  backend with ``applies_each`` (v1) gets the operations one at a time and
-  results go back at least every ``SLICE`` seconds; v2 applies a batch
-  whole (one checkpoint write per batch). See ``_frames`` for the frames.
+  building raised (a bad hierarchy) and then applies batches in the order
+  they come: one value or exception per operation. A backend with
+  ``applies_each`` (v1, v2) gets the operations one at a time and results
+  go back at least every ``SLICE`` seconds; any other applies a batch
+  whole. See ``_frames`` for the frames.
 - Log records are collected and go back with the results.
 - It exits when the agent closes its end of the pipe (or stops reading).
 """
@@ -101,7 +101,7 @@ def build_backend(spec: dict[str, Any]) -> Any:
     if kind == "cgroups_v2":
         from ._cgroups_v2 import CgroupsV2Backend
 
-        return CgroupsV2Backend(spec["hierarchy"], spec["cgroups_root"], spec["work_dir"])
+        return CgroupsV2Backend(spec["hierarchy"], spec["cgroups_root"])
     raise DeviceControlError(f"A device worker runs cgroups_v1 or cgroups_v2, not {kind!r}")
 
 

@@ -399,7 +399,7 @@ class Restart(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class RestartAction(Action):
     """``restart: {recover, states, orphans}``: an agent restart: drop every
     actor, rebuild from the flags, recover the containers the agent still
-    knows from what the kernel / checkpoint holds. Its result is
+    knows from what the kernel holds. Its result is
     ``{recovered: [ids], report: [lines]}``."""
 
     name = "restart"

@@ -5,7 +5,7 @@ process) is SIGKILLed while its worker is SIGSTOPped in the middle of a
 batch. The worker must die with its agent, and a new agent must not start
 until nothing of the old one can still touch the kernel: then, after
 SIGCONT, the stale worker applies nothing (no cgroup created or removed,
-the v2 checkpoint not rewritten). The work directory's lock says who holds
+no device rule or program changed). The work directory's lock says who holds
 it when a second agent cannot start. Judged by the kernel; every wait is
 bounded.
 """
@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import pytest
 
-from actors.devices import DeviceControl, DeviceControlError, checkpoint_file, container_policy
+from actors.devices import DeviceControl, DeviceControlError, bpf, container_policy
 from runtime import Runtime, collect
 from tests.support.kernel import process_state, wait_gone
 
@@ -62,12 +62,21 @@ def cgroups(root: str) -> set[str]:
     return {name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name))}
 
 
-def read_bytes(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except FileNotFoundError:
-        return None
+def device_rules(root: str) -> dict[str, Any]:
+    """What the kernel holds for each cgroup: v1 its devices.list, v2 its programs' ids."""
+    held: dict[str, Any] = {}
+    for name in cgroups(root):
+        path = os.path.join(root, name)
+        if os.path.exists(os.path.join(path, "devices.list")):
+            with open(os.path.join(path, "devices.list")) as handle:
+                held[name] = handle.read()
+        else:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                held[name] = bpf.prog_query(fd)[1]
+            finally:
+                os.close(fd)
+    return held
 
 
 @pytest.mark.asyncio
@@ -100,14 +109,14 @@ async def test_a_stale_worker_of_a_killed_agent_applies_nothing_after_a_new_agen
                                                      cgroups_root=sandbox.cgroups_root, work_dir=work_dir,
                                                      worker="process")
             before = cgroups(sandbox.root)
-            checkpoint = read_bytes(checkpoint_file(work_dir))
+            rules = device_rules(sandbox.root)
             try:
                 os.kill(stale, signal.SIGCONT)
             except ProcessLookupError:
                 pass
             time.sleep(1.0)  # a stale worker would go on with its batch now
             assert cgroups(sandbox.root) == before, "cgroups changed after the new agent started"
-            assert read_bytes(checkpoint_file(work_dir)) == checkpoint, "the checkpoint was rewritten"
+            assert device_rules(sandbox.root) == rules, "device rules changed after the new agent started"
             assert "first" in before  # its remove was never applied
             with anyio.fail_after(60):
                 assert all(await collect([control.remove(name) for name in sorted(before)]))

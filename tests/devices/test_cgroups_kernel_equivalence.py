@@ -52,7 +52,7 @@ def check_verdicts(probe, device_nodes, scratch: str, access: Policy) -> int:
 
 
 def test_v2_program_verdicts_equal_is_granted(v2_sandbox, device_nodes, tmp_path) -> None:
-    backend = CgroupsV2Backend(v2_sandbox.hierarchy, v2_sandbox.cgroups_root, str(tmp_path / "work"))
+    backend = CgroupsV2Backend(v2_sandbox.hierarchy, v2_sandbox.cgroups_root)
     backend.configure("eq", [], [])
     probe = v2_sandbox.probe("eq")
     scratch = str(tmp_path)

@@ -12,7 +12,6 @@ import pytest
 
 from actors.devices import (
     Policy,
-    CheckpointError,
     DeviceControl,
     DeviceControlError,
     DeviceOperation,
@@ -21,7 +20,6 @@ from actors.devices import (
     InvalidCgroupError,
     KernelOperationError,
     MemoryBackend,
-    checkpoint_file,
     container_policy,
 )
 from actors.devices.testing import FaultInjectingBackend
@@ -207,28 +205,20 @@ async def test_termination_fails_queued_and_in_flight_calls() -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("worker", ["thread", "process"])
-async def test_v2_needs_a_work_dir_and_a_readable_checkpoint(tmp_path, worker: str) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root")
-    V2_HIERARCHY = next(
-        (h for h in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified") if os.path.isfile(f"{h}/cgroup.controllers")), None
-    )
-    if V2_HIERARCHY is None:
-        pytest.skip("no cgroup2 hierarchy")
+async def test_v2_start_errors_are_raised_and_no_file_is_needed(v2_sandbox, tmp_path, worker: str) -> None:
     async with Runtime():
-        with pytest.raises(DeviceControlError, match="needs a work_dir"):
-            await DeviceControl.create(
-                "cgroups_v2", hierarchy=V2_HIERARCHY, cgroups_root="gpu-isolator-test-x", worker=worker
-            )
-        file = checkpoint_file(str(tmp_path))
-        os.makedirs(os.path.dirname(file))
-        with open(file, "w") as handle:
-            handle.write('{"version": 1, "root": "')
-        with pytest.raises(CheckpointError, match="never read as empty"):
-            await DeviceControl.create(
-                "cgroups_v2", hierarchy=V2_HIERARCHY, cgroups_root="gpu-isolator-test-x", work_dir=str(tmp_path),
-                worker=worker,
-            )
+        with pytest.raises(DeviceControlError, match="is not a cgroup2 hierarchy"):  # the backend's own error
+            await DeviceControl.create("cgroups_v2", hierarchy=str(tmp_path), cgroups_root=v2_sandbox.cgroups_root,
+                                       worker=worker)
+        control = await DeviceControl.create("cgroups_v2", hierarchy=v2_sandbox.hierarchy,
+                                             cgroups_root=v2_sandbox.cgroups_root, worker=worker)  # no work_dir
+        try:
+            access = await control.configure("c1", *POLICY)
+            assert await control.state("c1") == access  # read back from the kernel
+            assert await control.remove("c1") is True and await control.state("c1") is None
+        finally:
+            await control.close()
+        assert os.listdir(tmp_path) == []
     with pytest.raises(DeviceControlError, match="Unknown device backend 'v9'"):
         async with Runtime():
             await DeviceControl.create("v9")

@@ -141,3 +141,69 @@ def test_jumps_never_go_backwards_or_out_of_the_program() -> None:
 def test_encode_is_eight_bytes_per_instruction(n: int) -> None:
     access = Policy.create([f"c 195:{i} rw" for i in range(n)])
     assert len(build_device_program(access)) == 8 * len(program_instructions(access))
+
+
+# -- reading a program back (cgroups v2 keeps no other record) ------------------------------
+
+MANY_MAJORS = st.one_of(st.none(), st.integers(0, 4095))
+MANY_MINORS = st.one_of(st.none(), st.integers(0, 1048575), st.integers(0, 12))
+RULES = st.builds(DeviceRule, st.sampled_from(["b", "c"]), MANY_MAJORS, MANY_MINORS, st.sampled_from(ACCESSES))
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from(ALLOW), RULES), max_size=14), st.lists(st.sampled_from(DENY), max_size=4))
+def test_a_program_reads_back_as_the_policy_it_was_compiled_from(allow: list[DeviceRule], deny: list[DeviceRule]) -> None:
+    try:
+        access = Policy.create(allow, deny)
+    except ValueError:
+        return
+    program = build_device_program(access)
+    back = dp.read_policy(program)
+    assert back is not None, str(access)
+    assert build_device_program(back) == program  # the proof the kernel's tag checks
+    if access.allow:  # (an empty allow list compiles to "deny everything", whatever the deny list)
+        assert back == access
+
+
+def test_container_policies_read_back() -> None:
+    control = ["c 195:255 rwm", "c 235:0 rwm", "c 235:1 rwm", "c 195:254 rwm"]
+    for gpus in ([], [0], [3], [0, 1, 2, 5], list(range(8))):
+        access = Policy.container(control, [f"c 195:{g} rwm" for g in gpus])
+        assert dp.read_policy(build_device_program(access)) == access
+    assert dp.read_policy(build_device_program(Policy((), ()))) == Policy((), ())
+
+
+@pytest.mark.parametrize("code", [
+    b"",
+    b"\x00" * 7,
+    bytes.fromhex("b700000001000000" "9500000000000000"),  # r0 = 1; exit: not a layout of ours
+    b"\xff" * 64,
+])
+def test_instructions_of_another_shape_are_not_read_as_a_policy(code: bytes) -> None:
+    assert dp.read_policy(code) is None
+
+
+def test_a_changed_instruction_is_never_read_as_another_policy() -> None:
+    """Each single change either is refused or reads as a policy that compiles
+    to the changed program itself: never a policy the program does not hold."""
+    access = Policy.container(["c 195:255 rwm"], ["c 195:0 rwm", "c 195:3 rwm"])
+    program = build_device_program(access)
+    for index in range(0, len(program)):
+        for flip in (0x01, 0x10, 0x80):
+            changed = bytearray(program)
+            changed[index] ^= flip
+            back = dp.read_policy(bytes(changed))
+            assert back is None or build_device_program(back) == bytes(changed), (index, flip, back)
+
+
+def test_a_program_naming_millions_of_devices_is_not_read() -> None:
+    """A hostile program could name every minor in one range check: it is
+    refused before any rule is built (the reader stays small)."""
+    huge = Policy.create([f"c 195:{m} rw" for m in range(0, 10)])
+    insns = program_instructions(huge)
+    index = next(i for i, insn in enumerate(insns) if insn[0] == dp.JMP_JLE_K)
+    op, dst, src, off, _imm = insns[index]
+    insns[index] = (op, dst, src, off, dp.MAX_READ_RULES * 100)
+    assert dp.read_policy(dp.encode(insns)) is None
+    insns[index] = (op, dst, src, off, -1)
+    assert dp.read_policy(dp.encode(insns)) is None

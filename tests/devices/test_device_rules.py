@@ -220,7 +220,7 @@ def test_create_refuses_an_allow_rule_swallowed_by_a_deny_rule() -> None:
         Policy.create(["c 195:0 rw"], ["c 195:0 rwm"])
 
 
-def test_create_normalises_and_lines_give_the_checkpoint_form() -> None:
+def test_create_normalises_and_lines_give_the_v1_form() -> None:
     access = Policy.create(["c 195:0 r", "c 195:0 w", "c *:* m"], ["c 1:1 m"])
     assert access.allow == (R("c *:* m"), R("c 195:0 rw"))
     assert access.lines() == (("c *:* m", "c 195:0 rw"), ("c 1:1 m",))

@@ -174,7 +174,7 @@ async def test_a_killed_idle_worker_is_replaced_by_the_next_call(v1_sandbox, dev
 
 
 @pytest.mark.asyncio
-async def test_v2_in_the_worker_checkpoints_and_survives_a_restart(v2_sandbox, device_nodes, tmp_path) -> None:
+async def test_v2_in_the_worker_survives_a_restart_read_back_from_the_kernel(v2_sandbox, device_nodes, tmp_path) -> None:
     kwargs = dict(hierarchy=v2_sandbox.hierarchy, cgroups_root=v2_sandbox.cgroups_root, work_dir=str(tmp_path),
                   worker="process")
     async with Runtime():
@@ -185,7 +185,7 @@ async def test_v2_in_the_worker_checkpoints_and_survives_a_restart(v2_sandbox, d
         await control.close()
     async with Runtime():
         control = await DeviceControl.create("cgroups_v2", **{**kwargs, "worker": "thread"})
-        assert [await control.state(f"c{i}") for i in range(3)] == states  # the worker's checkpoint
+        assert [await control.state(f"c{i}") for i in range(3)] == states  # the worker's programs, read back
         await control.close()
     async with Runtime():
         control = await DeviceControl.create("cgroups_v2", **kwargs)

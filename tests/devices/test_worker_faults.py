@@ -31,7 +31,7 @@ from typing import Any
 import anyio
 import pytest
 
-from actors.devices import DeviceControl, Policy, WorkerError, checkpoint_file, container_policy
+from actors.devices import DeviceControl, Policy, WorkerError, container_policy
 from runtime import Runtime, collect
 from tests.support.kernel import children, wait_gone
 
@@ -155,14 +155,14 @@ async def test_calls_a_dead_worker_held_fail_with_effects_unknown_and_the_kernel
 # -- 6. start-up: zombies, EMFILE, nothing blocking on the loop ----------------------------------
 @pytest.mark.asyncio
 async def test_a_worker_whose_backend_fails_to_start_is_reaped(v2_sandbox, tmp_path):
-    work = tmp_path / "work"
-    os.makedirs(os.path.dirname(checkpoint_file(str(work))))
-    with open(checkpoint_file(str(work)), "w") as handle:
-        handle.write('{"version": 1, "root"')  # truncated
+    not_cgroup2 = tmp_path / "not-cgroup2"  # the worker's backend refuses it
+    not_cgroup2.mkdir()
     async with Runtime():
         for _ in range(3):
-            with pytest.raises(Exception, match="Device checkpoint .* is unreadable"):
-                await create("v2", v2_sandbox, tmp_path)
+            with pytest.raises(Exception, match="is not a cgroup2 hierarchy"):
+                await DeviceControl.create("cgroups_v2", hierarchy=str(not_cgroup2),
+                                           cgroups_root=v2_sandbox.cgroups_root, work_dir=str(tmp_path / "work"),
+                                           worker="process")
     deadline = time.monotonic() + 10
     while children(zombies=True) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -1,8 +1,11 @@
 """R-IS-7: recover after an agent crash (every actor dropped without
-cleanup) — from v1 ``devices.list``, the v2 checkpoint, or the in-memory
-table; nested states skipped; a missing cgroup is a warning; a v2 cgroup
-absent from the checkpoint keeps its GPUs out of the free pool (reported)
-until it is cleaned up; cgroups nobody named are recovered as orphans."""
+cleanup) — from v1 ``devices.list``, v2 programs read back from the kernel,
+or the in-memory table; nested states skipped; a missing cgroup is a
+warning; a v2 cgroup with no program of ours may use every device (a broad
+grant: it keeps the free GPUs, rewritten to exactly those); one whose
+program of our name cannot be read back keeps every free GPU out of the
+pool (reported) until it is cleaned up; cgroups nobody named are recovered
+as orphans."""
 
 from __future__ import annotations
 
@@ -12,7 +15,9 @@ import os
 import pytest
 
 import runtime
-from actors.devices import checkpoint_file
+from tests.support.kernel import attach_program, attached_programs, detach_program
+from tests.support.nodes import judge
+from actors.devices import PROGRAM_NAME
 from isolators import ContainerConfig, ContainerID, ContainerState, IsolatorError, Resources
 
 
@@ -144,20 +149,22 @@ async def test_v1_recovers_from_devices_list(node_factory) -> None:
 
 
 @pytest.mark.asyncio
-async def test_v2_cgroup_absent_from_the_checkpoint_keeps_its_gpus_out(node_factory) -> None:
+async def test_v2_cgroup_without_a_program_of_ours_keeps_only_the_free_gpus(node_factory) -> None:
     node = node_factory("cgroups_v2")
     async with runtime.Runtime():
         components, isolator = await node.start()
         await isolator.prepare(ContainerID("a"), cfg("gpus:1"))
         await node.crash(components, isolator)
-        os.mkdir(node.cgroup_dir("ghost"))  # made by someone, never checkpointed
+        os.mkdir(node.cgroup_dir("ghost"))  # made by someone (a crash before its program): nothing restricts it
 
         components, isolator = await node.start()
         await isolator.recover(states("a", "ghost"), set())
         assert await isolator.containers() == {"a": [0], "ghost": [1, 2, 3]}
         assert await free_minors(components) == set()
         report = isolator.recovery_report
-        assert len(report) == 1 and "ghost" in report[0] and "[1, 2, 3]" in report[0]
+        assert len(report) == 2 and "ghost" in report[0] and "it keeps GPUs [1, 2, 3]" in report[0], report
+        assert report[1].endswith("ghost: attached the missing device program"), report
+        await judge(node, {"a": 1, "ghost": 3})  # its program now grants exactly those
         with pytest.raises(IsolatorError, match="^Requested 1 gpus but only 0 available$"):
             await isolator.prepare(ContainerID("new"), cfg("gpus:1"))
         await isolator.cleanup(ContainerID("a"))
@@ -167,20 +174,27 @@ async def test_v2_cgroup_absent_from_the_checkpoint_keeps_its_gpus_out(node_fact
         assert await free_minors(components) == {0, 1, 2, 3}
 
 
+NOT_OURS = bytes.fromhex("b700000001000000" "9500000000000000")  # r0 = 1; exit: allows every device
+
+
 @pytest.mark.asyncio
-async def test_v2_lost_checkpoint_keeps_every_gpu_out_until_all_unknown_are_cleaned(node_factory) -> None:
+async def test_v2_programs_not_read_back_keep_every_gpu_out_until_all_unknown_are_cleaned(node_factory) -> None:
     node = node_factory("cgroups_v2")
     async with runtime.Runtime():
         components, isolator = await node.start()
         await isolator.prepare(ContainerID("a"), cfg("gpus:1"))
         await isolator.prepare(ContainerID("b"), cfg("gpus:2"))
         await node.crash(components, isolator)
-        os.unlink(checkpoint_file(node.work_dir))
+        for name in ("a", "b"):  # a program of our name that is not one we wrote
+            (ours,) = attached_programs(node.cgroup_dir(name))
+            detach_program(node.cgroup_dir(name), ours)
+            attach_program(node.cgroup_dir(name), NOT_OURS, PROGRAM_NAME)
 
         components, isolator = await node.start()
         await isolator.recover(states("a", "b"), set())
         assert await free_minors(components) == set()
         assert len(isolator.recovery_report) == 2
+        assert all("its device rules cannot be read back" in line for line in isolator.recovery_report)
         # Either unknown container may hold any of the GPUs: none is free until both are gone.
         await isolator.cleanup(ContainerID("a"))
         assert await free_minors(components) == set()

@@ -157,7 +157,7 @@ async def test_v2_an_extra_program_of_our_name_is_detached(
         probe = probes()
         probe.move_to(os.path.join(node.root, "c1"))
         (original,) = own_programs(node, "c1")
-        extra = attach_extra_v2(node, "c1", without_gpu(node.checkpoint()["c1"], 0))
+        extra = attach_extra_v2(node, "c1", without_gpu(node.kernel_policy("c1"), 0))
         assert sees(probe, gpu_nodes)[0] == errno.EPERM  # drift: the extra program denies c1's GPU
         repairs = await isolator.reconcile()
         assert [(r.container_id, r.description.split(": ", 1)[1]) for r in repairs] == [

@@ -2,7 +2,7 @@
 written — cgroup roots that are empty, absolute or climb out; resources that
 are not a whole number of GPUs; host files with wrong types, duplicate
 minors or a million GPUs; named-message bodies that do not decode; a
-truncated or garbled v2 checkpoint (never read as empty); scripts that are
+v2 device program of our name that is not ours (never read as ours); scripts that are
 huge, deeply nested or wrongly typed.
 """
 
@@ -16,12 +16,12 @@ from typing import Any
 import msgspec
 import pytest
 
-from actors.devices import CheckpointError, CgroupsV1Backend, CgroupsV2Backend, DeviceControl, InvalidCgroupError
-from actors.devices import checkpoint_file
+from actors.devices import PROGRAM_NAME, CgroupsV1Backend, CgroupsV2Backend, DeviceControl, InvalidCgroupError, bpf
 from actors.nvml import HostFileError
 from isolators import (
     ContainerConfig,
     ContainerID,
+    ContainerState,
     Flags,
     FlagsError,
     IsolatorError,
@@ -33,7 +33,7 @@ from isolators import (
     load_script,
 )
 from runtime import Clock, Process, Runtime, dispatch, send, snapshot, spawn
-from tests.support.kernel import V2_HIERARCHY, attached_programs, hierarchy_of, skip_reason
+from tests.support.kernel import attach_program, attached_programs, detach_program, hierarchy_of, skip_reason
 from tests.support.nodes import Node, judge
 
 TOKEN = f"rel-hostile-{uuid.uuid4().hex[:8]}"
@@ -131,7 +131,7 @@ async def test_a_bad_cgroups_root_writes_nothing_anywhere(backend: str, tmp_path
                         CgroupsV1Backend(hierarchy, root)
                 if backend == "cgroups_v2":
                     with pytest.raises(InvalidCgroupError):
-                        CgroupsV2Backend(hierarchy, root, node.work_dir)
+                        CgroupsV2Backend(hierarchy, root)
         finally:
             await components.close()
         assert snapshot() == {}, "an actor outlived a refused start"
@@ -345,19 +345,11 @@ async def test_message_bodies_that_do_not_decode_are_counted_and_the_receiver_ke
         assert stats["state"] == "running" and stats["failures"] == 0, stats
 
 
-# -- the v2 checkpoint ----------------------------------------------------------------------
+# -- v2: programs of our name that are not ours -----------------------------------------------
 
-CORRUPTIONS = {
-    "truncated": lambda data, root: data[: len(data) // 2],
-    "empty": lambda data, root: b"",
-    "garbled": lambda data, root: bytes(b ^ 0x5A for b in data),
-    "nul bytes": lambda data, root: b"\x00" * len(data),
-    "not an object": lambda data, root: b"[]",
-    "another version": lambda data, root: data.replace(b'"version":1', b'"version":7'),
-    "another root": lambda data, root: data.replace(root.encode(), b"/sys/fs/cgroup/unified/elsewhere"),
-    "a bad rule": lambda data, root: data.replace(b"c 195:255 rwm", b"c 195:255 rwx"),
-    "a cgroup climbing out": lambda data, root: data.replace(b'"c1":', b'"../c1":'),
-    "an unknown field": lambda data, root: data[:-1] + b',"extra":1}',
+HOSTILE_PROGRAMS = {
+    "allow everything": bytes.fromhex("b700000001000000" "9500000000000000"),  # r0 = 1; exit
+    "one of ours, one instruction changed": None,  # filled in from the real program below
 }
 
 
@@ -367,47 +359,48 @@ def attached(node: Any, cgroup: str) -> list[int]:
 
 
 @pytest.mark.asyncio
-async def test_a_bad_v2_checkpoint_stops_the_start_and_is_never_read_as_empty(
-    node_factory: Any
-) -> None:
+async def test_a_program_of_our_name_that_is_not_ours_is_never_read_as_ours(node_factory: Any) -> None:
+    """cgroups v2 keeps no file: a cgroup's policy is its program read back. A
+    program that carries our name but is not one we wrote (hostile, or
+    damaged) is never read as a policy: its container's device state is
+    unknown, and every free GPU stays out of the pool until it is cleaned up."""
     node = node_factory("cgroups_v2")
-    file = checkpoint_file(node.work_dir)
     async with Runtime():
         _c, isolator = await node.start()
         await isolator.recover([], set())
         await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=Resources.parse("gpus:2")))
-        held = await judge(node, {"c1": 2})
-        await node.stop()  # the agent goes away; c1 keeps running
-        with open(file, "rb") as handle:
-            good = handle.read()
-        programs = attached(node, "c1")
-        assert len(programs) == 1
-        for name, corrupt in CORRUPTIONS.items():
-            bad = corrupt(good, node.root)
-            assert bad != good, name
-            with open(file, "wb") as handle:
-                handle.write(bad)
-            components = await NvidiaComponents.create(node.flags())
-            try:
-                with pytest.raises(IsolatorError) as caught:
-                    await NvidiaGpuIsolatorProcess.create(node.flags(), components)
-                assert type(caught.value) is IsolatorError and isinstance(caught.value.__cause__, CheckpointError)
-                message = one_line(caught.value, limit=1000)
-                assert file in message and "never read as empty" in message, message
-                assert "Restore it from a backup" in message, message  # the operator hint
-                with pytest.raises(CheckpointError):
-                    await DeviceControl.create("cgroups_v2", V2_HIERARCHY, node.cgroups_root, node.work_dir)
-            finally:
-                await components.close()
-            assert snapshot() == {}
-            with open(file, "rb") as handle:
-                assert handle.read() == bad, f"{name}: the checkpoint was rewritten"
-            assert node.cgroup_exists("c1") and attached(node, "c1") == programs, name
-        with open(file, "wb") as handle:
-            handle.write(good)
-        _c, isolator = await node.restart(["c1"])
-        assert await judge(node, {"c1": 2}) == held
-        await node.clean_all()
+        await isolator.prepare(ContainerID("c2"), ContainerConfig(resources=Resources.parse("gpus:1")))
+        held = await judge(node, {"c1": 2, "c2": 1})
+        await node.stop()  # the agent goes away; c1 and c2 keep running
+        (ours,) = attached(node, "c1")
+        fd = bpf.prog_get_fd_by_id(ours)
+        try:
+            code = bpf.prog_xlated(fd, bpf.prog_info(fd).xlated_len)
+        finally:
+            os.close(fd)
+        programs = dict(HOSTILE_PROGRAMS)
+        changed = bytearray(code)
+        changed[-12] ^= 0x01  # the immediate of the allow exit's "r0 = 1": now "r0 = 0"
+        programs["one of ours, one instruction changed"] = bytes(changed)
+        path = os.path.join(node.root, "c1")
+        for name, hostile in programs.items():
+            detach_program(path, attached(node, "c1")[0])
+            attach_program(path, hostile, PROGRAM_NAME)
+            _c, isolator = await node.start()
+            await isolator.recover([ContainerState(ContainerID("c1")), ContainerState(ContainerID("c2"))], set())
+            report = " | ".join(isolator.recovery_report)
+            assert "Container c1: cgroup 'c1' exists but its device state is unknown (its device rules cannot" \
+                   " be read back); GPUs [0, 1, 3] are kept out of the free pool" in report, (name, report)
+            assert await node.components.allocator.available() == set(), name  # all but c2's quarantined
+            assert await isolator.containers() == {"c1": [0, 1, 3], "c2": held["c2"]}, name
+            assert await isolator.devices.state("c1") is None, name
+            await node.stop()
+        _c, isolator = await node.start()
+        await isolator.recover([ContainerState(ContainerID("c2"))], set())
+        await isolator.cleanup(ContainerID("c1"))  # recovered as an orphan of unknown state
+        await isolator.cleanup(ContainerID("c2"))
+        assert node.cgroups() == []
+        assert len(await node.components.allocator.available()) == node.gpus
         await node.stop()
 
 

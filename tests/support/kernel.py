@@ -18,7 +18,7 @@ import errno
 import os
 import time
 
-from actors.devices import bpf
+from actors.devices import Policy, bpf, build_device_program, read_policy
 from isolators.testing import backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
 
 BACKENDS = ["memory", "cgroups_v1", "cgroups_v2"]
@@ -102,6 +102,21 @@ def program_infos(cgroup_dir: str) -> list[bpf.ProgInfo]:
         finally:
             os.close(fd)
     return infos
+
+
+def program_policy(prog_id: int) -> "Policy | None":
+    """The policy a device program holds, read back from the kernel: its
+    instructions read as a policy, which must compile to the program the
+    kernel tagged (else None: not one of ours)."""
+    fd = bpf.prog_get_fd_by_id(prog_id)
+    try:
+        info = bpf.prog_info(fd)
+        policy = read_policy(bpf.prog_xlated(fd, info.xlated_len))
+    finally:
+        os.close(fd)
+    if policy is None or info.tag not in bpf.program_tags(build_device_program(policy)):
+        return None
+    return policy
 
 
 def attach_program(cgroup_dir: str, code: bytes, name: str) -> int:

@@ -11,9 +11,9 @@ Rules:
   in-memory table is dropped.
 - ``judge(node)`` reads the KERNEL, not the isolator: v1 ``devices.list`` of
   every cgroup under the root; v2 the programs attached to each cgroup
-  (``BPF_PROG_QUERY``: none attached = every device allowed; exactly one of
-  ours whose tag is that of the checkpointed policy, else a failure) and the
-  checkpoint file; in-memory the shared table. Then it checks that every GPU
+  (``BPF_PROG_QUERY``: none attached = every device allowed; else exactly
+  one, ours, whose policy is read back from its instructions and proven by
+  its tag, else a failure); in-memory the shared table. Then it checks that every GPU
   is either free in the allocator or granted to exactly one container, never
   both, never two; that the isolator's records, the allocator and the kernel
   agree; that no cgroup exists for a container the isolator does not know.
@@ -21,7 +21,6 @@ Rules:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -32,17 +31,13 @@ from actors.devices import (
     CgroupsV1Backend,
     CgroupsV2Backend,
     DeviceControl,
-    DeviceRule,
     MemoryBackend,
-    build_device_program,
-    checkpoint_file,
 )
 from actors.devices.testing import FaultInjectingBackend
-from actors.devices import bpf
 from isolators import NvidiaComponents
 from isolators.testing import DRIVER_VERSION, SimulatedNode
 
-from .kernel import NVIDIA, hierarchy_of, program_infos, remove_test_cgroups
+from .kernel import NVIDIA, hierarchy_of, program_infos, program_policy, remove_test_cgroups
 
 TEST_ROOT_PREFIX = f"gpu-isolator-test-{os.getpid()}-"
 
@@ -92,7 +87,7 @@ class Node(SimulatedNode):
             return MemoryBackend(self.root, shared=True)
         if self.backend == "cgroups_v1":
             return CgroupsV1Backend(self.hierarchy, self.cgroups_root)
-        return CgroupsV2Backend(self.hierarchy, self.cgroups_root, self.work_dir)
+        return CgroupsV2Backend(self.hierarchy, self.cgroups_root)
 
     async def start(self, changes: dict[str, Any] | None = None, /, *, fault: dict[str, Any] | None = None,
                     **more: Any) -> tuple[NvidiaComponents, Any]:
@@ -127,20 +122,18 @@ class Node(SimulatedNode):
 
     # -- what the kernel grants -------------------------------------------------------
 
-    def checkpoint(self) -> dict[str, Policy]:
-        """The v2 checkpoint file as written (raw JSON; {} when absent)."""
-        try:
-            with open(checkpoint_file(self.work_dir), "rb") as handle:
-                document = json.loads(handle.read())
-        except FileNotFoundError:
-            return {}
-        return {
-            name: Policy(
-                tuple(DeviceRule.parse(line) for line in entry["allow"]),
-                tuple(DeviceRule.parse(line) for line in entry["deny"]),
-            )
-            for name, entry in document["cgroups"].items()
-        }
+    def kernel_policy(self, name: str) -> Policy | None:
+        """v2: the policy of the one device program attached to cgroup ``name``,
+        read back from the kernel (None when none is attached); a failure when
+        there are several, or one that is not ours."""
+        path = os.path.join(self.root, name)
+        infos = program_infos(path)
+        if not infos:
+            return None
+        assert len(infos) == 1 and infos[0].name == PROGRAM_NAME, f"{path}: device programs {infos}"
+        access = program_policy(infos[0].id)
+        assert access is not None, f"{path}: device program {infos[0].id} cannot be read back as one of ours"
+        return access
 
     def kernel_grants(self) -> dict[str, set[int]]:
         """cgroup -> the minors of this node's GPUs the kernel lets it read and write."""
@@ -156,21 +149,11 @@ class Node(SimulatedNode):
                     lines = handle.read().split()
                 grants[name] = {m for m in minors if _v1_grants(lines, m)}
             return grants
-        checkpoint = self.checkpoint()
         for name in self.cgroups():
-            path = os.path.join(self.root, name)
-            infos = program_infos(path)
-            if not infos:
+            access = self.kernel_policy(name)
+            if access is None:
                 grants[name] = set(minors)  # no program: the kernel allows every device
                 continue
-            own = [info for info in infos if info.name == PROGRAM_NAME]
-            assert len(own) == len(infos), f"{path}: foreign device programs attached: {infos}"
-            assert len(own) == 1, f"{path}: {len(own)} device programs of ours attached: {own}"
-            access = checkpoint.get(name)
-            assert access is not None, f"{path}: a program is attached but the checkpoint has no entry"
-            assert own[0].tag in bpf.program_tags(build_device_program(access)), (
-                f"{path}: the attached program is not the checkpointed policy {access.lines()}"
-            )
             grants[name] = {m for m in minors if access.is_granted("c", NVIDIA, m, "rw")}
         return grants
 
@@ -220,9 +203,9 @@ async def judge(node: Node, model: dict[str, int] | None = None, *,
         assert set(minors) == grants[name], f"container {name}: record {minors} != kernel: {where}"
     assert allocated == {m for minors in records.values() for m in minors}, f"allocator != records: {where}"
     if node.backend == "cgroups_v2":
-        checkpoint = node.checkpoint()
         for name in records:
-            assert await isolator.devices.state(name) == checkpoint.get(name), f"{name}: device state != checkpoint"
+            state = await isolator.devices.state(name)
+            assert state == node.kernel_policy(name), f"{name}: device state {state} != the kernel's program"
     if model is not None:
         assert {k: len(v) for k, v in records.items()} == model, f"model {model}: {where}"
     return records
