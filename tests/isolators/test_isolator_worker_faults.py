@@ -93,7 +93,7 @@ def applied_by_the_dead_worker(node: Any, cgroup: str, rule: DeviceRule) -> None
         with open(os.path.join(node.cgroup_dir(cgroup), "devices.allow"), "w") as allow:
             allow.write(str(rule))
         return
-    backend = node.inner_backend()  # the checkpoint and the attached program, as the worker writes them
+    backend = node.inner_backend()  # the attached program, as the worker writes it
     try:
         backend.reconfigure(cgroup, [rule], [])
     finally:
