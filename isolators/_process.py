@@ -486,8 +486,9 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
         self._arm(info)
         if surplus:
             await self.allocator.deallocate(surplus)
-        logger.info("Container %s: granted %s, released %s, highest first (now %s)", container_id,
-                    minors(extra), minors(surplus), minors(info.allocated))
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("Container %s: granted %s, released %s, highest first (now %s)", container_id,
+                        minors(extra), minors(surplus), minors(info.allocated))
 
     # -- cleanup --------------------------------------------------------------
     def cleanup(self, container_id: ContainerID) -> Any:

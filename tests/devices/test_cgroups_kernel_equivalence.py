@@ -52,7 +52,11 @@ def check_verdicts(probe, device_nodes, scratch: str, access: Policy) -> int:
 
 
 def test_v2_program_verdicts_equal_is_granted(v2_sandbox, device_nodes, tmp_path) -> None:
+    """... and the kernel holds the record: a backend that never configured
+    the cgroup reads the policy back from the program's translated
+    instructions (the verifier must not have rewritten them)."""
     backend = CgroupsV2Backend(v2_sandbox.hierarchy, v2_sandbox.cgroups_root)
+    reader = CgroupsV2Backend(v2_sandbox.hierarchy, v2_sandbox.cgroups_root)
     backend.configure("eq", [], [])
     probe = v2_sandbox.probe("eq")
     scratch = str(tmp_path)
@@ -66,6 +70,10 @@ def test_v2_program_verdicts_equal_is_granted(v2_sandbox, device_nodes, tmp_path
         except DeviceRuleError:
             return
         assert backend.configure("eq", access.allow, access.deny) == access
+        back = reader.state("eq")
+        assert back is not None and back.program[0] == access.program[0], (str(access), back)
+        if access.allow:  # (an empty allow list compiles to "deny everything", whatever the deny list)
+            assert back == access
         total[0] += 1
         total[1] += check_verdicts(probe, device_nodes, scratch, access)
 
@@ -73,7 +81,35 @@ def test_v2_program_verdicts_equal_is_granted(v2_sandbox, device_nodes, tmp_path
         check()
     finally:
         backend.close()
+        reader.close()
     assert total[0] >= 50 and total[1] >= 50 * 31
+
+
+def test_v2_container_policies_are_read_back_from_the_kernel(v2_sandbox) -> None:
+    """The policies the isolator writes (control devices, runs and gaps of
+    GPU minors, MIG capability nodes, a deny list) read back from the kernel
+    exactly, by a backend that did not write them."""
+    from actors.devices import container_policy
+
+    control = ["c 195:255 rwm", "c 195:254 rwm", "c 235:0 rwm", "c 235:1 rwm"]
+    gpu_sets = [[], [0], [7], [0, 1], [1, 2, 3], [0, 2, 4, 6], [0, 1, 2, 3, 4, 5, 6, 7], [3, 4, 9, 10, 11, 200],
+                list(range(0, 128, 3))]
+    backend = CgroupsV2Backend(v2_sandbox.hierarchy, v2_sandbox.cgroups_root)
+    try:
+        for index, gpus in enumerate(gpu_sets):
+            allow, deny = container_policy(control + ["c 240:1 r", "c 240:2 r"],
+                                           [f"c 195:{g} rwm" for g in gpus])
+            access = backend.configure(f"c{index}", allow, deny)
+            reader = CgroupsV2Backend(v2_sandbox.hierarchy, v2_sandbox.cgroups_root)
+            try:
+                assert reader.state(f"c{index}") == access, gpus
+            finally:
+                reader.close()
+            probe = Policy.create([*allow, "c 240:* rw"], ["c 240:5 rw", "c 240:7 w"])  # with a deny list
+            assert backend.configure(f"c{index}", probe.allow, probe.deny) == probe
+            assert CgroupsV2Backend(v2_sandbox.hierarchy, v2_sandbox.cgroups_root).state(f"c{index}") == probe
+    finally:
+        backend.close()
 
 
 def test_v1_kernel_verdicts_equal_is_granted(v1_sandbox, device_nodes, tmp_path) -> None:
