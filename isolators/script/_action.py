@@ -6,7 +6,11 @@ Rules:
   the key's value, ``expects`` the expectations a step of it may have
   (``Expect`` fields; ``error`` means the step may be expected to fail),
   ``in_concurrent`` whether it may stand inside ``concurrent``,
-  ``needs_isolator`` whether it needs a running isolator.
+  ``needs_isolator`` whether it needs a running isolator, ``isolator_call``
+  whether it calls an isolator method: such a step that fails must fail
+  with an ``IsolatorError`` (SPEC 11: every failure of an isolator method
+  is one, whichever actor it came from); another type is a broken
+  expectation of its own (``wrong_error``), whatever the text.
 - Everything about an action lives in its class: the words of a step
   (``title``), the checks loading makes beyond types (``validate``, with
   paths relative to the script resolved by ``resolve``), what it does
@@ -100,6 +104,7 @@ class Action:
     expects: ClassVar[tuple[str, ...]] = ("error",)
     in_concurrent: ClassVar[bool] = False
     needs_isolator: ClassVar[bool] = True
+    isolator_call: ClassVar[bool] = False
 
     def title(self, args: Any) -> str:
         """What a step does, in words (``prepare c1 (gpus:2)``)."""
@@ -168,6 +173,15 @@ def error_text(error: BaseException | None) -> str:
     if error is None:
         return "unknown error"
     return str(error) or type(error).__name__
+
+
+def wrong_error(action: Action, error: BaseException) -> str | None:
+    """How ``error`` shows that a step of ``action`` failed with the wrong
+    type (an isolator call's failure that is not an ``IsolatorError``); None
+    when the type is right."""
+    if action.isolator_call and not isinstance(error, IsolatorError):
+        return f"{type(error).__name__} (not an IsolatorError): {error_text(error)}"
+    return None
 
 
 def short(text: str, limit: int = 300) -> str:

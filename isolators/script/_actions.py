@@ -43,6 +43,7 @@ from ._action import (
     concurrent_actions,
     error_text,
     step_type,
+    wrong_error,
 )
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ class PrepareAction(Action):
     Expects ``gpus`` / ``count`` (held afterwards), ``none`` (no launch info)."""
 
     name = "prepare"
+    isolator_call = True
     args = Prepare
     expects = ("error", "gpus", "count", "none", "result")
     in_concurrent = True
@@ -157,6 +159,7 @@ class UpdateAction(Action):
     """``update: {id, resources}``: ``isolator.update``. Expects ``gpus`` / ``count``."""
 
     name = "update"
+    isolator_call = True
     args = Update
     expects = ("error", "gpus", "count", "result")
     in_concurrent = True
@@ -178,6 +181,7 @@ class _ByIdCall(Action):
     """An isolator call of the action's name taking only a container id."""
 
     args = ById
+    isolator_call = True
     expects = ("error", "result")
     in_concurrent = True
 
@@ -241,6 +245,7 @@ class RecoverAction(Action):
     """``recover: {states, orphans}``: ``isolator.recover`` with those container ids."""
 
     name = "recover"
+    isolator_call = True
     args = Recover
 
     def title(self, args: Recover) -> str:
@@ -341,6 +346,10 @@ class ConcurrentAction(Action):
             title = ACTIONS[sub.action].title(getattr(concrete, sub.action))
             if f.is_failed():
                 text = error_text(f.failure())
+                wrong = wrong_error(ACTIONS[sub.action], f.failure())
+                if wrong is not None:
+                    raise Mismatch(f"{title}: an IsolatorError", f"{title}: error: {wrong}",
+                                   f"{title} failed with the wrong error type")
                 if wanted is None and not counted:
                     raise Mismatch(f"{title}: success", f"{title}: error: {text}", summary)
                 if wanted is not None and wanted.lower() not in text.lower():
@@ -473,6 +482,7 @@ class ReconcileAction(Action):
     """``reconcile: true``: ``isolator.reconcile``. Expects ``repairs`` (their number)."""
 
     name = "reconcile"
+    isolator_call = True
     args = bool
     expects = ("error", "repairs", "result")
 

@@ -8,7 +8,8 @@ Rules:
 - Unless the first step is ``create``, the node starts with the script's
   flags and an empty recover; a node that cannot start is one ScriptError.
 - Each step is its action's ``perform``; a failure is compared with
-  ``expect.error`` (a case-insensitive substring), a success with
+  ``expect.error`` (a case-insensitive substring; an isolator call's
+  failure must also be an ``IsolatorError``), a success with
   ``expect.result`` (a subset: mappings match on the keys given, lists
   element by element) and the action's own ``check``.
 - Every step is reported as it completes (its number, line, what it did
@@ -29,7 +30,7 @@ from runtime import Clock
 
 from .._errors import IsolatorError
 from ..testing import SimulatedNode
-from ._action import ACTIONS, Mismatch, ScriptError, error_text, short
+from ._action import ACTIONS, Mismatch, ScriptError, error_text, short, wrong_error
 from ._format import BACKENDS, Script, action_title, host_document
 from ._report import ScriptReport, StepResult, format_result
 
@@ -138,7 +139,12 @@ class ScriptRunner:
     def _check_error(self, step: Any, error: BaseException) -> None:
         text = error_text(error)
         wanted = step.expect.error
-        if wanted is None:
+        wrong = wrong_error(ACTIONS[step.action], error)
+        if wrong is not None:
+            self._record(step, False, f"failed with the wrong error type: {wrong}",
+                         "an IsolatorError" + (f" containing {wanted!r}" if wanted is not None else ""),
+                         f"error: {wrong}")
+        elif wanted is None:
             self._record(step, False, f"failed: {text}", "success", f"error: {text}")
         elif wanted.lower() in text.lower():
             self._record(step, True, f"refused as expected: {text}")

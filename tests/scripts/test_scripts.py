@@ -87,3 +87,37 @@ async def test_a_failing_run_still_removes_its_cgroups(backend: str, cgroups_roo
         assert not os.path.exists(os.path.join(base, cgroups_root))
     else:
         assert MemoryBackend.shared_table(f"memory:/{cgroups_root}") is None
+
+
+@pytest.mark.asyncio
+async def test_an_isolator_call_failing_with_another_error_type_breaks_its_step(monkeypatch, tmp_path: Path) -> None:
+    """SPEC 11: every failure of an isolator method is an IsolatorError. A call
+    that fails otherwise breaks its step even when the text is the expected one
+    (alone and inside ``concurrent``)."""
+    from actors.allocator import AllocatorError
+    from isolators._handle import MesosIsolator
+    from runtime import Future
+
+    def refuse(self, container_id, *args):
+        return Future.failed(AllocatorError("Requested 1 gpus but only 0 available"))
+
+    (tmp_path / "types.yaml").write_text(
+        "node: {gpus: 2}\n"
+        "steps:\n"
+        "  - prepare: {id: a, resources: 'gpus:1'}\n"
+        "    expect: {error: 'only 0 available'}\n"
+        "  - concurrent: {steps: [{update: {id: a, resources: 'gpus:1'}, expect: {error: 'only 0 available'}}]}\n"
+        "  - cleanup: {id: a}\n"
+    )
+    script = load_script_file(str(tmp_path / "types.yaml"))
+    monkeypatch.setattr(MesosIsolator, "prepare", refuse)
+    monkeypatch.setattr(MesosIsolator, "update", refuse)
+    lines: list[str] = []
+    async with Runtime():
+        report = await run_script(script, "memory", echo=lines.append)
+    assert [r.ok for r in report.results] == [False, False, True], "\n".join(lines)
+    wrong = "AllocatorError (not an IsolatorError): Requested 1 gpus but only 0 available"
+    prepare, concurrent = report.results[:2]
+    assert (prepare.expected, prepare.actual) == ("an IsolatorError containing 'only 0 available'", f"error: {wrong}")
+    assert (concurrent.expected, concurrent.actual) == ("update a to gpus:1: an IsolatorError",
+                                                        f"update a to gpus:1: error: {wrong}")
