@@ -13,7 +13,15 @@ import anyio
 import pytest
 
 import runtime
-from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
+from isolators import ContainerConfig, ContainerID, Resources
+from tests.support.errors import isolator_failure
+
+NO_MANIFEST = "The 'ContainerConfig' for docker is missing a manifest"
+
+
+def still_busy(cid: ContainerID) -> str:
+    return (f"Container {cid}: the cgroup '{cid}' of an earlier container with this id still has processes; it"
+            " cannot be prepared again until it is gone")
 
 
 @pytest.mark.asyncio
@@ -46,8 +54,7 @@ async def test_cleanup_removes_the_cgroup_frees_gpus_and_is_idempotent(node) -> 
         await isolator.cleanup(ContainerID("c1"))  # again: nothing to do
         assert await isolator.containers() == {"c2": [3]}
         assert {g.minor for g in await components.allocator.available()} == {0, 1, 2}
-        with pytest.raises(IsolatorError, match="^Unknown container$"):
-            await isolator.update(ContainerID("c1"), Resources.parse("gpus:1"))
+        await isolator_failure(isolator.update(ContainerID("c1"), Resources.parse("gpus:1")), "Unknown container")
         await isolator.cleanup(ContainerID("c2"))
         assert await components.allocator.available() == components.allocator.total()
         assert await isolator.devices.list_cgroups() == []
@@ -80,8 +87,8 @@ async def test_cleanup_with_a_process_inside_denies_and_releases(kernel_node, ch
         assert not any(state.is_granted("c", 195, m, "r") for m in range(4))
 
         # The id cannot be prepared again while the old processes are inside.
-        with pytest.raises(IsolatorError, match="still has processes"):
-            await isolator.prepare(cid, ContainerConfig(resources=Resources.parse("gpus:1")))
+        await isolator_failure(isolator.prepare(cid, ContainerConfig(resources=Resources.parse("gpus:1"))),
+                               still_busy(cid))
         assert await components.allocator.available() == components.allocator.total()
         assert probe.open(char_nodes[195, 0]) == errno.EPERM
 
@@ -109,14 +116,14 @@ async def test_failed_prepare_onto_an_occupied_cgroup_takes_the_gpus_back(kernel
         probe.move_to(isolator.devices.path("taken"))
         rootfs = os.path.join(kernel_node.tmp, "rootfs")
         os.makedirs(rootfs)
-        with pytest.raises(IsolatorError, match="missing a manifest"):
-            await isolator.prepare(cid, ContainerConfig(resources=Resources.parse("gpus:2"), rootfs=rootfs))
+        await isolator_failure(isolator.prepare(cid, ContainerConfig(resources=Resources.parse("gpus:2"), rootfs=rootfs)),
+                               NO_MANIFEST)
         assert await components.allocator.available() == components.allocator.total()
         assert await isolator.containers() == {"seed": []}
         for minor in range(4):
             assert probe.open(char_nodes[195, minor]) == errno.EPERM, minor
-        with pytest.raises(IsolatorError, match="still has processes"):
-            await isolator.prepare(cid, ContainerConfig(resources=Resources.parse("gpus:1")))
+        await isolator_failure(isolator.prepare(cid, ContainerConfig(resources=Resources.parse("gpus:1"))),
+                               still_busy(cid))
         probe.close()
         await isolator.prepare(cid, ContainerConfig(resources=Resources.parse("gpus:1")))
         assert await isolator.containers() == {"seed": [], "taken": [0]}
@@ -166,8 +173,8 @@ async def test_cleanup_of_an_unknown_id_whose_cgroup_has_processes_denies_every_
         assert node.cgroup_exists("ghost")
         assert [probe.open(char_nodes[(195, m)]) for m in range(4)] == [errno.EPERM] * 4
         assert probe.open(char_nodes[(195, 255)]) == errno.ENXIO  # nvidiactl stays, as for a lingering container
-        with pytest.raises(IsolatorError, match="still has processes"):
-            await isolator.prepare(ContainerID("ghost"), ContainerConfig(resources=Resources.parse("gpus:1")))
+        await isolator_failure(isolator.prepare(ContainerID("ghost"), ContainerConfig(resources=Resources.parse("gpus:1"))),
+                               still_busy(ContainerID("ghost")))
         probe.close()
         with anyio.fail_after(10):
             while node.cgroup_exists("ghost"):  # its processes gone: a cleanup of that id removes it

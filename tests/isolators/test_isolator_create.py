@@ -11,9 +11,10 @@ import pytest
 
 import runtime
 from actors.devices import DeviceRule
-from isolators import ContainerConfig, ContainerID, IsolatorError, NvidiaComponents, NvidiaGpuIsolatorProcess, Resources
+from isolators import ContainerConfig, ContainerID, NvidiaComponents, NvidiaGpuIsolatorProcess, Resources
 from isolators import _startup
 from isolators._startup import devices_subsystem_enabled, find_control_devices
+from tests.support.errors import isolator_failure, raises_isolator_error
 
 NO_DEVICES = (
     "The 'cgroups/devices' or 'cgroups/all' isolator must be enabled in order to use the 'gpu/nvidia' isolator"
@@ -45,9 +46,7 @@ async def test_create_refuses_without_the_isolators_it_needs(memory_node, isolat
         flags = memory_node.flags(isolation=isolation)
         components = await NvidiaComponents.create(flags)
         try:
-            with pytest.raises(IsolatorError) as error:
-                await NvidiaGpuIsolatorProcess.create(flags, components)
-            assert str(error.value) == message
+            await isolator_failure(NvidiaGpuIsolatorProcess.create(flags, components), message)
         finally:
             await components.close()
 
@@ -152,7 +151,7 @@ def test_optional_control_devices_are_recorded_only_when_present(tmp_path, memor
 
 def test_missing_nvidiactl_on_a_real_nvml_node_is_an_error(memory_node) -> None:
     flags = memory_node.flags()
-    with pytest.raises(IsolatorError) as error:
+    with raises_isolator_error() as error:
         find_control_devices(flags, None)
     path = os.path.join(memory_node.dev_dir, "nvidiactl")
     assert str(error.value) == f"Failed to obtain device ID for '{path}': No such file or directory"
@@ -185,9 +184,9 @@ def test_failing_nvidia_modprobe_is_an_error(tmp_path, monkeypatch, memory_node)
     dev = memory_node.dev_dir
     mknod(os.path.join(dev, "nvidiactl"), 195, 255)
     _fake_modprobe(tmp_path, monkeypatch, "exit 3")
-    with pytest.raises(IsolatorError) as error:
+    with raises_isolator_error(f"Failed to load '{os.path.join(dev, 'nvidia-uvm')}': Command '['nvidia-modprobe',"
+                               " '-u', '-c', '0']' returned non-zero exit status 3."):
         find_control_devices(memory_node.flags(), None)
-    assert str(error.value).startswith(f"Failed to load '{os.path.join(dev, 'nvidia-uvm')}': ")
 
 
 def test_nvidia_uvm_still_missing_after_modprobe_is_an_error(tmp_path, monkeypatch, memory_node) -> None:
@@ -195,7 +194,7 @@ def test_nvidia_uvm_still_missing_after_modprobe_is_an_error(tmp_path, monkeypat
     dev = memory_node.dev_dir
     mknod(os.path.join(dev, "nvidiactl"), 195, 255)
     _fake_modprobe(tmp_path, monkeypatch, "exit 0")
-    with pytest.raises(IsolatorError) as error:
+    with raises_isolator_error() as error:
         find_control_devices(memory_node.flags(), None)
     path = os.path.join(dev, "nvidia-uvm")
     assert str(error.value) == f"Failed to obtain device ID for '{path}': No such file or directory"
@@ -239,10 +238,8 @@ async def test_control_devices_that_are_not_device_nodes_fail_create(memory_node
     async with runtime.Runtime():
         components = await NvidiaComponents.create(memory_node.flags())
         try:
-            with pytest.raises(IsolatorError) as error:
-                await NvidiaGpuIsolatorProcess.create(memory_node.flags(), components)
-            assert type(error.value) is IsolatorError
-            assert str(error.value) == f"'{os.path.join(dev, bad)}' {problem}"
+            await isolator_failure(NvidiaGpuIsolatorProcess.create(memory_node.flags(), components),
+                                   f"'{os.path.join(dev, bad)}' {problem}")
         finally:
             await components.close()
 
@@ -253,10 +250,11 @@ def test_nvidia_uvm_must_have_the_major_the_kernel_registered(memory_node, monke
     mknod(os.path.join(dev, "nvidiactl"), 195, 255)
     mknod(os.path.join(dev, "nvidia-uvm"), 509, 0)
     monkeypatch.setattr(_startup, "registered_major", lambda name: 510 if name == "nvidia-uvm" else None)
-    with pytest.raises(IsolatorError) as error:
+    with raises_isolator_error(
+            f"'{os.path.join(dev, 'nvidia-uvm')}' is the character device 509:0, not of the major 510 the kernel"
+            " registered for nvidia-uvm: it is not the control device 'nvidia-uvm'; recreate it"
+            " (nvidia-modprobe -u -c 0) or fix --dev_dir"):
         find_control_devices(memory_node.flags(), None)
-    assert "is the character device 509:0, not of the major 510 the kernel registered for nvidia-uvm" in str(
-        error.value)
 
 
 def test_registered_major_reads_the_character_devices_of_proc_devices(tmp_path) -> None:

@@ -28,6 +28,7 @@ from isolators import (
     Resources,
 )
 from isolators import _startup
+from tests.support.errors import injected, isolator_failure as failure
 from tests.support.nodes import judge
 
 
@@ -35,12 +36,7 @@ def config(gpus: str, **kwargs: Any) -> ContainerConfig:
     return ContainerConfig(resources=Resources.parse(gpus), **kwargs)
 
 
-async def failure(call: Any) -> IsolatorError:
-    """The error ``call`` fails with: exactly an IsolatorError."""
-    with pytest.raises(Exception) as caught:
-        await call
-    assert type(caught.value) is IsolatorError, f"{type(caught.value).__name__}: {caught.value}"
-    return caught.value
+NO_MANIFEST = "The 'ContainerConfig' for docker is missing a manifest"
 
 
 @pytest.mark.asyncio
@@ -65,14 +61,21 @@ async def test_a_kernel_error_is_an_isolator_error_with_device_controls_text(bac
     async with runtime.Runtime():
         _c, isolator = await node.start(fault={})
         node.fault.arm(1, errno=errno.ENOSPC)
-        error = await failure(isolator.prepare(ContainerID("c1"), config("gpus:1")))
+        path = isolator.devices.path("c1")
+        operation, target = {"memory": ("mkdir", path), "cgroups_v1": ("mkdir", os.path.dirname(path)),
+                             "cgroups_v2": ("mkdir", os.path.dirname(path))}[backend]
+        error = await failure(isolator.prepare(ContainerID("c1"), config("gpus:1")),
+                              injected(operation, target, errno.ENOSPC))
         assert isinstance(error.__cause__, KernelOperationError) and error.__cause__.errno == errno.ENOSPC
-        assert str(error) == str(error.__cause__) and "injected at kernel operation #1" in str(error)
+        assert str(error) == str(error.__cause__)
         node.fault.arm(None)
         await isolator.prepare(ContainerID("c1"), config("gpus:1"))
         node.fault.arm(1, errno=errno.EIO)
-        error = await failure(isolator.update(ContainerID("c1"), Resources.parse("gpus:2")))
-        assert isinstance(error.__cause__, DeviceControlError) and "Input/output error" in str(error)
+        operation, target = {"memory": ("apply", path), "cgroups_v1": ("read", f"{path}/devices.list"),
+                             "cgroups_v2": ("open", path)}[backend]
+        error = await failure(isolator.update(ContainerID("c1"), Resources.parse("gpus:2")),
+                              injected(operation, target, errno.EIO))
+        assert isinstance(error.__cause__, DeviceControlError)
         node.fault.arm(None)
         await judge(node, {"c1": 1})
         await isolator.cleanup(ContainerID("c1"))
@@ -88,8 +91,8 @@ async def test_an_nvml_failure_in_usage_is_an_isolator_error(memory_node) -> Non
             raise OSError(5, "NVML went away")
 
         components.nvml.usages = broken
-        error = await failure(isolator.usage(ContainerID("c1")))
-        assert str(error) == "[Errno 5] NVML went away" and type(error.__cause__) is OSError
+        error = await failure(isolator.usage(ContainerID("c1")), "[Errno 5] NVML went away")
+        assert type(error.__cause__) is OSError
         await isolator.cleanup(ContainerID("c1"))
 
 
@@ -99,9 +102,10 @@ async def test_a_device_control_that_cannot_start_fails_create_with_an_isolator_
         flags = memory_node.flags(device_backend="cgroups_v1", cgroups_hierarchy=memory_node.tmp)  # not a hierarchy
         components = await NvidiaComponents.create(flags)
         try:
-            error = await failure(NvidiaGpuIsolatorProcess.create(flags, components))
-            assert isinstance(error.__cause__, DeviceControlError)
-            assert str(error) == str(error.__cause__) and memory_node.tmp in str(error)
+            error = await failure(NvidiaGpuIsolatorProcess.create(flags, components),
+                                  f"'{memory_node.tmp}' is not a cgroups v1 devices hierarchy (no devices.allow);"
+                                  " mount the devices controller or choose another device backend")
+            assert isinstance(error.__cause__, DeviceControlError) and str(error) == str(error.__cause__)
         finally:
             await components.close()
 
@@ -122,25 +126,25 @@ async def test_an_undo_that_cannot_remove_the_cgroup_keeps_it_lingering_with_its
         async def fail_the_undo() -> IsolatorError:
             for _ in range(2):  # the second run counts with the v2 program cache warm, as the failing one
                 node.fault.arm(None)
-                assert "missing a manifest" in str(await failure(isolator.prepare(ContainerID("c1"), no_manifest)))
+                await failure(isolator.prepare(ContainerID("c1"), no_manifest), NO_MANIFEST)
             node.fault.arm([op for op, _target in node.fault.log].index("rmdir") + 1, errno=errno.EIO)
-            error = await failure(isolator.prepare(ContainerID("c1"), no_manifest))
+            error = await failure(isolator.prepare(ContainerID("c1"), no_manifest),
+                                  NO_MANIFEST)  # the original error, not the undo's
             assert node.fault.injected and node.fault.log[-1][0] == "rmdir"
             node.fault.arm(None)
             return error
 
-        error = await fail_the_undo()
-        assert "missing a manifest" in str(error)  # the original error, not the undo's
+        await fail_the_undo()
         # The cgroup stays and may grant GPUs 1 and 2: they stay allocated, with a record of why.
         assert node.cgroup_exists("c1")
         assert await isolator.containers() == {"keep": [0]}
         assert {g.minor for g in await components.allocator.available()} == {3}
         # A prepare of that id removes it first; while it cannot, the prepare is refused.
         node.fault.arm(1, errno=errno.EIO)  # its first kernel operation: the rmdir
-        refused = await failure(isolator.prepare(ContainerID("c1"), config("gpus:1")))
-        assert str(refused).startswith(
-            "Container c1: the cgroup 'c1' of an earlier container with this id could not be removed (")
-        assert str(refused).endswith("; it cannot be prepared again until it is gone")
+        await failure(isolator.prepare(ContainerID("c1"), config("gpus:1")),
+                      "Container c1: the cgroup 'c1' of an earlier container with this id could not be removed"
+                      f" ({injected('rmdir', isolator.devices.path('c1'), errno.EIO)}); it cannot be prepared"
+                      " again until it is gone")
         assert node.cgroup_exists("c1") and {g.minor for g in await components.allocator.available()} == {3}
         node.fault.arm(None)
         assert await isolator.prepare(ContainerID("c1"), config("gpus:1")) is None

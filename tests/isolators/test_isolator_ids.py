@@ -19,6 +19,7 @@ from isolators import (
     IsolatorError,
     Resources,
 )
+from tests.support.errors import isolator_failure
 
 HOSTILE = ["..", ".", "a/b", "x" * 300, "x" * 243, "a\nb", "a\x00b", "\x7f", "", "a b", "a\\b", "a.b",
            "/etc", "../../escape", "tab\there", "\u00e9" * 200, "\ud800"]
@@ -87,6 +88,9 @@ async def test_forged_ids_are_refused_at_every_entry_and_nothing_appears(node, v
     rootfs = os.path.join(node.tmp, "rootfs")
     os.makedirs(rootfs)
     config = ContainerConfig(resources=Resources.parse("gpus:1"), rootfs=rootfs, docker_manifest=ImageManifest())
+    with pytest.raises(InvalidContainerID) as plain:
+        ContainerID(value)
+    refused = str(plain.value)  # what every entry says: the id's own check
     async with runtime.Runtime():
         components, isolator = await node.start()
         before = snapshot(node)
@@ -102,8 +106,7 @@ async def test_forged_ids_are_refused_at_every_entry_and_nothing_appears(node, v
                 lambda: isolator.recover([], {cid}),
             ]
             for call in calls:
-                with pytest.raises(InvalidContainerID):
-                    await call()
+                await isolator_failure(call(), refused, InvalidContainerID)
         assert snapshot(node) == before
         assert await isolator.devices.list_cgroups() == cgroups_before
         assert await isolator.containers() == {}
@@ -115,8 +118,7 @@ async def test_non_id_arguments_are_refused(memory_node) -> None:
     async with runtime.Runtime():
         components, isolator = await memory_node.start()
         for bogus in ("c1", None, 7):
-            with pytest.raises(InvalidContainerID):
-                await isolator.prepare(bogus, ContainerConfig())
-            with pytest.raises(InvalidContainerID):
-                await isolator.cleanup(bogus)
+            refused = f"Invalid container id {bogus!r}: expected a ContainerID"
+            await isolator_failure(isolator.prepare(bogus, ContainerConfig()), refused, InvalidContainerID)
+            await isolator_failure(isolator.cleanup(bogus), refused, InvalidContainerID)
         assert await isolator.containers() == {}

@@ -19,7 +19,8 @@ import pytest
 
 import runtime
 from actors.resources import Resources
-from isolators import ContainerConfig, ContainerID, ImageManifest, IsolatorError
+from isolators import ContainerConfig, ContainerID, ImageManifest
+from tests.support.errors import injected, isolator_failure, raises_isolator_error
 from tests.support.mig import (
     EXPECTED, GPU1, HOST, MIG, expect, kernel_scenario, mknod_mig_nodes, sees, write_mig_proc,
 )
@@ -65,9 +66,8 @@ async def test_single_strategy_counts_mig_devices_as_gpus(node_factory, backend,
         _components, isolator = await node.start()
         await isolator.prepare(ContainerID("two"), config("gpus:2"))
         assert await isolator.containers() == {"two": ["195:0/gi1/ci0", "195:0/gi2/ci0"]}
-        with pytest.raises(IsolatorError, match=r"^Requested 3 gpus but only 2 available$") as error:
-            await isolator.prepare(ContainerID("three"), config("gpus:3"))
-        assert type(error.value) is IsolatorError
+        await isolator_failure(isolator.prepare(ContainerID("three"), config("gpus:3")),
+                               "Requested 3 gpus but only 2 available")
         await isolator.update(ContainerID("two"), Resources.parse("gpus:1"))
         assert await isolator.containers() == {"two": ["195:0/gi1/ci0"]}  # the highest went back
         if node.kernel:
@@ -90,9 +90,7 @@ async def test_mig_requests_are_validated_with_clear_errors(node_factory) -> Non
             "gpus:2": "Requested 2 gpus but only 1 available",
         }
         for resources, message in cases.items():
-            with pytest.raises(IsolatorError) as error:  # the allocator's text, its error chained
-                await isolator.prepare(ContainerID("x"), config(resources))
-            assert type(error.value) is IsolatorError and str(error.value) == message, resources
+            await isolator_failure(isolator.prepare(ContainerID("x"), config(resources)), message)
         assert await isolator.containers() == {}
         state = await components.allocator.state()
         assert len(state.mig_available) == 4 and state.available == [GPU1]  # nothing taken
@@ -102,11 +100,15 @@ async def test_mig_requests_are_validated_with_clear_errors(node_factory) -> Non
 async def test_a_node_whose_mig_devices_lack_capability_facts_does_not_start(node_factory) -> None:
     node = node_factory("memory", host=HOST, nvidia_mig_strategy="mixed", proc_dir="/nonexistent-proc")
     async with runtime.Runtime():
-        with pytest.raises(IsolatorError) as error:
+        missing = "; ".join(
+            f"MIG device 195:0/gi{gi}/ci0: no 'nvidia-caps' line in '/nonexistent-proc/devices', no line"
+            f" 'gpu0/gi{gi}/access', no line 'gpu0/gi{gi}/ci0/access'" for gi in (1, 2, 3, 4))
+        with raises_isolator_error(
+                "MIG devices without capability facts in '/nonexistent-proc/driver/nvidia-caps/mig-minors' and"
+                f" '/nonexistent-proc/devices' (4): {missing}. Each MIG device needs its GPU- and compute-instance"
+                " capability minors and the 'nvidia-caps' major (is the nvidia-caps driver loaded? on a test node,"
+                " point '--proc_dir' at files of your own)"):
             await node.start()
-    assert str(error.value).startswith(
-        "MIG devices without capability facts in '/nonexistent-proc/driver/nvidia-caps/mig-minors' and"
-        " '/nonexistent-proc/devices' (4): MIG device 195:0/gi1/ci0: no 'nvidia-caps' line in")
 
 
 @pytest.mark.asyncio
@@ -168,8 +170,11 @@ async def test_a_failed_mig_update_changes_nothing_and_leaks_no_mig_device(backe
         components, isolator = await node.start(fault={})
         await isolator.prepare(ContainerID("a"), config("mig-1g.18gb:1"))
         node.fault.arm(1, errno=errno.EIO)
-        with pytest.raises(IsolatorError, match="Input/output error"):
-            await isolator.update(ContainerID("a"), Resources.parse("mig-1g.18gb:1;mig-3g.71gb:1"))
+        path = isolator.devices.path("a")
+        operation, target = {"memory": ("apply", path), "cgroups_v1": ("read", f"{path}/devices.list"),
+                             "cgroups_v2": ("open", path)}[backend]
+        await isolator_failure(isolator.update(ContainerID("a"), Resources.parse("mig-1g.18gb:1;mig-3g.71gb:1")),
+                               injected(operation, target, errno.EIO))
         node.fault.arm(None)
         assert await isolator.containers() == {"a": ["195:0/gi3/ci0"]}
         state = await components.allocator.state()

@@ -17,10 +17,10 @@ from isolators import (
     ContainerID,
     ContainerLaunchInfo,
     ImageManifest,
-    IsolatorError,
     Resources,
 )
 from isolators._types import MS_BIND, MS_RDONLY, MS_REC
+from tests.support.errors import isolator_failure
 
 LABEL = {"com.nvidia.volumes.needed": "nvidia_driver"}
 CONTROL = [(195, 255), (235, 0), (235, 1), (195, 254)]
@@ -119,9 +119,8 @@ async def test_prepare_twice_is_refused_and_changes_nothing(node) -> None:
     async with runtime.Runtime():
         components, isolator = await node.start()
         await isolator.prepare(ContainerID("c1"), config("gpus:1"))
-        with pytest.raises(IsolatorError) as error:
-            await isolator.prepare(ContainerID("c1"), config("gpus:2"))
-        assert str(error.value) == "Container has already been prepared"
+        await isolator_failure(isolator.prepare(ContainerID("c1"), config("gpus:2")),
+                               "Container has already been prepared")
         assert await isolator.containers() == {"c1": [0]}
         assert len(await components.allocator.available()) == 3
         state = await isolator.devices.state("c1")
@@ -133,13 +132,11 @@ async def test_prepare_twice_is_refused_and_changes_nothing(node) -> None:
 async def test_prepare_refuses_fractional_and_excess_gpus_leaving_nothing(node) -> None:
     async with runtime.Runtime():
         components, isolator = await node.start()
-        with pytest.raises(IsolatorError) as error:
-            await isolator.prepare(ContainerID("c1"), config("gpus:1.5"))
-        assert str(error.value) == "The 'gpus' resource must be an unsigned integer"
+        await isolator_failure(isolator.prepare(ContainerID("c1"), config("gpus:1.5")),
+                               "The 'gpus' resource must be an unsigned integer")
         await assert_nothing_left(node, components, isolator, "c1")
-        with pytest.raises(IsolatorError) as error:
-            await isolator.prepare(ContainerID("c2"), config("gpus:5"))
-        assert type(error.value) is IsolatorError and str(error.value) == "Requested 5 gpus but only 4 available"
+        await isolator_failure(isolator.prepare(ContainerID("c2"), config("gpus:5")),
+                               "Requested 5 gpus but only 4 available")
         await assert_nothing_left(node, components, isolator, "c2")
 
 
@@ -147,9 +144,8 @@ async def test_prepare_refuses_fractional_and_excess_gpus_leaving_nothing(node) 
 async def test_rootfs_without_a_manifest_fails_and_is_undone(node) -> None:
     async with runtime.Runtime():
         components, isolator = await node.start()
-        with pytest.raises(IsolatorError) as error:
-            await isolator.prepare(ContainerID("c1"), config("gpus:2", rootfs=rootfs_of(node)))
-        assert "missing a manifest" in str(error.value)
+        await isolator_failure(isolator.prepare(ContainerID("c1"), config("gpus:2", rootfs=rootfs_of(node))),
+                               "The 'ContainerConfig' for docker is missing a manifest")
         await assert_nothing_left(node, components, isolator, "c1")
         # The id is free again.
         assert await isolator.prepare(ContainerID("c1"), config("gpus:4")) is None
@@ -269,10 +265,11 @@ async def test_failed_device_copy_is_undone(node) -> None:
         handle.write("in the way")
     async with runtime.Runtime():
         components, isolator = await node.start()
-        with pytest.raises(IsolatorError) as error:
-            await isolator.prepare(ContainerID("c1"), config("gpus:2", rootfs=rootfs, docker_manifest=ImageManifest()))
-        assert "Failed to copy NVIDIA device nodes" in str(error.value)
-        assert "nvidia2" in str(error.value)
+        devices = os.path.join(containers, "c1", "devices")
+        await isolator_failure(
+            isolator.prepare(ContainerID("c1"), config("gpus:2", rootfs=rootfs, docker_manifest=ImageManifest())),
+            f"Failed to copy NVIDIA device nodes into '{devices}': Failed to mknod '{devices}/nvidia2' (195:2): a file"
+            " that is not a character device is in the way")
         await assert_nothing_left(node, components, isolator, "c1")
         # The nodes it copied before failing are gone again; the file it did not make stays.
         assert listing(containers) == ["c1", "c1/devices", "c1/devices/nvidia2"]

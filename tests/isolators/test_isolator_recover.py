@@ -18,7 +18,8 @@ import runtime
 from tests.support.kernel import attach_program, attached_programs, detach_program
 from tests.support.nodes import judge
 from actors.devices import PROGRAM_NAME
-from isolators import ContainerConfig, ContainerID, ContainerState, IsolatorError, Resources
+from isolators import ContainerConfig, ContainerID, ContainerState, Resources
+from tests.support.errors import isolator_failure
 
 
 def cfg(text: str) -> ContainerConfig:
@@ -52,10 +53,10 @@ async def test_crash_and_recover_finds_the_same_gpus_held(node) -> None:
         assert await free_minors(components) == {3}
         assert isolator.recovery_report == []
 
-        with pytest.raises(IsolatorError, match="^Requested 2 gpus but only 1 available$"):
-            await isolator.prepare(ContainerID("d"), cfg("gpus:2"))
-        with pytest.raises(IsolatorError, match="^Requested 2 gpus but only 1 available$"):
-            await isolator.update(ContainerID("b"), Resources.parse("gpus:4"))
+        await isolator_failure(isolator.prepare(ContainerID("d"), cfg("gpus:2")),
+                               "Requested 2 gpus but only 1 available")
+        await isolator_failure(isolator.update(ContainerID("b"), Resources.parse("gpus:4")),
+                               "Requested 2 gpus but only 1 available")
         # The recovered containers work as before.
         await isolator.update(ContainerID("b"), Resources.parse("gpus:1"))
         assert await isolator.containers() == {"a": [0], "b": [1], "c": []}
@@ -165,8 +166,8 @@ async def test_v2_cgroup_without_a_program_of_ours_keeps_only_the_free_gpus(node
         assert len(report) == 2 and "ghost" in report[0] and "it keeps GPUs [1, 2, 3]" in report[0], report
         assert report[1].endswith("ghost: attached the missing device program"), report
         await judge(node, {"a": 1, "ghost": 3})  # its program now grants exactly those
-        with pytest.raises(IsolatorError, match="^Requested 1 gpus but only 0 available$"):
-            await isolator.prepare(ContainerID("new"), cfg("gpus:1"))
+        await isolator_failure(isolator.prepare(ContainerID("new"), cfg("gpus:1")),
+                               "Requested 1 gpus but only 0 available")
         await isolator.cleanup(ContainerID("a"))
         assert await free_minors(components) == {0}
         await isolator.cleanup(ContainerID("ghost"))
@@ -198,8 +199,8 @@ async def test_v2_programs_not_read_back_keep_every_gpu_out_until_all_unknown_ar
         # Either unknown container may hold any of the GPUs: none is free until both are gone.
         await isolator.cleanup(ContainerID("a"))
         assert await free_minors(components) == set()
-        with pytest.raises(IsolatorError, match="^Requested 1 gpus but only 0 available$"):
-            await isolator.prepare(ContainerID("new"), cfg("gpus:1"))
+        await isolator_failure(isolator.prepare(ContainerID("new"), cfg("gpus:1")),
+                               "Requested 1 gpus but only 0 available")
         await isolator.cleanup(ContainerID("b"))
         assert await free_minors(components) == {0, 1, 2, 3}
         assert await isolator.devices.list_cgroups() == []

@@ -9,7 +9,8 @@ import logging
 import pytest
 
 import runtime
-from isolators import ContainerConfig, ContainerID, GpuStatistics, IsolatorError, Resources
+from isolators import ContainerConfig, ContainerID, GpuStatistics, Resources
+from tests.support.errors import isolator_failure
 
 MIB = 1 << 20
 
@@ -28,18 +29,13 @@ async def test_update_errors_use_mesos_wording(node) -> None:
     async with runtime.Runtime():
         components, isolator = await node.start()
         await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=gpus("gpus:1")))
-        with pytest.raises(IsolatorError) as error:
-            await isolator.update(ContainerID("n1", ContainerID("c1")), gpus("gpus:1"))
-        assert str(error.value) == "Not supported for nested containers"
-        with pytest.raises(IsolatorError) as error:
-            await isolator.update(ContainerID("nobody"), gpus("gpus:1"))
-        assert str(error.value) == "Unknown container"
-        with pytest.raises(IsolatorError) as error:
-            await isolator.update(ContainerID("c1"), gpus("gpus:2.5"))
-        assert str(error.value) == "The 'gpus' resource must be an unsigned integer"
-        with pytest.raises(IsolatorError) as error:
-            await isolator.update(ContainerID("c1"), gpus("gpus:5"))
-        assert type(error.value) is IsolatorError and str(error.value) == "Requested 4 gpus but only 3 available"
+        await isolator_failure(isolator.update(ContainerID("n1", ContainerID("c1")), gpus("gpus:1")),
+                               "Not supported for nested containers")
+        await isolator_failure(isolator.update(ContainerID("nobody"), gpus("gpus:1")), "Unknown container")
+        await isolator_failure(isolator.update(ContainerID("c1"), gpus("gpus:2.5")),
+                               "The 'gpus' resource must be an unsigned integer")
+        await isolator_failure(isolator.update(ContainerID("c1"), gpus("gpus:5")),
+                               "Requested 4 gpus but only 3 available")
         # Nothing changed.
         assert await isolator.containers() == {"c1": [0]}
         assert await granted(isolator, "c1") == [0]
@@ -99,12 +95,9 @@ async def test_shrink_picks_the_highest_minors_held(memory_node) -> None:
 async def test_usage_errors_use_mesos_wording(memory_node) -> None:
     async with runtime.Runtime():
         components, isolator = await memory_node.start()
-        with pytest.raises(IsolatorError) as error:
-            await isolator.usage(ContainerID("n1", ContainerID("c1")))
-        assert str(error.value) == "Not supported for nested containers"
-        with pytest.raises(IsolatorError) as error:
-            await isolator.usage(ContainerID("c1"))
-        assert str(error.value) == "Unknown container"
+        await isolator_failure(isolator.usage(ContainerID("n1", ContainerID("c1"))),
+                               "Not supported for nested containers")
+        await isolator_failure(isolator.usage(ContainerID("c1")), "Unknown container")
 
 
 @pytest.mark.asyncio

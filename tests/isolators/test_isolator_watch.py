@@ -9,7 +9,8 @@ import pytest
 
 import runtime
 from actors import Gpu
-from isolators import ContainerConfig, ContainerID, ContainerLimitation, IsolatorError, Resources
+from isolators import ContainerConfig, ContainerID, ContainerLimitation, Resources
+from tests.support.errors import isolator_failure
 
 
 def cfg(text: str) -> ContainerConfig:
@@ -88,10 +89,9 @@ async def test_watch_of_an_already_unhealthy_gpu_resolves_at_once(memory_node) -
 async def test_watch_errors_and_discard(memory_node) -> None:
     async with runtime.Runtime():
         components, isolator = await memory_node.start()
-        with pytest.raises(IsolatorError, match="^Unknown container$"):
-            await isolator.watch(ContainerID("nobody"))
-        with pytest.raises(IsolatorError, match="^Not supported for nested containers$"):
-            await isolator.watch(ContainerID("n", ContainerID("a")))
+        await isolator_failure(isolator.watch(ContainerID("nobody")), "Unknown container")
+        await isolator_failure(isolator.watch(ContainerID("n", ContainerID("a"))),
+                               "Not supported for nested containers")
         await isolator.prepare(ContainerID("a"), cfg("gpus:1"))
         first = isolator.watch(ContainerID("a"))
         second = isolator.watch(ContainerID("a"))

@@ -29,6 +29,7 @@ import pytest
 import runtime
 from actors.devices import DeviceRule, WorkerError
 from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
+from tests.support.errors import isolator_failure
 from tests.support.nodes import judge
 
 GRANTED, DENIED = errno.ENXIO, errno.EPERM
@@ -100,13 +101,14 @@ def applied_by_the_dead_worker(node: Any, cgroup: str, rule: DeviceRule) -> None
         backend.close()
 
 
-async def failed_with_unknown_effects(call: Any) -> IsolatorError:
+async def failed_with_unknown_effects(call: Any, worker: StoppedWorker) -> IsolatorError:
+    """The call fails with exactly an IsolatorError carrying the WorkerError's text: the killed
+    worker held its operation, whose effects are unknown."""
     with anyio.fail_after(30):
-        with pytest.raises(IsolatorError) as caught:
-            await call
-    error = caught.value
-    assert type(error) is IsolatorError and isinstance(error.__cause__, WorkerError), repr(error.__cause__)
-    assert "effects are unknown" in str(error)
+        error = await isolator_failure(
+            call, f"Device worker process {worker.pid} exited with status -9 holding 1 device operations (their"
+            " effects are unknown: read the kernel state back); the next operation starts a new one")
+    assert type(error.__cause__) is WorkerError and str(error.__cause__) == str(error), repr(error.__cause__)
     return error
 
 
@@ -128,7 +130,7 @@ async def test_a_grow_whose_worker_died_after_granting_releases_nothing_on_a_gue
             applied_by_the_dead_worker(node, "a", DeviceRule("c", 195, 1, "rwm"))
             assert probe_a.open(gpu[1]) == GRANTED  # the kernel has it; the worker never says so
             worker.kill()
-            await failed_with_unknown_effects(grow)
+            await failed_with_unknown_effects(grow, worker)
         # The update failed and changes nothing: GPU 1 went back only once the
         # kernel stopped granting it to a.
         assert await isolator.containers() == {"a": [0]}
@@ -157,7 +159,7 @@ async def test_a_grow_whose_worker_died_before_granting_releases_after_reading_b
             grow = isolator.update(C("a"), Resources.parse("gpus:3"))
             await worker.sent()
             worker.kill()
-            await failed_with_unknown_effects(grow)
+            await failed_with_unknown_effects(grow, worker)
         assert await isolator.containers() == {"a": [0]}
         assert {g.minor for g in await components.allocator.available()} == {1, 2, 3}
         await judge(node, {"a": 1})
@@ -177,7 +179,7 @@ async def test_a_cleanup_whose_worker_died_keeps_the_record_and_its_gpus(kernel_
             cleanup = isolator.cleanup(C("a"))
             await worker.sent()
             worker.kill()
-            await failed_with_unknown_effects(cleanup)
+            await failed_with_unknown_effects(cleanup, worker)
         # Not forgotten: the record and GPU 0 stay; nobody else gets GPU 0.
         assert await isolator.containers() == {"a": [0]}
         assert probe_a.open(gpu[0]) == GRANTED
@@ -209,7 +211,7 @@ async def test_a_shrink_whose_worker_died_keeps_every_gpu_with_the_container(
             shrink = isolator.update(C("a"), Resources.parse("gpus:1"))
             await worker.sent()
             worker.kill()
-            await failed_with_unknown_effects(shrink)
+            await failed_with_unknown_effects(shrink, worker)
         assert await isolator.containers() == {"a": [0, 1]}
         assert {g.minor for g in await components.allocator.available()} == {2, 3}
         await isolator.reconcile()  # the kernel made to match the record again, whatever the worker did
@@ -239,7 +241,7 @@ async def test_a_prepare_whose_worker_died_after_configuring_is_undone_by_the_ke
                 getattr(backend, "close", lambda: None)()
             assert node.cgroup_exists("c1")
             worker.kill()
-            await failed_with_unknown_effects(prepare)
+            await failed_with_unknown_effects(prepare, worker)
         # Undone through the kernel: the cgroup removed first, then the GPUs back.
         assert not node.cgroup_exists("c1")
         assert await isolator.containers() == {"keep": [0]}
