@@ -13,8 +13,9 @@ import msgspec
 import pytest
 
 import runtime
-from isolators import ContainerClass, ContainerConfig, ContainerID, ImageManifest, IsolatorError, Resources
+from isolators import ContainerClass, ContainerConfig, ContainerID, ImageManifest, InvalidContainerID, Resources
 from isolators.cdi import CONTAINER_KIND, CdiWriteError, decode_spec, validate_spec
+from tests.support.errors import isolator_failure, raises_isolator_error
 
 LABEL = {"com.nvidia.volumes.needed": "nvidia_driver"}
 OTHERS = {"nvidia.yaml": "cdiVersion: 0.5.0\n", "vendor.com-device.json": "{}",
@@ -174,8 +175,9 @@ async def test_ids_that_are_not_cdi_names_get_a_hashed_name(cdi_node) -> None:
         assert ours(cdi_node) == [f"gpu-isolator-container_{name.split('=')[1]}.json"]
         forged = ContainerID("ok")
         msgspec.structs.force_setattr(forged, "value", "../../etc/x")
-        with pytest.raises(IsolatorError, match="Invalid container id"):
-            await isolator.prepare(forged, config("gpus:1"))
+        await isolator_failure(isolator.prepare(forged, config("gpus:1")),
+                               "Invalid container id '../../etc/x': it contains '.'; '/', '\\\\', '.', spaces and"
+                               " control characters are not allowed", InvalidContainerID)
         assert len(ours(cdi_node)) == 1
         await isolator.cleanup(ContainerID("-odd@id+"))
         assert ours(cdi_node) == []
@@ -189,7 +191,7 @@ async def test_a_spec_that_cannot_be_written_fails_prepare_and_undoes_it(node_fa
     rootfs.mkdir()
     async with runtime.Runtime():
         components, isolator = await node.start()
-        with pytest.raises(IsolatorError) as caught:
+        with raises_isolator_error() as caught:
             await isolator.prepare(ContainerID("c1"), config("gpus:2", rootfs=str(rootfs),
                                                               docker_manifest=ImageManifest(labels=LABEL)))
         assert str(caught.value) == (
@@ -236,7 +238,7 @@ async def test_an_update_whose_spec_cannot_be_written_changes_nothing(node_facto
         components, isolator = await node.start()
         await isolator.prepare(ContainerID("c1"), config(f"gpus:{before}"))
         blocked = block(node, "c1")
-        with pytest.raises(IsolatorError, match="gpu-isolator-container_c1.json': Is a directory") as caught:
+        with raises_isolator_error(f"Failed to write CDI spec '{cdi_dir}/gpu-isolator-container_c1.json': Is a directory") as caught:
             await isolator.update(ContainerID("c1"), Resources.parse(f"gpus:{after}"))
         assert isinstance(caught.value.__cause__, CdiWriteError)
         assert await isolator.containers() == {"c1": held}
@@ -255,7 +257,8 @@ async def test_a_cleanup_whose_spec_cannot_be_removed_fails_before_changing_anyt
         components, isolator = await cdi_node.start()
         await isolator.prepare(ContainerID("c1"), config("gpus:2"))
         blocked = block(cdi_node, "c1")
-        with pytest.raises(IsolatorError, match="Failed to remove CDI spec .*gpu-isolator-container_c1.json'"):
+        with raises_isolator_error(
+                f"Failed to remove CDI spec '{cdi_node.cdi_dir}/gpu-isolator-container_c1.json': Is a directory"):
             await isolator.cleanup(ContainerID("c1"))
         assert await isolator.containers() == {"c1": [0, 1]}  # no spec outlives its GPUs' release
         assert len(await components.allocator.available()) == 2

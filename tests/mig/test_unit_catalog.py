@@ -10,10 +10,10 @@ from actors.devices import DeviceRule, Policy
 from actors.gpu import Gpu
 from actors.mig import MigCapabilityError, MigDevice, read_mig_capabilities
 from actors.resources import Resources
-from isolators import IsolatorError
 from isolators._grant import gpu_rule, requested_count
 from isolators._recovery import minors
 from isolators._units import UnitCatalog
+from tests.support.errors import raises_isolator_error
 
 PROC = str(Path(__file__).resolve().parents[2] / "examples" / "h200-mig-proc")
 G0, G1 = Gpu(195, 0), Gpu(195, 1)
@@ -72,12 +72,12 @@ def test_a_grant_is_recognised_from_the_parent_and_both_capabilities(catalog):
 def test_demand_counts_each_resource_with_clear_errors(catalog):
     assert catalog.demand(Resources.parse("cpus:1;gpus:1;mig-1g.18gb:2")) == {"gpus": 1, "mig-1g.18gb": 2}
     assert catalog.demand(Resources.parse("mem:8")) == {"gpus": 0}
-    with pytest.raises(IsolatorError, match=r"^The 'mig-1g\.18gb' resource must be an unsigned integer$"):
+    with raises_isolator_error("The 'mig-1g.18gb' resource must be an unsigned integer"):
         catalog.demand(Resources.parse("mig-1g.18gb:0.5"))
-    with pytest.raises(IsolatorError, match=r"^The 'gpus' resource must be an unsigned integer$"):
+    with raises_isolator_error("The 'gpus' resource must be an unsigned integer"):
         catalog.demand(Resources.parse("gpus:[1-2]"))
     single = UnitCatalog({"gpus": {A, B}}, read_mig_capabilities(PROC), "single")
-    with pytest.raises(IsolatorError) as error:
+    with raises_isolator_error() as error:
         single.demand(Resources.parse("mig-1g.18gb:1"))
     assert str(error.value) == (
         "The 'mig-1g.18gb' resource is a MIG device resource: it is offered only with"
