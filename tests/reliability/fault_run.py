@@ -19,7 +19,10 @@ node (ENXIO: granted, EPERM: denied). Counted:
   before it asked for the parent-death signal must exit at its first
   parent check once continued: counted apart, as fenced when continued);
 - leaks: after the last cleanup, a cgroup left under the root or a GPU not
-  back in the allocator's free pool.
+  back in the allocator's free pool;
+- wrong error types: an isolator call that failed with anything but an
+  ``IsolatorError`` (SPEC 11: every failure of an isolator method is one,
+  faults included).
 
 ``python -m tests.reliability.fault_run --backends cgroups_v1,cgroups_v2
 --rounds 50`` prints the figures (one line per backend, then JSON); the
@@ -72,6 +75,7 @@ class Figures:
     double_grants: int = 0
     hangs: int = 0
     leaks: int = 0
+    wrong_error_types: int = 0
     failed_calls: int = 0
     failure_reasons: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
@@ -200,6 +204,7 @@ class Ledger:
         self.failed = 0
         self.reasons: dict[str, int] = {}
         self.hangs: list[dict[str, Any]] = []
+        self.wrong_types: list[str] = []
 
     def feed(self, events: list[dict[str, Any]]) -> None:
         for event in events:
@@ -227,6 +232,8 @@ class Ledger:
 
     def count(self, error: str) -> None:
         """Failures by kind: the error's first words, without container ids and numbers."""
+        if not error.startswith("IsolatorError: "):
+            self.wrong_types.append(error)
         words = " ".join(w for w in error.replace(":", " ").split()[:12] if not any(ch.isdigit() for ch in w))
         self.reasons[words] = self.reasons.get(words, 0) + 1
 
@@ -396,6 +403,9 @@ def run(backend: str, rounds: int, seed: int, workers: int = 32, gpu_workers: in
         figures.failed_calls = ledger.failed
         figures.failure_reasons = dict(sorted(ledger.reasons.items(), key=lambda item: -item[1]))
         figures.hangs += len(ledger.hangs)
+        figures.wrong_error_types = len(ledger.wrong_types)
+        for text in ledger.wrong_types[:10]:
+            problem("error type", f"an isolator call failed with {text}")
         for hang in ledger.hangs:
             problem("hang", f"{hang['op']} of {hang['c']} did not answer")
         return figures
@@ -428,11 +438,12 @@ def main(argv: list[str] | None = None) -> int:
               f" kills, {figures.worker_stops} worker stops, {figures.agent_kills} agent kills"
               f" ({figures.agent_kills_with_worker_stopped} with the worker stopped; {figures.fenced_when_continued}"
               f" workers fenced when continued), {figures.judgements}"
-              f" judgements: {figures.double_grants} double grants, {figures.hangs} hangs, {figures.leaks} leaks"
+              f" judgements: {figures.double_grants} double grants, {figures.hangs} hangs, {figures.leaks} leaks,"
+              f" {figures.wrong_error_types} wrong error types"
               f" ({figures.failed_calls} calls failed, as faults make them) in {time.monotonic() - started:.0f} s",
               flush=True)
     print(json.dumps({"benchmark": "random_fault_run", "seed": args.seed, "results": [asdict(r) for r in results]}))
-    return 0 if all(not (r.double_grants or r.hangs or r.leaks) for r in results) else 1
+    return 0 if all(not (r.double_grants or r.hangs or r.leaks or r.wrong_error_types) for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 
 from actors.devices import PROGRAM_NAME, Policy, _bpf, build_device_program
-from isolators import ContainerConfig, ContainerID, IsolatorError, Repair, Resources
+from isolators import ContainerConfig, ContainerID, Repair, Resources
 from runtime import Runtime
+from tests.support.errors import isolator_failure
 from tests.support.kernel import SEEN_PROGRAMS, detach_program, program_infos
 from tests.support.nodes import judge
 
@@ -104,8 +105,7 @@ async def test_v1_a_wiped_cgroup_with_an_outsiders_child_is_contained(
             failed = failed_only(await isolator.reconcile(), "c1")
             assert "Invalid argument" in failed.reason and "held back" in failed.description
             assert await free(node) == set()  # GPUs 2 and 3 are held back for c1
-            with pytest.raises(IsolatorError, match="^Requested 1 gpus but only 0 available$"):
-                await isolator.prepare(C("c3"), config(1))
+            await isolator_failure(isolator.prepare(C("c3"), config(1)), "Requested 1 gpus but only 0 available")
             assert failed_only(await isolator.reconcile(), "c1").failed  # still, and still contained
             assert await free(node) == set()
         finally:
@@ -139,8 +139,7 @@ async def test_v2_an_outsiders_allow_all_program_in_place_of_ours_is_contained(
         failed = failed_only(await isolator.reconcile(), "c1")
         assert "Operation not permitted" in failed.reason and "without BPF_F_ALLOW_MULTI" in failed.reason
         assert await free(node) == set()
-        with pytest.raises(IsolatorError, match="^Requested 1 gpus but only 0 available$"):
-            await isolator.prepare(C("c3"), config(1))
+        await isolator_failure(isolator.prepare(C("c3"), config(1)), "Requested 1 gpus but only 0 available")
         detach_program(c1, outsider)  # the outsider goes away: the next reconcile repairs it
         repairs = await isolator.reconcile()
         assert not any(r.failed for r in repairs)

@@ -14,6 +14,7 @@ crash and recovery no GPU is granted twice and cleanups free everything.
 from __future__ import annotations
 
 import errno
+import re
 from typing import Any
 
 import pytest
@@ -21,6 +22,8 @@ import pytest
 from actors.devices import DeviceControlError
 from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
 from runtime import Runtime
+from tests.support.errors import injected as injected_text
+from tests.support.errors import raises_isolator_error
 from tests.support.nodes import judge
 
 BACKENDS = ["memory", "cgroups_v1", "cgroups_v2"]
@@ -63,10 +66,9 @@ async def fail_everywhere(node: Any, call: Any, check: Any, undo: Any, swallowed
                 assert node.fault.injected, f"failed without a fault at operation {k}: {error}"
                 assert type(error) is IsolatorError, f"{type(error).__name__}: {error}"
                 assert isinstance(error.__cause__, DeviceControlError) and str(error) == str(error.__cause__)
-                op = node.fault.log[k - 1][0]
+                op, target = node.fault.log[k - 1]
                 node.fault.arm(None)
-                message = str(error)
-                assert errno.errorcode[code] in message and "injected at kernel operation" in message, message
+                assert str(error) == injected_text(op, target, code, k), str(error)
                 await check(f"{errno.errorcode[code]} at kernel operation {k} ({op})")
                 injected += 1
                 k += 1
@@ -270,10 +272,14 @@ async def test_a_crash_at_every_step_recovers_consistently(
             isolator = await setup()
             assert await judge(node, before) == held
             node.fault.arm(None, crash_at=k)
-            with pytest.raises(IsolatorError, match="simulated crash of the agent"):
+            crash = rf"simulated crash before kernel operation #{k}: [^;]+"
+            with raises_isolator_error(re.compile(
+                    rf"Container c1: simulated crash of the agent: {crash}; drop every actor and recover")):
                 await crashing(isolator)
             assert node.fault.injected
-            with pytest.raises(IsolatorError, match="simulated crash"):  # the agent is dead
+            with raises_isolator_error(re.compile(  # the agent is dead
+                    rf"Container keep: simulated crash of the agent: the agent crashed earlier \({crash}\); drop every"
+                    " actor and recover")):
                 await isolator.cleanup(C("keep"))
             # Drop every actor, rebuild from the same flags, recover what the agent knew.
             _c, isolator = await node.restart(before)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from typing import Any
 
@@ -31,6 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
 from runtime import Runtime
+from tests.support.errors import assert_isolator_error
 from tests.support.kernel import skip_reason
 from tests.support.nodes import judge
 
@@ -156,26 +158,29 @@ class IsolatorMachine(RuleBasedStateMachine):
             assert ok and value == [], f"nothing drifted, yet reconcile said {value}"
         elif kind == "prepare":
             if known:
-                assert not ok and "already been prepared" in str(value), value
+                assert not ok, value
+                assert_isolator_error(value, "Container has already been prepared")
             elif ok:
                 assert contended or k <= self.free, f"prepare of {k} with {self.free} free succeeded"
                 self.model[cid] = k
             else:
-                assert f"Requested {k} gpus but only" in str(value), value
+                assert_isolator_error(value, re.compile(rf"Requested {k} gpus but only \d+ available"))
                 assert contended or k > self.free, value
         elif kind == "update":
             if not known:
-                assert not ok and "Unknown container" in str(value), value
+                assert not ok, value
+                assert_isolator_error(value, "Unknown container")
             elif ok:
                 assert contended or k - self.model[cid] <= self.free
                 self.model[cid] = k
             else:
                 extra = k - self.model[cid]
-                assert f"Requested {extra} gpus but only" in str(value), value
+                assert_isolator_error(value, re.compile(rf"Requested {extra} gpus but only \d+ available"))
                 assert contended or extra > self.free, value
         elif kind == "usage":
             if not known:
-                assert not ok and "Unknown container" in str(value), value
+                assert not ok, value
+                assert_isolator_error(value, "Unknown container")
             else:
                 assert ok, value
                 assert value.gpus_allocated == self.model[cid], (value, self.model)
