@@ -6,6 +6,8 @@
   records (``_records``) and the kernel.
 - ``_messages``: the wire Structs and the state document.
 - ``_line``: the prepares not answered yet and the line they wait in.
+- ``_demand``: what a request asks for (GPUs, MIG devices by profile);
+  ``_units``: what the node hands out, counted and shown (MIG included).
 - ``_host``: what the service asks the host (socket owners, processes,
   cgroup membership).
 - ``_client``: ``ServiceClient``, a process that asks a service.
@@ -26,8 +28,8 @@ _EXPORTS = {
     "._client": ("LostService", "ServiceClient"),
     "._exec": ("DEFAULT_AGENT", "exec_command"),
     "._launcher": ("PendingCommand", "SignalForwarder", "exit_code"),
-    "._messages": ("SERVICE_ID", "CleanedUp", "Cleanup", "ContainerView", "GrantedGpu", "Prepare", "Prepared",
-                   "Queued", "ServiceState", "Start", "Started", "Statistics", "Update", "Updated", "Usage",
+    "._messages": ("SERVICE_ID", "CleanedUp", "Cleanup", "ContainerView", "GrantedGpu", "MigDeviceView", "Prepare",
+                   "Prepared", "Queued", "ServiceState", "Start", "Started", "Statistics", "Update", "Updated", "Usage",
                    "WaitingView", "visible_devices_env"),
     "._records": ("ContainerRecord", "RecordsError", "RecordsFile", "records_file"),
     "._serve": ("serve", "service_flags"),
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
         Cleanup,
         ContainerView,
         GrantedGpu,
+        MigDeviceView,
         Prepare,
         Prepared,
         Queued,

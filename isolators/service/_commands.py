@@ -53,7 +53,8 @@ def add_commands(sub: Any) -> None:
     exec_ = sub.add_parser(
         "exec", allow_abbrev=False,
         help="run a command with N GPUs of its own, enforced by the kernel",
-        description="Ask the service for a container with N GPUs (the best-connected free ones), run CMD inside"
+        description="Ask the service for a container with N GPUs (the best-connected free ones) and/or MIG devices"
+                    " by profile (--mig), run CMD inside"
                     " its cgroup with NVIDIA_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES set to their UUIDs,"
                     " forward signals to it, and release the GPUs when it ends. Exit status: the command's (128+N"
                     " when signal N killed it); 125 when it could not be started (e.g. too few free GPUs),"
@@ -61,9 +62,14 @@ def add_commands(sub: Any) -> None:
     )
     exec_.add_argument("--agent", metavar="HOST:PORT",
                        help=f"the service (default: $GPU_ISOLATOR_AGENT, else {DEFAULT_AGENT})")
-    exec_.add_argument("--gpus", metavar="N", type=int, required=True, help="how many whole GPUs")
+    exec_.add_argument("--gpus", metavar="N", type=int,
+                       help="how many GPUs (whole GPUs; MIG devices where the service runs"
+                            " --nvidia_mig_strategy=single)")
+    exec_.add_argument("--mig", metavar="PROFILE[:N]", action="append", default=[],
+                       help="N MIG devices of PROFILE (e.g. 1g.18gb:2; N defaults to 1), where the service runs"
+                            " --nvidia_mig_strategy=mixed; repeat for several profiles ('status' lists them)")
     exec_.add_argument("--wait", action="store_true",
-                       help="wait in line until N GPUs are free (first come, first served) instead of failing")
+                       help="wait in line until they are free (first come, first served) instead of failing")
     exec_.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD ARGS",
                        help="the command and its arguments")
     exec_.set_defaults(func=_cmd_exec)
@@ -96,8 +102,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     def ready(service: Any) -> None:
         backend = service.backend
         note = "; in memory: nothing is enforced and exec is refused" if backend == "memory" else ""
+        units = service.units
+        mig = f", {len(units.mig_pool)} MIG device(s) ({units.strategy})" if units.mig_pool else ""
         print(f"{PROG} serve: serving as {service.pid} ({backend} at {service.devices.root};"
-              f" {len(service.components.allocator.total())} GPU(s), {len(service.records)} container(s)"
+              f" {len(units.whole)} GPU(s){mig}, {len(service.records)} container(s)"
               f" recovered{note})", flush=True)
 
     asyncio.run(serve(flags, args.listen, poll_interval=args.poll_interval, ready=ready))
@@ -105,6 +113,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_exec(args: argparse.Namespace) -> int:
+    from ._demand import merge_mig_options
     from ._exec import agent_address, exec_command
 
     command = list(args.command)
@@ -112,13 +121,19 @@ def _cmd_exec(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise _usage(f"{PROG} exec: error: no command given (usage: {PROG} exec --gpus N [--] CMD ARGS...)")
-    if args.gpus < 0:
+    if args.gpus is None and not args.mig:
+        raise _usage(f"{PROG} exec: error: say what the command gets: --gpus N (0: no GPU) and/or --mig PROFILE[:N]")
+    if args.gpus is not None and args.gpus < 0:
         raise _usage(f"{PROG} exec: error: --gpus must be a whole number >= 0, got {args.gpus}")
+    try:
+        mig = merge_mig_options(args.mig)
+    except ValueError as error:
+        raise _usage(f"{PROG} exec: error: {error}") from None
     try:
         agent = agent_address(args.agent)
     except ValueError as error:
         raise _usage(f"{PROG} exec: error: {error}") from None
-    return exec_command(agent, args.gpus, command, wait=args.wait)
+    return exec_command(agent, args.gpus or 0, command, wait=args.wait, mig=mig)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """``gpu-isolator exec``: run a command inside a container the service grants.
 
 Rules (SPEC R-SV-2):
-- ``exec_command(agent, gpus, argv, wait)`` forks the command at once
+- ``exec_command(agent, gpus, argv, wait, mig)`` forks the command at once
   (``PendingCommand``: it waits, running nothing), starts taking signals
   (``SignalForwarder``), then in a runtime listening on this host asks the
   service at ``agent`` for a container (``prepare``; with ``wait`` it
@@ -9,7 +9,11 @@ Rules (SPEC R-SV-2):
   process into it (``start``), checks with the kernel that it is there
   (``/proc/<pid>/cgroup``), and only then lets it run, with
   ``NVIDIA_VISIBLE_DEVICES`` and ``CUDA_VISIBLE_DEVICES`` set to the
-  granted GPUs' UUIDs. Signals are forwarded while it runs; when it ends
+  granted GPUs' UUIDs (a MIG device's ``MIG-...`` UUID; ``mig``: MIG
+  devices by profile, under ``--nvidia_mig_strategy=mixed``). A whole GPU
+  granted in MIG mode (the service runs ``none``) gets a note on stderr:
+  CUDA runs on it only through MIG devices, which the command does not
+  hold. Signals are forwarded while it runs; when it ends
   the container is cleaned up (the service releases the GPUs once no
   process is left in it) and its status is returned: its exit code, or
   128 + N when signal N killed it.
@@ -43,6 +47,7 @@ from runtime import PID, Executor, Failure, Runtime, dispatch, spawn
 from . import _host
 from ._launcher import PendingCommand, SignalForwarder, exit_code
 from ._client import LostService, ServiceClient
+from ._demand import demand_of, describe
 from ._messages import SERVICE_ID, CleanedUp, Cleanup, Prepare, Prepared, Queued, Start, Started
 
 __all__ = ["exec_command", "DEFAULT_AGENT", "agent_address", "CLEANUP_RETRY"]
@@ -85,14 +90,15 @@ def _say(line: str) -> None:
     print(f"{PROG}: {line}", file=sys.stderr, flush=True)
 
 
-def exec_command(agent: str, gpus: int, argv: list[str], wait: bool = False) -> int:
-    """Run ``argv`` in a new container of ``gpus`` GPUs (see module rules); the exit status."""
+def exec_command(agent: str, gpus: int, argv: list[str], wait: bool = False, mig: dict[str, int] | None = None) -> int:
+    """Run ``argv`` in a new container of ``gpus`` GPUs and ``mig`` MIG devices
+    by profile (see module rules); the exit status."""
     host, port = parse_address(agent)
     command = PendingCommand.fork(argv)
     forwarder = SignalForwarder()
     forwarder.start()
     try:
-        return asyncio.run(_exec(host, port, gpus, command, forwarder, wait))
+        return asyncio.run(_exec(host, port, gpus, command, forwarder, wait, mig or {}))
     finally:
         command.close()
         if command.status is None:
@@ -100,7 +106,7 @@ def exec_command(agent: str, gpus: int, argv: list[str], wait: bool = False) -> 
 
 
 async def _exec(host: str, port: int, gpus: int, command: PendingCommand, forwarder: SignalForwarder,
-                wait: bool) -> int:
+                wait: bool, mig: dict[str, int]) -> int:
     try:
         local = local_address_toward(host, port)
     except OSError as error:
@@ -112,13 +118,13 @@ async def _exec(host: str, port: int, gpus: int, command: PendingCommand, forwar
         spawn(client)
         container_id = f"exec-{secrets.token_hex(6)}"
         try:
-            return await _run(client, container_id, gpus, command, forwarder, executor, wait)
+            return await _run(client, container_id, gpus, command, forwarder, executor, wait, mig)
         finally:
             executor.shutdown(wait=False)
 
 
 async def _run(client: ServiceClient, container_id: str, gpus: int, command: PendingCommand,
-               forwarder: SignalForwarder, executor: Executor, wait: bool) -> int:
+               forwarder: SignalForwarder, executor: Executor, wait: bool, mig: dict[str, int]) -> int:
     loop = asyncio.get_running_loop()
     interrupted: list[int] = []
     granted = False
@@ -132,16 +138,25 @@ async def _run(client: ServiceClient, container_id: str, gpus: int, command: Pen
             request = f"{container_id}/prepare"
 
             def queued(body: Queued) -> None:
-                _say(f"waiting for {body.gpus} GPU(s): {body.free} free, {body.position - 1} request(s) ahead")
+                wanted = demand_of(body.gpus, body.mig)
+                free = f"{body.free}" if not body.mig else " and ".join(
+                    ([f"{body.free} GPU(s)"] if body.gpus else [])
+                    + [f"{body.mig_free.get(profile, 0)} MIG {profile}" for profile in body.mig])
+                _say(f"waiting for {describe(wanted)}: {free} free, {body.position - 1} request(s) ahead")
 
             client.on_queued = queued
             with anyio.fail_after(None if wait else ANSWER_TIMEOUT):
                 prepared: Prepared = await dispatch(client.pid, ServiceClient.ask, "prepare", Prepare(
-                    request=request, container_id=container_id, gpus=gpus, wait=wait, command=command.argv))
+                    request=request, container_id=container_id, gpus=gpus, mig=mig, wait=wait, command=command.argv))
             if prepared.error is not None:
                 _say(f"error: {prepared.error}")
                 return FAILED
             granted = True
+            for gpu in prepared.gpus:
+                if gpu.mig_mode:
+                    _say(f"note: GPU {gpu.index if gpu.index is not None else gpu.minor} is in MIG mode and is granted"
+                         " whole (the service runs --nvidia_mig_strategy=none): CUDA runs on it only through its MIG"
+                         " devices, which this command does not hold")
             with anyio.fail_after(ANSWER_TIMEOUT):
                 started: Started = await dispatch(client.pid, ServiceClient.ask, "start", Start(
                     request=f"{container_id}/start", container_id=container_id, token=prepared.token or "",
@@ -164,7 +179,7 @@ async def _run(client: ServiceClient, container_id: str, gpus: int, command: Pen
         _say(f"{name} before the command started: request withdrawn")
         return await _give_up(client, container_id, True, command, 128 + interrupted[0])
     logger.info("Container %s: running %s as process %d with GPUs %s", container_id, command.argv, command.pid,
-                [g.minor for g in prepared.gpus])
+                [g.mig_device or g.minor for g in prepared.gpus])
     error = await executor.run(command.run, prepared.env)
     if error is not None:
         _say(f"error: cannot run {command.argv[0]!r}: {error.strerror}")

@@ -2,13 +2,15 @@
 
 Rules (first come, first served):
 - A prepare ``arrive``s and is admitted in arrival order (``next_arrival``).
-- ``admission(gpus, wait, free)`` decides for one being admitted: while
+- A request's ``demand`` is what it asks for per resource (``_demand``:
+  ``{"gpus": 2, "mig-1g.18gb": 1}``); ``free`` the same per resource.
+- ``admission(demand, wait, free)`` decides for one being admitted: while
   anybody waits, a request that waits joins the line and one that does not
   is refused (nothing is free for it: ``refusal``); with nobody waiting, a
   request that waits but does not fit joins the line; anything else is
   granted now (and may still fail, with the isolator's own text).
 - The line is served from its head only, once enough GPUs are free for
-  the head: nobody is served before an earlier request.
+  the head (``fits``): nobody is served before an earlier request.
 - A pending request is ``cancel``led by a cleanup of its container, or
   ``drop_sender``ed when its sender goes away; cancelled ones are skipped,
   never answered twice. ``close()`` hands back every one still pending.
@@ -19,11 +21,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
+from ._demand import GPUS, demand_of, describe, mig_counts
 from ._messages import Prepare, WaitingView
 
-__all__ = ["GRANT", "QUEUE", "PendingPrepare", "WaitingLine"]
+__all__ = ["GRANT", "QUEUE", "PendingPrepare", "WaitingLine", "fits"]
 
 GRANT = "grant"
 QUEUE = "queue"
@@ -32,11 +36,12 @@ QUEUE = "queue"
 class PendingPrepare:
     """A prepare not answered yet: arriving, or waiting in line."""
 
-    __slots__ = ("sender", "body", "since", "uid", "user", "cancelled")
+    __slots__ = ("sender", "body", "demand", "since", "uid", "user", "cancelled")
 
-    def __init__(self, sender: Any, body: Prepare) -> None:
+    def __init__(self, sender: Any, body: Prepare, demand: dict[str, int] | None = None) -> None:
         self.sender = sender
         self.body = body
+        self.demand = demand if demand is not None else demand_of(body.gpus)
         self.since = time.time()
         self.uid: int | None = None
         self.user: str | None = None
@@ -45,8 +50,13 @@ class PendingPrepare:
     def view(self) -> WaitingView:
         """The request as ``GET /gpu-isolator/state`` shows it."""
         body = self.body
-        return WaitingView(container_id=body.container_id, gpus=body.gpus, command=body.command, user=self.user,
-                           client=str(self.sender), since=self.since)
+        return WaitingView(container_id=body.container_id, gpus=body.gpus, mig=mig_counts(self.demand),
+                           command=body.command, user=self.user, client=str(self.sender), since=self.since)
+
+
+def fits(demand: Mapping[str, int], free: Mapping[str, int]) -> bool:
+    """Whether ``free`` covers ``demand``, resource by resource."""
+    return all(free.get(name, 0) >= count for name, count in demand.items())
 
 
 class WaitingLine:
@@ -66,18 +76,23 @@ class WaitingLine:
                 return pending
         return None
 
-    def admission(self, gpus: int, wait: bool, free: int) -> str:
+    def admission(self, demand: Mapping[str, int], wait: bool, free: Mapping[str, int]) -> str:
         """``GRANT``, ``QUEUE``, or the refusal's text (see module rules)."""
         if self.waiting():
-            return QUEUE if wait else self.refusal(gpus)
-        if wait and free < gpus:
+            return QUEUE if wait else self.refusal(demand)
+        if wait and not fits(demand, free):
             return QUEUE
         return GRANT
 
-    def refusal(self, gpus: int) -> str:
+    def refusal(self, demand: Mapping[str, int]) -> str:
         waiting = self.waiting()
-        return (f"Requested {gpus} gpus but only 0 available: the free GPUs are held for {len(waiting)} earlier"
-                f" request(s) for {sum(p.body.gpus for p in waiting)} GPU(s) waiting in line")
+        name, count = next(((n, c) for n, c in demand.items() if c), (GPUS, demand.get(GPUS, 0)))
+        held: dict[str, int] = {}
+        for pending in waiting:
+            for resource, wanted in pending.demand.items():
+                held[resource] = held.get(resource, 0) + wanted
+        return (f"Requested {count} {name} but only 0 available: the free GPUs are held for {len(waiting)} earlier"
+                f" request(s) for {describe(held)} waiting in line")
 
     def enqueue(self, pending: PendingPrepare) -> int:
         """Join the line; the position (1: next)."""

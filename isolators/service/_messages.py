@@ -16,6 +16,13 @@ Rules:
   the ``prepared`` reply carried, so only the real holder of the sender's
   address can move a process in), and the container is released once no
   process is left in it after its sender asked for cleanup or went away.
+- Units: ``gpus`` counts what the node hands out as ``gpus`` (whole GPUs;
+  under ``--nvidia_mig_strategy=single`` its MIG devices); ``mig`` asks
+  for MIG devices by profile (``{"1g.18gb": 2}``), offered under
+  ``--nvidia_mig_strategy=mixed`` only (``_demand``). A granted MIG device
+  is named by its identity (``195:0/gi3/ci0``) and, as NVIDIA names it,
+  ``<GPU index>:<MIG index>``; its UUID (``MIG-...``) goes into the
+  visible-devices variables.
 - Unknown fields are ignored (newer clients); a body that does not decode
   to its Struct is logged and counted by the runtime, never answered.
 """
@@ -31,7 +38,7 @@ from .._types import ResourceStatistics
 __all__ = [
     "SERVICE_ID", "Prepare", "Start", "Update", "Usage", "Cleanup",
     "GrantedGpu", "Queued", "Prepared", "Started", "Updated", "Statistics", "CleanedUp",
-    "ContainerView", "WaitingView", "ServiceState", "visible_devices_env",
+    "ContainerView", "WaitingView", "MigDeviceView", "ServiceState", "visible_devices_env",
 ]
 
 SERVICE_ID = "gpu-isolator"
@@ -43,11 +50,13 @@ _Pid = Annotated[int, msgspec.Meta(ge=1, le=(1 << 22))]
 
 # -- requests ------------------------------------------------------------------
 class Prepare(msgspec.Struct, kw_only=True):
-    """A new top-level container holding ``gpus`` whole GPUs."""
+    """A new top-level container holding ``gpus`` GPUs and ``mig`` MIG devices."""
 
     request: str
     container_id: str
     gpus: _Count = 0
+    mig: dict[str, _Count] = {}
+    """MIG devices by profile (``{"1g.18gb": 2}``; ``--nvidia_mig_strategy=mixed``)."""
     wait: bool = False
     """Queue until enough GPUs are free (first come, first served) instead of failing."""
     command: list[str] | None = None
@@ -67,6 +76,8 @@ class Update(msgspec.Struct, kw_only=True):
     request: str
     container_id: str
     gpus: _Count
+    mig: dict[str, _Count] = {}
+    """MIG devices by profile it is to hold (none: it holds none)."""
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -83,9 +94,18 @@ class Cleanup(msgspec.Struct, kw_only=True):
 
 # -- replies -------------------------------------------------------------------
 class GrantedGpu(msgspec.Struct, kw_only=True):
+    """A granted GPU or MIG device (then ``minor`` and ``index`` are its parent GPU's)."""
+
     minor: int
     uuid: str | None = None
     index: int | None = None
+    mig_device: str | None = None
+    """A MIG device's identity, ``195:0/gi3/ci0``."""
+    mig_index: int | None = None
+    """A MIG device's index on its GPU (NVIDIA's name for it: ``<index>:<mig_index>``)."""
+    profile: str | None = None
+    mig_mode: bool = False
+    """A whole GPU in MIG mode (``--nvidia_mig_strategy=none``): CUDA runs on it only through MIG devices."""
 
 
 class Queued(msgspec.Struct, kw_only=True):
@@ -95,6 +115,10 @@ class Queued(msgspec.Struct, kw_only=True):
     """1 = next in line."""
     gpus: int
     free: int
+    mig: dict[str, int] = {}
+    """The MIG devices asked for, by profile."""
+    mig_free: dict[str, int] = {}
+    """How many of each of those profiles are free."""
 
 
 def visible_devices_env(uuids: list[str]) -> dict[str, str]:
@@ -154,7 +178,12 @@ class CleanedUp(msgspec.Struct, kw_only=True):
 # -- GET /gpu-isolator/state ---------------------------------------------------------
 class ContainerView(msgspec.Struct, kw_only=True):
     gpus: list[int]
+    """Whole GPUs, by minor."""
     uuids: list[str | None] = []
+    """The whole GPUs' UUIDs."""
+    mig_devices: list[str] = []
+    """MIG devices, by identity (``195:0/gi3/ci0``); details in ``ServiceState.mig_devices``."""
+    mig_uuids: list[str | None] = []
     command: list[str] | None = None
     user: str | None = None
     uid: int | None = None
@@ -169,17 +198,44 @@ class ContainerView(msgspec.Struct, kw_only=True):
 class WaitingView(msgspec.Struct, kw_only=True):
     container_id: str
     gpus: int
+    mig: dict[str, int] = {}
     command: list[str] | None = None
     user: str | None = None
     client: str | None = None
     since: float | None = None
 
 
+class MigDeviceView(msgspec.Struct, kw_only=True):
+    """A MIG device the service hands out."""
+
+    device: str
+    """Its identity, ``195:0/gi3/ci0``."""
+    name: str
+    """NVIDIA's name, ``<GPU index>:<MIG index>`` (as ``nvidia-smi -L`` and CDI write it)."""
+    gpu: int
+    """The parent GPU's minor."""
+    profile: str
+    uuid: str | None = None
+    resource: str = ""
+    """What it counts under: ``mig-<profile>`` (mixed) or ``gpus`` (single)."""
+    container: str | None = None
+    """The container holding it."""
+    unhealthy: str | None = None
+    """Why it is withheld, when it is."""
+
+
 class ServiceState(msgspec.Struct, kw_only=True):
     containers: dict[str, ContainerView]
     free: list[int]
+    """Free whole GPUs, by minor."""
     unhealthy: dict[str, str]
     waiting: list[WaitingView] = []
     total: list[int] = []
+    """Every whole GPU handed out, by minor."""
     backend: str = ""
     address: str = ""
+    mig_strategy: str = "none"
+    mig_devices: list[MigDeviceView] = []
+    """Every MIG device handed out (``single`` and ``mixed``), in order."""
+    mig_mode: list[int] = []
+    """Whole GPUs in MIG mode (minors): handed out whole under ``none``."""

@@ -65,11 +65,13 @@ class ContainerRecord(msgspec.Struct, kw_only=True):
     def is_exec(self) -> bool:
         return self.command is not None
 
-    def view(self, gpus: list[int], uuids: list[str | None]) -> ContainerView:
+    def view(self, gpus: list[int], uuids: list[str | None], mig_devices: list[str] | None = None,
+             mig_uuids: list[str | None] | None = None) -> ContainerView:
         """The container as ``GET /gpu-isolator/state`` shows it."""
         state = ("releasing" if self.releasing else "recovered" if self.recovered
                  else "running" if self.pid is not None or not self.is_exec else "prepared")
-        return ContainerView(gpus=gpus, uuids=uuids, command=self.command, user=self.user, uid=self.uid,
+        return ContainerView(gpus=gpus, uuids=uuids, mig_devices=mig_devices or [], mig_uuids=mig_uuids or [],
+                             command=self.command, user=self.user, uid=self.uid,
                              client=self.client, pid=self.pid, since=self.since or None, state=state)
 
 

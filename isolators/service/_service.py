@@ -11,13 +11,17 @@ Rules (SPEC R-SV-1..3):
   ``update``, ``usage``, ``cleanup``; each answered to the sender's PID.
   Refusals carry one line: the isolator's own text (Mesos' wording, e.g.
   "Requested 2 gpus but only 1 available") or the service's.
+- A request asks for ``gpus`` and, under ``--nvidia_mig_strategy=mixed``,
+  MIG devices by profile (``_demand``); the isolator is asked for exactly
+  that. One that the node can never meet is refused at once, waiting or
+  not, with the text of ``NodeUnits.refusal`` (``_units``: Mesos' form,
+  and on a MIG node what to ask for instead).
 - Prepares are admitted one at a time, in arrival order (one pump), so a
   queue decision never races an allocation. First come, first served: a
   waiting request is served once enough GPUs are free for it, and nobody
   behind it is served before it; while anybody waits, a request that does
-  not wait is refused (nothing is free for it). A request for more GPUs
-  than the node manages is refused at once, waiting or not. The line is
-  tried again after every release and on every tick (health may change).
+  not wait is refused (nothing is free for it). The line is tried again
+  after every release and on every tick (health may change).
 - Exec containers (a ``prepare`` with a ``command``) are refused on the
   in-memory backend (it enforces nothing) and for senders not on this
   host (no socket here listens at the sender's address). ``start`` needs
@@ -39,8 +43,10 @@ Rules (SPEC R-SV-1..3):
   records whose cgroup is gone are dropped, and each exec container's
   client is linked again (already gone: it is released once empty).
 - ``GET /gpu-isolator/state``: ``ServiceState`` as JSON -- containers with
-  their GPUs (minors and UUIDs), command, user, client, process and state;
-  free and unhealthy GPUs; the waiting line.
+  their GPUs (minors and UUIDs) and MIG devices, command, user, client,
+  process and state; free and unhealthy GPUs; every MIG device handed out
+  (name, profile, UUID, holder or health) and the strategy; GPUs in MIG
+  mode handed out whole (``none``); the waiting line.
 - Metrics (``/metrics``), published in ``initialize`` through a
   ``runtime.MetricSet`` and given back in ``finalize``: gauges
   ``service/containers``, ``service/waiting``, ``service/releasing``;
@@ -61,16 +67,17 @@ from typing import Any
 
 from actors import Gpu
 from actors.flags import Flags
+from actors.mig import resource_of_profile
 from actors.resources import Resources
 from runtime import PID, Executor, Failure, MetricSet, Process, Response, current_runtime, delay, dispatch, spawn
 
 from .._errors import IsolatorError
 from .._types import ContainerConfig, ContainerID, ContainerState
 from . import _host
+from ._demand import GPUS, demand_of, mig_counts, resources_text
 from ._messages import (
     CleanedUp,
     Cleanup,
-    GrantedGpu,
     Prepare,
     Prepared,
     SERVICE_ID,
@@ -84,8 +91,9 @@ from ._messages import (
     Usage,
     visible_devices_env,
 )
-from ._line import GRANT, QUEUE, PendingPrepare, WaitingLine
+from ._line import GRANT, QUEUE, PendingPrepare, WaitingLine, fits
 from ._records import ContainerRecord, RecordsFile, records_file, recovered_records
+from ._units import NodeUnits
 
 __all__ = ["GpuIsolatorService", "ServiceError"]
 
@@ -119,9 +127,7 @@ class GpuIsolatorService(Process):
         self._polling = False
         self._timer: Any = None
         self._stopping = False
-        inventory = components.inventory
-        self._infos = {info.gpu.minor: info for info in inventory.gpus}
-        self._whole = {unit for unit in self.allocator.pools().get("gpus", set()) if isinstance(unit, Gpu)}
+        self.units = NodeUnits(self.allocator.pools(), components.inventory, flags.nvidia_mig_strategy)
         self.started = 0
         self.released_when_empty = 0
         self._metrics: MetricSet | None = None
@@ -212,7 +218,7 @@ class GpuIsolatorService(Process):
             return
         pending = PendingPrepare(sender, body)
         try:
-            self._check_new(body)
+            pending.demand = self._check_new(body)
         except (ServiceError, ValueError) as error:
             self._answer(pending, str(error))
             return
@@ -220,7 +226,8 @@ class GpuIsolatorService(Process):
         self._line.arrive(pending)
         self._kick()
 
-    def _check_new(self, body: Prepare) -> None:
+    def _check_new(self, body: Prepare) -> dict[str, int]:
+        """What a new prepare asks for, per resource, once checked (see module rules)."""
         cid = _container_id(body.container_id)
         if body.command is not None:
             if self.backend == "memory":
@@ -229,11 +236,13 @@ class GpuIsolatorService(Process):
                     " needs cgroups (serve with --device_backend=cgroups_v1 or cgroups_v2, as root)")
             if not body.command or not all(isinstance(word, str) and word for word in body.command[:1]):
                 raise ServiceError(f"Container {cid}: the command is empty")
-        total = len(self._whole)
-        if body.gpus > total:
-            raise ServiceError(f"Requested {body.gpus} gpus but the node has only {total}")
+        demand = demand_of(body.gpus, body.mig)
+        refusal = self.units.refusal(demand)
+        if refusal is not None:
+            raise ServiceError(refusal)
         if str(cid) in self.records or self._line.holds(str(cid)):
             raise ServiceError("Container has already been prepared")
+        return demand
 
     def _kick(self) -> None:
         if not self._pumping and not self._stopping:
@@ -248,15 +257,16 @@ class GpuIsolatorService(Process):
                     await self._admit(arriving)
                     continue
                 head = self._line.head()
-                if head is not None and await self._free() >= head.body.gpus and head is self._line.head():
+                if head is not None and fits(head.demand, await self._free()) and head is self._line.head():
                     await self._grant(self._line.pop_head())
                     continue
                 break
         finally:
             self._pumping = False
 
-    async def _free(self) -> int:
-        return len(set(await self.allocator.available()) & self._whole)
+    async def _free(self) -> dict[str, int]:
+        """Free units per resource."""
+        return self.units.free(await self.allocator.available())
 
     async def _admit(self, pending: PendingPrepare) -> None:
         body = pending.body
@@ -272,15 +282,17 @@ class GpuIsolatorService(Process):
         free = await self._free()
         if pending.cancelled:  # cancelled, or its sender went away, meanwhile
             return
-        decision = self._line.admission(body.gpus, body.wait, free)
+        decision = self._line.admission(pending.demand, body.wait, free)
         if decision == GRANT:
             await self._grant(pending)
         elif decision == QUEUE:
             position = self._line.enqueue(pending)
             logger.info("Container %s: waiting in line (position %d) for %d GPU(s)", body.container_id, position,
                         body.gpus)
-            self.send(pending.sender, "queued", Queued(request=body.request, container_id=body.container_id,
-                                                       position=position, gpus=body.gpus, free=free))
+            mig = mig_counts(pending.demand)
+            self.send(pending.sender, "queued", Queued(
+                request=body.request, container_id=body.container_id, position=position, gpus=body.gpus,
+                free=free.get(GPUS, 0), mig=mig, mig_free={p: free.get(resource_of_profile(p), 0) for p in mig}))
         else:
             self._answer(pending, decision)
 
@@ -297,7 +309,7 @@ class GpuIsolatorService(Process):
             return
         try:
             await self.isolator.prepare(ContainerID(name),
-                                        ContainerConfig(resources=Resources.parse(f"gpus:{body.gpus}")))
+                                        ContainerConfig(resources=Resources.parse(resources_text(pending.demand))))
         except Exception as error:
             if self.records.get(name) is record:
                 del self.records[name]
@@ -308,22 +320,15 @@ class GpuIsolatorService(Process):
         if self.records.get(name) is not record:  # cleaned up while it was prepared
             self._answer(pending, f"Container {name} was cleaned up before it was prepared")
             return
-        gpus = self._granted((await self.isolator.containers()).get(name, []))
+        gpus = self.units.granted((await self.isolator.containers()).get(name, []))
         token = None
         if record.is_exec:
             token = self._tokens[name] = secrets.token_hex(16)
         uuids = [gpu.uuid or "" for gpu in gpus]
-        logger.info("Container %s: prepared with GPUs %s for %s%s", name, [g.minor for g in gpus], pending.sender,
-                    f" to run {body.command}" if body.command else "")
+        logger.info("Container %s: prepared with GPUs %s for %s%s", name, [g.mig_device or g.minor for g in gpus],
+                    pending.sender, f" to run {body.command}" if body.command else "")
         self.send(pending.sender, "prepared", Prepared(request=body.request, container_id=name, gpus=gpus,
                                                        env=visible_devices_env(uuids), token=token))
-
-    def _granted(self, minors: list[int]) -> list[GrantedGpu]:
-        result = []
-        for minor in minors:
-            info = self._infos.get(minor)
-            result.append(GrantedGpu(minor=minor, uuid=info.uuid if info else None, index=info.index if info else None))
-        return result
 
     def _answer(self, pending: PendingPrepare, error: str) -> None:
         body = pending.body
@@ -370,12 +375,12 @@ class GpuIsolatorService(Process):
             if record is not None and record.is_exec:
                 raise ServiceError(f"Container {name} runs a command of 'gpu-isolator exec': its GPUs cannot change"
                                    " while it runs")
-            await self.isolator.update(cid, Resources.parse(f"gpus:{body.gpus}"))
-            gpus = self._granted((await self.isolator.containers()).get(name, []))
+            await self.isolator.update(cid, Resources.parse(resources_text(demand_of(body.gpus, body.mig))))
+            gpus = self.units.granted((await self.isolator.containers()).get(name, []))
         except (ServiceError, IsolatorError, ValueError) as error:
             self.send(sender, "updated", Updated(request=body.request, container_id=name, error=str(error)))
             return
-        logger.info("Container %s: updated to GPUs %s", name, [g.minor for g in gpus])
+        logger.info("Container %s: updated to GPUs %s", name, [g.mig_device or g.minor for g in gpus])
         self.send(sender, "updated", Updated(request=body.request, container_id=name, gpus=gpus))
         self._kick()  # a shrink frees GPUs for the line
 
@@ -493,19 +498,25 @@ class GpuIsolatorService(Process):
         held = await self.isolator.containers()
         available = await self.allocator.available()
         unhealthy = await self.allocator.unhealthy()
-        containers = {}
+        containers, holders = {}, {}
         for name in sorted(held):
-            uuids = [info.uuid if (info := self._infos.get(m)) else None for m in held[name]]
+            minors = [unit for unit in held[name] if isinstance(unit, int)]
+            migs = [unit for unit in held[name] if not isinstance(unit, int)]
+            holders.update(dict.fromkeys(migs, name))
             record = self.records.get(name) or ContainerRecord(container_id=name)
-            containers[name] = record.view(held[name], uuids)
+            containers[name] = record.view(minors, [self.units.uuid(m) for m in minors], migs,
+                                           [self.units.uuid(m) for m in migs])
         return ServiceState(
             containers=containers,
             free=sorted(g.minor for g in available if isinstance(g, Gpu)),
             unhealthy={str(g.minor): reason for g, reason in sorted(unhealthy.items()) if isinstance(g, Gpu)},
             waiting=[pending.view() for pending in self._line.waiting()],
-            total=sorted(g.minor for g in self._whole),
+            total=sorted(g.minor for g in self.units.whole),
             backend=self.backend,
             address=str(self.pid),
+            mig_strategy=self.units.strategy,
+            mig_devices=self.units.mig_views(holders, unhealthy),
+            mig_mode=self.units.mig_mode,
         )
 
 

@@ -6,8 +6,9 @@
   each test leaves it with no container. Torn down (service stopped,
   clients killed, the cgroups root removed) even when a test fails.
 - ``memory_service`` (module scope): the same on the in-memory backend.
-- ``serve_factory(backend)``: a node and a (not yet started) ServeProcess
-  of one test's own, torn down after it.
+- ``serve_factory(backend, host=None, **flags)``: a node (``host``: its
+  host document, default 4 plain GPUs) and a (not yet started)
+  ServeProcess of one test's own, torn down after it.
 - ``gpu_nodes``: mknod'ed 195:0..3 (the GPUs) and 195:255 (nvidiactl), as
   {minor: path} (root only).
 """
@@ -25,11 +26,12 @@ from tests.support.probes import mknod_nodes
 from tests.support.services import ServeProcess
 
 
-def _service(directory: Any, backend: str, **flags: Any) -> tuple[Node, ServeProcess]:
+def _service(directory: Any, backend: str, host: dict[str, Any] | None = None,
+             **flags: Any) -> tuple[Node, ServeProcess]:
     reason = skip_reason(backend)
     if reason:
         pytest.skip(reason)
-    node = Node(directory / "node", backend, 4, root_prefix=TEST_ROOT_PREFIX)
+    node = Node(directory / "node", backend, 4, host=host, root_prefix=TEST_ROOT_PREFIX)
     return node, ServeProcess(node, directory, **flags)
 
 
@@ -58,10 +60,10 @@ def memory_service(tmp_path_factory: Any) -> Iterator[ServeProcess]:
 def serve_factory(tmp_path: Any) -> Iterator[Callable[..., ServeProcess]]:
     made: list[tuple[Node, ServeProcess]] = []
 
-    def make(backend: str, **flags: Any) -> ServeProcess:
+    def make(backend: str, host: dict[str, Any] | None = None, **flags: Any) -> ServeProcess:
         directory = tmp_path / f"service{len(made)}"
         directory.mkdir()
-        node, service = _service(directory, backend, **flags)
+        node, service = _service(directory, backend, host, **flags)
         made.append((node, service))
         return service
 

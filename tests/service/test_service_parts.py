@@ -1,7 +1,7 @@
 """The service's parts on their own: who owns a listening socket, the
 command held back until it is told to run, exit statuses, the records
-file, the waiting line, flags from a file and options, and the status
-table."""
+file, the waiting line, flags from a file and options, what a request
+asks for (GPUs and MIG devices by profile), and the status table."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import pytest
 from isolators.service import (
     ContainerRecord,
     ContainerView,
+    MigDeviceView,
     PendingCommand,
     Prepare,
     RecordsError,
@@ -31,6 +32,7 @@ from isolators.service import (
     visible_devices_env,
 )
 from isolators.service._host import HostError, cgroup_of, listener_uid, move_into, process_owner
+from isolators.service._demand import demand_of, describe, merge_mig_options, resources_text
 from isolators.service._line import GRANT, QUEUE, PendingPrepare, WaitingLine
 
 
@@ -162,6 +164,11 @@ def test_visible_devices_and_the_status_table() -> None:
     (["serve", "--poll-interval", "0", "--device_backend=memory"], "--poll-interval must be > 0, got 0.0"),
     (["exec", "--gpus", "-1", "--", "true"], "gpu-isolator exec: error: --gpus must be a whole number >= 0, got -1"),
     (["exec", "--gpus", "two", "--", "true"], "argument --gpus: invalid int value: 'two'"),
+    (["exec", "--", "true"], "gpu-isolator exec: error: say what the command gets: --gpus N (0: no GPU) and/or"
+                             " --mig PROFILE[:N]"),
+    (["exec", "--mig", "1g.18gb:0", "--", "true"],
+     "gpu-isolator exec: error: --mig '1g.18gb:0': the count after ':' must be a whole number above 0"),
+    (["exec", "--mig", "big", "--", "true"], "gpu-isolator exec: error: Invalid MIG profile 'big': "),
     (["status", "--agent", "127.0.0.1:99999"], "gpu-isolator status: error: Invalid address '127.0.0.1:99999'"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(argv: list[str], text: str, capsys: pytest.CaptureFixture) -> None:
@@ -197,14 +204,16 @@ def test_the_waiting_line_is_first_come_first_served() -> None:
         assert line.next_arrival() is pending
         return pending
 
-    assert line.admission(2, wait=False, free=1) == GRANT  # the isolator refuses it, with Mesos' text
-    assert line.admission(2, wait=True, free=1) == QUEUE
-    assert line.admission(2, wait=True, free=2) == GRANT
+    two, free_one, free_two = {"gpus": 2}, {"gpus": 1}, {"gpus": 2}
+    assert line.admission(two, wait=False, free=free_one) == GRANT  # the isolator refuses it, with Mesos' text
+    assert line.admission(two, wait=True, free=free_one) == QUEUE
+    assert line.admission(two, wait=True, free=free_two) == GRANT
     big = arrive("big", 3, True)
     assert line.enqueue(big) == 1
-    assert line.admission(1, wait=False, free=2) == ("Requested 1 gpus but only 0 available: the free GPUs are held"
-                                                     " for 1 earlier request(s) for 3 GPU(s) waiting in line")
-    assert line.admission(1, wait=True, free=2) == QUEUE  # behind "big", though it would fit
+    assert line.admission({"gpus": 1}, wait=False, free=free_two) == (
+        "Requested 1 gpus but only 0 available: the free GPUs are held for 1 earlier request(s) for 3 GPU(s) waiting"
+        " in line")
+    assert line.admission({"gpus": 1}, wait=True, free=free_two) == QUEUE  # behind "big", though it would fit
     small = arrive("small", 1, True, sender="other")
     assert line.enqueue(small) == 2
     assert line.head() is big and line.holds("small") and [p.view().container_id for p in line.waiting()] == [
@@ -215,3 +224,65 @@ def test_the_waiting_line_is_first_come_first_served() -> None:
     assert line.pop_head().body.container_id == "late" and line.head() is None
     line.arrive(PendingPrepare("client", Prepare(request="x", container_id="x", gpus=1)))
     assert [p.body.container_id for p in line.close()] == ["x"] and line.next_arrival() is None
+
+
+def test_a_request_asks_for_gpus_and_mig_devices_by_profile() -> None:
+    assert demand_of(2) == {"gpus": 2}
+    mig = merge_mig_options(["1g.18gb", "mig-1g.18gb:2", "3g.71gb:1"])
+    assert mig == {"1g.18gb": 3, "3g.71gb": 1}
+    demand = demand_of(0, {**mig, "2g.35gb": 0})
+    assert demand == {"gpus": 0, "mig-1g.18gb": 3, "mig-3g.71gb": 1}
+    assert resources_text(demand) == "gpus:0;mig-1g.18gb:3;mig-3g.71gb:1"
+    assert (describe(demand), describe({**demand, "gpus": 1}), describe({"gpus": 0})) == (
+        "3 MIG 1g.18gb and 1 MIG 3g.71gb", "1 GPU(s) and 3 MIG 1g.18gb and 1 MIG 3g.71gb", "0 GPU(s)")
+    with pytest.raises(ValueError, match=r"^Invalid MIG profile 'mig-18gb': "):
+        demand_of(1, {"mig-18gb": 1})
+
+
+def test_the_waiting_line_counts_mig_devices_per_profile() -> None:
+    line = WaitingLine()
+    body = Prepare(request="a", container_id="a", mig={"1g.18gb": 2}, wait=True)
+    assert line.admission(demand_of(0, body.mig), wait=True, free={"gpus": 4, "mig-1g.18gb": 1}) == QUEUE
+    assert line.admission(demand_of(0, body.mig), wait=True, free={"gpus": 0, "mig-1g.18gb": 2}) == GRANT
+    waiting = PendingPrepare("client", body, demand_of(0, body.mig))
+    line.enqueue(waiting)
+    assert waiting.view().mig == {"1g.18gb": 2}
+    assert line.admission({"gpus": 0, "mig-3g.71gb": 1}, wait=False, free={"mig-3g.71gb": 1}) == (
+        "Requested 1 mig-3g.71gb but only 0 available: the free GPUs are held for 1 earlier request(s) for 2 MIG"
+        " 1g.18gb waiting in line")
+
+
+def test_the_status_table_of_a_mig_node() -> None:
+    def mig(name: str, gi: int, profile: str, **more: object) -> MigDeviceView:
+        return MigDeviceView(device=f"195:0/gi{gi}/ci0", name=name, gpu=0, profile=profile,
+                             resource=f"mig-{profile}", **more)
+
+    state = ServiceState(
+        containers={"exec-1": ContainerView(gpus=[1], mig_devices=["195:0/gi3/ci0"], command=["nvidia-smi", "-L"],
+                                            user="alice", pid=123, since=1000.0, state="running")},
+        free=[], unhealthy={}, total=[1], backend="cgroups_v2", address="gpu-isolator@127.0.0.1:5052",
+        mig_strategy="mixed",
+        mig_devices=[mig("0:3", 1, "3g.71gb", unhealthy="Xid 79"), mig("0:2", 2, "2g.35gb"),
+                     mig("0:0", 3, "1g.18gb", container="exec-1")],
+        waiting=[WaitingView(container_id="exec-2", gpus=0, mig={"1g.18gb": 2}, command=["sleep", "1"], user="bob",
+                             since=1090.0)])
+    assert render_state(state, now=1100.0).splitlines() == [
+        "gpu-isolator@127.0.0.1:5052: cgroups_v2, 1 GPU(s): 0 free, 0 unhealthy, 3 MIG device(s): 1 free,"
+        " 1 unhealthy, 1 container(s), 1 waiting",
+        "CONTAINER  GPUS   USER   PID  STATE    AGE    COMMAND",
+        "exec-1     1,0:0  alice  123  running  1m40s  nvidia-smi -L",
+        "free GPUs:      -",
+        "unhealthy GPUs: -",
+        "MIG devices (--nvidia_mig_strategy=mixed: exec --mig PROFILE[:N]):",
+        "  MIG  PROFILE  DEVICE         STATE",
+        "  0:3  3g.71gb  195:0/gi1/ci0  unhealthy (Xid 79)",
+        "  0:2  2g.35gb  195:0/gi2/ci0  free",
+        "  0:0  1g.18gb  195:0/gi3/ci0  exec-1",
+        "waiting (first come, first served):",
+        "  CONTAINER  GPUS       USER  AGE  COMMAND",
+        "  exec-2     1g.18gb:2  bob   10s  sleep 1",
+    ]
+    whole = ServiceState(containers={}, free=[0, 1], unhealthy={}, total=[0, 1], backend="cgroups_v1",
+                         address="gpu-isolator@127.0.0.1:5052", mig_mode=[0])
+    assert render_state(whole, now=0.0).splitlines()[-1] == (
+        "MIG mode:       GPU(s) 0 handed out whole (--nvidia_mig_strategy=none: no MIG device is handed out)")

@@ -16,7 +16,8 @@ Rules:
   with pipes; ``finish(process)`` waits for it (bounded) and returns
   (status, stdout, stderr). ``status()`` runs ``python -m isolators status``.
 - ``EXEC_PROBE`` is a command for exec: it opens every path it is given
-  (``O_RDWR``) and prints one JSON line -- errno per path (0 = opened), the
+  (``O_RDWR``; ``r:/path``: ``O_RDONLY``, reported as ``/path``, for
+  capability nodes, which are read-only) and prints one JSON line -- errno per path (0 = opened), the
   visible-devices variables, its pid and ``/proc/self/cgroup`` -- then, with
   ``--hold``, waits until its stdin closes; it exits with ``--exit N``.
   On mknod'ed nodes of major 195 (no driver) ENXIO means the kernel let
@@ -55,11 +56,12 @@ hold = "--hold" in args
 code = 0
 if "--exit" in args:
     code = int(args[args.index("--exit") + 1])
-paths = [a for a in args if a.startswith("/")]
+paths = [a for a in args if a.startswith(("/", "r:/"))]
 seen = {}
-for path in paths:
+for arg in paths:
+    path = arg[2:] if arg.startswith("r:") else arg
     try:
-        os.close(os.open(path, os.O_RDWR))
+        os.close(os.open(path, os.O_RDONLY if arg.startswith("r:") else os.O_RDWR))
         seen[path] = 0
     except OSError as error:
         seen[path] = error.errno
@@ -181,19 +183,23 @@ class ServeProcess:
             time.sleep(0.05)
 
     # -- clients -------------------------------------------------------------------------------
-    def exec(self, *command: str, gpus: int, wait: bool = False, stdin: Any = subprocess.PIPE) -> subprocess.Popen:
-        options = ["--agent", self.address, "--gpus", str(gpus)] + (["--wait"] if wait else [])
+    def exec(self, *command: str, gpus: int | None = None, mig: tuple[str, ...] | list[str] = (), wait: bool = False,
+             stdin: Any = subprocess.PIPE) -> subprocess.Popen:
+        """``gpu-isolator exec`` (``--gpus`` when given, one ``--mig`` per entry of ``mig``)."""
+        options = ["--agent", self.address, *(["--gpus", str(gpus)] if gpus is not None else [])]
+        options += [f"--mig={profile}" for profile in mig] + (["--wait"] if wait else [])
         process = subprocess.Popen([sys.executable, "-m", "isolators", "exec", *options, "--", *command],
                                    cwd=ROOT, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.children.append(process)
         return process
 
-    def probe(self, *paths: str, gpus: int, hold: bool = False, wait: bool = False, code: int = 0) -> subprocess.Popen:
+    def probe(self, *paths: str, gpus: int | None = None, mig: tuple[str, ...] | list[str] = (), hold: bool = False,
+              wait: bool = False, code: int = 0) -> subprocess.Popen:
         probe = self.directory / "exec_probe.py"
         if not probe.exists():
             probe.write_text(EXEC_PROBE)
         args = [*paths, *(["--hold"] if hold else []), "--exit", str(code)]
-        return self.exec(sys.executable, "-I", "-S", str(probe), *args, gpus=gpus, wait=wait)
+        return self.exec(sys.executable, "-I", "-S", str(probe), *args, gpus=gpus, mig=mig, wait=wait)
 
     @staticmethod
     def probe_result(process: subprocess.Popen, timeout: float = 30.0) -> dict[str, Any]:
