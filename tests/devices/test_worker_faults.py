@@ -33,7 +33,7 @@ import pytest
 
 from actors.devices import DeviceControl, Policy, WorkerError, container_policy
 from runtime import Runtime, collect
-from tests.support.kernel import children, wait_gone
+from tests.support.kernel import children, process_state, wait_gone
 
 GPU0 = container_policy([], ["c 195:0 rwm"])
 NO_GPU = container_policy([], [])
@@ -121,13 +121,22 @@ async def test_calls_a_dead_worker_held_fail_with_effects_unknown_and_the_kernel
         control = await create(kernel, sandbox, tmp_path)
         await control.exists("warm")
         pid = worker_pid(control)
+        driver = control._process.driver
         calls = [control.configure(f"c{i}", *GPU0) for i in range(600)]
         with anyio.fail_after(30):
-            while not os.path.isdir(os.path.join(sandbox.root, "c0")):
-                await anyio.sleep(0.001)  # the worker is applying the batch
+            await calls[0]  # c0 alone, then c1..c599 as one batch: the worker is applying it
             os.kill(pid, signal.SIGSTOP)
-            more = [control.configure(f"d{i}", *GPU0) for i in range(5)]  # sent to the stopped worker
-            await anyio.sleep(0.05)
+            while process_state(pid) not in ("T", "t"):
+                await anyio.sleep(0.001)
+            # Sent to the stopped worker: it may have finished the batch before it
+            # stopped, so wait until the agent has handed these to it (its window
+            # has room now), not for some time: with their results still unread,
+            # the agent keeps them back, and had it sent them only once the dead
+            # worker's pipe was closed, nothing would be with it when it dies.
+            sent = driver.batches
+            more = [control.configure(f"d{i}", *GPU0) for i in range(5)]
+            while driver.batches == sent:
+                await anyio.sleep(0.001)
             os.kill(pid, signal.SIGKILL)
             results = await collect([call.recover(lambda error: error) for call in calls + more])
         lost = [r for r in results if isinstance(r, BaseException)]
