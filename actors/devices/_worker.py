@@ -36,8 +36,8 @@ Rules:
   The next child starts when there is something to send; if it cannot
   start, what waited for it fails with the reason (nothing of it was sent).
   After ``MAX_QUICK_DEATHS`` children in a row that went away without
-  answering and before a byte of what was sent reached them, what waits
-  fails instead of starting yet another: every restart ends.
+  answering a batch and before a byte of what was sent reached them, what
+  waits fails instead of starting yet another: every restart ends.
 - ``stop(error)`` (the actor's termination) fails what is queued or in the
   child with ``error`` and closes the pipes: the child exits after the
   operation it applies (its effects stand). ``await wait_stopped()`` waits
@@ -264,6 +264,7 @@ class WorkerDriver:
                 if not child.sent:
                     raise WorkerError(f"Device worker process {child.pid} sent results for no batch")
                 self._quick_deaths = 0  # it answered
+                child.answered = True
                 batch = child.sent[0]
                 part = batch.entries[child.told : child.told + len(results)]
                 if tag == "done":
@@ -293,14 +294,14 @@ class WorkerDriver:
             reached[0] = Batch(reached[0].entries[child.told :], reached[0].start)
         child.sent.clear()
         self._queue[:0] = kept  # not one byte of these reached it: the next child applies them, first
-        self._quick_deaths = 0 if reached else self._quick_deaths + 1
+        self._quick_deaths = 0 if reached or child.answered else self._quick_deaths + 1
         if self._queue and self._stopped is None and not self._starting:
             if self._quick_deaths >= MAX_QUICK_DEATHS:
                 waiting, self._queue = self._queue, []
                 error = WorkerError(
-                    f"Device worker process {child.pid} went away, the {self._quick_deaths}th in a row before"
-                    " anything sent to it reached it; these device operations were not sent again (none of"
-                    " them reached a worker)"
+                    f"{self._quick_deaths} device worker processes in a row went away before anything sent to"
+                    f" them reached them (the last was process {child.pid}); these device operations were not"
+                    " sent again (none of them reached a worker)"
                 )
                 self._quick_deaths = 0
                 resolve(waiting, [error] * len(waiting))

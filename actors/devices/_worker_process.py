@@ -135,6 +135,8 @@ class WorkerProcess:
         self.told = 0
         """Callers of the oldest batch told so far."""
         self.ready = False
+        self.answered = False
+        """Whether it sent the results of a batch."""
         self.flushing = False
         self.eof = False
         self.closed = False

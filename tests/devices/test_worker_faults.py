@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -31,7 +32,7 @@ from typing import Any
 import anyio
 import pytest
 
-from actors.devices import DeviceControl, Policy, WorkerError, container_policy
+from actors.devices import DeviceControl, DeviceControlError, Policy, WorkerError, container_policy
 from runtime import Runtime, collect
 from tests.support.kernel import children, process_state, wait_gone
 
@@ -163,19 +164,30 @@ async def test_calls_a_dead_worker_held_fail_with_effects_unknown_and_the_kernel
 
 # -- 6. start-up: zombies, EMFILE, nothing blocking on the loop ----------------------------------
 @pytest.mark.asyncio
-async def test_a_worker_whose_backend_fails_to_start_is_reaped(v2_sandbox, tmp_path):
-    not_cgroup2 = tmp_path / "not-cgroup2"  # the worker's backend refuses it
-    not_cgroup2.mkdir()
+async def test_a_worker_whose_backend_fails_to_start_is_reaped(kernel, sandbox, tmp_path):
+    """A hierarchy that is not one (v1: no devices.allow; v2: no
+    cgroup.controllers): the worker answers the backend's error, which
+    create raises; no worker is left, not even as a zombie, however often
+    it is tried."""
+    not_a_hierarchy = tmp_path / "not-a-hierarchy"
+    not_a_hierarchy.mkdir()
+    if kernel == "v1":
+        error = (f"'{not_a_hierarchy}' is not a cgroups v1 devices hierarchy (no devices.allow); mount the devices"
+                 " controller or choose another device backend")
+    else:
+        error = (f"'{not_a_hierarchy}' is not a cgroup2 hierarchy (no cgroup.controllers); mount cgroup2 there or"
+                 " choose another device backend")
     async with Runtime():
         for _ in range(3):
-            with pytest.raises(Exception, match="is not a cgroup2 hierarchy"):
-                await DeviceControl.create("cgroups_v2", hierarchy=str(not_cgroup2),
-                                           cgroups_root=v2_sandbox.cgroups_root, work_dir=str(tmp_path / "work"),
-                                           worker="process")
+            with pytest.raises(DeviceControlError, match=re.escape(error)):
+                await DeviceControl.create("cgroups_v1" if kernel == "v1" else "cgroups_v2",
+                                           hierarchy=str(not_a_hierarchy), cgroups_root=sandbox.cgroups_root,
+                                           work_dir=str(tmp_path / "work"), worker="process")
     deadline = time.monotonic() + 10
     while children(zombies=True) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert children(zombies=True) == set()
+    assert children() == set()
 
 
 def _lowest_free_fd() -> int:
@@ -190,6 +202,8 @@ def _lowest_free_fd() -> int:
 async def test_emfile_at_worker_start_is_explained_and_a_thread_is_used(
     v1_sandbox, tmp_path, caplog: pytest.LogCaptureFixture
 ):
+    """The pipes are made before anything of a backend (the same on v1 and v2):
+    with no descriptor left, device control says why and runs in a thread."""
     async with Runtime():
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         with caplog.at_level(logging.WARNING, logger="actors.devices"):
@@ -258,11 +272,12 @@ HANGS = "import time; time.sleep(120)"
 """A device worker that never answers its first frame."""
 
 READY_THEN_EXITS = (
-    "import json, sys; sys.path[:0] = sys.argv[2:]; from actors.devices._frames import write_frame; "
-    "spec = json.loads(sys.argv[1]); "
-    "write_frame(spec['fds'][1], ('ready', ('cgroups_v1', spec['hierarchy'] + '/' + spec['cgroups_root']), []))"
+    "import json, os, sys; sys.path[:0] = sys.argv[2:]; from actors.devices._frames import write_frame; "
+    "spec = json.loads(sys.argv[1]); {close}"
+    "write_frame(spec['fds'][1], ('ready', (spec['kind'], spec['hierarchy'] + '/' + spec['cgroups_root']), []))"
 )
-"""A device worker that says it is ready and exits."""
+"""A device worker that says it is ready and exits (``close``: having closed
+its end of the pipe first, so that not a byte sent to it can reach it)."""
 
 
 @pytest.mark.asyncio
@@ -317,6 +332,37 @@ def _worker_child_boot() -> str:
 
 
 @pytest.mark.asyncio
+async def test_workers_that_keep_dying_unreached_fail_the_calls_instead_of_restarting_for_ever(
+    kernel, sandbox, tmp_path, monkeypatch
+):
+    """Each new worker says it is ready and goes away before a byte of the
+    batch reaches it: the batch is sent again to the next one, but after
+    ``MAX_QUICK_DEATHS`` of them the calls fail instead (nothing applied)."""
+    from actors.devices import _worker
+
+    async with Runtime():
+        control = await create(kernel, sandbox, tmp_path)
+        assert await control.exists("c0") is False  # the first worker answered: its death is not a quick one
+        monkeypatch.setattr(_worker, "BOOT", READY_THEN_EXITS.format(close="os.close(spec['fds'][0]); "))
+        first = worker_pid(control)
+        os.kill(first, signal.SIGKILL)
+        assert wait_gone(first)
+        with anyio.fail_after(30):  # restarting for ever fails here
+            results = await collect([control.configure(f"c{i}", *GPU0).recover(lambda e: e) for i in range(20)])
+        assert all(isinstance(r, WorkerError) for r in results), results
+        assert str(results[0]).startswith(
+            f"{_worker.MAX_QUICK_DEATHS} device worker processes in a row went away before anything sent to them"
+            " reached them (the last was process ")
+        assert str(results[0]).endswith("these device operations were not sent again (none of them reached a worker)")
+        assert control._process.driver.starts == 1 + _worker.MAX_QUICK_DEATHS
+        monkeypatch.setattr(_worker, "BOOT", _worker_child_boot())
+        with anyio.fail_after(30):  # the next call starts a worker again; nothing of the failed calls was applied
+            assert await control.list_cgroups() == []
+        await control.close()
+    assert children(zombies=True) == set()
+
+
+@pytest.mark.asyncio
 async def test_workers_that_keep_dying_fail_the_calls_instead_of_restarting_for_ever(v1_sandbox, monkeypatch):
     from actors.devices import _worker
 
@@ -324,7 +370,7 @@ async def test_workers_that_keep_dying_fail_the_calls_instead_of_restarting_for_
         control = await DeviceControl.create(
             "cgroups_v1", hierarchy=v1_sandbox.hierarchy, cgroups_root=v1_sandbox.cgroups_root, worker="process"
         )
-        monkeypatch.setattr(_worker, "BOOT", READY_THEN_EXITS)
+        monkeypatch.setattr(_worker, "BOOT", READY_THEN_EXITS.format(close=""))
         first = worker_pid(control)
         os.kill(first, signal.SIGKILL)
         assert wait_gone(first)
