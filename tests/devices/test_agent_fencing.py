@@ -131,16 +131,17 @@ async def test_a_stale_worker_of_a_killed_agent_applies_nothing_after_a_new_agen
 
 
 @pytest.mark.asyncio
-async def test_a_second_agent_waits_for_the_work_dir_lock_then_refuses_naming_the_holder(v1_sandbox, tmp_path):
+async def test_a_second_agent_waits_for_the_work_dir_lock_then_refuses_naming_the_holder(kernel, sandbox, tmp_path):
+    backend = "cgroups_v1" if kernel == "v1" else "cgroups_v2"
     work_dir = str(tmp_path / "work")
-    kwargs: dict[str, Any] = dict(hierarchy=v1_sandbox.hierarchy, cgroups_root=v1_sandbox.cgroups_root,
+    kwargs: dict[str, Any] = dict(hierarchy=sandbox.hierarchy, cgroups_root=sandbox.cgroups_root,
                                   work_dir=work_dir, worker="process")
     async with Runtime():
-        first = await DeviceControl.create("cgroups_v1", **kwargs)
+        first = await DeviceControl.create(backend, **kwargs)
         started = time.monotonic()
         with anyio.fail_after(30):
             with pytest.raises(DeviceControlError) as refused:
-                await DeviceControl.create("cgroups_v1", lock_timeout=0.5, **kwargs)
+                await DeviceControl.create(backend, lock_timeout=0.5, **kwargs)
         assert time.monotonic() - started >= 0.5  # it waited before refusing
         message = str(refused.value)
         assert f"work directory {work_dir}" in message
@@ -157,7 +158,7 @@ async def test_a_second_agent_waits_for_the_work_dir_lock_then_refuses_naming_th
         async with anyio.create_task_group() as group:
             group.start_soon(close_first)
             with anyio.fail_after(30):
-                control = await DeviceControl.create("cgroups_v1", lock_timeout=20, **kwargs)
+                control = await DeviceControl.create(backend, lock_timeout=20, **kwargs)
         assert second.is_set()
         assert await control.configure("c1", *container_policy([], [])) is not None
         assert await control.remove("c1") is True
