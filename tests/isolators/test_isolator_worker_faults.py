@@ -12,7 +12,10 @@ effects are unknown) and the isolator must not release a GPU on a guess:
   made to match the record again (or read back), then releases it;
 - a cleanup whose removal was lost keeps the record and its GPUs (the call
   fails; a retry finishes it, EBUSY included);
-- a shrink whose rule write was lost keeps every GPU with the container.
+- a shrink whose rule write was lost keeps every GPU with the container;
+- a cleanup that is the first call to the next worker, after a kill, of a
+  container with a live process (EBUSY) leaves it lingering and denied
+  every GPU before another container gets them.
 Every wait is bounded."""
 
 from __future__ import annotations
@@ -247,4 +250,50 @@ async def test_a_prepare_whose_worker_died_after_configuring_is_undone_by_the_ke
         assert await isolator.containers() == {"keep": [0]}
         assert {g.minor for g in await components.allocator.available()} == {1, 2, 3}
         await judge(node, {"keep": 1})
+        await node.clean_all()
+
+
+@pytest.mark.asyncio
+async def test_a_cleanup_while_a_killed_worker_restarts_never_lets_two_containers_share_a_gpu(
+    kernel_node, char_nodes, probes
+) -> None:
+    """Item 1's consequence: a holds every GPU and has a live process; its
+    device worker is SIGKILLed and cleanup(a) is the call that starts the
+    next one. The kernel refuses a's rmdir (EBUSY): a must linger denied
+    every GPU before they go back, so that b, given them all, is the only
+    one that opens them (the race once gave cleanup(a) the new worker's
+    ready frame as its result: "removed", a forgotten still granted)."""
+    node = kernel_node
+    gpu = {m: char_nodes[(195, m)] for m in range(4)}
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        for round_ in range(2):
+            a, b = C(f"a{round_}"), C(f"b{round_}")
+            await isolator.prepare(a, cfg(4))
+            probe_a = probes()
+            probe_a.move_to(node.cgroup_dir(str(a)))  # a live process: the kernel refuses to remove a
+            assert [probe_a.open(gpu[m]) for m in range(4)] == [GRANTED] * 4
+            pid = isolator.devices.worker_pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            wait_exit(pid)
+            with anyio.fail_after(30):
+                assert await isolator.cleanup(a) is None  # sent while the next worker starts
+                await isolator.prepare(b, cfg(4))
+            assert isolator.devices.worker_pid not in (None, pid)
+            assert await isolator.containers() == {str(b): [0, 1, 2, 3]}
+            assert node.cgroup_exists(str(a))  # EBUSY: it lingers ...
+            assert [probe_a.open(gpu[m]) for m in range(4)] == [DENIED] * 4  # ... denied every GPU
+            probe_b = probes()
+            probe_b.move_to(node.cgroup_dir(str(b)))
+            assert [probe_b.open(gpu[m]) for m in range(4)] == [GRANTED] * 4
+            await judge(node, {str(b): 4}, extra_cgroups={str(a)})
+            probe_a.close()
+            probe_b.close()
+            with anyio.fail_after(10):
+                while node.cgroup_exists(str(a)):  # its process gone: a cleanup of that id removes it
+                    await isolator.cleanup(a)
+                    await anyio.sleep(0.01)
+            await isolator.cleanup(b)
+        await judge(node, {})
         await node.clean_all()
