@@ -6,7 +6,9 @@ batch. The worker must die with its agent, and a new agent must not start
 until nothing of the old one can still touch the kernel: then, after
 SIGCONT, the stale worker applies nothing (no cgroup created or removed,
 no device rule or program changed). The work directory's lock says who holds
-it when a second agent cannot start. Judged by the kernel; every wait is
+it when a second agent cannot start. A worker stopped before it even asked
+for the parent-death signal (which the kernel then never sends) is fenced
+by its own parent check once continued. Judged by the kernel; every wait is
 bounded.
 """
 
@@ -163,3 +165,85 @@ async def test_a_second_agent_waits_for_the_work_dir_lock_then_refuses_naming_th
         assert await control.configure("c1", *container_policy([], [])) is not None
         assert await control.remove("c1") is True
         await control.close()
+
+
+AGENT_WITH_A_WORKER_STOPPED_AT_BIRTH = r"""
+import sys
+import anyio
+from runtime import Runtime
+from actors.devices import DeviceControl, _worker
+
+# The worker stops itself before it asks for the parent-death signal.
+_worker.BOOT = "import os, signal; os.kill(os.getpid(), signal.SIGSTOP); " + _worker.BOOT
+
+async def main(backend, hierarchy, cgroups_root, work_dir):
+    async with Runtime():
+        await DeviceControl.create(backend, hierarchy=hierarchy, cgroups_root=cgroups_root, work_dir=work_dir,
+                                   worker="process")
+
+anyio.run(main, *sys.argv[1:5])
+"""
+
+SUPERVISOR = r"""
+import ctypes, json, os, signal, subprocess, sys, time
+
+def stat(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+def child_worker(parent):
+    for name in os.listdir("/proc"):
+        fields = stat(name) if name.isdigit() else None
+        if fields and int(fields[1]) == parent:
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as cmdline:
+                    if b"_worker_child" in cmdline.read():
+                        return int(name)
+            except OSError:
+                pass
+    return None
+
+assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER: the agent's orphans come here
+agent = subprocess.Popen([sys.executable, "-c", *sys.argv[1:]])
+deadline = time.monotonic() + 30
+worker = None
+while worker is None or stat(worker)[0] not in ("T", "t"):
+    assert time.monotonic() < deadline, "the agent's worker did not start and stop"
+    worker = worker or child_worker(agent.pid)
+    time.sleep(0.01)
+agent.kill()
+agent.wait()
+reparented = int(stat(worker)[1]) == os.getpid()
+os.kill(worker, signal.SIGCONT)
+while True:
+    pid, status = os.waitpid(worker, os.WNOHANG)
+    if pid:
+        break
+    assert time.monotonic() < deadline + 30, "the worker did not exit once continued"
+    time.sleep(0.01)
+print(json.dumps({"worker": worker, "reparented": reparented, "exit": os.waitstatus_to_exitcode(status)}))
+"""
+
+
+def test_a_worker_stopped_before_asking_for_the_parent_death_signal_is_fenced_by_its_parent_check(
+    kernel, sandbox, tmp_path
+):
+    """The kernel sends no parent-death signal to a worker that asked for it
+    only after its agent died: its first parent check must exit it (status
+    FENCED_EXIT) before it builds a backend or says it is ready. A
+    subreaper of our own stands in for init and reads the exit status."""
+    from actors.devices._worker_child import FENCED_EXIT
+
+    backend = "cgroups_v1" if kernel == "v1" else "cgroups_v2"
+    supervisor = subprocess.run(
+        [sys.executable, "-c", SUPERVISOR, AGENT_WITH_A_WORKER_STOPPED_AT_BIRTH, backend, sandbox.hierarchy,
+         sandbox.cgroups_root, str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert supervisor.returncode == 0, supervisor.stderr[-3000:]
+    outcome = json.loads(supervisor.stdout.strip().splitlines()[-1])
+    assert outcome["reparented"] is True
+    assert outcome["exit"] == FENCED_EXIT, outcome  # not 0: it went on, built a backend and said ready
