@@ -24,6 +24,11 @@ Rules:
   never guesses: a policy it gives compiles to ``code`` again, and the
   caller proves that by the tag the kernel computed (cgroups v2 keeps no
   other record of a cgroup's policy).
+- A kernel that hardens its JIT (``net.core.bpf_jit_harden`` = 2) holds
+  the program with its constants blinded (each ``op K`` rewritten to
+  ``ax = rnd ^ K; ax ^= rnd; op ax``, and ``r = 0`` to ``r ^= r``):
+  ``read_policy`` undoes exactly that rewrite first (``unblind``), so the
+  record stays readable there; the proof is the same.
 """
 
 from __future__ import annotations
@@ -350,6 +355,57 @@ def _read_group(insns: list[Insn], pc: int, end: int, exits: dict[int, str]
     return section, rules, pc
 
 
+BPF_REG_AX = 11
+"""The register the kernel's constant blinding uses (no program may name it)."""
+_ALU32, _JMP, _ALU64 = 0x04, 0x05, 0x07
+_X = 0x08  # BPF_X: the operand is src_reg, not imm
+_MOV_K = {_ALU32: 0xB4, _ALU64: 0xB7}  # BPF_MOV | BPF_K per class
+_XOR_K = {_ALU32: 0xA4, _ALU64: 0xA7}
+_ALU64_XOR_X = 0xAF
+_JMP_CALL = 0x85
+
+
+def unblind(insns: list[Insn]) -> list[Insn] | None:
+    """Instructions as loaded, from the kernel's constant-blinded form
+    (``bpf_jit_blind_constants``: ``ax = rnd ^ K; ax ^= rnd; op dst, ax``
+    back to ``op dst, K``; ``dst ^= dst`` back to ``dst = 0``; every jump
+    re-aimed at the instruction it named); None when the blinded form is
+    not what that rewrite makes."""
+    out: list[Insn] = []
+    origin: list[int] = []  # per instruction kept: the blinded index its jump offset counts from
+    start: dict[int, int] = {}  # blinded index of an instruction's first part -> its index in out
+    i, n = 0, len(insns)
+    while i < n:
+        op, dst, src, off, imm = insns[i]
+        start[i] = len(out)
+        if dst == BPF_REG_AX and op & 0x07 in _MOV_K and op == _MOV_K[op & 0x07] and i + 2 < n:
+            op2, dst2, src2, _off2, imm2 = insns[i + 1]
+            op3, dst3, src3, off3, _imm3 = insns[i + 2]
+            if (op2 != _XOR_K[op & 0x07] or dst2 != BPF_REG_AX or src2 != 0 or src3 != BPF_REG_AX
+                    or not op3 & _X or dst3 == BPF_REG_AX or op3 & 0x07 not in (_ALU32, _JMP, _ALU64)):
+                return None
+            out.append((op3 & ~_X, dst3, 0, off3, imm ^ imm2))
+            origin.append(i + 2)
+            i += 3
+            continue
+        if op == _ALU64_XOR_X and dst == src != BPF_REG_AX and off == 0 and imm == 0:
+            out.append((ALU64_MOV_K, dst, 0, 0, 0))
+        elif dst == BPF_REG_AX or src == BPF_REG_AX:
+            return None
+        else:
+            out.append(insns[i])
+        origin.append(i)
+        i += 1
+    start[n] = len(out)
+    for k, (op, dst, src, off, imm) in enumerate(out):
+        if op & 0x07 == _JMP and op not in (JMP_EXIT, _JMP_CALL):
+            target = start.get(origin[k] + 1 + off)
+            if target is None:  # a jump into the middle of a blinded instruction
+                return None
+            out[k] = (op, dst, src, target - k - 1, imm)
+    return out
+
+
 def read_policy(code: bytes) -> "Policy | None":
     """The policy a device program of this module enforces, read back from its
     instructions (``program_instructions`` reversed); None for instructions
@@ -362,6 +418,11 @@ def read_policy(code: bytes) -> "Policy | None":
         insns = decode(code)
     except ValueError:
         return None
+    if any(op == _ALU64_XOR_X or dst == BPF_REG_AX or src == BPF_REG_AX for op, dst, src, _off, _imm in insns):
+        unblinded = unblind(insns)
+        if unblinded is None:
+            return None
+        insns, code = unblinded, encode(unblinded)
     if insns == _EMPTY:
         return Policy((), ())  # (the program of any policy that allows nothing)
     n = len(insns)

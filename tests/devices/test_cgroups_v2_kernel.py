@@ -427,3 +427,27 @@ def test_a_crash_after_every_kernel_operation_is_read_back_from_the_kernel(v2_sa
         restarted.remove("c2")
         restarted.close()
     assert crashes >= 10 and swapped >= 1 and fresh >= 1
+
+
+def _jit_harden() -> str:
+    try:
+        with open("/proc/sys/net/core/bpf_jit_harden") as handle:
+            return handle.read().strip()
+    except OSError:
+        return "unknown"
+
+
+@pytest.mark.skipif(_jit_harden() != "2", reason="the kernel blinds constants only with net.core.bpf_jit_harden=2"
+                    f" (here {_jit_harden()}); tests/devices/test_device_program.py checks the rewrite offline")
+def test_a_kernel_that_blinds_constants_still_holds_a_readable_record(v2_sandbox) -> None:
+    backend = backend_for(v2_sandbox)
+    access = backend.configure("c1", *container_policy(CONTROL, ["c 195:0 rw", "c 195:1 rw", "c 195:5 rw"]))
+    (prog_id,) = v2_sandbox.attached("c1")
+    fd = _bpf.prog_get_fd_by_id(prog_id)
+    try:
+        xlated = _bpf.prog_xlated(fd, _bpf.prog_info(fd).xlated_len)
+    finally:
+        os.close(fd)
+    assert xlated != access.program[0]  # blinded
+    assert backend_for(v2_sandbox).state("c1") == access
+    backend.close()

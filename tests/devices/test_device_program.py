@@ -207,3 +207,81 @@ def test_a_program_naming_millions_of_devices_is_not_read() -> None:
     assert dp.read_policy(dp.encode(insns)) is None
     insns[index] = (op, dst, src, off, -1)
     assert dp.read_policy(dp.encode(insns)) is None
+
+
+# -- a kernel that blinds constants (net.core.bpf_jit_harden = 2) ---------------------------
+
+_BLINDED_ALU = {0x04, 0x14, 0x24, 0x34, 0x44, 0x54, 0x94, 0xA4, 0xB4}  # ADD SUB MUL DIV OR AND MOD XOR MOV, K
+_BLINDED_JMP = {0x15, 0x25, 0x35, 0x45, 0x55, 0x65, 0x75, 0xA5, 0xB5, 0xC5, 0xD5}  # JEQ .. JSLE, K
+
+
+def blind(insns: list, rnd: int) -> list:
+    """What the kernel's ``bpf_jit_blind_constants`` leaves (kernel/bpf/core.c),
+    for the opcodes a device program uses: ``r = 0`` as ``r ^= r``; an ALU or
+    conditional jump on a constant K as ``ax = rnd ^ K; ax ^= rnd; op ax``;
+    every jump re-aimed at the first instruction of what it named."""
+    ax = dp.BPF_REG_AX
+    patches = []
+    for op, dst, src, off, imm in insns:
+        cls = op & 0x07
+        if imm == 0 and op in (0xB4, 0xB7):
+            patches.append([(0xAF, dst, dst, 0, 0)])
+        elif (cls == 0x04 and op in _BLINDED_ALU) or (cls == 0x07 and (op & ~0x03) in _BLINDED_ALU):
+            wide = 0x07 if cls == 0x07 else 0x04
+            patches.append([(0xB0 | wide, ax, 0, 0, rnd ^ imm), (0xA0 | wide, ax, 0, 0, rnd), (op | 0x08, dst, ax, off, 0)])
+        elif op in _BLINDED_JMP:
+            patches.append([(0xB7, ax, 0, 0, rnd ^ imm), (0xA7, ax, 0, 0, rnd), (op | 0x08, dst, ax, off, 0)])
+        else:
+            patches.append([(op, dst, src, off, imm)])
+    starts, position = [], 0
+    for patch in patches:
+        starts.append(position)
+        position += len(patch)
+    starts.append(position)
+    out = []
+    for index, patch in enumerate(patches):
+        *head, (op, dst, src, off, imm) = patch
+        out += head
+        if op & 0x07 == 0x05 and op not in (dp.JMP_EXIT, 0x85):
+            off = starts[index + 1 + off] - len(out) - 1
+        out.append((op, dst, src, off, imm))
+    return out
+
+
+RANDOMS = st.integers(-(1 << 31), (1 << 31) - 1)
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from(ALLOW), RULES), max_size=14), st.lists(st.sampled_from(DENY), max_size=4),
+       RANDOMS)
+def test_a_program_blinded_by_the_kernel_reads_back_as_the_same_policy(
+        allow: list[DeviceRule], deny: list[DeviceRule], rnd: int) -> None:
+    try:
+        access = Policy.create(allow, deny)
+    except ValueError:
+        return
+    insns = program_instructions(access)
+    blinded = blind(insns, rnd)
+    assert any(dp.BPF_REG_AX in (dst, src) for _op, dst, src, _off, _imm in blinded) or len(insns) == 2
+    assert dp.unblind(blinded) == insns
+    back = dp.read_policy(dp.encode(blinded))
+    assert back is not None and back.program[0] == build_device_program(access)  # the tag proves this
+    if access.allow:
+        assert back == access
+
+
+def test_a_blinded_program_that_is_not_the_kernels_rewrite_is_not_read() -> None:
+    access = Policy.container(["c 195:255 rwm"], ["c 195:0 rwm", "c 195:3 rwm"])
+    blinded = blind(program_instructions(access), 0x5A5A5A5A)
+    first = next(i for i, insn in enumerate(blinded) if insn[1] == dp.BPF_REG_AX)
+    for broken in (
+        blinded[:first] + blinded[first + 1:],  # the xor without its mov
+        blinded[:first + 1] + blinded[first + 2:],  # the mov without its xor
+        [*blinded[:first + 2], (0x07, dp.BPF_REG_AX, 0, 0, 1), *blinded[first + 2:]],  # ax changed between
+    ):
+        assert dp.read_policy(dp.encode(broken)) is None
+    changed = list(blinded)
+    op, dst, src, off, imm = changed[first + 1]
+    changed[first + 1] = (op, dst, src, off, imm ^ 0x10)  # another constant: another program (or none of ours)
+    back = dp.read_policy(dp.encode(changed))
+    assert back is None or back != access
