@@ -45,6 +45,9 @@ def requested_count(resources: Resources, name: str) -> int:
     if name in resources.others:  # a range or set: never read as "no GPUs"
         raise IsolatorError(f"The '{name}' resource must be an unsigned integer")
     value = resources.scalars.get(name, 0.0)
+    whole = int(value)
+    if whole == value:  # the common case: a whole number already
+        return whole
     if int(round(value * 1000)) % 1000 != 0:
         raise IsolatorError(f"The '{name}' resource must be an unsigned integer")
     return int(round(value))

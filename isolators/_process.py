@@ -127,7 +127,10 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
         self.control_devices = control_devices
         self.infos: dict[ContainerID, ContainerRecord] = {}
         self._sequences: dict[ContainerID, Sequence] = {}
-        """Per container: its calls in arrival order (dropped when idle)."""
+        """Per container whose calls overlap: its calls in arrival order (dropped when idle)."""
+        self._running: set[ContainerID] = set()
+        """Containers with a call running as the event that issued it (no Sequence
+        until another call must wait behind it)."""
         self._recoveries = Sequence(on_idle=self._recovered)
         """Recoveries, one at a time."""
         self._recovering: Future | None = None
@@ -223,31 +226,50 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
     def _in_order(self, container_id: ContainerID, operation: Any, *args: Any) -> Any:
         """Run ``operation(*args)`` on this actor after every earlier call on
         this container (its Sequence), and after a recovery issued before it.
-        When nothing is in flight, the call runs as the current event
-        (``Sequence.claim``: no Future, no hop); otherwise it is dispatched
-        in its turn."""
+        When nothing is in flight, the call runs as the current event (no
+        Sequence, no Future, no hop: the container is marked running);
+        otherwise it is dispatched in its turn."""
+        recovery = self._recovering
+        sequence = self._sequences.get(container_id)
+        if sequence is None:
+            if recovery is None and container_id not in self._running:
+                self._running.add(container_id)
+                return self._run(container_id, operation, args, True)
+            sequence = self._sequence(container_id)
+        return sequence.add(dispatch, self.pid, NvidiaGpuIsolatorProcess._run, container_id, operation, args, False,
+                            recovery)
+
+    def _sequence(self, container_id: ContainerID) -> Sequence:
+        """The container's Sequence, made when a call must wait: a call running
+        as the event that issued it holds it (``Sequence.claim``) until it
+        ends. Dropped once idle."""
         sequence = self._sequences.get(container_id)
         if sequence is None:
             sequence = self._sequences[container_id] = Sequence(on_idle=self._forgetter(container_id))
-        recovery = self._recovering
-        if recovery is None and sequence.claim():
-            return self._run(container_id, operation, args, sequence)
-        return sequence.add(dispatch, self.pid, NvidiaGpuIsolatorProcess._run, container_id, operation, args, None,
-                            recovery)
+            if container_id in self._running:
+                sequence.claim()
+        return sequence
 
     def _in_flight(self, container_id: ContainerID) -> bool:
         """Whether a call on this container is running or waiting."""
-        sequence = self._sequences.get(container_id)
-        return sequence is not None and not sequence.is_idle()
+        return container_id in self._running or container_id in self._sequences
 
     def _forgetter(self, container_id: ContainerID) -> Any:
-        def forget() -> None:  # idle: kept while the container has a record
-            if container_id not in self.infos:
-                self._sequences.pop(container_id, None)
+        def forget() -> None:
+            sequence = self._sequences.get(container_id)
+            if sequence is not None and sequence.is_idle():
+                del self._sequences[container_id]
         return forget
 
+    def _release(self, container_id: ContainerID) -> None:
+        """A call that ran as its own event ended: the container's next call may start."""
+        self._running.discard(container_id)
+        sequence = self._sequences.get(container_id)
+        if sequence is not None:
+            sequence.release()
+
     async def _run(self, container_id: ContainerID | None, operation: Any, args: tuple,
-                   claimed: Sequence | None, recovery: Future | None = None) -> Any:
+                   claimed: bool = False, recovery: Future | None = None) -> Any:
         """Run one verb (once ``recovery``, issued before it, is done): every
         failure leaves as an ``IsolatorError`` with the original text and
         cause (see ``as_isolator_error``)."""
@@ -271,8 +293,8 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
         except Exception as error:
             raise as_isolator_error(error) from error
         finally:
-            if claimed is not None:
-                claimed.release()  # the container's next call may start
+            if claimed:
+                self._release(container_id)  # type: ignore[arg-type]
 
     # -- prepare --------------------------------------------------------------
     def prepare(self, container_id: ContainerID, config: ContainerConfig) -> Any:
@@ -296,7 +318,7 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
             await self._refuse_while_lingering(container_id)
         if container_id in self.infos:  # re-check after the await
             raise IsolatorError("Container has already been prepared")
-        info = ContainerRecord(container_id, container_id.path())
+        info = ContainerRecord(container_id, container_id.value if container_id.parent is None else container_id.path())
         self.infos[container_id] = info
         touched = False  # whether the kernel was asked for anything
         try:
@@ -310,9 +332,11 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
             touched = True
             await self.devices.configure(info.cgroup, self.policies.of(gpus))
             launch = await self._launch_info(container_id, config) if config.rootfs is not None else None
-            launch = await self.specs.attach(container_id, info.allocated, config, launch)
+            if launch is not None or self.specs.enabled:
+                launch = await self.specs.attach(container_id, info.allocated, config, launch)
         except BaseException as e:
-            await self._remove_device_copies(container_id)
+            if container_id in self._device_dirs:
+                await self._remove_device_copies(container_id)
             await self._undo_prepare(info, touched)
             logger.warning("Container %s: prepare failed and was undone: %s", container_id, e)
             raise
@@ -512,7 +536,8 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
         # Until the kernel has removed the cgroup (or, processes inside,
         # denies it every GPU) a failure changes nothing: the record and its
         # GPUs stay, and the cleanup can be retried.
-        await self.specs.remove(container_id)  # first: a failure here changes nothing, and no spec outlives its GPUs
+        if self.specs.enabled:  # first: a failure here changes nothing, and no spec outlives its GPUs
+            await self.specs.remove(container_id)
         if not await self.devices.remove(info.cgroup):
             # The standard set and the control devices stay.
             await self.devices.configure(info.cgroup, self.policies.of(()))
@@ -520,7 +545,8 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
             logger.warning("Container %s: cgroup '%s' still has processes; it stays, its GPUs %s were denied"
                            " and released", container_id, info.cgroup, minors(info.allocated | info.withheld))
         self.infos.pop(container_id, None)
-        self._stop_watching(info)
+        if info.watchers or info.health is not None:
+            self._stop_watching(info)
         if info.unknown_state:
             info.allocated = set()
             waiting = sorted(str(i.container_id) for i in self.infos.values() if i.unknown_state)
@@ -534,7 +560,8 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
             gpus, info.allocated, info.withheld = info.allocated | info.withheld, set(), set()
         if gpus:
             await self.allocator.deallocate(gpus)
-        await self._remove_device_copies(container_id)
+        if container_id in self._device_dirs:
+            await self._remove_device_copies(container_id)
         if logger.isEnabledFor(logging.INFO):
             logger.info("Container %s: cleaned up, released GPUs %s", container_id, minors(gpus))
 

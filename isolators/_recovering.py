@@ -48,6 +48,8 @@ class Recovering:
     recovery_report: list
     _mig: bool
     _sequences: dict
+    _running: set
+    _sequence: Any
     _recoveries: Any
     _recovering: Any
     _lingering: dict
@@ -63,7 +65,9 @@ class Recovering:
             check_container_id(orphan)
         # It starts once every call issued before it is done (and an earlier
         # recovery); every call issued after it waits for it (``_in_order``).
-        earlier = [sequence.add(_nothing) for sequence in self._sequences.values() if not sequence.is_idle()]
+        busy = [cid for cid, sequence in self._sequences.items() if not sequence.is_idle()]
+        busy += [cid for cid in self._running if cid not in self._sequences]
+        earlier = [self._sequence(cid).add(_nothing) for cid in busy]
         recovery = self._recoveries.add(dispatch, self.pid, type(self)._run, None, self._recover,
                                         (states, orphans, earlier), None)
         self._recovering = recovery

@@ -124,6 +124,8 @@ class ContainerID(msgspec.Struct, frozen=True, order=True):
     def path(self) -> str:
         """Relative path of this id (``parent/child`` when nested), validated."""
         check_container_id(self)
+        if self.parent is None:
+            return self.value
         parts = []
         cid: ContainerID | None = self
         while cid is not None:

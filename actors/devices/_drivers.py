@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 from runtime import Executor, Future, Promise
 
-from ._backend import DeviceBackend, DeviceOperation
+from ._backend import BackendBase, DeviceBackend, DeviceOperation, apply_one
 from ._lock import WorkDirLock
 
 Entry = tuple[DeviceOperation, Promise]
@@ -66,6 +66,8 @@ class InlineDriver:
         self.name = backend.name
         self.root = backend.root
         self.batches = 0
+        self._one_by_one = getattr(type(backend), "apply_batch", None) is BackendBase.apply_batch
+        """Its batches are the operations one by one: one needs no batch."""
 
     def bind(self, later: Callable[[Callable[[], Any]], Any]) -> None:
         pass
@@ -75,7 +77,14 @@ class InlineDriver:
 
     def submit(self, op: DeviceOperation) -> Future:
         self.batches += 1
-        result = apply_batch(self.backend, [op])[0]
+        backend = self.backend
+        if self._one_by_one and backend.fence is None:
+            try:
+                result = apply_one(backend, op)
+            except BaseException as error:  # noqa: BLE001 - a simulated crash, as apply_batch gives it
+                result = error
+        else:
+            result = apply_batch(backend, [op])[0]
         if isinstance(result, BaseException):
             return Future.failed(result)
         return Future.ready(result)
