@@ -67,6 +67,10 @@ def _syscall():
     return _libc.syscall
 
 
+_number: Any = None
+"""bpf(2)'s number as a ctypes argument, once known (``bpf``)."""
+
+
 def syscall_number() -> int:
     """bpf(2)'s number on this machine."""
     machine = platform.machine().lower()
@@ -77,10 +81,10 @@ def syscall_number() -> int:
 
 def bpf(cmd: int, attr: ctypes.Array) -> int:
     """Call bpf(cmd, attr, sizeof attr); raise ``OSError`` on failure."""
-    result = _syscall()(
-        ctypes.c_long(syscall_number()), ctypes.c_long(cmd), ctypes.c_void_p(ctypes.addressof(attr)),
-        ctypes.c_long(len(attr)),
-    )
+    global _number
+    if _number is None:
+        _number = ctypes.c_long(syscall_number())  # the machine does not change: looked up once
+    result = _syscall()(_number, ctypes.c_long(cmd), ctypes.c_void_p(ctypes.addressof(attr)), ctypes.c_long(len(attr)))
     if result < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
