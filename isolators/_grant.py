@@ -108,10 +108,14 @@ class ContainerRecord:
 class LingeringCgroup:
     """A cgroup left behind (see the module rules)."""
 
-    __slots__ = ("withheld", "reason")
+    __slots__ = ("withheld", "reason", "may_grant_any")
 
-    def __init__(self, withheld: set[Gpu], reason: str) -> None:
+    def __init__(self, withheld: set[Gpu], reason: str, may_grant_any: bool = False) -> None:
         self.withheld = withheld
         """GPUs still allocated because the cgroup may grant them."""
         self.reason = reason
         """Why it is still there, for errors and logs."""
+        self.may_grant_any = may_grant_any
+        """Its device state is unknown (a configure of it failed part-way: v1
+        then inherits its parent's allow-all, v2 has no program): while it
+        cannot be removed or denied, every free GPU is withheld for it."""

@@ -21,9 +21,10 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
   GPUs), then the launch info (``_launch``). Any failure undoes what was
   done: the cgroup is removed, then the GPUs go back and no record stays
   (if processes of an earlier container hold it, it is stripped of every
-  GPU and lingers; if it cannot be removed, it lingers WITH the GPUs, never
-  allocated without a record, until a cleanup, prepare or reconcile
-  removes it).
+  GPU and lingers; if it cannot be removed, it lingers WITH the GPUs --
+  and every free GPU too when its configure itself failed, since it may
+  then grant any -- never allocated without a record, until a cleanup,
+  prepare or reconcile removes it).
 - Every entry point re-validates the container id (``check_container_id``)
   before anything else: a bad or forged id fails with InvalidContainerID and
   no path is ever built from it.
@@ -321,6 +322,7 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
         info = ContainerRecord(container_id, container_id.value if container_id.parent is None else container_id.path())
         self.infos[container_id] = info
         touched = False  # whether the kernel was asked for anything
+        configured = False  # whether it answered: the cgroup grants exactly ``gpus``
         try:
             if not requested:
                 gpus: set[Gpu] = set()
@@ -331,25 +333,27 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
             info.allocated = gpus
             touched = True
             await self.devices.configure(info.cgroup, self.policies.of(gpus))
+            configured = True
             launch = await self._launch_info(container_id, config) if config.rootfs is not None else None
             if launch is not None or self.specs.enabled:
                 launch = await self.specs.attach(container_id, info.allocated, config, launch)
         except BaseException as e:
             if container_id in self._device_dirs:
                 await self._remove_device_copies(container_id)
-            await self._undo_prepare(info, touched)
+            await self._undo_prepare(info, touched, configured)
             logger.warning("Container %s: prepare failed and was undone: %s", container_id, e)
             raise
         if logger.isEnabledFor(logging.INFO):
             logger.info("Container %s: prepared with GPUs %s", container_id, minors(info.allocated))
         return launch
 
-    async def _undo_prepare(self, info: ContainerRecord, touched: bool) -> None:
+    async def _undo_prepare(self, info: ContainerRecord, touched: bool, configured: bool = False) -> None:
         """Forget the record and give its GPUs back -- once the kernel says no
         cgroup of it grants them: a configure that failed may have applied
         anything (its effects are unknown when the device worker died), so
         the cgroup is removed first; while it cannot be, it lingers with the
-        GPUs, for a later cleanup or reconcile to finish."""
+        GPUs (and, if its configure failed, every free GPU: it may grant any),
+        for a later cleanup or reconcile to finish."""
         cid = info.container_id
         if self.infos.get(cid) is info:
             del self.infos[cid]
@@ -359,7 +363,7 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
                 if gpus:
                     await self.allocator.deallocate(gpus)
                 return
-            self._lingering[cid] = LingeringCgroup(gpus, "its prepare failed")
+            self._lingering[cid] = LingeringCgroup(gpus, "its prepare failed", may_grant_any=not configured)
             await self._settle_lingering(cid)
         except Exception as error:  # keep the original error; what stayed is recorded and logged
             logger.error("Container %s: undoing a failed prepare did not finish: %s", cid, error)

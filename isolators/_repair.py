@@ -22,7 +22,10 @@ Rules (R-DV-5, issue 20 items 2 and 5):
 - A cgroup the isolator could not remove lingers (``LingeringCgroup``) with
   the GPUs it may still grant; they go back once the kernel has removed it,
   or (processes inside: it stays) denies them. A later cleanup of that id, a
-  prepare of it or a reconcile tries again.
+  prepare of it or a reconcile tries again. One left by a failed prepare
+  may grant any GPU (its configure may have stopped after the mkdir: v1
+  then allows what its parent allows, v2 has no program): when it cannot
+  be removed, every free GPU is held back for it too, until it is.
 - Mixed into the isolator actor (``NvidiaGpuIsolatorProcess``).
 """
 
@@ -91,7 +94,8 @@ class KernelRepair:
         the record; lingering cgroups that hold GPUs are removed again."""
         runs = [self._in_order(cid, self._reconcile_one, cid) for cid in sorted(self.infos)]
         runs += [self._in_order(cid, self._reconcile_lingering, cid)
-                 for cid, lingering in sorted(self._lingering.items()) if lingering.withheld]
+                 for cid, lingering in sorted(self._lingering.items())
+                 if lingering.withheld or lingering.may_grant_any]
         repairs: list[Repair] = []
         failure: Exception | None = None
         for run in runs:  # await every one, so none is left queued (drift not repaired is a failed Repair)
@@ -155,21 +159,25 @@ class KernelRepair:
 
     async def _withhold_reachable(self, info: ContainerRecord) -> set:
         """Hold back every free GPU for ``info`` (it may reach them); what it holds back."""
+        info.withheld |= await self._hold_back_free()
+        return set(info.withheld)
+
+    async def _hold_back_free(self) -> set:
+        """Allocate every free GPU (for a cgroup that may reach them); the GPUs taken."""
         for _attempt in range(3):
             free = set(await self.allocator.available())
             if not free:
-                break
+                return set()
             try:
                 await self.allocator.allocate(free)
             except Exception:  # another container took one meanwhile: look again
                 continue
-            info.withheld |= free
-            break
-        return set(info.withheld)
+            return free
+        return set()
 
     async def _reconcile_lingering(self, cid: ContainerID) -> list[Repair]:
         lingering = self._lingering.get(cid)
-        if lingering is None or not lingering.withheld:
+        if lingering is None or not (lingering.withheld or lingering.may_grant_any):
             return []
         withheld = minors(lingering.withheld)
         gone = await self._settle_lingering(cid)
@@ -185,16 +193,19 @@ class KernelRepair:
         cgroup = container_id.path()
         try:
             removed = await self.devices.remove(cgroup)
-            if not removed and lingering.withheld:
+            if not removed and (lingering.withheld or lingering.may_grant_any):
                 # Processes inside: take every GPU back from them.
                 await self.devices.configure(cgroup, self.policies.of(()))
         except BaseException as error:
             lingering.reason = f"could not be removed ({error})"
+            if lingering.may_grant_any:  # its state is unknown: it may reach any GPU
+                lingering.withheld |= await self._hold_back_free()
             logger.error("Container %s: cgroup '%s' could not be removed (%s); GPUs %s stay out of the free pool"
                          " until a cleanup or reconcile removes it", container_id, cgroup, error,
                          minors(lingering.withheld))
             raise
         released, lingering.withheld = lingering.withheld, set()
+        lingering.may_grant_any = False
         if removed:
             del self._lingering[container_id]
         else:

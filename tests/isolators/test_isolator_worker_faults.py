@@ -30,7 +30,7 @@ import anyio
 import pytest
 
 import runtime
-from actors.devices import DeviceRule, WorkerError
+from actors.devices import DeviceRule, WorkerError, _worker_child
 from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
 from tests.support.errors import isolator_failure
 from tests.support.nodes import judge
@@ -296,4 +296,51 @@ async def test_a_cleanup_while_a_killed_worker_restarts_never_lets_two_container
                     await anyio.sleep(0.01)
             await isolator.cleanup(b)
         await judge(node, {})
+        await node.clean_all()
+
+
+HANGS = "import time; time.sleep(120)"
+"""A device worker that never answers its first frame."""
+
+
+@pytest.mark.asyncio
+async def test_a_failed_prepare_whose_cgroup_cannot_be_removed_holds_back_every_free_gpu(
+    kernel_node, char_nodes, probes, monkeypatch
+) -> None:
+    """A prepare's configure dies with its worker after the mkdir, before any
+    rule (v1: the cgroup then grants what its parent grants, every device;
+    v2: no program, every device), and the next worker never starts, so the
+    undo cannot remove the cgroup: it lingers, and its device state is
+    unknown. Not only its own GPU but every free one is held back until it
+    is removed (the random fault run found another container given GPUs
+    such a cgroup could open)."""
+    from actors.devices import _worker
+
+    node = kernel_node
+    gpu = {m: char_nodes[(195, m)] for m in range(4)}
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        await isolator.prepare(C("keep"), cfg(1))  # GPU 0
+        with StoppedWorker(isolator) as worker:
+            prepare = isolator.prepare(C("c1"), cfg(1))  # GPU 1: its configure goes to the stopped worker
+            await worker.sent()
+            os.mkdir(node.cgroup_dir("c1"))  # what the worker did before it died
+            monkeypatch.setattr(_worker, "BOOT", HANGS)  # the next worker never answers ...
+            monkeypatch.setattr(_worker, "START_TIMEOUT", 0.5)  # ... so the undo's removal fails
+            worker.kill()
+            await failed_with_unknown_effects(prepare, worker)
+        assert node.cgroup_exists("c1")
+        probe = probes()
+        probe.move_to(node.cgroup_dir("c1"))
+        assert [probe.open(gpu[m]) for m in range(4)] == [GRANTED] * 4  # the kernel: it may reach every GPU
+        assert set(await components.allocator.available()) == set()  # so none of them is free
+        with pytest.raises(IsolatorError, match="Requested 1 gpus but only 0 available"):
+            await isolator.prepare(C("c2"), cfg(1))
+        probe.close()
+        monkeypatch.setattr(_worker, "BOOT", _worker_child.BOOT)
+        with anyio.fail_after(30):
+            await isolator.cleanup(C("c1"))  # removes it: the GPUs go back
+        assert not node.cgroup_exists("c1")
+        assert {g.minor for g in await components.allocator.available()} == {1, 2, 3}
+        await judge(node, {"keep": 1})
         await node.clean_all()
