@@ -9,12 +9,9 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
 - ``create`` probes the host off the event loop (``_startup``: R-FL-2 flags,
   control devices by number), builds device control, spawns the actor and
   returns its handle (``MesosIsolator``).
-- Calls for one container apply in arrival order: each goes through that
-  container's ``runtime.Sequence`` (``usage`` too, while a call on it is in
-  flight); calls for different containers run concurrently. A call on an
-  idle container runs as the current event (``Sequence.claim``), the others
-  are dispatched in their turn. A sequence lives while its container has a
-  record or a call; then it is dropped.
+- Calls for one container apply in arrival order, calls for different
+  containers concurrently, every call after a recovery issued before it
+  (``_ordering``); every failure leaves as an ``IsolatorError``.
 - ``prepare``: nested DEBUG -> None; nested -> launch info only; a known id ->
   "Container has already been prepared"; else allocate, then ONE device
   ``configure`` of the whole policy (deny all; standard set, control devices,
@@ -61,9 +58,6 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
   a prepare of an id being recovered is refused ("Container has already been
   prepared") without touching its cgroup. Calls wait rather than being
   refused: an agent may issue them without awaiting the recovery.
-- A ``SimulatedCrash`` from device control (fault injection) fails the call
-  with an ``IsolatorError`` and every later call too: the agent is "dead";
-  drop every actor and recover.
 - Metrics (``_metrics``): published at initialize, given back at finalize;
   prepare, update, cleanup and each container's reconcile are counted and
   timed (``measured``), gauges read the records when a snapshot is taken.
@@ -83,11 +77,10 @@ from typing import Any
 
 from actors import Gpu
 from actors.devices import DeviceControl, DeviceRule
-from actors.devices.testing import SimulatedCrash
 from actors.mig import MigCapabilityError, MigDevice, read_mig_capabilities
 from actors.flags import Flags
 from actors.resources import Resources
-from runtime import Executor, Future, Process, Sequence, await_all, dispatch, spawn
+from runtime import Executor, Future, Process, Sequence, spawn
 
 from ._components import NvidiaComponents
 from ._container_specs import ContainerSpecs
@@ -97,6 +90,7 @@ from ._grant import ContainerRecord, LingeringCgroup, Policies, gpu_rules, reque
 from ._units import UnitCatalog
 from ._launch import build_launch_info, remove_devices_dir, runtime_path
 from ._metrics import IsolatorMetrics, measured
+from ._ordering import ContainerOrdering
 from ._usage import UsageReport
 from ._recovering import Recovering
 from ._repair import KernelRepair
@@ -113,7 +107,7 @@ from ._types import (
 logger = logging.getLogger(__name__)
 
 
-class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatch, Process):
+class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, KernelRepair, HealthWatch, Process):
     """The NVIDIA GPU isolator actor (see the module rules)."""
 
     def __init__(self, flags: Flags, components: NvidiaComponents, devices: DeviceControl,
@@ -127,11 +121,7 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
         self.devices = devices
         self.control_devices = control_devices
         self.infos: dict[ContainerID, ContainerRecord] = {}
-        self._sequences: dict[ContainerID, Sequence] = {}
-        """Per container whose calls overlap: its calls in arrival order (dropped when idle)."""
-        self._running: set[ContainerID] = set()
-        """Containers with a call running as the event that issued it (no Sequence
-        until another call must wait behind it)."""
+        self._init_ordering()
         self._recoveries = Sequence(on_idle=self._recovered)
         """Recoveries, one at a time."""
         self._recovering: Future | None = None
@@ -155,7 +145,6 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
         """Ids (nested too) whose device nodes a prepare copied."""
         self.reconcile_runs = 0
         """Periodic reconciliations completed (``flags.reconcile_interval``)."""
-        self._crashed: SimulatedCrash | None = None
         self._reconcile_timer: Any = None
         self._stopping = False
         self._metrics = IsolatorMetrics()
@@ -211,91 +200,13 @@ class NvidiaGpuIsolatorProcess(Recovering, UsageReport, KernelRepair, HealthWatc
             self._reconcile_timer.cancel()
             self._reconcile_timer = None
         self._executor.shutdown(wait=False)
-        for sequence in list(self._sequences.values()):
-            # A claimed call that never started (trio: terminated before its
-            # task ran) must not hold what waits behind it: those now fail
-            # with ProcessTerminated, as every queued event does.
-            sequence.release()
+        self._release_all()
 
     def supports_nesting(self) -> bool:
         return True
 
     def supports_standalone(self) -> bool:
         return True
-
-    # -- per-container ordering ---------------------------------------------
-    def _in_order(self, container_id: ContainerID, operation: Any, *args: Any) -> Any:
-        """Run ``operation(*args)`` on this actor after every earlier call on
-        this container (its Sequence), and after a recovery issued before it.
-        When nothing is in flight, the call runs as the current event (no
-        Sequence, no Future, no hop: the container is marked running);
-        otherwise it is dispatched in its turn."""
-        recovery = self._recovering
-        sequence = self._sequences.get(container_id)
-        if sequence is None:
-            if recovery is None and container_id not in self._running:
-                self._running.add(container_id)
-                return self._run(container_id, operation, args, True)
-            sequence = self._sequence(container_id)
-        return sequence.add(dispatch, self.pid, NvidiaGpuIsolatorProcess._run, container_id, operation, args, False,
-                            recovery)
-
-    def _sequence(self, container_id: ContainerID) -> Sequence:
-        """The container's Sequence, made when a call must wait: a call running
-        as the event that issued it holds it (``Sequence.claim``) until it
-        ends. Dropped once idle."""
-        sequence = self._sequences.get(container_id)
-        if sequence is None:
-            sequence = self._sequences[container_id] = Sequence(on_idle=self._forgetter(container_id))
-            if container_id in self._running:
-                sequence.claim()
-        return sequence
-
-    def _in_flight(self, container_id: ContainerID) -> bool:
-        """Whether a call on this container is running or waiting."""
-        return container_id in self._running or container_id in self._sequences
-
-    def _forgetter(self, container_id: ContainerID) -> Any:
-        def forget() -> None:
-            sequence = self._sequences.get(container_id)
-            if sequence is not None and sequence.is_idle():
-                del self._sequences[container_id]
-        return forget
-
-    def _release(self, container_id: ContainerID) -> None:
-        """A call that ran as its own event ended: the container's next call may start."""
-        self._running.discard(container_id)
-        sequence = self._sequences.get(container_id)
-        if sequence is not None:
-            sequence.release()
-
-    async def _run(self, container_id: ContainerID | None, operation: Any, args: tuple,
-                   claimed: bool = False, recovery: Future | None = None) -> Any:
-        """Run one verb (once ``recovery``, issued before it, is done): every
-        failure leaves as an ``IsolatorError`` with the original text and
-        cause (see ``as_isolator_error``)."""
-        try:
-            if recovery is not None and recovery.is_pending():
-                await await_all([recovery])  # its outcome is its caller's; this call goes on either way
-            if self._crashed is not None:
-                raise SimulatedCrash(f"the agent crashed earlier ({self._crashed})")
-            return await operation(*args)
-        except SimulatedCrash as crash:
-            # Fault injection: the agent "died" in this call. Fail it as an
-            # Exception (a BaseException would never complete its Future)
-            # and refuse every later call; drop every actor and recover.
-            while isinstance(crash.__context__, SimulatedCrash):  # an undo hit the dead backend
-                crash = crash.__context__
-            self._crashed = self._crashed or crash
-            who = f"Container {container_id}" if container_id is not None else "Recovery"
-            raise IsolatorError(f"{who}: simulated crash of the agent: {crash}; drop every actor and recover") from crash
-        except IsolatorError:
-            raise
-        except Exception as error:
-            raise as_isolator_error(error) from error
-        finally:
-            if claimed:
-                self._release(container_id)  # type: ignore[arg-type]
 
     # -- prepare --------------------------------------------------------------
     def prepare(self, container_id: ContainerID, config: ContainerConfig) -> Any:
