@@ -24,8 +24,9 @@ Rules:
 - ``nvidia_mig_strategy`` (R-MG-3) is ``none`` (MIG-enabled GPUs are
   handed out whole), ``single`` (every MIG device is one unit of ``gpus``)
   or ``mixed`` (MIG devices are resources ``mig-<profile>`` beside
-  ``gpus``); ``proc_dir`` (default ``/proc``) is where the MIG capability
-  facts are read (``driver/nvidia-caps/mig-minors``, ``devices``).
+  ``gpus``); ``proc_dir`` (default ``/proc``) is where the node's kernel
+  facts are read: the MIG capability facts (``driver/nvidia-caps/mig-minors``,
+  ``devices``) and the major registered for ``nvidia-uvm`` (``devices``).
 - ``cdi_spec_dir`` (None: no CDI specs) is an absolute path when set.
 - ``reconcile_interval`` is seconds (``None`` = off); on the command line
   it also takes Mesos durations (``30secs``, ``500ms``, ``2mins``) or
@@ -172,8 +173,9 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``none`` (MIG GPUs handed out whole) | ``single`` (each MIG device is one
     unit of ``gpus``) | ``mixed`` (MIG devices as ``mig-<profile>`` resources)."""
     proc_dir: str = "/proc"
-    """Where the MIG capability facts are read (``driver/nvidia-caps/mig-minors``,
-    ``devices``); tests point it at files of their own."""
+    """Where the node's kernel facts are read: the MIG capability facts
+    (``driver/nvidia-caps/mig-minors``, ``devices``) and the ``nvidia-uvm``
+    major (``devices``); tests point it at files of their own."""
 
     def __post_init__(self) -> None:
         _check_choice("nvidia_mig_strategy", self.nvidia_mig_strategy)

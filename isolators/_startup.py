@@ -13,10 +13,14 @@ Rules (Mesos ``NvidiaGpuIsolatorProcess::create``):
   directory, a block device), or whose major is wrong (``nvidiactl`` and
   ``nvidia-modeset`` are NVIDIA's major 195; ``nvidia-uvm`` and
   ``nvidia-uvm-tools`` never are, and have the major the kernel registered
-  for ``nvidia-uvm`` in ``/proc/devices`` when it lists one), is one clear
-  error naming the path: such a node would become a meaningless rule.
+  for ``nvidia-uvm`` in ``<proc_dir>/devices`` when it lists one), is one
+  clear error naming the path: such a node would become a meaningless rule.
+  The node's kernel facts come from ``--proc_dir`` alone (``/proc`` on a
+  real node; a simulated node's own directory, whose ``devices`` may be
+  absent: then only "not 195" is checked), never from the host's ``/proc``
+  behind a node's back.
 - ``probe_host(flags, host_numbers)`` does both: every call here blocks (reads
-  ``/proc/cgroups`` and ``/proc/devices``, stats nodes, may run a program), so
+  ``/proc/cgroups`` and ``<proc_dir>/devices``, stats nodes, may run a program), so
   ``create`` runs it as ONE executor job, never on the event loop.
 """
 
@@ -113,7 +117,7 @@ def find_control_devices(flags: Flags, host_numbers: dict[str, str] | None) -> d
             subprocess.run(["nvidia-modprobe", "-u", "-c", "0"], check=True, capture_output=True, timeout=30)
         except (OSError, subprocess.SubprocessError) as e:
             raise IsolatorError(f"Failed to load '{uvm}': {e}") from None
-    uvm_major = registered_major("nvidia-uvm")
+    uvm_major = registered_major("nvidia-uvm", os.path.join(flags.proc_dir, "devices"))
     rules = {}
     for name in REQUIRED_CONTROL_DEVICES + OPTIONAL_CONTROL_DEVICES:
         path = os.path.join(dev_dir, name)

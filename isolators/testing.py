@@ -11,7 +11,13 @@ Rules:
 - Construction does no I/O; ``create_files()`` makes the directory (a fresh
   temp dir when none was given, removed again by ``close()``), the dev dir
   and the host file, and for a host with MIG devices their capability
-  facts under ``<dir>/proc`` (then the node's ``proc_dir``); ``await setup()`` does the same off the event loop.
+  facts under ``<dir>/proc``; ``await setup()`` does the same off the event loop.
+- A node reads no host facts unless asked to: its ``proc_dir`` is
+  ``<dir>/proc`` (no ``devices`` file unless a MIG host's facts are
+  written there, so the host's ``/proc/devices`` never judges its control
+  devices) and its ``ld_cache`` is ``<dir>/ld.so.cache``, an empty loader
+  cache (its volume copies no host library). ``extra`` may point either at
+  the host's on purpose.
 - ``await start()`` builds components and an isolator from the flags (inside
   a ``runtime.Runtime``) and keeps them as ``components`` / ``isolator``;
   ``stop()`` drops every actor and cleans nothing up (an agent crash);
@@ -44,6 +50,7 @@ import aiofiles.os
 from actors.flags import Flags
 from actors.mig.testing import write_proc_dir
 from actors.nvml import HostFileError, load_host_file
+from actors.volume.testing import write_ld_cache
 from actors.devices import MemoryBackend, default_hierarchy
 
 from ._components import NvidiaComponents
@@ -154,7 +161,6 @@ class SimulatedNode:
             self._host = host if host is not None else host_document(gpus)
             self.host_file = None
         self.extra: dict[str, Any] = dict(extra or {})
-        self._has_proc = False
         self.components: NvidiaComponents | None = None
         self.isolator: MesosIsolator | None = None
 
@@ -164,6 +170,9 @@ class SimulatedNode:
         if self.tmp is None:
             self.tmp = tempfile.mkdtemp(prefix="gpu-isolator-node-")
         os.makedirs(self.dev_dir, exist_ok=True)
+        os.makedirs(self.proc_dir, exist_ok=True)
+        if not os.path.exists(self.ld_cache):
+            write_ld_cache(self.ld_cache)
         if self.host_file is None:
             self.write_host(self._host)
         else:
@@ -179,7 +188,6 @@ class SimulatedNode:
             return  # a bad host file is the start's error to report, not this one's
         if any(gpu.mig_devices for gpu in spec.gpus):
             write_proc_dir(self.proc_dir, spec)
-            self._has_proc = True
 
     async def setup(self) -> "SimulatedNode":
         """``create_files()`` off the event loop."""
@@ -212,7 +220,9 @@ class SimulatedNode:
     work_dir = _Inside("work")
     volume_dir = _Inside("volume")
     proc_dir = _Inside("proc")
-    """The MIG capability facts of a MIG host (``--proc_dir``)."""
+    """The node's kernel facts (``--proc_dir``): a MIG host's capability facts, no ``devices`` otherwise."""
+    ld_cache = _Inside("ld.so.cache")
+    """The node's loader cache (``--ld_cache``): empty, no driver library to copy."""
 
     # -- flags and actors -----------------------------------------------------------
     def flag_values(self, changes: Mapping[str, Any] | None = None, /, **more: Any) -> dict[str, Any]:
@@ -227,7 +237,8 @@ class SimulatedNode:
             "device_backend": self.backend,
             "cgroups_hierarchy": self.hierarchy,
             "cgroups_root": self.cgroups_root,
-            **({"proc_dir": self.proc_dir} if self._has_proc else {}),
+            "proc_dir": self.proc_dir,
+            "ld_cache": self.ld_cache,
             **self.extra,
             **(changes or {}),
             **more,

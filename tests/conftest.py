@@ -9,6 +9,9 @@
 - ``node_root_prefix``: ``gpu-isolator-test-<pid>-`` (a directory's conftest
   may narrow it).
 - ``probes()`` spawns a ``DeviceProbe`` (killed at teardown).
+- Every test is watched (``tests.support.host_facts``): opening the host's
+  ``/etc/ld.so.cache`` or ``/proc/devices`` fails it unless it is marked
+  ``@pytest.mark.host_facts`` (it reads the host's own on purpose).
 """
 
 from __future__ import annotations
@@ -17,9 +20,27 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from tests.support import host_facts
 from tests.support.kernel import skip_reason
 from tests.support.nodes import TEST_ROOT_PREFIX, Node
 from tests.support.probes import DeviceProbe
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{host_facts.MARKER}: the test reads the host's own loader cache or"
+                            " /proc/devices on purpose")
+    host_facts.watch()
+
+
+@pytest.fixture(autouse=True)
+def _reads_no_host_facts(request: pytest.FixtureRequest) -> Iterator[None]:
+    host_facts.forget()
+    yield
+    seen = host_facts.opened()
+    host_facts.forget()
+    if seen and request.node.get_closest_marker(host_facts.MARKER) is None:
+        pytest.fail(f"the test opened the host's {sorted(set(seen))}: give its node its own"
+                    " (SimulatedNode's ld_cache and proc_dir) or mark it host_facts", pytrace=False)
 
 
 @pytest.fixture

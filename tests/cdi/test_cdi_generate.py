@@ -16,6 +16,7 @@ from actors.nvml import load_host_file
 from actors.nvml._open import nvml_available
 from isolators import cli
 from isolators.cdi import decode_spec, validate_spec
+from tests.support.host_facts import own_fact_args
 
 REPO = Path(__file__).resolve().parents[2]
 DGX = str(REPO / "examples" / "dgx-8gpu.toml")
@@ -23,7 +24,7 @@ PCIE = str(REPO / "examples" / "pcie-4gpu.toml")
 
 
 def generate(capsys: pytest.CaptureFixture[str], tmp_path: Path, *argv: str) -> tuple[int, str, str]:
-    code = cli.main(["cdi", "generate", "--volume-dir", str(tmp_path / "volume"), *argv])
+    code = cli.main(["cdi", "generate", "--volume-dir", str(tmp_path / "volume"), *own_fact_args(tmp_path), *argv])
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from actors.nvml import host_spec_from_dict
+from actors.volume.testing import write_ld_cache
 
 from tests.support.fake_nvml import HEALTH_PROBE
 
@@ -45,6 +46,9 @@ def health_job(probe, tmp_path: Path):
     os.mknod(dev / "nvidia-uvm", stat.S_IFCHR | 0o666, os.makedev(235, 0))
     events = tmp_path / "events"
     events.write_text("")
+    own_cache = write_ld_cache(tmp_path / "ld.so.cache")
+    proc = tmp_path / "proc"
+    proc.mkdir()
 
     def job(scenario: str, **extra: object) -> dict:
         return {
@@ -56,6 +60,7 @@ def health_job(probe, tmp_path: Path):
                 "runtime_dir": str(tmp_path / "run"),
                 "work_dir": str(tmp_path / "work"),
                 "volume_dir": str(tmp_path / "volume"),
+                "ld_cache": own_cache, "proc_dir": str(proc),  # the node's, never the host's
                 "cgroups_root": f"gpu-isolator-test-{uuid.uuid4().hex[:12]}",
             },
             **extra,

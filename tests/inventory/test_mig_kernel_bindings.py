@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from actors.nvml import host_spec_from_dict
+from actors.volume.testing import write_ld_cache
 from tests.support.fake_nvml import MIG_KERNEL_PROBE
 from tests.support.kernel import KERNEL_BACKENDS, hierarchy_of, remove_test_cgroups, skip_reason
 from tests.support.mig import EXPECTED, HOST, mknod_mig_nodes, write_mig_proc
@@ -32,6 +33,7 @@ def test_the_kernel_scenario_on_the_real_bindings(backend, probe, tmp_path, node
         "cgroups_hierarchy": hierarchy_of(backend), "cgroups_root": root, "nvidia_mig_strategy": "mixed",
         "work_dir": str(tmp_path / "work"), "runtime_dir": str(tmp_path / "run"),
         "volume_dir": str(tmp_path / "volume"), "gpu_allocation": "lowest",
+        "ld_cache": write_ld_cache(tmp_path / "ld.so.cache"),  # the node's own, never the host's
     }
     try:
         [seen] = probe.run([{"config": probe.config(host_spec_from_dict(HOST)), "flags": flags, "dev_dir": dev_dir}],

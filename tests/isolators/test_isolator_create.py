@@ -244,17 +244,53 @@ async def test_control_devices_that_are_not_device_nodes_fail_create(memory_node
             await components.close()
 
 
-def test_nvidia_uvm_must_have_the_major_the_kernel_registered(memory_node, monkeypatch) -> None:
+def _proc_devices(node, uvm_major: int) -> None:
+    """The node's own ``<proc_dir>/devices``, listing nvidia-uvm at ``uvm_major``."""
+    with open(os.path.join(node.proc_dir, "devices"), "w") as handle:
+        handle.write(f"Character devices:\n  1 mem\n195 nvidia-frontend\n{uvm_major} nvidia-uvm\n\n"
+                     "Block devices:\n  7 loop\n")
+
+
+def _other_major_than_the_hosts(uvm: int) -> int:
+    """``uvm``, or another major when the host's /proc/devices lists nvidia-uvm there (a GPU host)."""
+    return uvm + 1 if _startup.registered_major("nvidia-uvm") == uvm else uvm
+
+
+@pytest.mark.host_facts  # reads the host's /proc/devices to pick majors it does not list
+def test_nvidia_uvm_must_have_the_major_its_proc_dir_lists(memory_node) -> None:
+    """The major is read from the node's ``<proc_dir>/devices``, never the host's
+    ``/proc/devices``: a node at 509 whose proc_dir lists 510 is refused whatever
+    the host's kernel registered (it must differ from the host's to prove it)."""
     needs_root()
     dev = memory_node.dev_dir
+    node_major = _other_major_than_the_hosts(509)
+    listed = _other_major_than_the_hosts(node_major + 1)
     mknod(os.path.join(dev, "nvidiactl"), 195, 255)
-    mknod(os.path.join(dev, "nvidia-uvm"), 509, 0)
-    monkeypatch.setattr(_startup, "registered_major", lambda name: 510 if name == "nvidia-uvm" else None)
+    mknod(os.path.join(dev, "nvidia-uvm"), node_major, 0)
+    _proc_devices(memory_node, listed)
+    assert memory_node.flags().proc_dir == memory_node.proc_dir != "/proc"
     with raises_isolator_error(
-            f"'{os.path.join(dev, 'nvidia-uvm')}' is the character device 509:0, not of the major 510 the kernel"
-            " registered for nvidia-uvm: it is not the control device 'nvidia-uvm'; recreate it"
+            f"'{os.path.join(dev, 'nvidia-uvm')}' is the character device {node_major}:0, not of the major {listed}"
+            " the kernel registered for nvidia-uvm: it is not the control device 'nvidia-uvm'; recreate it"
             " (nvidia-modprobe -u -c 0) or fix --dev_dir"):
         find_control_devices(memory_node.flags(), None)
+
+
+@pytest.mark.host_facts  # reads the host's /proc/devices to pick majors it does not list
+def test_nvidia_uvm_of_the_major_its_proc_dir_lists_is_accepted(memory_node) -> None:
+    """The same node whose proc_dir lists its own major (not the host's) starts; so
+    does one whose proc_dir has no ``devices`` (then only "not 195" is checked)."""
+    needs_root()
+    dev = memory_node.dev_dir
+    node_major = _other_major_than_the_hosts(509)
+    mknod(os.path.join(dev, "nvidiactl"), 195, 255)
+    mknod(os.path.join(dev, "nvidia-uvm"), node_major, 0)
+    expected = {os.path.join(dev, "nvidiactl"): DeviceRule("c", 195, 255, "rwm"),
+                os.path.join(dev, "nvidia-uvm"): DeviceRule("c", node_major, 0, "rwm")}
+    assert not os.path.exists(os.path.join(memory_node.proc_dir, "devices"))
+    assert find_control_devices(memory_node.flags(), None) == expected
+    _proc_devices(memory_node, node_major)
+    assert find_control_devices(memory_node.flags(), None) == expected
 
 
 def test_registered_major_reads_the_character_devices_of_proc_devices(tmp_path) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from actors.devices import MemoryBackend
+from actors.volume import DEFAULT_LD_CACHE, read_ld_cache
 from isolators import ContainerConfig, ContainerID, Flags, Resources
 from isolators.testing import (
     DRIVER_VERSION,
@@ -70,7 +71,8 @@ def test_the_flags_are_the_nodes_paths_then_extra_then_changes(tmp_path: Any) ->
     node.create_files()
     with open(node.host_file) as handle:
         assert json.load(handle) == host_document(3) == {"driver_version": DRIVER_VERSION, "gpu_count": 3}
-    assert sorted(os.listdir(tmp_path)) == ["dev", "host.json"] and os.listdir(node.dev_dir) == []
+    assert sorted(os.listdir(tmp_path)) == ["dev", "host.json", "ld.so.cache", "proc"]
+    assert os.listdir(node.dev_dir) == [] and os.listdir(node.proc_dir) == []
     flags = node.flags(device_worker="process", reconcile_interval="30s")
     assert isinstance(flags, Flags)
     assert (flags.host_file, flags.dev_dir, flags.runtime_dir, flags.work_dir, flags.volume_dir) == (
@@ -80,6 +82,30 @@ def test_the_flags_are_the_nodes_paths_then_extra_then_changes(tmp_path: Any) ->
         "memory", None, "gpu-isolator-test-flags")
     assert (flags.gpu_allocation, flags.device_worker, flags.reconcile_interval) == ("lowest", "process", 30.0)
     assert node.root == "memory:/gpu-isolator-test-flags"
+
+
+@pytest.mark.asyncio
+async def test_a_node_reads_no_host_facts_unless_asked(tmp_path: Any) -> None:
+    """Its loader cache and proc dir are its own (an empty cache, no ``devices``):
+    its volume copies no library of the host (on a GPU host the host's cache
+    lists the driver's, 300 MB a volume) and its control devices are never
+    judged by the host's /proc/devices; ``extra`` may name the host's on purpose."""
+    node = SimulatedNode(tmp_path / "own", "memory", gpus=1).create_files()
+    flags = node.flags()
+    assert flags.ld_cache == node.ld_cache == str(tmp_path / "own" / "ld.so.cache")
+    assert flags.ld_cache != Flags().ld_cache == DEFAULT_LD_CACHE
+    assert read_ld_cache(flags.ld_cache) == []
+    assert flags.proc_dir == node.proc_dir != Flags().proc_dir and os.listdir(node.proc_dir) == []
+    async with Runtime():
+        components, _isolator = await node.start()
+        try:
+            volume = components.volume.host_path
+            assert volume.startswith(node.volume_dir)
+            assert {d: os.listdir(os.path.join(volume, d)) for d in ("lib", "lib64")} == {"lib": [], "lib64": []}
+        finally:
+            await node.stop()
+    on_purpose = SimulatedNode(tmp_path / "host", "memory", extra={"ld_cache": DEFAULT_LD_CACHE, "proc_dir": "/proc"})
+    assert (on_purpose.create_files().flags().ld_cache, on_purpose.flags().proc_dir) == (DEFAULT_LD_CACHE, "/proc")
 
 
 def test_an_existing_host_file_and_a_fresh_root_of_its_own(tmp_path: Any) -> None:

@@ -11,8 +11,9 @@ Rules:
   (``<base>/lib64`` ...) is a symlink to the real directory inside that
   root, so the cache's paths resolve on the host. ``FakeDriver.cache``
   writes a cache of some of its directories.
-- ``new_cache_bytes`` / ``old_cache_bytes``: caches written by hand, for
-  what ``ldconfig`` never writes (corrupt, foreign byte order, old format).
+- ``new_cache_bytes`` (from ``actors.volume.testing``) / ``old_cache_bytes``:
+  caches written by hand, for what ``ldconfig`` never writes (corrupt,
+  foreign byte order, old format).
 - ``unmount_all_under(path)``: unmount everything a test mounted there.
 """
 
@@ -24,6 +25,8 @@ import struct
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from actors.volume.testing import new_cache_bytes
 
 VERSION = "550.54.15"
 
@@ -192,28 +195,6 @@ def unmount_all_under(path: str) -> None:
             return
         for target in sorted(targets, key=len, reverse=True):
             subprocess.run(["umount", "-l", target], capture_output=True)
-
-
-def new_cache_bytes(entries: list[tuple[str, str, int]], order: str = "<",
-                    endian_flag: int | None = None) -> bytes:
-    """A new-format cache (``glibc-ld.so.cache1.1``) of (name, path, flags)."""
-    header_size, entry_size = 48, 24
-    strings = bytearray()
-    offsets = []
-    base = header_size + entry_size * len(entries)
-    for name, path, _ in entries:
-        key = base + len(strings)
-        strings += name.encode() + b"\0"
-        value = base + len(strings)
-        strings += path.encode() + b"\0"
-        offsets.append((key, value))
-    if endian_flag is None:
-        endian_flag = 2 if order == "<" else 3
-    out = bytearray(struct.pack(order + "20sIIB3xI3I", b"glibc-ld.so.cache1.1",
-                                len(entries), len(strings), endian_flag, 0, 0, 0, 0))
-    for (_, _, flags), (key, value) in zip(entries, offsets):
-        out += struct.pack(order + "iIIIQ", flags, key, value, 0, 0)
-    return bytes(out + strings)
 
 
 def old_cache_bytes(entries: list[tuple[str, str, int]]) -> bytes:

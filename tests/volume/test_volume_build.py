@@ -15,6 +15,7 @@ import pytest
 from actors import NvidiaVolume
 from actors.volume import LIBRARIES, ElfError, LdCacheError, VolumeError, library_skip_reason, read_elf, read_ld_cache
 from actors.volume._build import VENDOR_NEUTRAL
+from actors.volume.testing import write_ld_cache
 from actors.volume._mount import mount_of, read_mount_table
 from actors.volume._elf import ElfInfo
 from runtime import Runtime, snapshot
@@ -245,20 +246,27 @@ def test_tls_rule():
 
 
 @pytest.mark.asyncio
+@pytest.mark.host_facts  # the host's own cache, on purpose
 async def test_the_hosts_cache_builds_and_keeps_glvnd_gl_libraries(volume_dir):
     """Smoke test on the machine's own cache: GL loaders that NEED the real
-    ``libGLdispatch.so.0`` are kept (Mesos' exact match would drop them)."""
+    ``libGLdispatch.so.0`` are kept (Mesos' exact match would drop them).
+    Only the host's vendor-neutral entries are built (a cache of those rows,
+    as the host lists them): on a GPU host the whole cache would copy every
+    driver library (300 MB) that this test does not look at."""
     if not os.path.exists("/etc/ld.so.cache"):
         pytest.skip("no /etc/ld.so.cache on this machine")
+    host_entries = [e for e in read_ld_cache() if any(e.name.startswith(n) for n in VENDOR_NEUTRAL)]
+    cache = write_ld_cache(volume_dir.parent / "vendor-neutral.cache",
+                           [(e.name, e.path, e.flags) for e in host_entries])
     async with Runtime():
-        volume = await NvidiaVolume.create(str(volume_dir), "host-smoke", search_path="")
+        volume = await NvidiaVolume.create(str(volume_dir), "host-smoke", ld_cache=cache, search_path="")
     for relative, kind in listing(volume.host_path).items():
         path = os.path.join(volume.host_path, relative)
         if kind == "file":
             assert read_elf(path).elf_class == (32 if relative.startswith("lib/") else 64)
         elif kind.startswith("link:"):
             assert "/" not in kind and os.path.isfile(path)
-    for entry in read_ld_cache():
+    for entry in host_entries:
         library = next((n for n in VENDOR_NEUTRAL if entry.name.startswith(n)), None)
         if library is None or not os.path.exists(entry.path):
             continue

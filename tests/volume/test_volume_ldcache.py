@@ -72,6 +72,7 @@ def test_flags_say_which_entries_are_64_bit(fake_driver, driver_cache):
         assert entry.arch in ("ELF", "libc6")
 
 
+@pytest.mark.host_facts  # the host's own cache, on purpose (parsed only, nothing copied)
 def test_the_hosts_own_cache_parses_like_ldconfig_prints_it():
     if not os.path.exists("/etc/ld.so.cache") or shutil.which("ldconfig") is None:
         pytest.skip("no /etc/ld.so.cache or ldconfig on this machine")
