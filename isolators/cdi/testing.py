@@ -61,6 +61,7 @@ ENGINE_TIMEOUT = 90.0
 _APPLETS = ("sh", "ls", "cat", "env", "stat", "echo", "true", "sed")
 _ERRNO_TEXT = {
     "No such device or address": "ENXIO",
+    "No such device": "ENODEV",  # a driver serves the major but not that minor (a GPU host)
     "Operation not permitted": "EPERM",
     "No such file or directory": "ENOENT",
     "no such file": "ENOENT",  # busybox's own wording for a missing file

@@ -9,7 +9,8 @@ then the cgroups are removed deepest first.
 
 ``device_nodes``: mknod'ed nodes the probes open, by (type, major, minor):
 major 195 (NVIDIA, no driver here) and the unassigned major 240, char and
-block. Allowed -> ENXIO, denied -> EPERM.
+block. Judged by ``tests.support.probes.verdict``: DENIED iff EPERM, else
+GRANTED (ENXIO here, no driver; 0 or ENODEV where a driver serves the major).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from actors.devices import (
     container_policy,
 )
 from actors.devices.testing import FaultInjectingBackend
+from tests.support.probes import DENIED, GRANTED
 
 R = DeviceRule.parse
 CONTROL = ["c 195:255 rwm"]
@@ -33,20 +34,20 @@ def test_configure_reconfigure_remove_as_seen_by_a_process(v1_sandbox, device_no
     backend.configure("c1", allow, deny)
     assert devices_list(v1_sandbox, "c1")[-3:] == ["c 195:0 rwm", "c 195:1 rwm", "c 195:255 rwm"]
     probe = v1_sandbox.probe("c1")
-    assert probe.open(device_nodes["c", 195, 0]) == errno.ENXIO
-    assert probe.open(device_nodes["c", 195, 1]) == errno.ENXIO
-    assert probe.open(device_nodes["c", 195, 2]) == errno.EPERM
-    assert probe.open(device_nodes["c", 195, 255]) == errno.ENXIO
-    assert probe.open(device_nodes["b", 240, 0], os.O_RDONLY) == errno.EPERM
-    assert probe.open("/dev/null") == 0
+    assert probe.access(device_nodes["c", 195, 0]) == GRANTED
+    assert probe.access(device_nodes["c", 195, 1]) == GRANTED
+    assert probe.access(device_nodes["c", 195, 2]) == DENIED
+    assert probe.access(device_nodes["c", 195, 255]) == GRANTED
+    assert probe.access(device_nodes["b", 240, 0], os.O_RDONLY) == DENIED
+    assert probe.access("/dev/null") == GRANTED
 
     state = backend.reconfigure("c1", [R("c 195:2 rwm")], [R("c 195:1 rwm")])
     assert state.is_granted("c", 195, 2, "rw") and not state.is_granted("c", 195, 1, "r")
     assert state == backend.state("c1")
-    assert probe.open(device_nodes["c", 195, 1]) == errno.EPERM
-    assert probe.open(device_nodes["c", 195, 2]) == errno.ENXIO
-    assert probe.open(device_nodes["c", 195, 0]) == errno.ENXIO
-    assert probe.open("/dev/null") == 0
+    assert probe.access(device_nodes["c", 195, 1]) == DENIED
+    assert probe.access(device_nodes["c", 195, 2]) == GRANTED
+    assert probe.access(device_nodes["c", 195, 0]) == GRANTED
+    assert probe.access("/dev/null") == GRANTED
 
     probe.close()
     assert backend.remove("c1") is True
@@ -58,12 +59,12 @@ def test_partial_access_and_mknod(v1_sandbox, device_nodes, tmp_path) -> None:
     backend = CgroupsV1Backend(v1_sandbox.hierarchy, v1_sandbox.cgroups_root)
     backend.configure("c1", ["c 1:3 rwm", "c 195:0 r", "c 240:* m"], [])
     probe = v1_sandbox.probe("c1")
-    assert probe.open(device_nodes["c", 195, 0], os.O_RDONLY) == errno.ENXIO
-    assert probe.open(device_nodes["c", 195, 0], os.O_WRONLY) == errno.EPERM
-    assert probe.open(device_nodes["c", 195, 0], os.O_RDWR) == errno.EPERM
-    assert probe.mknod(str(tmp_path), "c", 240, 7) == 0
-    assert probe.mknod(str(tmp_path), "c", 195, 0) == errno.EPERM
-    assert probe.mknod(str(tmp_path), "b", 240, 7) == errno.EPERM
+    assert probe.access(device_nodes["c", 195, 0], os.O_RDONLY) == GRANTED
+    assert probe.access(device_nodes["c", 195, 0], os.O_WRONLY) == DENIED
+    assert probe.access(device_nodes["c", 195, 0], os.O_RDWR) == DENIED
+    assert probe.may_mknod(str(tmp_path), "c", 240, 7) == GRANTED
+    assert probe.may_mknod(str(tmp_path), "c", 195, 0) == DENIED
+    assert probe.may_mknod(str(tmp_path), "b", 240, 7) == DENIED
 
 
 def test_one_rule_per_write_is_a_kernel_fact(v1_sandbox) -> None:
@@ -104,17 +105,17 @@ def test_reconcile_repairs_an_allow_all_wipe(v1_sandbox, device_nodes) -> None:
     allow, deny = container_policy(CONTROL, ["c 195:0 rwm"])
     desired = backend.configure("c1", allow, deny)
     probe = v1_sandbox.probe("c1")
-    assert probe.open(device_nodes["c", 195, 1]) == errno.EPERM
+    assert probe.access(device_nodes["c", 195, 1]) == DENIED
     assert backend.reconcile("c1", desired) == []
     with open(os.path.join(v1_sandbox.root, "c1", "devices.allow"), "w") as handle:
         handle.write("a")  # what a systemd reload can do
     assert devices_list(v1_sandbox, "c1") == ["a *:* rwm"]
-    assert probe.open(device_nodes["c", 195, 1]) == errno.ENXIO  # drifted: granted
+    assert probe.access(device_nodes["c", 195, 1]) == GRANTED  # drifted: granted
     repairs = backend.reconcile("c1", desired)
     assert repairs == [f"{v1_sandbox.root}/c1: devices.list read 'a *:* rwm' (allow all); denied all and rewrote the rules"]
-    assert probe.open(device_nodes["c", 195, 1]) == errno.EPERM
-    assert probe.open(device_nodes["c", 195, 0]) == errno.ENXIO
-    assert probe.open("/dev/null") == 0
+    assert probe.access(device_nodes["c", 195, 1]) == DENIED
+    assert probe.access(device_nodes["c", 195, 0]) == GRANTED
+    assert probe.access("/dev/null") == GRANTED
     assert backend.reconcile("c1", desired) == []
 
 
@@ -189,8 +190,8 @@ def test_nested_cgroups(v1_sandbox, device_nodes) -> None:
     backend.configure("parent/child", *container_policy(CONTROL, ["c 195:1 rwm"]))
     assert backend.list_cgroups() == ["parent", "parent/child"]
     probe = v1_sandbox.probe("parent/child")
-    assert probe.open(device_nodes["c", 195, 1]) == errno.ENXIO
-    assert probe.open(device_nodes["c", 195, 0]) == errno.EPERM
+    assert probe.access(device_nodes["c", 195, 1]) == GRANTED
+    assert probe.access(device_nodes["c", 195, 0]) == DENIED
     assert backend.remove("parent") is False  # its child is still there
     probe.close()
     assert backend.remove("parent/child") and backend.remove("parent")

@@ -10,7 +10,8 @@
 - ``kernel_node`` is the same over the two kernel backends only;
   ``memory_node`` the in-memory one; ``node_factory(backend)`` (tests/conftest.py)
   makes more, and ``probes`` spawns ``DeviceProbe`` children that open device
-  nodes from inside a cgroup: allowed -> ENXIO (no driver), denied -> EPERM.
+  nodes from inside a cgroup, judged by ``tests.support.probes.verdict``
+  (DENIED iff EPERM, else GRANTED).
 - ``char_nodes`` are mknod'ed 195:0..3 and 195:255 in a temp directory, by
   (major, minor).
 """

@@ -5,7 +5,6 @@ a warning says so, and the cgroup stays."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 
@@ -14,6 +13,7 @@ import pytest
 
 import runtime
 from isolators import ContainerConfig, ContainerID, Resources
+from tests.support.probes import DENIED, GRANTED
 from tests.support.errors import isolator_failure
 
 NO_MANIFEST = "The 'ContainerConfig' for docker is missing a manifest"
@@ -70,8 +70,8 @@ async def test_cleanup_with_a_process_inside_denies_and_releases(kernel_node, ch
         await isolator.prepare(cid, ContainerConfig(resources=Resources.parse("gpus:2")))
         probe = probes()
         probe.move_to(isolator.devices.path("busy"))
-        assert probe.open(char_nodes[195, 0]) == errno.ENXIO
-        assert probe.open(char_nodes[195, 1]) == errno.ENXIO
+        assert probe.access(char_nodes[195, 0]) == GRANTED
+        assert probe.access(char_nodes[195, 1]) == GRANTED
 
         await isolator.cleanup(cid)
         assert any("still has processes" in r.getMessage() and "busy" in r.getMessage() for r in caplog.records)
@@ -80,9 +80,9 @@ async def test_cleanup_with_a_process_inside_denies_and_releases(kernel_node, ch
         assert await isolator.containers() == {}
         assert os.path.isdir(isolator.devices.path("busy"))
         for minor in range(4):
-            assert probe.open(char_nodes[195, minor]) == errno.EPERM, minor
-        assert probe.open(char_nodes[195, 255]) == errno.ENXIO
-        assert probe.open("/dev/null") == 0
+            assert probe.access(char_nodes[195, minor]) == DENIED, minor
+        assert probe.access(char_nodes[195, 255]) == GRANTED
+        assert probe.access("/dev/null") == GRANTED
         state = await isolator.devices.state("busy")
         assert not any(state.is_granted("c", 195, m, "r") for m in range(4))
 
@@ -90,7 +90,7 @@ async def test_cleanup_with_a_process_inside_denies_and_releases(kernel_node, ch
         await isolator_failure(isolator.prepare(cid, ContainerConfig(resources=Resources.parse("gpus:1"))),
                                still_busy(cid))
         assert await components.allocator.available() == components.allocator.total()
-        assert probe.open(char_nodes[195, 0]) == errno.EPERM
+        assert probe.access(char_nodes[195, 0]) == DENIED
 
         # Once they are gone, a cleanup removes it and the id is usable again.
         probe.close()
@@ -121,7 +121,7 @@ async def test_failed_prepare_onto_an_occupied_cgroup_takes_the_gpus_back(kernel
         assert await components.allocator.available() == components.allocator.total()
         assert await isolator.containers() == {"seed": []}
         for minor in range(4):
-            assert probe.open(char_nodes[195, minor]) == errno.EPERM, minor
+            assert probe.access(char_nodes[195, minor]) == DENIED, minor
         await isolator_failure(isolator.prepare(cid, ContainerConfig(resources=Resources.parse("gpus:1"))),
                                still_busy(cid))
         probe.close()
@@ -168,11 +168,11 @@ async def test_cleanup_of_an_unknown_id_whose_cgroup_has_processes_denies_every_
         outsider_makes(node, "ghost")
         probe = probes()
         probe.move_to(node.cgroup_dir("ghost"))
-        assert probe.open(char_nodes[(195, 0)]) == errno.ENXIO  # granted every device
+        assert probe.access(char_nodes[(195, 0)]) == GRANTED  # granted every device
         await isolator.cleanup(ContainerID("ghost"))
         assert node.cgroup_exists("ghost")
-        assert [probe.open(char_nodes[(195, m)]) for m in range(4)] == [errno.EPERM] * 4
-        assert probe.open(char_nodes[(195, 255)]) == errno.ENXIO  # nvidiactl stays, as for a lingering container
+        assert [probe.access(char_nodes[(195, m)]) for m in range(4)] == [DENIED] * 4
+        assert probe.access(char_nodes[(195, 255)]) == GRANTED  # nvidiactl stays, as for a lingering container
         await isolator_failure(isolator.prepare(ContainerID("ghost"), ContainerConfig(resources=Resources.parse("gpus:1"))),
                                still_busy(ContainerID("ghost")))
         probe.close()

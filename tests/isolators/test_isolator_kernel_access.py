@@ -5,25 +5,25 @@ prepare -> update up -> update down -> cleanup."""
 
 from __future__ import annotations
 
-import errno
 import os
 
 import pytest
 
 import runtime
 from isolators import ContainerConfig, ContainerID, Resources
+from tests.support.probes import DENIED, GRANTED
 
 
-def access(probe, char_nodes) -> dict[str, int]:
-    """errno of opening each GPU node and nvidiactl, by name."""
-    seen = {f"gpu{m}": probe.open(char_nodes[195, m]) for m in range(4)}
-    seen["nvidiactl"] = probe.open(char_nodes[195, 255])
+def access(probe, char_nodes) -> dict[str, str]:
+    """The verdict on opening each GPU node and nvidiactl, by name."""
+    seen = {f"gpu{m}": probe.access(char_nodes[195, m]) for m in range(4)}
+    seen["nvidiactl"] = probe.access(char_nodes[195, 255])
     return seen
 
 
-def expect(granted: set[int]) -> dict[str, int]:
-    wanted = {f"gpu{m}": errno.ENXIO if m in granted else errno.EPERM for m in range(4)}
-    wanted["nvidiactl"] = errno.ENXIO
+def expect(granted: set[int]) -> dict[str, str]:
+    wanted = {f"gpu{m}": GRANTED if m in granted else DENIED for m in range(4)}
+    wanted["nvidiactl"] = GRANTED
     return wanted
 
 
@@ -43,7 +43,7 @@ async def test_a_process_in_the_container_sees_exactly_its_gpus(kernel_node, cha
         with open(os.path.join(path, "cgroup.procs")) as procs:
             assert str(probe.pid) in procs.read().split()
         assert access(probe, char_nodes) == expect({1})
-        assert probe.open("/dev/null") == 0
+        assert probe.access("/dev/null") == GRANTED
 
         await isolator.update(cid, Resources.parse("gpus:3"))
         assert await isolator.containers() == {"other": [0], "job": [1, 2, 3]}

@@ -20,7 +20,6 @@ Every wait is bounded."""
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import time
@@ -32,10 +31,10 @@ import pytest
 import runtime
 from actors.devices import DeviceRule, WorkerError, _worker_child
 from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
+from tests.support.probes import DENIED, GRANTED
 from tests.support.errors import isolator_failure
 from tests.support.nodes import judge
 
-GRANTED, DENIED = errno.ENXIO, errno.EPERM
 
 
 def C(name: str) -> ContainerID:
@@ -126,24 +125,24 @@ async def test_a_grow_whose_worker_died_after_granting_releases_nothing_on_a_gue
         await isolator.prepare(C("a"), cfg(1))  # GPU 0
         probe_a = probes()
         probe_a.move_to(node.cgroup_dir("a"))
-        assert (probe_a.open(gpu[0]), probe_a.open(gpu[1])) == (GRANTED, DENIED)
+        assert (probe_a.access(gpu[0]), probe_a.access(gpu[1])) == (GRANTED, DENIED)
         with StoppedWorker(isolator) as worker:
             grow = isolator.update(C("a"), Resources.parse("gpus:2"))  # GPU 1's grant goes to the stopped worker
             await worker.sent()
             applied_by_the_dead_worker(node, "a", DeviceRule("c", 195, 1, "rwm"))
-            assert probe_a.open(gpu[1]) == GRANTED  # the kernel has it; the worker never says so
+            assert probe_a.access(gpu[1]) == GRANTED  # the kernel has it; the worker never says so
             worker.kill()
             await failed_with_unknown_effects(grow, worker)
         # The update failed and changes nothing: GPU 1 went back only once the
         # kernel stopped granting it to a.
         assert await isolator.containers() == {"a": [0]}
-        assert (probe_a.open(gpu[0]), probe_a.open(gpu[1])) == (GRANTED, DENIED)
+        assert (probe_a.access(gpu[0]), probe_a.access(gpu[1])) == (GRANTED, DENIED)
         await judge(node, {"a": 1})
         await isolator.prepare(C("b"), cfg(1))
         assert await isolator.containers() == {"a": [0], "b": [1]}
         probe_b = probes()
         probe_b.move_to(node.cgroup_dir("b"))
-        assert (probe_b.open(gpu[1]), probe_a.open(gpu[1])) == (GRANTED, DENIED)  # one holder
+        assert (probe_b.access(gpu[1]), probe_a.access(gpu[1])) == (GRANTED, DENIED)  # one holder
         await judge(node, {"a": 1, "b": 1})
         probe_a.close()
         probe_b.close()
@@ -185,13 +184,13 @@ async def test_a_cleanup_whose_worker_died_keeps_the_record_and_its_gpus(kernel_
             await failed_with_unknown_effects(cleanup, worker)
         # Not forgotten: the record and GPU 0 stay; nobody else gets GPU 0.
         assert await isolator.containers() == {"a": [0]}
-        assert probe_a.open(gpu[0]) == GRANTED
+        assert probe_a.access(gpu[0]) == GRANTED
         await isolator.prepare(C("b"), cfg(1))
         assert await isolator.containers() == {"a": [0], "b": [1]}
         await judge(node, {"a": 1, "b": 1})
         # The retry finishes it: EBUSY, so GPU 0 is denied to the process, then released.
         await isolator.cleanup(C("a"))
-        assert probe_a.open(gpu[0]) == DENIED
+        assert probe_a.access(gpu[0]) == DENIED
         assert await isolator.containers() == {"b": [1]}
         await judge(node, {"b": 1}, extra_cgroups={"a"})
         probe_a.close()
@@ -272,7 +271,7 @@ async def test_a_cleanup_while_a_killed_worker_restarts_never_lets_two_container
             await isolator.prepare(a, cfg(4))
             probe_a = probes()
             probe_a.move_to(node.cgroup_dir(str(a)))  # a live process: the kernel refuses to remove a
-            assert [probe_a.open(gpu[m]) for m in range(4)] == [GRANTED] * 4
+            assert [probe_a.access(gpu[m]) for m in range(4)] == [GRANTED] * 4
             pid = isolator.devices.worker_pid
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
@@ -283,10 +282,10 @@ async def test_a_cleanup_while_a_killed_worker_restarts_never_lets_two_container
             assert isolator.devices.worker_pid not in (None, pid)
             assert await isolator.containers() == {str(b): [0, 1, 2, 3]}
             assert node.cgroup_exists(str(a))  # EBUSY: it lingers ...
-            assert [probe_a.open(gpu[m]) for m in range(4)] == [DENIED] * 4  # ... denied every GPU
+            assert [probe_a.access(gpu[m]) for m in range(4)] == [DENIED] * 4  # ... denied every GPU
             probe_b = probes()
             probe_b.move_to(node.cgroup_dir(str(b)))
-            assert [probe_b.open(gpu[m]) for m in range(4)] == [GRANTED] * 4
+            assert [probe_b.access(gpu[m]) for m in range(4)] == [GRANTED] * 4
             await judge(node, {str(b): 4}, extra_cgroups={str(a)})
             probe_a.close()
             probe_b.close()
@@ -332,7 +331,7 @@ async def test_a_failed_prepare_whose_cgroup_cannot_be_removed_holds_back_every_
         assert node.cgroup_exists("c1")
         probe = probes()
         probe.move_to(node.cgroup_dir("c1"))
-        assert [probe.open(gpu[m]) for m in range(4)] == [GRANTED] * 4  # the kernel: it may reach every GPU
+        assert [probe.access(gpu[m]) for m in range(4)] == [GRANTED] * 4  # the kernel: it may reach every GPU
         assert set(await components.allocator.available()) == set()  # so none of them is free
         with pytest.raises(IsolatorError, match="Requested 1 gpus but only 0 available"):
             await isolator.prepare(C("c2"), cfg(1))

@@ -10,7 +10,7 @@ is judged; the round ends with the agent SIGKILLed at a random moment
 
 The kernel is the judge: the agent and its worker are frozen (SIGSTOP),
 and a probe process moved into each cgroup under the root opens every GPU
-node (ENXIO: granted, EPERM: denied). Counted:
+node (``probes.verdict``: DENIED iff EPERM, else GRANTED). Counted:
 - double grants: a GPU two cgroups can open at once (cgroups whose prepare
   is in flight are left out: between mkdir and its rules a v1 cgroup
   allows what its parent allows, with no process inside yet);
@@ -32,7 +32,6 @@ test (``test_random_faults``) runs a few rounds.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import random
@@ -49,7 +48,7 @@ from typing import Any
 
 from isolators.testing import SimulatedNode, backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
 from tests.support.kernel import children, process_state, wait_gone
-from tests.support.probes import DeviceProbe, mknod_nodes
+from tests.support.probes import DENIED, GRANTED, DeviceProbe, mknod_nodes
 
 GPUS = 8
 NVIDIA = 195
@@ -261,12 +260,12 @@ class Judge:
                 except OSError:  # removed meanwhile (a dead agent's worker may still be exiting)
                     continue
                 try:
-                    opened = {m: self.probe.open(self.nodes["c", NVIDIA, m]) for m in range(GPUS)}
+                    opened = {m: self.probe.access(self.nodes["c", NVIDIA, m]) for m in range(GPUS)}
                 finally:
                     self.probe.move_to(self.hierarchy)
-                odd = {m: e for m, e in opened.items() if e not in (errno.ENXIO, errno.EPERM)}
-                assert not odd, f"{path}: opening GPU nodes gave {odd}, not ENXIO or EPERM"
-                found[os.path.relpath(path, self.root)] = {m for m, e in opened.items() if e == errno.ENXIO}
+                odd = {m: v for m, v in opened.items() if v not in (GRANTED, DENIED)}
+                assert not odd, f"{path}: opening GPU nodes gave {odd}, neither {GRANTED} nor {DENIED}"
+                found[os.path.relpath(path, self.root)] = {m for m, v in opened.items() if v == GRANTED}
         return found
 
     def double_grants(self, excluded: set[str]) -> list[str]:

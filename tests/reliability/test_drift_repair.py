@@ -11,7 +11,6 @@ the repair periodically on the runtime Clock (paused and advanced here).
 
 from __future__ import annotations
 
-import errno
 import os
 from typing import Any
 
@@ -20,12 +19,13 @@ import pytest
 from actors.devices import PROGRAM_NAME, Policy, MemoryBackend, build_device_program
 from isolators import ContainerConfig, ContainerID, NvidiaGpuIsolatorProcess, Resources
 from runtime import Clock, Runtime
+from tests.support.probes import DENIED, GRANTED
 from tests.support.kernel import attach_program, detach_program, program_infos
 from tests.support.nodes import judge
 
 MINORS = (0, 1, 2, 3, 255)
 # c1 holds GPU 0, c2 GPU 1 (lowest-first allocation); 255 is nvidiactl.
-BEFORE = {0: errno.ENXIO, 1: errno.EPERM, 2: errno.EPERM, 3: errno.EPERM, 255: errno.ENXIO}
+BEFORE = {0: GRANTED, 1: DENIED, 2: DENIED, 3: DENIED, 255: GRANTED}
 
 
 def C(name: str) -> ContainerID:
@@ -44,8 +44,8 @@ async def two_containers(node: Any, **flags: Any) -> Any:
     return isolator
 
 
-def sees(probe: Any, gpu_nodes: dict[int, str]) -> dict[int, int]:
-    return {minor: probe.open(gpu_nodes[minor]) for minor in MINORS}
+def sees(probe: Any, gpu_nodes: dict[int, str]) -> dict[int, str]:
+    return {minor: probe.access(gpu_nodes[minor]) for minor in MINORS}
 
 
 def own_programs(node: Any, name: str) -> list[int]:
@@ -86,7 +86,7 @@ async def test_v1_allow_all_from_a_reload_is_repaired(node_factory: Any, probes:
         probe.move_to(os.path.join(node.root, "c1"))
         assert sees(probe, gpu_nodes) == BEFORE
         wipe_v1(node, "c1")
-        assert sees(probe, gpu_nodes)[1] == errno.ENXIO  # drift: c1 may use c2's GPU
+        assert sees(probe, gpu_nodes)[1] == GRANTED  # drift: c1 may use c2's GPU
         with pytest.raises(AssertionError, match="GPU 1 is granted to"):
             await judge(node)
         repairs = await isolator.reconcile()
@@ -109,7 +109,7 @@ async def test_v1_a_revoked_gpu_is_granted_again(node_factory: Any, probes: Any,
         probe.move_to(os.path.join(node.root, "c1"))
         with open(os.path.join(node.root, "c1", "devices.deny"), "w") as deny:
             deny.write("c 195:0 rwm")
-        assert sees(probe, gpu_nodes)[0] == errno.EPERM  # drift: c1 lost its GPU
+        assert sees(probe, gpu_nodes)[0] == DENIED  # drift: c1 lost its GPU
         repairs = await isolator.reconcile()
         assert [(r.container_id, r.description.split(": ", 1)[1]) for r in repairs] == [
             ("c1", "allowed 'c 195:0 rwm'")
@@ -131,7 +131,7 @@ async def test_v2_a_detached_program_is_attached_again(node_factory: Any, probes
         probe.move_to(os.path.join(node.root, "c1"))
         assert sees(probe, gpu_nodes) == BEFORE
         detach_v2(node, "c1")
-        assert sees(probe, gpu_nodes)[1] == errno.ENXIO  # no program: every device allowed
+        assert sees(probe, gpu_nodes)[1] == GRANTED  # no program: every device allowed
         with pytest.raises(AssertionError, match="GPU 1 is granted to"):
             await judge(node)
         repairs = await isolator.reconcile()
@@ -158,7 +158,7 @@ async def test_v2_an_extra_program_of_our_name_is_detached(
         probe.move_to(os.path.join(node.root, "c1"))
         (original,) = own_programs(node, "c1")
         extra = attach_extra_v2(node, "c1", without_gpu(node.kernel_policy("c1"), 0))
-        assert sees(probe, gpu_nodes)[0] == errno.EPERM  # drift: the extra program denies c1's GPU
+        assert sees(probe, gpu_nodes)[0] == DENIED  # drift: the extra program denies c1's GPU
         repairs = await isolator.reconcile()
         assert [(r.container_id, r.description.split(": ", 1)[1]) for r in repairs] == [
             ("c1", f"detached leaked extra device program {extra}")
@@ -263,7 +263,7 @@ async def test_periodic_reconcile_repairs_a_v1_reload_as_a_process_sees_it(
         probe = probes()
         probe.move_to(os.path.join(node.root, "c1"))
         wipe_v1(node, "c1")
-        assert sees(probe, gpu_nodes)[1] == errno.ENXIO
+        assert sees(probe, gpu_nodes)[1] == GRANTED
         Clock.advance(10)
         # The periodic run was queued first; this one waits behind it per
         # container and so finds nothing left to repair.

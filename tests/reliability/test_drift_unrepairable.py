@@ -16,7 +16,6 @@ repairs it, then they go back.
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 from typing import Any
@@ -26,11 +25,11 @@ import pytest
 from actors.devices import PROGRAM_NAME, Policy, _bpf, build_device_program
 from isolators import ContainerConfig, ContainerID, Repair, Resources
 from runtime import Runtime
+from tests.support.probes import DENIED, GRANTED
 from tests.support.errors import isolator_failure
 from tests.support.kernel import SEEN_PROGRAMS, detach_program, program_infos
 from tests.support.nodes import judge
 
-GRANTED, DENIED = errno.ENXIO, errno.EPERM
 
 
 def C(name: str) -> ContainerID:
@@ -101,7 +100,7 @@ async def test_v1_a_wiped_cgroup_with_an_outsiders_child_is_contained(
             allow.write("a")
         os.mkdir(os.path.join(c1, "outsider"))  # the kernel now refuses to take anything back from c1
         try:
-            assert probe.open(gpu_nodes[2]) == GRANTED  # c1 reaches the free GPUs
+            assert probe.access(gpu_nodes[2]) == GRANTED  # c1 reaches the free GPUs
             failed = failed_only(await isolator.reconcile(), "c1")
             assert "Invalid argument" in failed.reason and "held back" in failed.description
             assert await free(node) == set()  # GPUs 2 and 3 are held back for c1
@@ -113,7 +112,7 @@ async def test_v1_a_wiped_cgroup_with_an_outsiders_child_is_contained(
         repairs = await reconcile_until_repaired(isolator)  # repairable again: repaired, and the GPUs go back
         assert [r.failed for r in repairs] == [False] * len(repairs) and len(repairs) >= 2
         assert repairs[-1].description == "released GPUs [2, 3] held back while its kernel state was unknown"
-        assert (probe.open(gpu_nodes[0]), probe.open(gpu_nodes[2])) == (GRANTED, DENIED)
+        assert (probe.access(gpu_nodes[0]), probe.access(gpu_nodes[2])) == (GRANTED, DENIED)
         assert await free(node) == {2, 3}
         await judge(node, {"c1": 1, "c2": 1})
         probe.close()
@@ -135,7 +134,7 @@ async def test_v2_an_outsiders_allow_all_program_in_place_of_ours_is_contained(
         (own,) = ours(c1)
         detach_program(c1, own)
         outsider = attach(c1, Policy.create(["a"]), "outsider", flags)
-        assert probe.open(gpu_nodes[2]) == GRANTED
+        assert probe.access(gpu_nodes[2]) == GRANTED
         failed = failed_only(await isolator.reconcile(), "c1")
         assert "Operation not permitted" in failed.reason and "without BPF_F_ALLOW_MULTI" in failed.reason
         assert await free(node) == set()
@@ -144,7 +143,7 @@ async def test_v2_an_outsiders_allow_all_program_in_place_of_ours_is_contained(
         repairs = await isolator.reconcile()
         assert not any(r.failed for r in repairs)
         assert any("attached the missing device program" in r.description for r in repairs)
-        assert (probe.open(gpu_nodes[0]), probe.open(gpu_nodes[2])) == (GRANTED, DENIED)
+        assert (probe.access(gpu_nodes[0]), probe.access(gpu_nodes[2])) == (GRANTED, DENIED)
         assert await free(node) == {2, 3}
         await judge(node, {"c1": 1, "c2": 1})
         probe.close()
@@ -162,16 +161,16 @@ async def test_v2_an_outsiders_deny_all_program_beside_ours_is_reported(
         c1 = node.cgroup_dir("c1")
         probe = probes()
         probe.move_to(c1)
-        assert probe.open("/dev/null") == 0
+        assert probe.access("/dev/null") == GRANTED
         outsider = attach(c1, Policy.create([]), "outsider", _bpf.BPF_F_ALLOW_MULTI)
-        assert (probe.open("/dev/null"), probe.open(gpu_nodes[0])) == (DENIED, DENIED)
+        assert (probe.access("/dev/null"), probe.access(gpu_nodes[0])) == (DENIED, DENIED)
         failed = failed_only(await isolator.reconcile(), "c1")
         assert f"device programs [{outsider}] that are not device control's" in failed.reason
         assert await free(node) == {2, 3}  # it can only deny more: nothing held back
         assert ours(c1) and outsider in [info.id for info in program_infos(c1)]  # reported, not detached
         detach_program(c1, outsider)
         assert await isolator.reconcile() == []
-        assert (probe.open("/dev/null"), probe.open(gpu_nodes[0])) == (0, GRANTED)
+        assert (probe.access("/dev/null"), probe.access(gpu_nodes[0])) == (GRANTED, GRANTED)
         probe.close()
         await node.clean_all()
         await node.stop()

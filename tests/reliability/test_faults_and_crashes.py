@@ -22,6 +22,7 @@ import pytest
 from actors.devices import DeviceControlError
 from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
 from runtime import Runtime
+from tests.support.probes import DENIED, GRANTED
 from tests.support.errors import injected as injected_text
 from tests.support.errors import raises_isolator_error
 from tests.support.nodes import judge
@@ -202,18 +203,18 @@ async def test_cleanup_with_a_process_inside_denies_then_releases_under_faults(
             await isolator.prepare(C("c1"), config(2))
             state["probe"] = probe = probes()
             probe.move_to(f"{node.root}/c1")
-            assert probe.open(gpu_nodes[1]) == errno.ENXIO  # granted (no driver behind it)
+            assert probe.access(gpu_nodes[1]) == GRANTED  # granted (no driver behind it)
             state["before"] = await judge(node, {"keep": 1, "c1": 2})
 
         async def check(where: str) -> None:
             assert await judge(node, {"keep": 1, "c1": 2}) == state["before"], where
-            assert state["probe"].open(gpu_nodes[1]) == errno.ENXIO, where
+            assert state["probe"].access(gpu_nodes[1]) == GRANTED, where
 
         async def done() -> None:
             await judge(node, {"keep": 1}, extra_cgroups={"c1"})
             probe = state["probe"]
-            assert probe.open(gpu_nodes[1]) == errno.EPERM and probe.open(gpu_nodes[2]) == errno.EPERM
-            assert probe.open(gpu_nodes[255]) == errno.ENXIO  # nvidiactl stays
+            assert probe.access(gpu_nodes[1]) == DENIED and probe.access(gpu_nodes[2]) == DENIED
+            assert probe.access(gpu_nodes[255]) == GRANTED  # nvidiactl stays
             probe.close()
             assert await isolator.devices.remove("c1") is True  # the process is gone: remove it now
             await setup()

@@ -6,7 +6,6 @@ EPERM = the device cgroup denied it. Every wait is bounded."""
 
 from __future__ import annotations
 
-import errno
 import os
 import pty
 import select
@@ -20,15 +19,16 @@ import pytest
 from isolators.service import Cleanup, Prepare, ServiceClient, Start, Update
 from isolators.service._host import cgroup_of
 from runtime import spawn
+from tests.support.probes import DENIED, GRANTED
 from tests.support.services import ServeProcess, ask, client_of
 
 ALL = [0, 1, 2, 3]
 
 
-def expected(gpu_nodes: dict[int, str], granted: set[int]) -> dict[str, int]:
-    """errno of opening each node for a process granted ``granted`` (nvidiactl always)."""
-    wanted = {gpu_nodes[m]: errno.ENXIO if m in granted else errno.EPERM for m in ALL}
-    wanted[gpu_nodes[255]] = errno.ENXIO
+def expected(gpu_nodes: dict[int, str], granted: set[int]) -> dict[str, str]:
+    """The verdict on opening each node for a process granted ``granted`` (nvidiactl always)."""
+    wanted = {gpu_nodes[m]: GRANTED if m in granted else DENIED for m in ALL}
+    wanted[gpu_nodes[255]] = GRANTED
     return wanted
 
 
@@ -61,7 +61,7 @@ def test_concurrent_execs_each_run_inside_their_cgroup_with_exactly_their_gpus(k
     for label, result in results.items():
         name, view = views[result["pid"]]
         granted[label] = set(view["gpus"])
-        assert result["open"] == expected(gpu_nodes, granted[label]), label
+        assert result["access"] == expected(gpu_nodes, granted[label]), label
         assert cgroup_line(result, service.node.backend).endswith(f"/{service.node.cgroups_root}/{name}")
         assert result["CUDA_VISIBLE_DEVICES"] == ",".join(view["uuids"])
         assert result["NVIDIA_VISIBLE_DEVICES"] == (",".join(view["uuids"]) or "none")
@@ -112,8 +112,8 @@ def test_wait_queues_first_come_first_served_and_too_few_fails_with_the_mesos_te
     views = by_pid(service.state())
     first_gpus, second_gpus = set(views[got_first["pid"]][1]["gpus"]), set(views[got_second["pid"]][1]["gpus"])
     assert (len(first_gpus), len(second_gpus)) == (2, 1) and first_gpus.isdisjoint(second_gpus)
-    assert got_first["open"] == expected(gpu_nodes, first_gpus)
-    assert got_second["open"] == expected(gpu_nodes, second_gpus)
+    assert got_first["access"] == expected(gpu_nodes, first_gpus)
+    assert got_second["access"] == expected(gpu_nodes, second_gpus)
     for process in (first, second):
         process.stdin.close()
     (code1, _, err1), (code2, _, _) = service.finish(first), service.finish(second)

@@ -7,13 +7,13 @@ command is gone, and nothing it holds is handed out again."""
 
 from __future__ import annotations
 
-import errno
 import os
 
 import pytest
 
 from tests.support.kernel import KERNEL_BACKENDS
 from tests.support.nodes import Node
+from tests.support.probes import GRANTED
 from tests.support.services import gpus_of
 
 
@@ -56,7 +56,7 @@ def test_serve_restarted_mid_way_recovers_the_running_containers(backend: str, s
     newcomer_name = next(n for n, v in state["containers"].items() if v["pid"] == newcomer_probe["pid"])
     fresh = set(state["containers"][newcomer_name]["gpus"])
     assert len(fresh) == 1 and fresh.isdisjoint(held[alive_name] + held[orphaned_name])
-    assert [newcomer_probe["open"][gpu_nodes[m]] for m in sorted(fresh)] == [errno.ENXIO]
+    assert [newcomer_probe["access"][gpu_nodes[m]] for m in sorted(fresh)] == [GRANTED]
 
     orphaned.stdin.close()  # its command ends: released by the service itself
     service.wait_state(lambda s: orphaned_name not in s["containers"])

@@ -14,7 +14,6 @@ balanced layout beside a whole one; caps of a dynamic major).
 
 from __future__ import annotations
 
-import errno
 import os
 from typing import Any
 
@@ -22,7 +21,7 @@ import pytest
 
 from tests.support.kernel import KERNEL_BACKENDS
 from tests.support.mig import CAPS_MAJOR, HOST, MIG, caps_of, expect, mknod_mig_nodes, write_mig_proc
-from tests.support.probes import DeviceNodes
+from tests.support.probes import GRANTED, DeviceNodes
 from tests.support.services import ServeProcess
 
 UUIDS = {name: f"MIG-2b6e1a40-7f1c-5d0e-8a53-00000000000{gi}" for name, gi in
@@ -65,8 +64,8 @@ def probe_args(nodes: DeviceNodes) -> dict[str, str]:
     return args
 
 
-def seen(result: dict[str, Any], nodes: DeviceNodes) -> dict[str, int]:
-    return {name: result["open"][arg.removeprefix("r:")] for name, arg in probe_args(nodes).items()}
+def seen(result: dict[str, Any], nodes: DeviceNodes) -> dict[str, str]:
+    return {name: result["access"][arg.removeprefix("r:")] for name, arg in probe_args(nodes).items()}
 
 
 def mig_exec(service: ServeProcess, nodes: DeviceNodes, **request: Any) -> Any:
@@ -174,7 +173,7 @@ def test_none_hands_mig_mode_gpus_out_whole_and_says_so(serve_factory, mig_nodes
                    " 0 in MIG mode are handed out whole", mig=["1g.18gb"])
     process = mig_exec(service, mig_nodes, gpus=2)
     result = service.probe_result(process)
-    assert seen(result, mig_nodes) == {**expect(whole=True), "nvidia0": errno.ENXIO}  # whole: no cap at all
+    assert seen(result, mig_nodes) == {**expect(whole=True), "nvidia0": GRANTED}  # whole: no cap at all
     state = service.state()
     assert (state["mig_mode"], state["mig_devices"]) == ([0], [])
     assert ("MIG mode:       GPU(s) 0 handed out whole (--nvidia_mig_strategy=none: no MIG device is handed out)"

@@ -12,10 +12,10 @@ Rules:
   ``nvidia-caps/nvidia-cap<minor>`` of GPU 0's MIG devices (root) -- so it
   serves as ``--dev_dir`` of a node on the real NVML too;
   ``mig_nodes_in(directory)`` names the same nodes without making them.
-- ``sees(probe, nodes)``: the errno of opening each node from inside a
+- ``sees(probe, nodes)``: the verdict (``probes.verdict``) on opening each node from inside a
   cgroup -- GPU nodes read-write, capability nodes read-only (real ones are
   0444) -- and ``expect(*names, whole=...)`` what a container holding those
-  MIG devices (and GPU 1) must see: ENXIO (allowed, no driver) or EPERM.
+  MIG devices (and GPU 1) must see: GRANTED or DENIED.
 - ``kernel_scenario(flags, nodes)`` starts components and an isolator from
   ``flags``, prepares ``a`` and ``b`` (one 1g.18gb each) and ``w`` (GPU 1),
   probes from inside each cgroup, updates ``a`` twice, restarts the agent
@@ -27,7 +27,6 @@ Rules:
 
 from __future__ import annotations
 
-import errno
 import os
 from typing import Any
 
@@ -38,7 +37,7 @@ from actors.mig.testing import cap_minor, write_proc_dir
 from actors.nvml import host_spec_from_dict
 from actors.resources import Resources
 
-from .probes import DeviceProbe, DeviceNodes, mknod_nodes
+from .probes import DENIED, GRANTED, DeviceProbe, DeviceNodes, mknod_nodes
 
 CAPS_MAJOR = 508
 GPU0, GPU1 = Gpu(195, 0), Gpu(195, 1)
@@ -87,29 +86,29 @@ def mknod_mig_nodes(directory: str) -> DeviceNodes:
     return mig_nodes_in(directory)
 
 
-def sees(probe: DeviceProbe, nodes: DeviceNodes) -> dict[str, int]:
-    seen = {"nvidia0": probe.open(nodes["c", 195, 0]), "nvidia1": probe.open(nodes["c", 195, 1]),
-            "nvidiactl": probe.open(nodes["c", 195, 255])}
+def sees(probe: DeviceProbe, nodes: DeviceNodes) -> dict[str, str]:
+    seen = {"nvidia0": probe.access(nodes["c", 195, 0]), "nvidia1": probe.access(nodes["c", 195, 1]),
+            "nvidiactl": probe.access(nodes["c", 195, 255])}
     for name, device in MIG.items():
         gi, ci = caps_of(device)
-        seen[f"{name}:gi"] = probe.open(nodes["c", CAPS_MAJOR, gi], os.O_RDONLY)
-        seen[f"{name}:ci"] = probe.open(nodes["c", CAPS_MAJOR, ci], os.O_RDONLY)
+        seen[f"{name}:gi"] = probe.access(nodes["c", CAPS_MAJOR, gi], os.O_RDONLY)
+        seen[f"{name}:ci"] = probe.access(nodes["c", CAPS_MAJOR, ci], os.O_RDONLY)
     return seen
 
 
-def expect(*granted: str, whole: bool = False) -> dict[str, int]:
-    seen = {"nvidia0": errno.ENXIO if granted else errno.EPERM,
-            "nvidia1": errno.ENXIO if whole else errno.EPERM, "nvidiactl": errno.ENXIO}
+def expect(*granted: str, whole: bool = False) -> dict[str, str]:
+    seen = {"nvidia0": GRANTED if granted else DENIED,
+            "nvidia1": GRANTED if whole else DENIED, "nvidiactl": GRANTED}
     for name in MIG:
         for part in ("gi", "ci"):
-            seen[f"{name}:{part}"] = errno.ENXIO if name in granted else errno.EPERM
+            seen[f"{name}:{part}"] = GRANTED if name in granted else DENIED
     return seen
 
 
 EXPECTED = {
     "held": {"a": ["195:0/gi3/ci0"], "b": ["195:0/gi4/ci0"], "w": [1]},
     "prepared": {"a": expect("1g-a"), "b": expect("1g-b"), "w": expect(whole=True)},
-    "write_cap": errno.EPERM,
+    "write_cap": DENIED,
     "updated": {"a": expect("2g")},
     "grown": {"a": expect("2g", "1g-a", whole=True), "b": expect("1g-b")},
     "recovered_held": {"a": ["195:0/gi2/ci0", "195:0/gi3/ci0", 1], "b": ["195:0/gi4/ci0"]},
@@ -150,7 +149,7 @@ async def kernel_scenario(flags: Flags, nodes: DeviceNodes) -> dict[str, Any]:
             probes[name].move_to(isolator.devices.path(name))
         seen["held"] = await isolator.containers()
         seen["prepared"] = {name: sees(probe, nodes) for name, probe in probes.items()}
-        seen["write_cap"] = probes["a"].open(nodes["c", CAPS_MAJOR, caps_of(MIG["1g-a"])[0]], os.O_RDWR)
+        seen["write_cap"] = probes["a"].access(nodes["c", CAPS_MAJOR, caps_of(MIG["1g-a"])[0]], os.O_RDWR)
         await isolator.update(cid("a"), Resources.parse("mig-2g.35gb:1"))
         seen["updated"] = {"a": sees(probes["a"], nodes)}
         probes.pop("w").close()

@@ -2,10 +2,18 @@
 
 Rules:
 - A ``DeviceProbe`` is a child (``python -I -S``) moved into a cgroup with
-  ``move_to``; ``open(path)`` answers 0 or the errno of opening the node:
-  ENXIO means the kernel allowed it (no driver behind major 195 here),
-  EPERM means the device cgroup denied it. ``mknod`` does the same for
-  creating a node (the ``m`` access).
+  ``move_to``; ``open(path)`` answers 0 or the errno of opening the node,
+  ``mknod`` the same for creating a node (the ``m`` access);
+  ``access(path)`` / ``may_mknod(...)`` answer the verdict.
+- ``verdict(code)`` is the ONE place a test judges such an answer: DENIED
+  iff EPERM (the device cgroup refused it); GRANTED for any other answer
+  of the device layer, since the open got past the cgroup: 0 (a driver
+  serves the node, as on a GPU host for major 195), ENXIO (no driver
+  behind the major, as here), ENODEV (a driver without that minor), ...
+  An errno that comes before the cgroup is asked (ENOENT, ENOTDIR,
+  EACCES, ELOOP, ENAMETOOLONG: no such node, no permission on the path)
+  is neither: ``unreached(<name>)``, so a test expecting either fails.
+  Tests compare verdicts, never errnos.
 - Probes are killed by ``close()``; a test fixture closes every probe it
   spawned, and the kernel teardown kills whatever is still in a test cgroup.
 - ``mknod_nodes`` makes device nodes in a test's own directory (root only).
@@ -13,12 +21,43 @@ Rules:
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterable
+
+GRANTED = "granted"
+DENIED = "denied"
+BEFORE_THE_CGROUP = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.ELOOP, errno.ENAMETOOLONG})
+"""Errnos of a path that never reached the device cgroup's check."""
+ABSENT = "unreached(ENOENT)"
+"""The verdict on a node that is not there (e.g. not in a container's /dev)."""
+
+
+def verdict(code: int | str) -> str:
+    """The kernel's verdict on an open or mknod that answered ``code`` (0 or
+    an errno, or its name as ``errno.errorcode`` spells it); see module rules."""
+    if isinstance(code, str):
+        if code in ("0", "OK"):
+            code = 0
+        elif code.startswith("E") and isinstance(getattr(errno, code, None), int):
+            code = getattr(errno, code)
+        else:
+            return f"unknown({code})"  # a message no errno name was found for: no verdict
+    if code == errno.EPERM:
+        return DENIED
+    if code in BEFORE_THE_CGROUP:
+        return f"unreached({errno.errorcode[code]})"
+    return GRANTED
+
+
+def verdicts(codes: dict) -> dict:
+    """``verdict`` of every value of a mapping (path or name -> answer)."""
+    return {key: verdict(code) for key, code in codes.items()}
+
 
 _PROBE_SCRIPT = r"""
 import os, sys
@@ -69,6 +108,14 @@ class DeviceProbe:
     def mknod(self, directory: str, kind: str, major: int, minor: int) -> int:
         """0 when mknod of a ``kind`` node ``major:minor`` succeeded, else its errno."""
         return self._ask(f"mknod {directory}/mknod-{uuid.uuid4().hex} {kind} {major} {minor}")
+
+    def access(self, path: str, flags: int = os.O_RDWR) -> str:
+        """The kernel's verdict on opening ``path`` (``verdict(open(path, flags))``)."""
+        return verdict(self.open(path, flags))
+
+    def may_mknod(self, directory: str, kind: str, major: int, minor: int) -> str:
+        """The kernel's verdict on creating a ``kind`` node ``major:minor``."""
+        return verdict(self.mknod(directory, kind, major, minor))
 
     def close(self) -> None:
         if self.process.poll() is None:

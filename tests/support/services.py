@@ -20,8 +20,8 @@ Rules:
   capability nodes, which are read-only) and prints one JSON line -- errno per path (0 = opened), the
   visible-devices variables, its pid and ``/proc/self/cgroup`` -- then, with
   ``--hold``, waits until its stdin closes; it exits with ``--exit N``.
-  On mknod'ed nodes of major 195 (no driver) ENXIO means the kernel let
-  it through, EPERM that the device cgroup denied it.
+  ``probe_result`` adds ``access``: the verdict on each path
+  (``probes.verdict``: GRANTED or DENIED), which tests compare.
 - Every process started is killed by ``close()`` (the fixtures call it).
 - ``async with client_of(service) as client``: a ``ServiceClient`` in a
   runtime of this test's own, listening on loopback; ``await ask(client,
@@ -46,6 +46,8 @@ import anyio
 
 from isolators.service import ServiceClient
 from runtime import PID, Runtime, dispatch, spawn
+
+from .probes import verdicts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -208,7 +210,9 @@ class ServeProcess:
         if not line:
             stderr = process.stderr.read().decode() if process.poll() is not None else ""
             raise AssertionError(f"no answer from the probe within {timeout}s (exit {process.poll()}): {stderr}")
-        return json.loads(line)
+        result = json.loads(line)
+        result["access"] = verdicts(result["open"])
+        return result
 
     @staticmethod
     def finish(process: subprocess.Popen, timeout: float = 30.0) -> tuple[int, str, str]:
