@@ -49,8 +49,14 @@ async def unhealthy_soon(allocator: NvidiaGpuAllocator, gpu: Gpu) -> GpuHealth:
         return await allocator.watch({gpu})
 
 
-@pytest.mark.asyncio
-async def test_monitoring_starts_with_the_allocator_and_withholds_gpus_raising_critical_events():
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_monitoring_starts_with_the_allocator_and_withholds_gpus_raising_critical_events(backend):
+    # The whole path (the monitor's own thread, the hand-over to the
+    # allocator actor, watch(), mark_healthy) under each event loop anyio runs.
+    anyio.run(monitoring_scenario, backend=backend)
+
+
+async def monitoring_scenario() -> None:
     nvml = node()
     async with Runtime():
         allocator = await NvidiaGpuAllocator.create(Flags(), Resources.parse("gpus:4"), nvml)
