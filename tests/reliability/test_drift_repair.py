@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from actors.devices import PROGRAM_NAME, Policy, MemoryBackend, build_device_program
-from isolators import ContainerConfig, ContainerID, NvidiaGpuIsolatorProcess, Resources
+from isolators import NvidiaGpuIsolatorProcess
 from runtime import Clock, Runtime
+from tests.support.containers import C, finish, two_containers
 from tests.support.probes import DENIED, GRANTED
 from tests.support.kernel import attach_program, detach_program, program_infos
 from tests.support.nodes import judge
@@ -26,22 +27,6 @@ from tests.support.nodes import judge
 MINORS = (0, 1, 2, 3, 255)
 # c1 holds GPU 0, c2 GPU 1 (lowest-first allocation); 255 is nvidiactl.
 BEFORE = {0: GRANTED, 1: DENIED, 2: DENIED, 3: DENIED, 255: GRANTED}
-
-
-def C(name: str) -> ContainerID:
-    return ContainerID(name)
-
-
-def config(gpus: int) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(f"gpus:{gpus}"))
-
-
-async def two_containers(node: Any, **flags: Any) -> Any:
-    _c, isolator = await node.start(**flags)
-    await isolator.recover([], set())
-    await isolator.prepare(C("c1"), config(1))
-    await isolator.prepare(C("c2"), config(1))
-    return isolator
 
 
 def sees(probe: Any, gpu_nodes: dict[int, str]) -> dict[int, str]:
@@ -71,6 +56,34 @@ def attach_extra_v2(node: Any, name: str, access: Policy) -> int:
     return attach_program(os.path.join(node.root, name), build_device_program(access), PROGRAM_NAME)
 
 
+def in_c1(node: Any, probes: Any) -> Any:
+    """A probe process in c1's cgroup."""
+    probe = probes()
+    probe.move_to(os.path.join(node.root, "c1"))
+    return probe
+
+
+async def drifted_to_gpu_1(node: Any, probe: Any, gpu_nodes: Any, drift: Any) -> None:
+    """c1 sees what it was given; ``drift(node, "c1")`` lets it open c2's GPU 1,
+    which the kernel judge finds too."""
+    assert sees(probe, gpu_nodes) == BEFORE
+    drift(node, "c1")
+    assert sees(probe, gpu_nodes)[1] == GRANTED
+    with pytest.raises(AssertionError, match="GPU 1 is granted to"):
+        await judge(node)
+
+
+async def as_before(node: Any, probe: Any, gpu_nodes: Any) -> None:
+    """c1 sees again what it was given, and the kernel grants each container its GPU."""
+    assert sees(probe, gpu_nodes) == BEFORE
+    await judge(node, {"c1": 1, "c2": 1})
+
+
+def repaired(repairs: list[Any]) -> list[tuple[str, str]]:
+    """Each repair as (container id, what was done)."""
+    return [(r.container_id, r.description.split(": ", 1)[1]) for r in repairs]
+
+
 def without_gpu(access: Policy, minor: int) -> Policy:
     allow = [r for r in access.allow if not (r.major == 195 and r.minor == minor)]
     return Policy.create(allow, access.deny)
@@ -82,22 +95,14 @@ async def test_v1_allow_all_from_a_reload_is_repaired(node_factory: Any, probes:
     async with Runtime():
         isolator = await two_containers(node)
         assert await isolator.reconcile() == []
-        probe = probes()
-        probe.move_to(os.path.join(node.root, "c1"))
-        assert sees(probe, gpu_nodes) == BEFORE
-        wipe_v1(node, "c1")
-        assert sees(probe, gpu_nodes)[1] == GRANTED  # drift: c1 may use c2's GPU
-        with pytest.raises(AssertionError, match="GPU 1 is granted to"):
-            await judge(node)
+        probe = in_c1(node, probes)
+        await drifted_to_gpu_1(node, probe, gpu_nodes, wipe_v1)  # c1 may use c2's GPU
         repairs = await isolator.reconcile()
         assert [r.container_id for r in repairs] == ["c1"]
         assert "a *:* rwm" in repairs[0].description and "rewrote the rules" in repairs[0].description
-        assert sees(probe, gpu_nodes) == BEFORE
-        await judge(node, {"c1": 1, "c2": 1})
+        await as_before(node, probe, gpu_nodes)
         assert await isolator.reconcile() == []
-        probe.close()
-        await node.clean_all()
-        await node.stop()
+        await finish(node, probe)
 
 
 @pytest.mark.asyncio
@@ -105,20 +110,16 @@ async def test_v1_a_revoked_gpu_is_granted_again(node_factory: Any, probes: Any,
     node = node_factory("cgroups_v1")
     async with Runtime():
         isolator = await two_containers(node)
-        probe = probes()
-        probe.move_to(os.path.join(node.root, "c1"))
+        probe = in_c1(node, probes)
         with open(os.path.join(node.root, "c1", "devices.deny"), "w") as deny:
             deny.write("c 195:0 rwm")
         assert sees(probe, gpu_nodes)[0] == DENIED  # drift: c1 lost its GPU
         repairs = await isolator.reconcile()
-        assert [(r.container_id, r.description.split(": ", 1)[1]) for r in repairs] == [
+        assert repaired(repairs) == [
             ("c1", "allowed 'c 195:0 rwm'")
         ]
-        assert sees(probe, gpu_nodes) == BEFORE
-        await judge(node, {"c1": 1, "c2": 1})
-        probe.close()
-        await node.clean_all()
-        await node.stop()
+        await as_before(node, probe, gpu_nodes)
+        await finish(node, probe)
 
 
 @pytest.mark.asyncio
@@ -127,24 +128,16 @@ async def test_v2_a_detached_program_is_attached_again(node_factory: Any, probes
     async with Runtime():
         isolator = await two_containers(node)
         assert await isolator.reconcile() == []
-        probe = probes()
-        probe.move_to(os.path.join(node.root, "c1"))
-        assert sees(probe, gpu_nodes) == BEFORE
-        detach_v2(node, "c1")
-        assert sees(probe, gpu_nodes)[1] == GRANTED  # no program: every device allowed
-        with pytest.raises(AssertionError, match="GPU 1 is granted to"):
-            await judge(node)
+        probe = in_c1(node, probes)
+        await drifted_to_gpu_1(node, probe, gpu_nodes, detach_v2)  # no program: every device allowed
         repairs = await isolator.reconcile()
-        assert [(r.container_id, r.description.split(": ", 1)[1]) for r in repairs] == [
+        assert repaired(repairs) == [
             ("c1", "attached the missing device program")
         ]
-        assert sees(probe, gpu_nodes) == BEFORE
         assert len(own_programs(node, "c1")) == 1
-        await judge(node, {"c1": 1, "c2": 1})
+        await as_before(node, probe, gpu_nodes)
         assert await isolator.reconcile() == []
-        probe.close()
-        await node.clean_all()
-        await node.stop()
+        await finish(node, probe)
 
 
 @pytest.mark.asyncio
@@ -154,21 +147,17 @@ async def test_v2_an_extra_program_of_our_name_is_detached(
     node = node_factory("cgroups_v2")
     async with Runtime():
         isolator = await two_containers(node)
-        probe = probes()
-        probe.move_to(os.path.join(node.root, "c1"))
+        probe = in_c1(node, probes)
         (original,) = own_programs(node, "c1")
         extra = attach_extra_v2(node, "c1", without_gpu(node.kernel_policy("c1"), 0))
         assert sees(probe, gpu_nodes)[0] == DENIED  # drift: the extra program denies c1's GPU
         repairs = await isolator.reconcile()
-        assert [(r.container_id, r.description.split(": ", 1)[1]) for r in repairs] == [
+        assert repaired(repairs) == [
             ("c1", f"detached leaked extra device program {extra}")
         ]
         assert own_programs(node, "c1") == [original]
-        assert sees(probe, gpu_nodes) == BEFORE
-        await judge(node, {"c1": 1, "c2": 1})
-        probe.close()
-        await node.clean_all()
-        await node.stop()
+        await as_before(node, probe, gpu_nodes)
+        await finish(node, probe)
 
 
 @pytest.mark.asyncio
@@ -185,8 +174,7 @@ async def test_memory_a_replaced_record_is_restored(node_factory: Any) -> None:
         assert "recreated the missing cgroup" in [r for r in repairs if r.container_id == "c2"][0].description
         assert table["c1"] == good
         await judge(node, {"c1": 1, "c2": 1})
-        await node.clean_all()
-        await node.stop()
+        await finish(node)
 
 
 @pytest.mark.asyncio
@@ -201,8 +189,7 @@ async def test_reconcile_never_recreates_a_container_being_cleaned_up(node_facto
         assert await repairs == []
         await judge(node, {"c2": 1})
         assert not node.cgroup_exists("c1")
-        await node.clean_all()
-        await node.stop()
+        await finish(node)
 
 
 # -- periodic runs (flags.reconcile_interval) ---------------------------------------------
@@ -228,8 +215,7 @@ async def test_periodic_reconcile_runs_on_the_clock_and_stops_with_the_isolator(
         Clock.advance(30)
         await Clock.settle()
         assert process.reconcile_runs == 2  # rescheduled after each run
-        await node.clean_all()
-        await node.stop()
+        await finish(node)
         Clock.advance(300)  # finalize cancelled the timer: nothing runs, nothing fails
         await Clock.settle()
         assert process.reconcile_runs == 2 and process._reconcile_timer is None
@@ -248,8 +234,7 @@ async def test_periodic_reconcile_is_off_by_default(node_factory: Any) -> None:
         assert isolator.process.reconcile_runs == 0 and isolator.process._reconcile_timer is None
         assert table["c1"] == Policy.create(["a *:* rwm"], [])
         assert len(await isolator.reconcile()) == 1
-        await node.clean_all()
-        await node.stop()
+        await finish(node)
 
 
 @pytest.mark.asyncio
@@ -260,16 +245,12 @@ async def test_periodic_reconcile_repairs_a_v1_reload_as_a_process_sees_it(
     async with Runtime():
         Clock.pause()
         isolator = await two_containers(node, reconcile_interval=10.0)
-        probe = probes()
-        probe.move_to(os.path.join(node.root, "c1"))
+        probe = in_c1(node, probes)
         wipe_v1(node, "c1")
         assert sees(probe, gpu_nodes)[1] == GRANTED
         Clock.advance(10)
         # The periodic run was queued first; this one waits behind it per
         # container and so finds nothing left to repair.
         assert await isolator.reconcile() == []
-        assert sees(probe, gpu_nodes) == BEFORE
-        await judge(node, {"c1": 1, "c2": 1})
-        probe.close()
-        await node.clean_all()
-        await node.stop()
+        await as_before(node, probe, gpu_nodes)
+        await finish(node, probe)

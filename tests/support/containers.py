@@ -1,0 +1,62 @@
+"""Containers in isolator tests: their ids and configs, the usual start with
+two of them, a bounded cleanup of a lingering one, and the end of a test.
+
+Rules:
+- ``C(name)`` is a top-level ``ContainerID``; ``config(gpus)`` a
+  ``ContainerConfig`` asking for ``gpus`` GPUs (``Resources.parse``).
+- ``two_containers(node, **flags)`` starts the node's isolator (``flags``
+  go to ``node.start``), recovers nothing and prepares ``c1`` and ``c2``
+  with one GPU each: GPU 0 and GPU 1 (lowest-first allocation).
+- ``cleanup_until_removed`` repeats ``cleanup`` of a lingering container
+  until the kernel lets its cgroup go, bounded (a hang fails the test).
+- ``finish(node, *probes)`` closes the probes (so their cgroups can be
+  removed), cleans every container up (the root must be gone) and stops
+  the node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from isolators import ContainerConfig, ContainerID, Resources
+
+from .nodes import Node
+from .probes import DeviceProbe
+
+__all__ = ["C", "config", "two_containers", "cleanup_until_removed", "finish"]
+
+
+def C(name: str) -> ContainerID:
+    return ContainerID(name)
+
+
+def config(gpus: int) -> ContainerConfig:
+    return ContainerConfig(resources=Resources.parse(f"gpus:{gpus}"))
+
+
+async def two_containers(node: Node, **flags: Any) -> Any:
+    """The node's isolator, recovered empty, with ``c1`` on GPU 0 and ``c2`` on GPU 1."""
+    _components, isolator = await node.start(**flags)
+    await isolator.recover([], set())
+    await isolator.prepare(C("c1"), config(1))
+    await isolator.prepare(C("c2"), config(1))
+    return isolator
+
+
+async def cleanup_until_removed(node: Node, isolator: Any, cid: ContainerID | str, timeout: float = 10.0) -> None:
+    """Clean ``cid`` up until its cgroup is gone (its processes gone, the kernel lets it go), bounded."""
+    container = cid if isinstance(cid, ContainerID) else C(cid)
+    with anyio.fail_after(timeout):
+        while node.cgroup_exists(str(container)):
+            await isolator.cleanup(container)
+            await anyio.sleep(0.01)
+
+
+async def finish(node: Node, *probes: DeviceProbe) -> None:
+    """Close ``probes``, clean up every container (the root must be gone), stop the node."""
+    for probe in probes:
+        probe.close()
+    await node.clean_all()
+    await node.stop()
