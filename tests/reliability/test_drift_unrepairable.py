@@ -23,29 +23,13 @@ from typing import Any
 import pytest
 
 from actors.devices import PROGRAM_NAME, Policy, _bpf, build_device_program
-from isolators import ContainerConfig, ContainerID, Repair, Resources
+from isolators import Repair
 from runtime import Runtime
+from tests.support.containers import C, config, finish, two_containers
 from tests.support.probes import DENIED, GRANTED
 from tests.support.errors import isolator_failure
 from tests.support.kernel import SEEN_PROGRAMS, detach_program, program_infos
 from tests.support.nodes import judge
-
-
-
-def C(name: str) -> ContainerID:
-    return ContainerID(name)
-
-
-def config(gpus: int) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(f"gpus:{gpus}"))
-
-
-async def two_containers(node: Any) -> Any:
-    _c, isolator = await node.start()
-    await isolator.recover([], set())
-    await isolator.prepare(C("c1"), config(1))  # GPU 0
-    await isolator.prepare(C("c2"), config(1))  # GPU 1
-    return isolator
 
 
 async def free(node: Any) -> set[int]:
@@ -81,6 +65,29 @@ async def reconcile_until_repaired(isolator: Any) -> list[Repair]:
         time.sleep(0.1)
 
 
+def probed_c1(node: Any, probes: Any) -> tuple[str, Any]:
+    """c1's cgroup directory and a probe process in it."""
+    c1 = node.cgroup_dir("c1")
+    probe = probes()
+    probe.move_to(c1)
+    return c1, probe
+
+
+async def held_back_for_c1(isolator: Any, node: Any) -> Repair:
+    """A reconcile fails to repair c1 (its failed repair, returned) and every free GPU is held back for it."""
+    failed = failed_only(await isolator.reconcile(), "c1")
+    assert await free(node) == set()
+    await isolator_failure(isolator.prepare(C("c3"), config(1)), "Requested 1 gpus but only 0 available")
+    return failed
+
+
+async def repaired_and_released(node: Any, probe: Any, gpu_nodes: Any) -> None:
+    """c1 has its GPU 0 and no other again; the held-back GPUs 2 and 3 are free."""
+    assert (probe.access(gpu_nodes[0]), probe.access(gpu_nodes[2])) == (GRANTED, DENIED)
+    assert await free(node) == {2, 3}
+    await judge(node, {"c1": 1, "c2": 1})
+
+
 def failed_only(repairs: list[Repair], cid: str) -> Repair:
     assert [(r.container_id, r.failed) for r in repairs] == [(cid, True)], repairs
     return repairs[0]
@@ -93,18 +100,14 @@ async def test_v1_a_wiped_cgroup_with_an_outsiders_child_is_contained(
     node = node_factory("cgroups_v1")
     async with Runtime():
         isolator = await two_containers(node)
-        c1 = node.cgroup_dir("c1")
-        probe = probes()
-        probe.move_to(c1)
+        c1, probe = probed_c1(node, probes)
         with open(os.path.join(c1, "devices.allow"), "w") as allow:
             allow.write("a")
         os.mkdir(os.path.join(c1, "outsider"))  # the kernel now refuses to take anything back from c1
         try:
             assert probe.access(gpu_nodes[2]) == GRANTED  # c1 reaches the free GPUs
-            failed = failed_only(await isolator.reconcile(), "c1")
+            failed = await held_back_for_c1(isolator, node)  # GPUs 2 and 3 are held back for c1
             assert "Invalid argument" in failed.reason and "held back" in failed.description
-            assert await free(node) == set()  # GPUs 2 and 3 are held back for c1
-            await isolator_failure(isolator.prepare(C("c3"), config(1)), "Requested 1 gpus but only 0 available")
             assert failed_only(await isolator.reconcile(), "c1").failed  # still, and still contained
             assert await free(node) == set()
         finally:
@@ -112,12 +115,8 @@ async def test_v1_a_wiped_cgroup_with_an_outsiders_child_is_contained(
         repairs = await reconcile_until_repaired(isolator)  # repairable again: repaired, and the GPUs go back
         assert [r.failed for r in repairs] == [False] * len(repairs) and len(repairs) >= 2
         assert repairs[-1].description == "released GPUs [2, 3] held back while its kernel state was unknown"
-        assert (probe.access(gpu_nodes[0]), probe.access(gpu_nodes[2])) == (GRANTED, DENIED)
-        assert await free(node) == {2, 3}
-        await judge(node, {"c1": 1, "c2": 1})
-        probe.close()
-        await node.clean_all()
-        await node.stop()
+        await repaired_and_released(node, probe, gpu_nodes)
+        await finish(node, probe)
 
 
 @pytest.mark.asyncio
@@ -128,27 +127,19 @@ async def test_v2_an_outsiders_allow_all_program_in_place_of_ours_is_contained(
     node = node_factory("cgroups_v2")
     async with Runtime():
         isolator = await two_containers(node)
-        c1 = node.cgroup_dir("c1")
-        probe = probes()
-        probe.move_to(c1)
+        c1, probe = probed_c1(node, probes)
         (own,) = ours(c1)
         detach_program(c1, own)
         outsider = attach(c1, Policy.create(["a"]), "outsider", flags)
         assert probe.access(gpu_nodes[2]) == GRANTED
-        failed = failed_only(await isolator.reconcile(), "c1")
+        failed = await held_back_for_c1(isolator, node)
         assert "Operation not permitted" in failed.reason and "without BPF_F_ALLOW_MULTI" in failed.reason
-        assert await free(node) == set()
-        await isolator_failure(isolator.prepare(C("c3"), config(1)), "Requested 1 gpus but only 0 available")
         detach_program(c1, outsider)  # the outsider goes away: the next reconcile repairs it
         repairs = await isolator.reconcile()
         assert not any(r.failed for r in repairs)
         assert any("attached the missing device program" in r.description for r in repairs)
-        assert (probe.access(gpu_nodes[0]), probe.access(gpu_nodes[2])) == (GRANTED, DENIED)
-        assert await free(node) == {2, 3}
-        await judge(node, {"c1": 1, "c2": 1})
-        probe.close()
-        await node.clean_all()
-        await node.stop()
+        await repaired_and_released(node, probe, gpu_nodes)
+        await finish(node, probe)
 
 
 @pytest.mark.asyncio
@@ -158,9 +149,7 @@ async def test_v2_an_outsiders_deny_all_program_beside_ours_is_reported(
     node = node_factory("cgroups_v2")
     async with Runtime():
         isolator = await two_containers(node)
-        c1 = node.cgroup_dir("c1")
-        probe = probes()
-        probe.move_to(c1)
+        c1, probe = probed_c1(node, probes)
         assert probe.access("/dev/null") == GRANTED
         outsider = attach(c1, Policy.create([]), "outsider", _bpf.BPF_F_ALLOW_MULTI)
         assert (probe.access("/dev/null"), probe.access(gpu_nodes[0])) == (DENIED, DENIED)
@@ -171,9 +160,7 @@ async def test_v2_an_outsiders_deny_all_program_beside_ours_is_reported(
         detach_program(c1, outsider)
         assert await isolator.reconcile() == []
         assert (probe.access("/dev/null"), probe.access(gpu_nodes[0])) == (GRANTED, GRANTED)
-        probe.close()
-        await node.clean_all()
-        await node.stop()
+        await finish(node, probe)
 
 
 @pytest.mark.asyncio
@@ -201,5 +188,4 @@ async def test_recovery_contains_drift_it_cannot_repair(node_factory: Any, probe
         repairs = await reconcile_until_repaired(isolator)
         assert not any(r.failed for r in repairs), repairs
         await judge(node, {"c1": 3, "c2": 1})
-        await node.clean_all()
-        await node.stop()
+        await finish(node)
