@@ -8,12 +8,12 @@ from __future__ import annotations
 import logging
 import os
 
-import anyio
 import pytest
 
 import runtime
 from isolators import ContainerConfig, ContainerID, Resources
 from tests.support.probes import DENIED, GRANTED
+from tests.support.containers import cleanup_until_removed
 from tests.support.errors import isolator_failure
 
 NO_MANIFEST = "The 'ContainerConfig' for docker is missing a manifest"
@@ -176,9 +176,6 @@ async def test_cleanup_of_an_unknown_id_whose_cgroup_has_processes_denies_every_
         await isolator_failure(isolator.prepare(ContainerID("ghost"), ContainerConfig(resources=Resources.parse("gpus:1"))),
                                still_busy(ContainerID("ghost")))
         probe.close()
-        with anyio.fail_after(10):
-            while node.cgroup_exists("ghost"):  # its processes gone: a cleanup of that id removes it
-                await isolator.cleanup(ContainerID("ghost"))
-                await anyio.sleep(0.01)
+        await cleanup_until_removed(node, isolator, "ghost")  # its processes gone: a cleanup removes it
         await isolator.cleanup(ContainerID("keep"))
         assert await components.allocator.available() == components.allocator.total()

@@ -30,19 +30,11 @@ import pytest
 
 import runtime
 from actors.devices import DeviceRule, WorkerError, _worker_child
-from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
+from isolators import IsolatorError, Resources
+from tests.support.containers import C, cleanup_until_removed, config
 from tests.support.probes import DENIED, GRANTED
 from tests.support.errors import isolator_failure
 from tests.support.nodes import judge
-
-
-
-def C(name: str) -> ContainerID:
-    return ContainerID(name)
-
-
-def cfg(gpus: int) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(f"gpus:{gpus}"))
 
 
 def wait_exit(pid: int, timeout: float = 10.0) -> None:
@@ -114,6 +106,16 @@ async def failed_with_unknown_effects(call: Any, worker: StoppedWorker) -> Isola
     return error
 
 
+async def killed_while_sent(isolator: Any, call_of: Any) -> IsolatorError:
+    """``call_of()`` goes to the stopped worker, which is killed before it
+    answers: the call fails, its effects unknown."""
+    with StoppedWorker(isolator) as worker:
+        call = call_of()
+        await worker.sent()
+        worker.kill()
+        return await failed_with_unknown_effects(call, worker)
+
+
 @pytest.mark.asyncio
 async def test_a_grow_whose_worker_died_after_granting_releases_nothing_on_a_guess(
     kernel_node, char_nodes, probes
@@ -122,7 +124,7 @@ async def test_a_grow_whose_worker_died_after_granting_releases_nothing_on_a_gue
     gpu = {m: char_nodes[(195, m)] for m in range(4)}
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(C("a"), cfg(1))  # GPU 0
+        await isolator.prepare(C("a"), config(1))  # GPU 0
         probe_a = probes()
         probe_a.move_to(node.cgroup_dir("a"))
         assert (probe_a.access(gpu[0]), probe_a.access(gpu[1])) == (GRANTED, DENIED)
@@ -138,7 +140,7 @@ async def test_a_grow_whose_worker_died_after_granting_releases_nothing_on_a_gue
         assert await isolator.containers() == {"a": [0]}
         assert (probe_a.access(gpu[0]), probe_a.access(gpu[1])) == (GRANTED, DENIED)
         await judge(node, {"a": 1})
-        await isolator.prepare(C("b"), cfg(1))
+        await isolator.prepare(C("b"), config(1))
         assert await isolator.containers() == {"a": [0], "b": [1]}
         probe_b = probes()
         probe_b.move_to(node.cgroup_dir("b"))
@@ -156,12 +158,8 @@ async def test_a_grow_whose_worker_died_before_granting_releases_after_reading_b
     node = kernel_node
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(C("a"), cfg(1))
-        with StoppedWorker(isolator) as worker:
-            grow = isolator.update(C("a"), Resources.parse("gpus:3"))
-            await worker.sent()
-            worker.kill()
-            await failed_with_unknown_effects(grow, worker)
+        await isolator.prepare(C("a"), config(1))
+        await killed_while_sent(isolator, lambda: isolator.update(C("a"), Resources.parse("gpus:3")))
         assert await isolator.containers() == {"a": [0]}
         assert {g.minor for g in await components.allocator.available()} == {1, 2, 3}
         await judge(node, {"a": 1})
@@ -174,18 +172,14 @@ async def test_a_cleanup_whose_worker_died_keeps_the_record_and_its_gpus(kernel_
     gpu = {m: char_nodes[(195, m)] for m in range(4)}
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(C("a"), cfg(1))  # GPU 0
+        await isolator.prepare(C("a"), config(1))  # GPU 0
         probe_a = probes()
         probe_a.move_to(node.cgroup_dir("a"))  # a live process: the kernel refuses to remove a
-        with StoppedWorker(isolator) as worker:
-            cleanup = isolator.cleanup(C("a"))
-            await worker.sent()
-            worker.kill()
-            await failed_with_unknown_effects(cleanup, worker)
+        await killed_while_sent(isolator, lambda: isolator.cleanup(C("a")))
         # Not forgotten: the record and GPU 0 stay; nobody else gets GPU 0.
         assert await isolator.containers() == {"a": [0]}
         assert probe_a.access(gpu[0]) == GRANTED
-        await isolator.prepare(C("b"), cfg(1))
+        await isolator.prepare(C("b"), config(1))
         assert await isolator.containers() == {"a": [0], "b": [1]}
         await judge(node, {"a": 1, "b": 1})
         # The retry finishes it: EBUSY, so GPU 0 is denied to the process, then released.
@@ -194,10 +188,7 @@ async def test_a_cleanup_whose_worker_died_keeps_the_record_and_its_gpus(kernel_
         assert await isolator.containers() == {"b": [1]}
         await judge(node, {"b": 1}, extra_cgroups={"a"})
         probe_a.close()
-        with anyio.fail_after(10):
-            while node.cgroup_exists("a"):  # the process is gone: a cleanup of that id removes it now
-                await isolator.cleanup(C("a"))
-                await anyio.sleep(0.01)
+        await cleanup_until_removed(node, isolator, "a")  # the process is gone: a cleanup of that id removes it now
         await node.clean_all()
 
 
@@ -208,12 +199,8 @@ async def test_a_shrink_whose_worker_died_keeps_every_gpu_with_the_container(
     node = kernel_node
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(C("a"), cfg(2))  # GPUs 0, 1
-        with StoppedWorker(isolator) as worker:
-            shrink = isolator.update(C("a"), Resources.parse("gpus:1"))
-            await worker.sent()
-            worker.kill()
-            await failed_with_unknown_effects(shrink, worker)
+        await isolator.prepare(C("a"), config(2))  # GPUs 0, 1
+        await killed_while_sent(isolator, lambda: isolator.update(C("a"), Resources.parse("gpus:1")))
         assert await isolator.containers() == {"a": [0, 1]}
         assert {g.minor for g in await components.allocator.available()} == {2, 3}
         await isolator.reconcile()  # the kernel made to match the record again, whatever the worker did
@@ -230,9 +217,9 @@ async def test_a_prepare_whose_worker_died_after_configuring_is_undone_by_the_ke
     node = kernel_node
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(C("keep"), cfg(1))  # GPU 0
+        await isolator.prepare(C("keep"), config(1))  # GPU 0
         with StoppedWorker(isolator) as worker:
-            prepare = isolator.prepare(C("c1"), cfg(2))  # GPUs 1, 2: their configure goes to the stopped worker
+            prepare = isolator.prepare(C("c1"), config(2))  # GPUs 1, 2: their configure goes to the stopped worker
             await worker.sent()
             # What the worker would have done before dying: the cgroup, granting GPUs 1 and 2.
             backend = node.inner_backend()
@@ -268,7 +255,7 @@ async def test_a_cleanup_while_a_killed_worker_restarts_never_lets_two_container
         components, isolator = await node.start()
         for round_ in range(2):
             a, b = C(f"a{round_}"), C(f"b{round_}")
-            await isolator.prepare(a, cfg(4))
+            await isolator.prepare(a, config(4))
             probe_a = probes()
             probe_a.move_to(node.cgroup_dir(str(a)))  # a live process: the kernel refuses to remove a
             assert [probe_a.access(gpu[m]) for m in range(4)] == [GRANTED] * 4
@@ -278,7 +265,7 @@ async def test_a_cleanup_while_a_killed_worker_restarts_never_lets_two_container
             wait_exit(pid)
             with anyio.fail_after(30):
                 assert await isolator.cleanup(a) is None  # sent while the next worker starts
-                await isolator.prepare(b, cfg(4))
+                await isolator.prepare(b, config(4))
             assert isolator.devices.worker_pid not in (None, pid)
             assert await isolator.containers() == {str(b): [0, 1, 2, 3]}
             assert node.cgroup_exists(str(a))  # EBUSY: it lingers ...
@@ -289,10 +276,7 @@ async def test_a_cleanup_while_a_killed_worker_restarts_never_lets_two_container
             await judge(node, {str(b): 4}, extra_cgroups={str(a)})
             probe_a.close()
             probe_b.close()
-            with anyio.fail_after(10):
-                while node.cgroup_exists(str(a)):  # its process gone: a cleanup of that id removes it
-                    await isolator.cleanup(a)
-                    await anyio.sleep(0.01)
+            await cleanup_until_removed(node, isolator, a)  # its process gone: a cleanup of that id removes it
             await isolator.cleanup(b)
         await judge(node, {})
         await node.clean_all()
@@ -319,9 +303,9 @@ async def test_a_failed_prepare_whose_cgroup_cannot_be_removed_holds_back_every_
     gpu = {m: char_nodes[(195, m)] for m in range(4)}
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(C("keep"), cfg(1))  # GPU 0
+        await isolator.prepare(C("keep"), config(1))  # GPU 0
         with StoppedWorker(isolator) as worker:
-            prepare = isolator.prepare(C("c1"), cfg(1))  # GPU 1: its configure goes to the stopped worker
+            prepare = isolator.prepare(C("c1"), config(1))  # GPU 1: its configure goes to the stopped worker
             await worker.sent()
             os.mkdir(node.cgroup_dir("c1"))  # what the worker did before it died
             monkeypatch.setattr(_worker, "BOOT", HANGS)  # the next worker never answers ...
@@ -334,7 +318,7 @@ async def test_a_failed_prepare_whose_cgroup_cannot_be_removed_holds_back_every_
         assert [probe.access(gpu[m]) for m in range(4)] == [GRANTED] * 4  # the kernel: it may reach every GPU
         assert set(await components.allocator.available()) == set()  # so none of them is free
         with pytest.raises(IsolatorError, match="Requested 1 gpus but only 0 available"):
-            await isolator.prepare(C("c2"), cfg(1))
+            await isolator.prepare(C("c2"), config(1))
         probe.close()
         monkeypatch.setattr(_worker, "BOOT", _worker_child.BOOT)
         with anyio.fail_after(30):
