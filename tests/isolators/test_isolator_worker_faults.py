@@ -31,7 +31,7 @@ import pytest
 import runtime
 from actors.devices import DeviceRule, WorkerError, _worker_child
 from isolators import IsolatorError, Resources
-from tests.support.containers import C, cleanup_until_removed, config
+from tests.support.containers import C, cleanup_until_removed, config, free_gpus
 from tests.support.probes import DENIED, GRANTED
 from tests.support.errors import isolator_failure
 from tests.support.nodes import judge
@@ -161,7 +161,7 @@ async def test_a_grow_whose_worker_died_before_granting_releases_after_reading_b
         await isolator.prepare(C("a"), config(1))
         await killed_while_sent(isolator, lambda: isolator.update(C("a"), Resources.parse("gpus:3")))
         assert await isolator.containers() == {"a": [0]}
-        assert {g.minor for g in await components.allocator.available()} == {1, 2, 3}
+        assert await free_gpus(node) == {1, 2, 3}
         await judge(node, {"a": 1})
         await node.clean_all()
 
@@ -202,7 +202,7 @@ async def test_a_shrink_whose_worker_died_keeps_every_gpu_with_the_container(
         await isolator.prepare(C("a"), config(2))  # GPUs 0, 1
         await killed_while_sent(isolator, lambda: isolator.update(C("a"), Resources.parse("gpus:1")))
         assert await isolator.containers() == {"a": [0, 1]}
-        assert {g.minor for g in await components.allocator.available()} == {2, 3}
+        assert await free_gpus(node) == {2, 3}
         await isolator.reconcile()  # the kernel made to match the record again, whatever the worker did
         await judge(node, {"a": 2})
         await isolator.update(C("a"), Resources.parse("gpus:1"))  # and the shrink can be done again
@@ -234,7 +234,7 @@ async def test_a_prepare_whose_worker_died_after_configuring_is_undone_by_the_ke
         # Undone through the kernel: the cgroup removed first, then the GPUs back.
         assert not node.cgroup_exists("c1")
         assert await isolator.containers() == {"keep": [0]}
-        assert {g.minor for g in await components.allocator.available()} == {1, 2, 3}
+        assert await free_gpus(node) == {1, 2, 3}
         await judge(node, {"keep": 1})
         await node.clean_all()
 
@@ -324,6 +324,6 @@ async def test_a_failed_prepare_whose_cgroup_cannot_be_removed_holds_back_every_
         with anyio.fail_after(30):
             await isolator.cleanup(C("c1"))  # removes it: the GPUs go back
         assert not node.cgroup_exists("c1")
-        assert {g.minor for g in await components.allocator.available()} == {1, 2, 3}
+        assert await free_gpus(node) == {1, 2, 3}
         await judge(node, {"keep": 1})
         await node.clean_all()

@@ -25,29 +25,16 @@ import pytest
 from actors.devices import PROGRAM_NAME, Policy, _bpf, build_device_program
 from isolators import Repair
 from runtime import Runtime
-from tests.support.containers import C, config, finish, two_containers
+from tests.support.containers import C, config, finish, free_gpus, two_containers
 from tests.support.probes import DENIED, GRANTED
 from tests.support.errors import isolator_failure
-from tests.support.kernel import SEEN_PROGRAMS, detach_program, program_infos
+from tests.support.kernel import attach_program, detach_program, program_infos
 from tests.support.nodes import judge
-
-
-async def free(node: Any) -> set[int]:
-    return {g.minor for g in await node.components.allocator.available()}
 
 
 def attach(cgroup_dir: str, policy: Policy, name: str, flags: int) -> int:
     """An outsider's device program on ``cgroup_dir``; its id."""
-    prog_fd = _bpf.prog_load(build_device_program(policy), name)
-    fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        _bpf.prog_attach(fd, prog_fd, flags)
-        prog_id = _bpf.prog_info(prog_fd).id
-    finally:
-        os.close(fd)
-        os.close(prog_fd)
-    SEEN_PROGRAMS.add(prog_id)
-    return prog_id
+    return attach_program(cgroup_dir, build_device_program(policy), name, flags)
 
 
 def ours(cgroup_dir: str) -> list[int]:
@@ -76,7 +63,7 @@ def probed_c1(node: Any, probes: Any) -> tuple[str, Any]:
 async def held_back_for_c1(isolator: Any, node: Any) -> Repair:
     """A reconcile fails to repair c1 (its failed repair, returned) and every free GPU is held back for it."""
     failed = failed_only(await isolator.reconcile(), "c1")
-    assert await free(node) == set()
+    assert await free_gpus(node) == set()
     await isolator_failure(isolator.prepare(C("c3"), config(1)), "Requested 1 gpus but only 0 available")
     return failed
 
@@ -84,7 +71,7 @@ async def held_back_for_c1(isolator: Any, node: Any) -> Repair:
 async def repaired_and_released(node: Any, probe: Any, gpu_nodes: Any) -> None:
     """c1 has its GPU 0 and no other again; the held-back GPUs 2 and 3 are free."""
     assert (probe.access(gpu_nodes[0]), probe.access(gpu_nodes[2])) == (GRANTED, DENIED)
-    assert await free(node) == {2, 3}
+    assert await free_gpus(node) == {2, 3}
     await judge(node, {"c1": 1, "c2": 1})
 
 
@@ -109,7 +96,7 @@ async def test_v1_a_wiped_cgroup_with_an_outsiders_child_is_contained(
             failed = await held_back_for_c1(isolator, node)  # GPUs 2 and 3 are held back for c1
             assert "Invalid argument" in failed.reason and "held back" in failed.description
             assert failed_only(await isolator.reconcile(), "c1").failed  # still, and still contained
-            assert await free(node) == set()
+            assert await free_gpus(node) == set()
         finally:
             os.rmdir(os.path.join(c1, "outsider"))
         repairs = await reconcile_until_repaired(isolator)  # repairable again: repaired, and the GPUs go back
@@ -155,7 +142,7 @@ async def test_v2_an_outsiders_deny_all_program_beside_ours_is_reported(
         assert (probe.access("/dev/null"), probe.access(gpu_nodes[0])) == (DENIED, DENIED)
         failed = failed_only(await isolator.reconcile(), "c1")
         assert f"device programs [{outsider}] that are not device control's" in failed.reason
-        assert await free(node) == {2, 3}  # it can only deny more: nothing held back
+        assert await free_gpus(node) == {2, 3}  # it can only deny more: nothing held back
         assert ours(c1) and outsider in [info.id for info in program_infos(c1)]  # reported, not detached
         detach_program(c1, outsider)
         assert await isolator.reconcile() == []
@@ -182,7 +169,7 @@ async def test_recovery_contains_drift_it_cannot_repair(node_factory: Any, probe
             report = isolator.recovery_report
             assert any("Container c1: recovery could not repair its device rules" in line and "Invalid argument"
                        in line and "no GPU is free to hold back" in line for line in report), report
-            assert await free(node) == set()
+            assert await free_gpus(node) == set()
         finally:
             os.rmdir(os.path.join(c1, "outsider"))
         repairs = await reconcile_until_repaired(isolator)

@@ -7,6 +7,7 @@ Rules:
 - ``two_containers(node, **flags)`` starts the node's isolator (``flags``
   go to ``node.start``), recovers nothing and prepares ``c1`` and ``c2``
   with one GPU each: GPU 0 and GPU 1 (lowest-first allocation).
+- ``free_gpus(node)``: the minors of the GPUs the node's allocator has free.
 - ``cleanup_until_removed`` repeats ``cleanup`` of a lingering container
   until the kernel lets its cgroup go, bounded (a hang fails the test).
 - ``finish(node, *probes)`` closes the probes (so their cgroups can be
@@ -25,7 +26,7 @@ from isolators import ContainerConfig, ContainerID, Resources
 from .nodes import Node
 from .probes import DeviceProbe
 
-__all__ = ["C", "config", "two_containers", "cleanup_until_removed", "finish"]
+__all__ = ["C", "config", "two_containers", "free_gpus", "cleanup_until_removed", "finish"]
 
 
 def C(name: str) -> ContainerID:
@@ -43,6 +44,11 @@ async def two_containers(node: Node, **flags: Any) -> Any:
     await isolator.prepare(C("c1"), config(1))
     await isolator.prepare(C("c2"), config(1))
     return isolator
+
+
+async def free_gpus(node: Node) -> set[int]:
+    """The minors of the GPUs free in the node's allocator."""
+    return {g.minor for g in await node.components.allocator.available()}
 
 
 async def cleanup_until_removed(node: Node, isolator: Any, cid: ContainerID | str, timeout: float = 10.0) -> None:

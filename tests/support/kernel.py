@@ -119,13 +119,14 @@ def program_policy(prog_id: int) -> "Policy | None":
     return policy
 
 
-def attach_program(cgroup_dir: str, code: bytes, name: str) -> int:
+def attach_program(cgroup_dir: str, code: bytes, name: str, flags: int = bpf.BPF_F_ALLOW_MULTI) -> int:
     """Load ``code`` as a device program called ``name`` and attach it to a
-    cgroup beside what is there (``BPF_F_ALLOW_MULTI``); its id."""
+    cgroup with ``flags`` (by default beside what is there:
+    ``BPF_F_ALLOW_MULTI``); its id."""
     prog_fd = bpf.prog_load(code, name)
     fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        bpf.prog_attach(fd, prog_fd, bpf.BPF_F_ALLOW_MULTI)
+        bpf.prog_attach(fd, prog_fd, flags)
         prog_id = bpf.prog_info(prog_fd).id
     finally:
         os.close(fd)
