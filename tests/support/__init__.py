@@ -2,7 +2,9 @@
 out by a fixture): ``kernel`` (hierarchies, skip reasons, cgroup and eBPF
 teardown), ``probes`` (a child that opens device nodes from inside a
 cgroup, mknod'ed nodes), ``nodes`` (a simulated node for one test and the
-kernel as judge of it), ``fake_driver`` (a fake NVIDIA driver built with
+kernel as judge of it), ``containers`` (container ids and configs, the
+usual two-container start, free GPUs, bounded cleanup, a test's end),
+``fake_driver`` (a fake NVIDIA driver built with
 gcc, loader caches), ``fake_nvml`` (the fake NVML library and ``NvmlProbe``,
 which runs the real pynvml against it in a child: ``nvml_probe.py``,
 ``health_probe.py``).
