@@ -45,3 +45,19 @@ def test_a_submodule_is_found_as_an_attribute() -> None:
     import runtime
 
     assert runtime.testing is importlib.import_module("runtime.testing")
+
+
+@pytest.mark.parametrize("package", ["runtime", "actors", "actors.devices", "isolators", "isolators.service"])
+def test_a_star_import_for_type_checkers_names_exactly_the_lazy_exports(package: str) -> None:
+    """Where a package's ``TYPE_CHECKING`` block imports a module's names with
+    ``*`` (its ``__all__``), that is exactly what ``_EXPORTS`` lists for the
+    module: type checkers and the running program see the same names."""
+    import ast
+
+    module = importlib.import_module(package)
+    tree = ast.parse(Path(module.__file__).read_text())
+    starred = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               and [alias.name for alias in node.names] == ["*"] and node.level == 1]
+    for name in starred:
+        source = importlib.import_module(f".{name}", package)
+        assert sorted(source.__all__) == sorted(module._EXPORTS[f".{name}"]), name

@@ -44,26 +44,7 @@ if TYPE_CHECKING:
     from ._client import LostService, ServiceClient
     from ._exec import DEFAULT_AGENT, exec_command
     from ._launcher import PendingCommand, SignalForwarder, exit_code
-    from ._messages import (
-        SERVICE_ID,
-        CleanedUp,
-        Cleanup,
-        ContainerView,
-        GrantedGpu,
-        MigDeviceView,
-        Prepare,
-        Prepared,
-        Queued,
-        ServiceState,
-        Start,
-        Started,
-        Statistics,
-        Update,
-        Updated,
-        Usage,
-        WaitingView,
-        visible_devices_env,
-    )
+    from ._messages import *  # noqa: F403 -- its __all__, the names _EXPORTS lists for it
     from ._records import ContainerRecord, RecordsError, RecordsFile, records_file
     from ._serve import serve, service_flags
     from ._service import GpuIsolatorService, ServiceError
