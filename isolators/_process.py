@@ -271,8 +271,7 @@ class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, Kerne
         gpus, info.allocated, info.withheld = info.allocated | info.withheld, set(), set()
         try:
             if not touched:  # the kernel was never asked: nothing there to undo
-                if gpus:
-                    await self.allocator.deallocate(gpus)
+                await self._give_back(gpus)
                 return
             self._lingering[cid] = LingeringCgroup(gpus, "its prepare failed", may_grant_any=not configured)
             await self._settle_lingering(cid)
@@ -368,7 +367,7 @@ class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, Kerne
             await self._respec(info, keep)
             info.allocated = keep
             self._arm(info)
-            await self.allocator.deallocate(surplus)
+            await self._give_back(surplus)
             logger.info("Container %s: released GPUs %s, highest minors first (now %s)",
                         container_id, minors(surplus), minors(info.allocated))
 
@@ -390,8 +389,7 @@ class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, Kerne
                 info.withheld |= extra or set()
                 await self._settle_withheld(info)
                 raise
-            if extra:
-                await self.allocator.deallocate(extra)
+            await self._give_back(extra or set())
             raise
 
     async def _update_units(self, info: ContainerRecord, demand: dict[str, int]) -> None:
@@ -423,8 +421,7 @@ class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, Kerne
         await self._respec(info, keep, extra)
         info.allocated = keep
         self._arm(info)
-        if surplus:
-            await self.allocator.deallocate(surplus)
+        await self._give_back(surplus)
         if logger.isEnabledFor(logging.INFO):
             logger.info("Container %s: granted %s, released %s, highest first (now %s)", container_id,
                         minors(extra), minors(surplus), minors(info.allocated))
@@ -473,8 +470,7 @@ class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, Kerne
                 gpus, self._quarantine = self._quarantine, set()
         else:
             gpus, info.allocated, info.withheld = info.allocated | info.withheld, set(), set()
-        if gpus:
-            await self.allocator.deallocate(gpus)
+        await self._give_back(gpus)
         if container_id in self._device_dirs:
             await self._remove_device_copies(container_id)
         if logger.isEnabledFor(logging.INFO):

@@ -25,7 +25,10 @@ Rules (R-DV-5, issue 20 items 2 and 5):
   prepare of it or a reconcile tries again. One left by a failed prepare
   may grant any GPU (its configure may have stopped after the mkdir: v1
   then allows what its parent allows, v2 has no program): when it cannot
-  be removed, every free GPU is held back for it too, until it is.
+  be removed, every free GPU is held back for it too, until it is -- and
+  so is every GPU released while it is there (``_give_back``: a GPU freed
+  by another container's cleanup or update stays allocated, held back for
+  it, since it may reach that one too).
 - Mixed into the isolator actor (``NvidiaGpuIsolatorProcess``).
 """
 
@@ -125,7 +128,7 @@ class KernelRepair:
             repairs.append(Repair(str(cid), line))
         if info.withheld:  # the kernel enforces the record now: they are not granted
             released, info.withheld = info.withheld, set()
-            await self.allocator.deallocate(released)
+            await self._give_back(released)
             logger.info("Container %s: GPUs %s, held back while its kernel state was unknown, released", cid,
                         minors(released))
             repairs.append(Repair(str(cid), f"released GPUs {minors(released)} held back while its kernel state"
@@ -161,6 +164,22 @@ class KernelRepair:
         """Hold back every free GPU for ``info`` (it may reach them); what it holds back."""
         info.withheld |= await self._hold_back_free()
         return set(info.withheld)
+
+    async def _give_back(self, units: set) -> None:
+        """Return ``units`` to the free pool -- unless a cgroup left behind may
+        reach any GPU (a failed prepare's, not removed yet): then they stay
+        allocated, held back for it, until it is removed."""
+        if not units:
+            return
+        holder = next(((cid, lingering) for cid, lingering in self._lingering.items() if lingering.may_grant_any),
+                      None)
+        if holder is not None:
+            cid, lingering = holder
+            lingering.withheld |= set(units)
+            logger.warning("Container %s: GPUs %s released elsewhere stay out of the free pool while its cgroup,"
+                           " which may reach any GPU, is not removed", cid, minors(units))
+            return
+        await self.allocator.deallocate(units)
 
     async def _hold_back_free(self) -> set:
         """Allocate every free GPU (for a cgroup that may reach them); the GPUs taken."""
@@ -212,8 +231,7 @@ class KernelRepair:
             lingering.reason = "still has processes"
             logger.warning("Container %s: cgroup '%s' still has processes; it stays, its GPUs %s were denied"
                            " and released", container_id, cgroup, minors(released))
-        if released:
-            await self.allocator.deallocate(released)
+        await self._give_back(released)
         return removed
 
     async def _settle_withheld(self, info: ContainerRecord) -> None:
@@ -242,8 +260,7 @@ class KernelRepair:
                 released = {g for g in withheld if not state.is_granted("c", g.major, g.minor, "r")
                             and not state.is_granted("c", g.major, g.minor, "w")}
         info.withheld -= released
-        if released:
-            await self.allocator.deallocate(released)
+        await self._give_back(released)
         if info.withheld:
             logger.warning("Container %s: GPUs %s stay out of the free pool: cgroup '%s' may still grant them",
                            info.container_id, minors(info.withheld), info.cgroup)

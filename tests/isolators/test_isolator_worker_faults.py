@@ -296,7 +296,8 @@ async def test_a_failed_prepare_whose_cgroup_cannot_be_removed_holds_back_every_
     undo cannot remove the cgroup: it lingers, and its device state is
     unknown. Not only its own GPU but every free one is held back until it
     is removed (the random fault run found another container given GPUs
-    such a cgroup could open)."""
+    such a cgroup could open), and so is a GPU another container releases
+    meanwhile."""
     from actors.devices import _worker
 
     node = kernel_node
@@ -322,8 +323,13 @@ async def test_a_failed_prepare_whose_cgroup_cannot_be_removed_holds_back_every_
         probe.close()
         monkeypatch.setattr(_worker, "BOOT", _worker_child.BOOT)
         with anyio.fail_after(30):
+            await isolator.cleanup(C("keep"))  # GPU 0 released while c1 may reach it ...
+        assert await free_gpus(node) == set()  # ... stays held back for c1
+        with pytest.raises(IsolatorError, match="Requested 1 gpus but only 0 available"):
+            await isolator.prepare(C("c2"), config(1))
+        with anyio.fail_after(30):
             await isolator.cleanup(C("c1"))  # removes it: the GPUs go back
         assert not node.cgroup_exists("c1")
-        assert await free_gpus(node) == {1, 2, 3}
-        await judge(node, {"keep": 1})
+        assert await free_gpus(node) == {0, 1, 2, 3}
+        await judge(node, {})
         await node.clean_all()
