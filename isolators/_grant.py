@@ -91,7 +91,8 @@ class ContainerRecord:
     """What the isolator knows of one top-level container: its cgroup, the GPUs
     it holds, whether its device state was unknown at recovery, who watches it."""
 
-    __slots__ = ("container_id", "cgroup", "allocated", "withheld", "unknown_state", "watchers", "health")
+    __slots__ = ("container_id", "cgroup", "allocated", "withheld", "unknown_state", "watchers", "health",
+                 "reaches_any")
 
     def __init__(self, container_id: ContainerID, cgroup: str) -> None:
         self.container_id = container_id
@@ -103,6 +104,9 @@ class ContainerRecord:
         """Promises of ContainerLimitation handed out by ``watch``."""
         self.health: Future | None = None
         """The allocator's watch of ``allocated`` while there are watchers."""
+        self.reaches_any = False
+        """Its drift could not be repaired: it may reach any GPU, so every GPU
+        released meanwhile is withheld for it too, until a reconcile repairs it."""
 
 
 class LingeringCgroup:

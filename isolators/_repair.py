@@ -16,8 +16,8 @@ Rules (R-DV-5, issue 20 items 2 and 5):
 - Drift that cannot be repaired is contained and reported: the repair comes
   back as a ``Repair`` with ``failed`` and the reason; when the container
   may reach GPUs beyond its record (the kernel refused to take them back),
-  every free GPU is held back for it (``withheld``) until a reconcile
-  repairs it or it is cleaned up. Programs of others attached beside ours
+  every free GPU is held back for it (``withheld``), and every GPU released
+  meanwhile (``_give_back``), until a reconcile repairs it or it is cleaned up. Programs of others attached beside ours
   (v2) only deny more: reported, nothing held back. Recovery does the same.
 - A cgroup the isolator could not remove lingers (``LingeringCgroup``) with
   the GPUs it may still grant; they go back once the kernel has removed it,
@@ -126,7 +126,8 @@ class KernelRepair:
         if line is not None:
             logger.warning("Container %s: drift repaired: %s", cid, line)
             repairs.append(Repair(str(cid), line))
-        if info.withheld:  # the kernel enforces the record now: they are not granted
+        info.reaches_any = False  # the kernel enforces the record now
+        if info.withheld:  # so they are not granted
             released, info.withheld = info.withheld, set()
             await self._give_back(released)
             logger.info("Container %s: GPUs %s, held back while its kernel state was unknown, released", cid,
@@ -161,23 +162,28 @@ class KernelRepair:
             return [], Repair(str(cid), description, failed=True, reason=reason)
 
     async def _withhold_reachable(self, info: ContainerRecord) -> set:
-        """Hold back every free GPU for ``info`` (it may reach them); what it holds back."""
+        """Hold back every free GPU for ``info`` (it may reach them), and every
+        one released while it may; what it holds back."""
+        info.reaches_any = True
         info.withheld |= await self._hold_back_free()
         return set(info.withheld)
 
     async def _give_back(self, units: set) -> None:
-        """Return ``units`` to the free pool -- unless a cgroup left behind may
-        reach any GPU (a failed prepare's, not removed yet): then they stay
-        allocated, held back for it, until it is removed."""
+        """Return ``units`` to the free pool -- unless a cgroup may reach any
+        GPU (a failed prepare's left behind, or a container whose drift could
+        not be repaired): then they stay allocated, held back for it, until
+        it is removed or repaired."""
         if not units:
             return
-        holder = next(((cid, lingering) for cid, lingering in self._lingering.items() if lingering.may_grant_any),
-                      None)
+        holder = next(((cid, lingering.withheld) for cid, lingering in self._lingering.items()
+                       if lingering.may_grant_any), None)
+        if holder is None:
+            holder = next(((cid, info.withheld) for cid, info in self.infos.items() if info.reaches_any), None)
         if holder is not None:
-            cid, lingering = holder
-            lingering.withheld |= set(units)
+            cid, withheld = holder
+            withheld |= set(units)
             logger.warning("Container %s: GPUs %s released elsewhere stay out of the free pool while its cgroup,"
-                           " which may reach any GPU, is not removed", cid, minors(units))
+                           " which may reach any GPU, is not removed or repaired", cid, minors(units))
             return
         await self.allocator.deallocate(units)
 

@@ -68,11 +68,17 @@ async def held_back_for_c1(isolator: Any, node: Any) -> Repair:
     return failed
 
 
+async def c2_released_while_held_back(isolator: Any, node: Any) -> None:
+    """c2's cleanup releases GPU 1 while c1 may reach any GPU: it is held back for c1 too."""
+    await isolator.cleanup(C("c2"))
+    assert await free_gpus(node) == set()
+
+
 async def repaired_and_released(node: Any, probe: Any, gpu_nodes: Any) -> None:
-    """c1 has its GPU 0 and no other again; the held-back GPUs 2 and 3 are free."""
-    assert (probe.access(gpu_nodes[0]), probe.access(gpu_nodes[2])) == (GRANTED, DENIED)
-    assert await free_gpus(node) == {2, 3}
-    await judge(node, {"c1": 1, "c2": 1})
+    """c1 has its GPU 0 and no other again; the held-back GPUs 1 (c2's), 2 and 3 are free."""
+    assert [probe.access(gpu_nodes[m]) for m in range(3)] == [GRANTED, DENIED, DENIED]
+    assert await free_gpus(node) == {1, 2, 3}
+    await judge(node, {"c1": 1})
 
 
 def failed_only(repairs: list[Repair], cid: str) -> Repair:
@@ -95,13 +101,14 @@ async def test_v1_a_wiped_cgroup_with_an_outsiders_child_is_contained(
             assert probe.access(gpu_nodes[2]) == GRANTED  # c1 reaches the free GPUs
             failed = await held_back_for_c1(isolator, node)  # GPUs 2 and 3 are held back for c1
             assert "Invalid argument" in failed.reason and "held back" in failed.description
+            await c2_released_while_held_back(isolator, node)
             assert failed_only(await isolator.reconcile(), "c1").failed  # still, and still contained
             assert await free_gpus(node) == set()
         finally:
             os.rmdir(os.path.join(c1, "outsider"))
         repairs = await reconcile_until_repaired(isolator)  # repairable again: repaired, and the GPUs go back
         assert [r.failed for r in repairs] == [False] * len(repairs) and len(repairs) >= 2
-        assert repairs[-1].description == "released GPUs [2, 3] held back while its kernel state was unknown"
+        assert repairs[-1].description == "released GPUs [1, 2, 3] held back while its kernel state was unknown"
         await repaired_and_released(node, probe, gpu_nodes)
         await finish(node, probe)
 
@@ -121,10 +128,12 @@ async def test_v2_an_outsiders_allow_all_program_in_place_of_ours_is_contained(
         assert probe.access(gpu_nodes[2]) == GRANTED
         failed = await held_back_for_c1(isolator, node)
         assert "Operation not permitted" in failed.reason and "without BPF_F_ALLOW_MULTI" in failed.reason
+        await c2_released_while_held_back(isolator, node)
         detach_program(c1, outsider)  # the outsider goes away: the next reconcile repairs it
         repairs = await isolator.reconcile()
         assert not any(r.failed for r in repairs)
         assert any("attached the missing device program" in r.description for r in repairs)
+        assert repairs[-1].description == "released GPUs [1, 2, 3] held back while its kernel state was unknown"
         await repaired_and_released(node, probe, gpu_nodes)
         await finish(node, probe)
 
