@@ -152,31 +152,38 @@ def _section(rules: Sequence[DeviceRule], target: str, prefix: str, deny: bool) 
     return code
 
 
+# The fixed parts of every program (built from them; read back against them).
+_EMPTY: list[Insn] = [(ALU64_MOV_K, R0, 0, 0, 0), (JMP_EXIT, 0, 0, 0, 0)]
+_HEADER: list[Insn] = [
+    (LDX_MEM_W, R_TYPE, R1, CTX_ACCESS_TYPE, 0),
+    (ALU32_AND_K, R_TYPE, 0, 0, 0xFFFF),
+    (LDX_MEM_W, R_ACCESS, R1, CTX_ACCESS_TYPE, 0),
+    (ALU32_RSH_K, R_ACCESS, 0, 0, 16),
+    (LDX_MEM_W, R_MAJOR, R1, CTX_MAJOR, 0),
+    (LDX_MEM_W, R_MINOR, R1, CTX_MINOR, 0),
+    (ALU64_MOV_K, R0, 0, 0, 0),
+]
+_ALLOW_EXIT: list[Insn] = [(ALU64_MOV_K, R0, 0, 0, 1), (JMP_EXIT, 0, 0, 0, 0)]
+_DENY_EXIT: Insn = (JMP_EXIT, 0, 0, 0, 0)
+
+
 def program_instructions(access: "Policy") -> list[Insn]:
     """The program for ``access`` as resolved instructions (see module rules)."""
     allow = normalize(access.allow)
     deny = normalize(access.deny)
     if not allow:
-        return [(ALU64_MOV_K, R0, 0, 0, 0), (JMP_EXIT, 0, 0, 0, 0)]
-    code: list[Insn | _Label] = [
-        (LDX_MEM_W, R_TYPE, R1, CTX_ACCESS_TYPE, 0),
-        (ALU32_AND_K, R_TYPE, 0, 0, 0xFFFF),
-        (LDX_MEM_W, R_ACCESS, R1, CTX_ACCESS_TYPE, 0),
-        (ALU32_RSH_K, R_ACCESS, 0, 0, 16),
-        (LDX_MEM_W, R_MAJOR, R1, CTX_MAJOR, 0),
-        (LDX_MEM_W, R_MINOR, R1, CTX_MINOR, 0),
-        (ALU64_MOV_K, R0, 0, 0, 0),
-    ]
+        return list(_EMPTY)
+    code: list[Insn | _Label] = list(_HEADER)
     code += _section(deny, "deny", "deny_skip", deny=True)
     catch_all = DeviceRule("a") in allow
-    allow_exit = [_Label("allow"), (ALU64_MOV_K, R0, 0, 0, 1), (JMP_EXIT, 0, 0, 0, 0)]
+    allow_exit = [_Label("allow"), *_ALLOW_EXIT]
     if catch_all:
         code += allow_exit
         if deny:
-            code += [_Label("deny"), (JMP_EXIT, 0, 0, 0, 0)]
+            code += [_Label("deny"), _DENY_EXIT]
     else:
         code += _section(allow, "allow", "allow_skip", deny=False)
-        code += [_Label("deny"), (JMP_EXIT, 0, 0, 0, 0)]
+        code += [_Label("deny"), _DENY_EXIT]
         code += allow_exit
     return _resolve(code)
 
@@ -211,18 +218,6 @@ def build_device_program(access: "Policy") -> bytes:
 
 # -- reading a program back (the kernel as the record) ---------------------------
 
-_EMPTY: list[Insn] = [(ALU64_MOV_K, R0, 0, 0, 0), (JMP_EXIT, 0, 0, 0, 0)]
-_HEADER: list[Insn] = [
-    (LDX_MEM_W, R_TYPE, R1, CTX_ACCESS_TYPE, 0),
-    (ALU32_AND_K, R_TYPE, 0, 0, 0xFFFF),
-    (LDX_MEM_W, R_ACCESS, R1, CTX_ACCESS_TYPE, 0),
-    (ALU32_RSH_K, R_ACCESS, 0, 0, 16),
-    (LDX_MEM_W, R_MAJOR, R1, CTX_MAJOR, 0),
-    (LDX_MEM_W, R_MINOR, R1, CTX_MINOR, 0),
-    (ALU64_MOV_K, R0, 0, 0, 0),
-]
-_ALLOW_EXIT: list[Insn] = [(ALU64_MOV_K, R0, 0, 0, 1), (JMP_EXIT, 0, 0, 0, 0)]
-_DENY_EXIT: Insn = (JMP_EXIT, 0, 0, 0, 0)
 _TYPE_NAMES = {number: name for name, number in DEVICE_TYPES.items()}
 
 
