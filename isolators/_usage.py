@@ -71,16 +71,8 @@ class UsageReport:
                 stats.append(_mig_statistics(gpu, by_mig.get(gpu), r))
                 continue
             info = by_gpu.get(gpu)
-            stats.append(GpuStatistics(
-                minor=gpu.minor,
-                uuid=info.uuid if info is not None else None,
-                memory_used_bytes=r.memory_used_bytes if r else None,
-                memory_total_bytes=r.memory_total_bytes if r else None,
-                utilization_gpu_percent=r.utilization_gpu_percent if r else None,
-                utilization_memory_percent=r.utilization_memory_percent if r else None,
-                power_milliwatts=r.power_mw if r else None,
-                temperature_celsius=r.temperature_c if r else None,
-            ))
+            stats.append(GpuStatistics(minor=gpu.minor, uuid=info.uuid if info is not None else None,
+                                       **_readings(r)))
         return ResourceStatistics(timestamp=time.time(), gpus_allocated=len(gpus), gpus=stats)
 
 
@@ -92,10 +84,17 @@ def _mig_statistics(device: MigDevice, info: Any, reading: Any) -> GpuStatistics
         mig_profile=info.profile if info is not None else None,
         gpu_instance_id=device.gi,
         compute_instance_id=device.ci,
-        memory_used_bytes=reading.memory_used_bytes if reading else None,
-        memory_total_bytes=reading.memory_total_bytes if reading else None,
-        utilization_gpu_percent=reading.utilization_gpu_percent if reading else None,
-        utilization_memory_percent=reading.utilization_memory_percent if reading else None,
-        power_milliwatts=reading.power_mw if reading else None,
-        temperature_celsius=reading.temperature_c if reading else None,
+        **_readings(reading),
     )
+
+
+def _readings(reading: Any) -> dict[str, int | None]:
+    """A reading's fields as ``GpuStatistics`` names them (None without a reading)."""
+    return {
+        "memory_used_bytes": reading.memory_used_bytes if reading else None,
+        "memory_total_bytes": reading.memory_total_bytes if reading else None,
+        "utilization_gpu_percent": reading.utilization_gpu_percent if reading else None,
+        "utilization_memory_percent": reading.utilization_memory_percent if reading else None,
+        "power_milliwatts": reading.power_mw if reading else None,
+        "temperature_celsius": reading.temperature_c if reading else None,
+    }
