@@ -19,7 +19,9 @@ Rules:
   name (``gpuiso_dev``) through ``BPF_PROG_QUERY``. It is attached with
   ``BPF_F_ALLOW_MULTI``; a new policy replaces the old program in place
   (``BPF_F_REPLACE``), so there is never a moment with none or two. After
-  attaching, the backend checks that exactly one own program is attached.
+  attaching, the backend checks that exactly one own program is attached
+  (not on a cgroup the same call made with mkdir, when no ``kernel_hook``
+  is set: it had no program, so the attach that succeeded left one).
   Programs of others on the same cgroup are left alone (the kernel runs them
   all; every one must allow).
 - A new cgroup (mkdir) gets its program attached at once; replacing the
@@ -331,6 +333,13 @@ class CgroupsV2Backend(BackendBase):
                             " (attach flags %d); device control needs multi-attach." % flags
                         )
                     raise
+            if fresh and self.kernel_hook is None:
+                # A cgroup this call made (its mkdir succeeded) had no program:
+                # the attach that succeeded left exactly one, ours.
+                if not cached:
+                    fds.remove(prog_fd)  # now owned by the cache
+                    self._remember(code, prog_fd, keep_id)
+                return repairs
             for program in leaked:
                 op("detach device program from", path, _bpf.prog_detach, cgroup_fd, program.fd)
                 repairs.append(f"{path}: detached leaked extra device program {program.id}")
