@@ -63,6 +63,10 @@ logger = logging.getLogger(__name__)
 
 Driver = InlineDriver | ThreadDriver | WorkerDriver
 
+_operation = tuple.__new__
+"""``_operation(DeviceOperation, (kind, args))``: the NamedTuple without its
+Python-level ``__new__`` (two calls per operation on the hot path)."""
+
 
 class DeviceControlProcess(Process):
     """The single writer of device rules (see module rules)."""
@@ -184,7 +188,7 @@ class DeviceControl:
         return cls(process)
 
     def _submit(self, kind: str, *args: Any) -> Future:
-        return self._process.submit(DeviceOperation(kind, args))
+        return self._process.submit(_operation(DeviceOperation, (kind, args)))
 
     def configure(
         self, cgroup: str, allow: Policy | Iterable[DeviceRule | str], deny: Iterable[DeviceRule | str] = ()

@@ -41,7 +41,7 @@ POLICY = "\0policy"
 
 def wire(values: Sequence[Any]) -> tuple[Any, ...]:
     """``values`` with each ``Policy`` as ``(POLICY, text)`` (see module rules)."""
-    return tuple((POLICY, value.text) if type(value) is Policy else value for value in values)
+    return tuple([(POLICY, value.text) if type(value) is Policy else value for value in values])
 
 
 def unwire(values: Sequence[Any]) -> list[Any]:

@@ -39,7 +39,7 @@ import sys
 import time
 from typing import Any
 
-from ._backend import DeviceOperation, apply_one
+from ._backend import OPERATION_KINDS, DeviceOperation
 from ._errors import DeviceControlError
 from ._frames import FrameReader, unwire, wire, write_frame
 
@@ -136,6 +136,8 @@ def serve(backend: Any, read_fd: int, write_fd: int, parent: int, collect: _Coll
     """Apply batches until the agent closes its end (see module rules)."""
     frames = FrameReader()
     each = bool(getattr(backend, "applies_each", False))
+    # each operation runs as ``apply_one`` runs it, its method looked up once
+    methods = {kind: getattr(backend, kind) for kind in OPERATION_KINDS} if each else {}
     clock = time.perf_counter
     while True:
         frame = frames.next()
@@ -145,18 +147,24 @@ def serve(backend: Any, read_fd: int, write_fd: int, parent: int, collect: _Coll
                 return  # the agent closed its end
             frames.feed(data)
             continue
-        ops = [DeviceOperation(kind, tuple(unwire(args))) for kind, args in frame]
         check_parent(parent)
         if not each:
-            results = backend.apply_batch(ops)
+            results = backend.apply_batch([DeviceOperation(kind, tuple(unwire(args))) for kind, args in frame])
             write_frame(write_fd, ("done", wire(results), collect.take()))
             continue
         results = []
         sent = clock()
-        last = len(ops) - 1
-        for index, op in enumerate(ops):
+        last = len(frame) - 1
+        for index, (kind, args) in enumerate(frame):
             check_parent(parent)
-            results.append(apply_one(backend, op))
+            method = methods.get(kind)
+            if method is None:
+                results.append(ValueError(f"Unknown device operation {kind!r}"))
+            else:
+                try:
+                    results.append(method(*unwire(args)))
+                except Exception as error:  # apply_one's rule: the operation's own error
+                    results.append(error)
             if index == last or clock() - sent >= SLICE:
                 write_frame(write_fd, ("done" if index == last else "part", wire(results), collect.take()))
                 results = []
