@@ -23,6 +23,7 @@ from isolators import Flags, FlagsError
 from actors.devices import (
     Policy,
     DeviceControl,
+    DeviceOperation,
     DeviceControlError,
     DeviceRule,
     container_policy,
@@ -133,6 +134,21 @@ async def test_a_batch_keeps_each_error_with_its_operation_and_results_come_in_p
         assert any(0 < pending < len(calls) - 1 for pending in pending_when_told)  # told before the batch ended
         assert (await control.state("c5")).is_granted("c", 195, 0, "rw")
         assert all(await collect([control.remove(f"c{i}") for i in range(40)]))
+        await control.close()
+
+
+@pytest.mark.asyncio
+async def test_an_operation_the_worker_does_not_know_fails_alone(v1_sandbox) -> None:
+    async with Runtime():
+        control = await _v1_control(v1_sandbox)
+        allow, deny = container_policy([], ["c 195:0 rwm"])
+        calls = [control.configure("c1", allow, deny),
+                 control._process.submit(DeviceOperation("chmod", ("c1",))),  # not a backend operation
+                 control.exists("c1")]
+        results = await collect([call.recover(lambda error: error) for call in calls])
+        assert isinstance(results[1], ValueError) and str(results[1]) == "Unknown device operation 'chmod'"
+        assert results[0].is_granted("c", 195, 0, "rw") and results[2] is True
+        assert await control.remove("c1") is True
         await control.close()
 
 
