@@ -109,10 +109,15 @@ OPERATION_KINDS = frozenset(
 )
 
 
+def unknown_operation(kind: str) -> ValueError:
+    """The result of an operation whose kind no backend has."""
+    return ValueError(f"Unknown device operation {kind!r}")
+
+
 def apply_one(backend: Any, op: DeviceOperation) -> Any:
     """Run one operation; return its value or the exception it raised."""
     if op.kind not in OPERATION_KINDS:
-        return ValueError(f"Unknown device operation {op.kind!r}")
+        return unknown_operation(op.kind)
     try:
         return getattr(backend, op.kind)(*op.args)
     except Exception as error:

@@ -39,7 +39,7 @@ import sys
 import time
 from typing import Any
 
-from ._backend import OPERATION_KINDS, DeviceOperation
+from ._backend import OPERATION_KINDS, DeviceOperation, unknown_operation
 from ._errors import DeviceControlError
 from ._frames import FrameReader, unwire, wire, write_frame
 
@@ -159,7 +159,7 @@ def serve(backend: Any, read_fd: int, write_fd: int, parent: int, collect: _Coll
             check_parent(parent)
             method = methods.get(kind)
             if method is None:
-                results.append(ValueError(f"Unknown device operation {kind!r}"))
+                results.append(unknown_operation(kind))
             else:
                 try:
                     results.append(method(*unwire(args)))
