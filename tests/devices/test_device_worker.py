@@ -11,9 +11,12 @@ blocks the event loop.
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import logging
 import os
 import signal
+import threading
 from typing import Any
 
 import anyio
@@ -31,9 +34,10 @@ from actors.devices import (
 from actors.devices import WorkerError, _frames, _worker, _worker_process
 from runtime import Runtime, collect
 from tests.support.probes import DENIED, GRANTED
-from tests.support.kernel import wait_gone
+from tests.support.kernel import process_state, wait_blocked_writing_a_pipe, wait_gone
 
 R = DeviceRule.parse
+GUARD = 10  # seconds: a hang guard, never a timing assertion
 
 
 # -- frames (no kernel) ---------------------------------------------------------------
@@ -219,22 +223,25 @@ async def test_v2_in_the_worker_survives_a_restart_read_back_from_the_kernel(v2_
 
 
 @pytest.mark.asyncio
-async def test_a_worker_killed_mid_batch_fails_only_the_operations_not_yet_reported(
-    v1_sandbox, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_worker_killed_mid_batch_fails_only_the_operations_not_yet_reported(v1_sandbox) -> None:
     async with Runtime():
         control = await _v1_control(v1_sandbox)
         await control.exists("warm")  # the next batch is sent whole
-        killed: list[int] = []
-
-        def kill_at_the_first_result(_future: Any) -> None:
-            killed.append(control.worker_pid)
-            os.kill(control.worker_pid, signal.SIGKILL)
-
+        child = control._process.driver._child
+        # A known point to kill it at: the loop stops reading the child's results,
+        # whose pipe holds one page, so the child reports what fits and then waits
+        # in write(2), mid-batch, applying nothing more.
+        fcntl.fcntl(child.read_fd, fcntl.F_SETPIPE_SZ, 4096)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(child.read_fd)
         policy = container_policy([], ["c 195:0 rwm"])
         hold = control.exists("warm")  # keeps the worker busy so that the 400 go as one batch
         calls = [control.configure(f"c{i}", *policy) for i in range(400)]
-        calls[0].on_any(kill_at_the_first_result)
+        blocked = await anyio.to_thread.run_sync(wait_blocked_writing_a_pipe, child.pid)
+        assert blocked, "the worker never filled its result pipe"
+        killed = [child.pid]
+        os.kill(child.pid, signal.SIGKILL)
+        loop.add_reader(child.read_fd, child._on_readable)  # what it reported is read, then its end
         await hold
         results = await collect([call.recover(lambda error: error) for call in calls])
         reported = [r for r in results if not isinstance(r, BaseException)]
@@ -278,30 +285,31 @@ async def test_a_batch_larger_than_the_pipe_never_blocks_the_loop(v1_sandbox, mo
     monkeypatch.setattr(_worker_process.WorkerProcess, "send", lambda child, entries: sends.append(original(child, entries)) or sends[-1])
     async with Runtime():
         control = await _v1_control(v1_sandbox)
+        await control.exists("warm")
+        child = control._process.driver._child
         names = [f"{'n' * 200}{i}" for i in range(3000)]  # ~0.6 MB of frame, the pipe holds 64 KiB
-        ticks = [0]
-        stop = anyio.Event()
-
-        async def tick() -> None:  # another task on the same loop
-            while not stop.is_set():
-                ticks[0] += 1
-                await anyio.sleep(0)
-
-        async with anyio.create_task_group() as group:
-            group.start_soon(tick)
-            await anyio.sleep(0)
+        # The child is stopped: it reads nothing, so what the pipe does not take
+        # must wait in the outbox while the loop goes on. (Should a write block the
+        # loop instead, the guard lets the child go on after GUARD seconds, so the
+        # test fails rather than hangs.)
+        os.kill(child.pid, signal.SIGSTOP)
+        guard = threading.Timer(GUARD, os.kill, (child.pid, signal.SIGCONT))
+        guard.start()
+        try:
             calls = [control.exists(name) for name in names]
-            at_first_result: list[int] = []
-            calls[1].on_any(lambda _f: at_first_result.append(ticks[0]))
-            await anyio.sleep(0)
-            issued = ticks[0]
-            results = await collect(calls)
-            stop.set()
-        assert results == [False] * len(names)
+            with anyio.fail_after(GUARD):
+                while not child.outbox:
+                    await anyio.sleep(0)
+            for _ in range(100):  # the loop serves this task while the frame cannot go out
+                await anyio.sleep(0)
+            assert child.outbox and process_state(child.pid) == "T", "the loop waited for the stopped child"
+        finally:
+            guard.cancel()
+            os.kill(child.pid, signal.SIGCONT)
         assert any(not complete for complete in sends), "the big batch should not have fit in the pipe"
-        # the child can answer only once it has read the whole frame: the loop kept
-        # serving the other task while the rest of the frame went out as the child read
-        assert at_first_result[0] - issued >= 5, (issued, at_first_result)
+        with anyio.fail_after(GUARD):
+            results = await collect(calls)  # the rest of the frame goes out as the child reads
+        assert results == [False] * len(names)
         assert await control.configure("after", *container_policy([], [])) is not None
         assert await control.remove("after") is True
         await control.close()

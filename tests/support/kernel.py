@@ -254,3 +254,20 @@ def wait_gone(pid: int, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def wait_blocked_writing_a_pipe(pid: int, timeout: float = 10.0) -> bool:
+    """Wait (bounded) until ``pid`` sleeps in the kernel writing to a full pipe
+    (``/proc/<pid>/wchan`` is the kernel's pipe-write wait); whether it does.
+    A process held there applies nothing more until its pipe is read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/wchan") as handle:
+                if "pipe_write" in handle.read() and process_state(pid) == "S":
+                    return True
+        except OSError:
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
