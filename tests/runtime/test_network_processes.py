@@ -129,7 +129,9 @@ async def test_a_peer_linked_to_us_sees_exited_when_our_runtime_goes_away() -> N
         spawn(Echo())
         target = f"echo@{rt.address}"
         async with peer("ours-echo", "--link", target) as (process, _echo):
-            await anyio.sleep(0.3)  # its link's connection is made
+            with anyio.fail_after(10):  # its link's connection to us is made (the only one we get)
+                while rt.metrics.snapshot()["runtime/http/connections"] < 1:
+                    await anyio.sleep(0.01)
             running = False
             await rt.__aexit__(None, None, None)
             with anyio.fail_after(10):

@@ -49,16 +49,25 @@ def test_listener_uid_names_the_owner_of_the_socket_listening_there() -> None:
         wildcard.bind(("0.0.0.0", 0))
         wildcard.listen()
         assert listener_uid("127.0.0.1", wildcard.getsockname()[1]) == os.getuid()
-    if socket.has_ipv6:
-        try:
-            six = socket.socket(socket.AF_INET6)
-            six.bind(("::1", 0))
-        except OSError:
-            return
-        with six:
-            six.listen()
-            assert listener_uid("::1", six.getsockname()[1]) == os.getuid()
-            assert listener_uid("127.0.0.1", six.getsockname()[1]) is None
+
+
+def _ipv6_loopback() -> socket.socket:
+    if not socket.has_ipv6:
+        pytest.skip("this Python has no IPv6")
+    six = socket.socket(socket.AF_INET6)
+    try:
+        six.bind(("::1", 0))
+    except OSError as error:
+        six.close()
+        pytest.skip(f"cannot bind the IPv6 loopback [::1]: {error}")
+    return six
+
+
+def test_listener_uid_tells_an_ipv6_listener_from_an_ipv4_one() -> None:
+    with _ipv6_loopback() as six:
+        six.listen()
+        assert listener_uid("::1", six.getsockname()[1]) == os.getuid()
+        assert listener_uid("127.0.0.1", six.getsockname()[1]) is None
 
 
 def test_process_facts_and_a_move_that_is_refused() -> None:
