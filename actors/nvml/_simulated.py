@@ -17,7 +17,8 @@ Rules:
   health event on a GPU (delivered to every event set registered for it;
   the count is returned); ``set_usage`` changes readings;
   ``fail(function, code)`` makes every later call of that function fail
-  with that NVML code until ``fail(function, None)``.
+  with that NVML code until ``fail(function, None)``; ``live_event_sets``
+  counts the event sets not yet freed.
 - MIG: a MIG device handle is ``(gpu index, MIG device index)``; it answers
   the MIG calls, ``uuid`` and ``memory``; utilization, power and
   temperature are NVML_ERROR_NOT_SUPPORTED and any other per-GPU call
@@ -108,6 +109,13 @@ class SimulatedNvml(Nvml):
                 self._failures.pop(function, None)
             else:
                 self._failures[function] = code
+
+    @property
+    def live_event_sets(self) -> int:
+        """Event sets created and not yet freed (a stop frees its set once no
+        wait is in progress: tests wait for this to reach 0)."""
+        with self._lock:
+            return len(self._event_sets)
 
     def _push(self, event: HealthEvent) -> int:
         if not 0 <= event.index < len(self._gpus):
