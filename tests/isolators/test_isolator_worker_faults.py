@@ -65,11 +65,13 @@ class StoppedWorker:
         return self
 
     async def sent(self, count: int = 1) -> None:
-        """Until ``count`` more device operations went to the (stopped) worker."""
+        """Until ``count`` more device operations went to the (stopped) worker:
+        submitted, and every byte of them written into its pipe."""
+        driver = self.devices._process.driver
         with anyio.fail_after(10):
-            while self.devices.operations < self.sent_before + count:
+            while (self.devices.operations < self.sent_before + count or driver._queue
+                   or driver._child is None or driver._child.outbox):
                 await anyio.sleep(0.001)
-        await anyio.sleep(0.02)  # an idle worker's batch is written as it is submitted
 
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)

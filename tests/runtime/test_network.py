@@ -25,6 +25,7 @@ from runtime import (
     send,
     spawn,
     terminate,
+    wait,
 )
 from runtime.testing import expect_dispatch
 
@@ -399,8 +400,8 @@ async def test_terminated_processes_leave_the_routing_table() -> None:
     async with Runtime(listen="127.0.0.1:0") as rt:
         pid = spawn(Web())
         terminate(pid)
+        await wait(pid)  # finalized: its routes are gone
         async with httpx.AsyncClient(base_url=f"http://{rt.address}") as http:
-            await anyio.sleep(0.05)
             assert (await http.get("/web/state")).status_code == 404
             answer = await http.post("/web/state", content=b"", headers={"Libprocess-From": "p@127.0.0.1:1"})
             assert answer.status_code == 404
