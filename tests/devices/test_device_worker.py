@@ -296,6 +296,9 @@ async def test_a_batch_larger_than_the_pipe_never_blocks_the_loop(v1_sandbox, mo
         guard = threading.Timer(GUARD, os.kill, (child.pid, signal.SIGCONT))
         guard.start()
         try:
+            with anyio.fail_after(GUARD):
+                while process_state(child.pid) != "T":  # the stop takes effect as the kernel delivers it
+                    await anyio.sleep(0.001)
             calls = [control.exists(name) for name in names]
             with anyio.fail_after(GUARD):
                 while not child.outbox:
