@@ -34,7 +34,7 @@ from actors.devices import (
 from actors.devices import WorkerError, _frames, _worker, _worker_process
 from runtime import Runtime, collect
 from tests.support.probes import DENIED, GRANTED
-from tests.support.kernel import process_state, wait_blocked_writing_a_pipe, wait_gone
+from tests.support.kernel import process_state, stop_process, wait_blocked_writing_a_pipe, wait_gone
 
 R = DeviceRule.parse
 GUARD = 10  # seconds: a hang guard, never a timing assertion
@@ -292,13 +292,10 @@ async def test_a_batch_larger_than_the_pipe_never_blocks_the_loop(v1_sandbox, mo
         # must wait in the outbox while the loop goes on. (Should a write block the
         # loop instead, the guard lets the child go on after GUARD seconds, so the
         # test fails rather than hangs.)
-        os.kill(child.pid, signal.SIGSTOP)
         guard = threading.Timer(GUARD, os.kill, (child.pid, signal.SIGCONT))
+        stop_process(child.pid)
         guard.start()
         try:
-            with anyio.fail_after(GUARD):
-                while process_state(child.pid) != "T":  # the stop takes effect as the kernel delivers it
-                    await anyio.sleep(0.001)
             calls = [control.exists(name) for name in names]
             with anyio.fail_after(GUARD):
                 while not child.outbox:

@@ -35,6 +35,7 @@ from tests.support.containers import C, cleanup_until_removed, config, free_gpus
 from tests.support.probes import DENIED, GRANTED
 from tests.support.errors import isolator_failure
 from tests.support.nodes import judge
+from tests.support.kernel import stop_process
 
 
 def wait_exit(pid: int, timeout: float = 10.0) -> None:
@@ -60,7 +61,7 @@ class StoppedWorker:
         assert self.pid is not None, "the isolator runs no device worker process"
 
     def __enter__(self) -> "StoppedWorker":
-        os.kill(self.pid, signal.SIGSTOP)
+        stop_process(self.pid)
         self.sent_before = self.devices.operations
         return self
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import time
 
 from actors.devices import Policy, bpf, build_device_program, read_policy
@@ -270,4 +271,15 @@ def wait_blocked_writing_a_pipe(pid: int, timeout: float = 10.0) -> bool:
             return False
         if time.monotonic() >= deadline:
             return False
+        time.sleep(0.001)
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait (bounded) until the kernel shows it stopped:
+    the signal takes effect as the kernel delivers it, not as ``kill`` returns."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while process_state(pid) not in ("T", "t"):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"process {pid} did not stop within {timeout:g}s of SIGSTOP")
         time.sleep(0.001)
