@@ -10,14 +10,14 @@ are at the top of its module.
 
 from ._errors import AllocatorError, format_gpus
 from ._monitor import HealthMonitorProcess
-from ._process import AllocatorState, GpuAllocatorProcess, GpuHealth
+from ._process import AllocatorState, GpuAllocatorProcess, GpuHealth, HealthSnapshot
 from ._mig_resources import managed_units, mig_resource_names
 from ._resources import enumerate_indices, gpu_resources
 from ._topology import NVLINK_WEIGHT, PCIE_POINTS, PairScores, allocate_best, pair_score
 
 __all__ = [
     "AllocatorError", "format_gpus", "HealthMonitorProcess", "AllocatorState",
-    "GpuAllocatorProcess", "GpuHealth", "enumerate_indices", "gpu_resources", "managed_units",
+    "GpuAllocatorProcess", "GpuHealth", "HealthSnapshot", "enumerate_indices", "gpu_resources", "managed_units",
     "mig_resource_names",
     "NVLINK_WEIGHT", "PCIE_POINTS", "PairScores", "allocate_best", "pair_score",
 ]

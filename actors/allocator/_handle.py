@@ -50,7 +50,7 @@ from actors.resources import Resources
 
 from ._errors import AllocatorError
 from ._monitor import HealthMonitorProcess
-from ._process import AllocatorState, GpuAllocatorProcess, GpuHealth
+from ._process import AllocatorState, GpuAllocatorProcess, GpuHealth, HealthSnapshot
 from ._mig_resources import managed_units, needs_inventory
 from ._resources import gpu_resources
 from ._topology import PairScores
@@ -242,6 +242,16 @@ class NvidiaGpuAllocator:
     def watch(self, gpus: Iterable[Gpu]) -> Future[GpuHealth]:
         """Completes when any of ``gpus`` turns unhealthy (discard to stop watching)."""
         return dispatch(self.pid, GpuAllocatorProcess.watch, frozenset(gpus))
+
+    def health_since(self, generation: int | None) -> Future[HealthSnapshot]:
+        """The unhealthy units once their set changed after ``generation``
+        (None: now); discard to stop waiting."""
+        return dispatch(self.pid, GpuAllocatorProcess.health_since, generation)
+
+    def preferred(self, candidates: Iterable[Unit], count: int, include: Iterable[Unit] = ()) -> Future[list[Unit]]:
+        """The ``count`` of ``candidates`` (holding ``include``) that ``allocate``
+        would choose, allocating nothing."""
+        return dispatch(self.pid, GpuAllocatorProcess.preferred, frozenset(candidates), count, frozenset(include))
 
     async def close(self) -> None:
         """Stop health monitoring, terminate the allocator process (and NVML,

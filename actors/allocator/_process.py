@@ -39,6 +39,20 @@ Rules (R-AL-1..3; Mesos' ``NvidiaGpuAllocatorProcess``):
   manage is logged. ``health_unknown(reason)`` marks every managed unit
   unhealthy (NVML events failed: the node's health is unknown).
   ``unwatched`` lists units whose health nobody watches.
+- Health generations (the kubelet plugin's ``ListAndWatch``): every call
+  that changes which units are unhealthy (or why) adds one to
+  ``health_generation``, once per call however many units it changed.
+  ``health_since(generation)`` is a Future of a ``HealthSnapshot``
+  (generation and the unhealthy units with their reasons): ready at once
+  when ``generation`` is None or not the current one, else when the next
+  change comes (discarding it stops waiting). Recovery (``mark_healthy``)
+  is a change like any other.
+- ``preferred(candidates, count, include)`` answers which ``count`` of the
+  ``candidates`` the allocator would hand out, holding every unit of
+  ``include``, without allocating: the same choice as ``allocate(count)``
+  (``allocate_best`` with ``include``; lowest first under ``lowest``, and
+  for MIG devices). Unmanaged units, ``include`` outside ``candidates``, or
+  a count they cannot meet fail naming them.
 - Every method is synchronous, so a call is one dispatch hop and never
   waits on I/O. The choice for a given free set and count is
   memoised (churn asks the same question again and again).
@@ -65,7 +79,7 @@ from . import _metrics
 from ._errors import AllocatorError, format_gpus
 from ._topology import PairScores, allocate_best
 
-__all__ = ["GpuAllocatorProcess", "GpuHealth", "AllocatorState"]
+__all__ = ["GpuAllocatorProcess", "GpuHealth", "AllocatorState", "HealthSnapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +92,14 @@ class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
     gpu: Gpu
     healthy: bool
     reason: str = ""
+
+
+class HealthSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """Which units are unhealthy, as of one health generation."""
+
+    generation: int
+    unhealthy: dict[Unit, str]
+    """Unit -> reason (``Xid 79``, ``marked unhealthy by the operator``, ...)."""
 
 
 class AllocatorState(msgspec.Struct, frozen=True, kw_only=True):
@@ -136,6 +158,11 @@ class GpuAllocatorProcess(Process):
         self.inventory = inventory
         self.ignored_xids = frozenset(ignored_xids)
         self._watchers: list[tuple[frozenset[Gpu], Promise]] = []
+        self.health_generation = 0
+        """Changes of the unhealthy set so far (see module rules)."""
+        self._health_waiters: list[Promise] = []
+        self._health_dirty = False
+        """This call changed the unhealthy set (``_health_changed`` publishes it)."""
         self._memo: OrderedDict[tuple[frozenset[Gpu], int], tuple[Gpu, ...]] = OrderedDict()
         self._by_index = {info.index: info.gpu for info in inventory.gpus} if inventory else {}
         self._units_of: dict[Gpu, list[Unit]] = {}
@@ -158,6 +185,9 @@ class GpuAllocatorProcess(Process):
         for _gpus, promise in self._watchers:
             promise.fail(ProcessTerminated(f"GPU allocator {self.pid} terminated"))
         self._watchers.clear()
+        for promise in self._health_waiters:
+            promise.fail(ProcessTerminated(f"GPU allocator {self.pid} terminated"))
+        self._health_waiters.clear()
 
     # ------------------------------------------------------------ queries
 
@@ -298,10 +328,19 @@ class GpuAllocatorProcess(Process):
 
     def mark_unhealthy(self, gpu: Gpu, reason: str = "marked unhealthy by the operator") -> GpuHealth:
         self._check_managed(gpu)
+        change = self._withhold(gpu, reason)
+        self._health_changed()
+        return change
+
+    def _withhold(self, gpu: Unit, reason: str) -> GpuHealth:
+        """Mark one unit unhealthy and resolve its watchers (health waiters
+        are told by ``_health_changed``, once per call)."""
         change = GpuHealth(gpu=gpu, healthy=False, reason=reason)
         if gpu not in self.unhealthy:
             logger.warning("GPU %s is unhealthy: %s; it is withheld from allocation", gpu, reason)
-        self.unhealthy[gpu] = reason
+        if self.unhealthy.get(gpu) != reason:
+            self.unhealthy[gpu] = reason
+            self._health_dirty = True
         keep = []
         for gpus, promise in self._watchers:
             if gpu in gpus:
@@ -315,7 +354,59 @@ class GpuAllocatorProcess(Process):
         self._check_managed(gpu)
         if self.unhealthy.pop(gpu, None) is not None:
             logger.info("GPU %s is healthy again", gpu)
+            self._health_dirty = True
+        self._health_changed()
         return GpuHealth(gpu=gpu, healthy=True)
+
+    def _health_changed(self) -> None:
+        """One new generation if this call changed the unhealthy set; its waiters get the snapshot."""
+        if not self._health_dirty:
+            return
+        self._health_dirty = False
+        self.health_generation += 1
+        waiters, self._health_waiters = self._health_waiters, []
+        if waiters:
+            snapshot = self._health_snapshot()
+            for promise in waiters:
+                promise.set_value(snapshot)
+
+    def _health_snapshot(self) -> HealthSnapshot:
+        return HealthSnapshot(generation=self.health_generation, unhealthy=dict(self.unhealthy))
+
+    def health_since(self, generation: int | None) -> Future:
+        """A ``HealthSnapshot`` once the generation differs from ``generation`` (see module rules)."""
+        if generation is None or generation != self.health_generation:
+            return Future.ready(self._health_snapshot())
+        promise: Promise = Promise()
+        self._health_waiters.append(promise)
+
+        def _discarded() -> None:
+            if promise in self._health_waiters:
+                self._health_waiters.remove(promise)
+            promise.discard()
+
+        promise.on_discard(_discarded)
+        return promise.future
+
+    def preferred(self, candidates: Iterable[Unit], count: int, include: Iterable[Unit] = ()) -> list[Unit]:
+        """Which ``count`` of ``candidates`` (holding ``include``) would be handed out (see module rules)."""
+        pool = _as_gpu_set(candidates)
+        required = _as_gpu_set(include)
+        unmanaged = (pool | required) - self.total
+        if unmanaged:
+            raise AllocatorError(f"{format_gpus(unmanaged)} are not managed by this allocator")
+        outside = required - pool
+        if outside:
+            raise AllocatorError(f"{format_gpus(outside)} must be included but are not among the candidates")
+        if isinstance(count, bool) or not isinstance(count, int) or not len(required) <= count <= len(pool):
+            raise AllocatorError(
+                f"Cannot choose {count!r} of {len(pool)} candidates holding the {len(required)} that must be included"
+            )
+        whole = all(isinstance(unit, Gpu) for unit in pool)
+        if self.strategy == "lowest" or not whole or not self.scores.has_topology:
+            rest = sorted(pool - required)[: count - len(required)]
+            return sorted(required) + rest
+        return allocate_best(pool, count, self.scores, include=required)
 
     def watch(self, gpus: Iterable[Gpu]) -> Future:
         watched = _as_gpu_set(gpus)
@@ -349,13 +440,17 @@ class GpuAllocatorProcess(Process):
         if event.kind == "xid" and event.code in self.ignored_xids:
             logger.info("%s reported %s (caused by an application; kept)", where, event.describe())
             return []
-        return [self.mark_unhealthy(unit, event.describe()) for unit in units]
+        changes = [self._withhold(unit, event.describe()) for unit in units]
+        self._health_changed()
+        return changes
 
     def health_unknown(self, reason: str) -> list[GpuHealth]:
         """NVML cannot tell any GPU's health: withhold every managed unit."""
         logger.error("The health of this node's GPUs is unknown (%s): every GPU is withheld until"
                      " mark_healthy", reason)
-        return [self.mark_unhealthy(unit, reason) for unit in sorted(self.total)]
+        changes = [self._withhold(unit, reason) for unit in sorted(self.total)]
+        self._health_changed()
+        return changes
 
     def _check_managed(self, gpu: Unit) -> None:
         if not isinstance(gpu, (Gpu, MigDevice)):

@@ -9,6 +9,11 @@ Rules:
   ``count`` free GPUs with the highest score; ties go to the lowest minors
   (the lexicographically smallest sorted list). With no topology facts every
   set scores 0, so the answer is Mesos' lowest-first.
+- ``include`` (the kubelet's must-include devices): GPUs the set must
+  hold. The answer is the best-scoring set of ``count`` that contains them
+  all (each other GPU also scores its pairs with them), by the same search
+  and tie rule; without topology facts, ``include`` plus the lowest others.
+  ``count`` smaller than ``include`` is a ``ValueError``.
 - Search: exhaustive (depth-first in lexicographic order, pruned with an
   upper bound) while C(free, count) <= ``EXHAUSTIVE_LIMIT``; beyond that a
   greedy growth from every seed GPU; beyond ``GREEDY_LIMIT`` free GPUs,
@@ -103,13 +108,19 @@ class PairScores:
         return [self._position[g] for g in gpus]
 
 
-def allocate_best(free: Iterable[Gpu], count: int, scores: PairScores) -> list[Gpu]:
-    """The best-connected ``count`` GPUs of ``free`` (sorted; see module rules)."""
-    candidates = sorted(set(free))
+def allocate_best(free: Iterable[Gpu], count: int, scores: PairScores, include: Iterable[Gpu] = ()) -> list[Gpu]:
+    """The best-connected ``count`` GPUs of ``free`` (sorted), holding every
+    GPU of ``include`` (see module rules)."""
+    required = sorted(set(include))
+    candidates = sorted(set(free) | set(required))
+    if count < len(required):
+        raise ValueError(f"Cannot choose {count} GPUs that include the {len(required)} GPUs {required}")
     if count <= 0:
         return []
     if count >= len(candidates):
         return candidates
+    if required:
+        return _best_with(candidates, required, count, scores)
     known = [g for g in candidates if g in scores._position]
     if not scores.has_topology or count == 1 or len(known) < len(candidates):
         return candidates[:count]
@@ -127,12 +138,41 @@ def allocate_best(free: Iterable[Gpu], count: int, scores: PairScores) -> list[G
     return [candidates[i] for i in chosen]
 
 
-def _exhaustive(matrix: list[list[int]], count: int) -> list[int]:
-    """Best subset by depth-first search in lexicographic order, pruned."""
+def _best_with(candidates: list[Gpu], required: list[Gpu], count: int, scores: PairScores) -> list[Gpu]:
+    """``required`` plus the ``count - len(required)`` others that score best
+    with each other and with ``required`` (each other's pairs with the
+    required GPUs are its bonus)."""
+    taken = set(required)
+    others = [g for g in candidates if g not in taken]
+    wanted = count - len(required)
+    lowest = sorted(required + others[:wanted])
+    if wanted == 0 or not scores.has_topology or any(g not in scores._position for g in candidates):
+        return lowest
+    rows = scores.positions(others)
+    fixed = scores.positions(required)
+    matrix = [[scores.matrix[i][j] for j in rows] for i in rows]
+    bonus = [sum(scores.matrix[i][r] for r in fixed) for i in rows]
+    if not any(bonus) and not any(any(row) for row in matrix):
+        return lowest
+    if math.comb(len(others), wanted) <= EXHAUSTIVE_LIMIT:
+        chosen = _exhaustive(matrix, wanted, bonus)
+    elif len(others) <= GREEDY_LIMIT:
+        chosen = _greedy(matrix, wanted, bonus)
+    else:
+        return lowest
+    return sorted(required + [others[i] for i in chosen])
+
+
+def _exhaustive(matrix: list[list[int]], count: int, bonus: list[int] | None = None) -> list[int]:
+    """Best subset by depth-first search in lexicographic order, pruned;
+    ``bonus[i]`` is added when ``i`` is chosen."""
     n = len(matrix)
     best_pair = max(max(row) for row in matrix)
+    best_bonus = max(bonus) if bonus else 0
     best: list[int] = list(range(count))
     best_score = sum(matrix[i][j] for x, i in enumerate(best) for j in best[x + 1 :])
+    if bonus:
+        best_score += sum(bonus[i] for i in best)
     chosen: list[int] = []
 
     def search(start: int, partial: int) -> None:
@@ -144,12 +184,12 @@ def _exhaustive(matrix: list[list[int]], count: int) -> list[int]:
             return
         remaining = count - k
         # Pairs still to add: among the remaining and between them and the chosen.
-        bound = best_pair * (remaining * (remaining - 1) // 2 + remaining * k)
+        bound = best_pair * (remaining * (remaining - 1) // 2 + remaining * k) + best_bonus * remaining
         if partial + bound <= best_score:
             return  # cannot beat (ties go to the earlier, lower set)
         for i in range(start, n - remaining + 1):
             row = matrix[i]
-            gain = 0
+            gain = bonus[i] if bonus else 0
             for j in chosen:
                 gain += row[j]
             chosen.append(i)
@@ -160,9 +200,23 @@ def _exhaustive(matrix: list[list[int]], count: int) -> list[int]:
     return best
 
 
-def _greedy(matrix: list[list[int]], count: int) -> list[int]:
-    """Grow a set from every seed by the best gain; keep the best (ties: lowest)."""
+def _greedy(matrix: list[list[int]], count: int, bonus: list[int] | None = None) -> list[int]:
+    """Grow a set from every seed by the best gain; keep the best (ties:
+    lowest). With ``bonus`` (the pairs with GPUs already required) one
+    growth from nothing, starting from those gains."""
     n = len(matrix)
+    if bonus is not None:
+        chosen: list[int] = []
+        taken = [False] * n
+        gains = list(bonus)
+        while len(chosen) < count:
+            pick = max((c for c in range(n) if not taken[c]), key=lambda c: (gains[c], -c))
+            chosen.append(pick)
+            taken[pick] = True
+            row = matrix[pick]
+            for c in range(n):
+                gains[c] += row[c]
+        return sorted(chosen)
     best: list[int] | None = None
     best_score = -1
     for seed in range(n):

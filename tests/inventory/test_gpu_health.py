@@ -194,3 +194,50 @@ async def test_events_on_a_mig_gpu_withhold_its_mig_devices(data_dir):
         }
         assert Gpu(195, 1) in await allocator.available()  # a whole GPU of its own, untouched
         await allocator.close()
+
+
+@pytest.mark.asyncio
+async def test_health_generations_report_every_change_including_recovery():
+    # What the kubelet plugin's ListAndWatch waits on (R-K8-2): one new
+    # generation per change, recovery included; a discarded wait is dropped.
+    nvml = node()
+    async with Runtime():
+        allocator = await NvidiaGpuAllocator.create(Flags(), Resources.parse("gpus:4"), nvml)
+        first = await allocator.health_since(None)
+        assert first.unhealthy == {}
+        waiting = allocator.health_since(first.generation)
+        assert waiting.is_pending()
+        nvml.inject_xid(2, 79)
+        with anyio.fail_after(GUARD):
+            second = await waiting
+        assert second.generation == first.generation + 1 and second.unhealthy == {Gpu(195, 2): "Xid 79"}
+        assert (await allocator.health_since(first.generation)) == second  # behind: answered at once
+        dropped = allocator.health_since(second.generation)
+        dropped.discard()
+        await allocator.mark_unhealthy(Gpu(195, 2), "Xid 79")  # no change: no new generation
+        assert (await allocator.health_since(None)).generation == second.generation
+        back = allocator.health_since(second.generation)
+        await allocator.mark_healthy(Gpu(195, 2))
+        third = await back
+        assert third.generation == second.generation + 1 and third.unhealthy == {}
+        assert dropped.is_discarded()  # a discarded wait was dropped, not answered
+        await allocator.close()
+
+
+@pytest.mark.asyncio
+async def test_preferred_is_the_allocators_choice_without_allocating(data_dir):
+    nvml = SimulatedNvml.from_file(data_dir / "dgx8-nvlink.toml")
+    nvml.init()
+    async with Runtime():
+        allocator = await NvidiaGpuAllocator.create(Flags(), Resources.parse("gpus:8"), nvml)
+        every = gpus(*range(8))
+        assert await allocator.preferred(gpus(1, 2, 3, 4, 5, 6, 7), 4) == sorted(gpus(4, 5, 6, 7))
+        assert await allocator.preferred(every, 2, gpus(6)) == sorted(gpus(6, 7))
+        assert await allocator.available() == every  # nothing was allocated
+        with pytest.raises(Exception, match="must be included but are not among the candidates"):
+            await allocator.preferred(gpus(0, 1), 2, gpus(5))
+        with pytest.raises(Exception, match="not managed by this allocator"):
+            await allocator.preferred({Gpu(195, 9)}, 1)
+        with pytest.raises(Exception, match="Cannot choose 3 of 2 candidates"):
+            await allocator.preferred(gpus(0, 1), 3)
+        await allocator.close()

@@ -101,3 +101,46 @@ def test_large_nodes_use_greedy_growth_and_still_find_islands():
     free = [gpu for gpu in gpus if gpu.minor not in (0, 9)]
     assert allocate_best(free, 8, scores) == g(*range(16, 24))  # the only whole island left
     assert _topology.math.comb(len(free), 8) > _topology.EXHAUSTIVE_LIMIT
+
+
+def brute_force_with(free: list[Gpu], count: int, scores: PairScores, include: list[Gpu]) -> list[Gpu]:
+    best, best_score = None, -1
+    for combo in itertools.combinations(sorted(set(free) | set(include)), count):
+        if not set(include) <= set(combo):
+            continue
+        total = scores.total(combo)
+        if total > best_score:
+            best, best_score = list(combo), total
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(scored_nodes(), st.data())
+def test_a_must_include_set_is_the_best_superset_of_it(node, data):
+    # The kubelet's must-include devices (R-K8-3): the best set holding them, ties to the lowest.
+    gpus, scores, free, count = node
+    include = data.draw(st.lists(st.sampled_from(free), unique=True, max_size=count))
+    chosen = allocate_best(free, count, scores, include=include)
+    assert len(chosen) == count and set(include) <= set(chosen) <= set(free)
+    assert chosen == brute_force_with(free, count, scores, include)
+
+
+def test_a_must_include_gpu_brings_its_best_linked_neighbour_and_counts_below_it_are_refused():
+    gpus = g(0, 1, 2, 3)
+    scores = PairScores(gpus, {(Gpu(195, 0), Gpu(195, 1)): 5, (Gpu(195, 2), Gpu(195, 3)): 60})
+    assert allocate_best(gpus, 2, scores, include=g(3)) == g(2, 3)
+    assert allocate_best(gpus, 2, PairScores.none(gpus), include=g(3)) == g(0, 3)  # no facts: lowest others
+    try:
+        allocate_best(gpus, 1, scores, include=g(1, 2))
+    except ValueError as error:
+        assert "Cannot choose 1 GPUs that include the 2 GPUs" in str(error)
+    else:
+        raise AssertionError("a count below the must-include set was accepted")
+
+
+def test_greedy_growth_with_a_must_include_set_stays_in_its_island():
+    gpus = g(*range(24))
+    pairs = {(a, b): 60 for a, b in itertools.combinations(gpus, 2) if a.minor // 8 == b.minor // 8}
+    scores = PairScores(gpus, pairs)
+    assert _topology.math.comb(23, 7) > _topology.EXHAUSTIVE_LIMIT
+    assert allocate_best(gpus, 8, scores, include=g(13)) == g(*range(8, 16))
