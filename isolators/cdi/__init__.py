@@ -35,7 +35,7 @@ from ._files import (
 )
 from ._grant import VISIBLE_DEVICES, container_grant
 from ._model import CdiContainerEdits, CdiDevice, CdiDeviceNode, CdiHook, CdiMount, CdiSpec
-from ._node import NODE_KIND, generate_node_spec, node_spec
+from ._node import NODE_KIND, NodeFacts, generate_node_spec, node_spec, read_node_facts
 from ._oci import merge_oci
 from ._rules import (
     SUPPORTED_VERSIONS,
@@ -54,7 +54,7 @@ __all__ = [
     "CdiWriteError", "apply_spec_changes", "ensure_spec_file", "is_temporary_name", "list_spec_files",
     "read_spec_files", "remove_spec_file", "write_spec_file", "VISIBLE_DEVICES", "container_grant",
     "CdiContainerEdits", "CdiDevice", "CdiDeviceNode", "CdiHook", "CdiMount", "CdiSpec",
-    "NODE_KIND", "generate_node_spec", "node_spec", "merge_oci",
+    "NODE_KIND", "NodeFacts", "generate_node_spec", "node_spec", "read_node_facts", "merge_oci",
     "SUPPORTED_VERSIONS", "CdiSpecError", "is_valid_device_name", "required_version",
     "validate_device_name", "validate_kind", "validate_spec",
 ]

@@ -27,6 +27,9 @@ Rules:
   either it fails with NVML's error, never inventing a GPU), the control
   devices from ``dev_dir`` (or the host file's numbers), and builds the
   driver volume under ``volume_dir``. It needs a running ``Runtime``.
+  ``read_node_facts`` is that reading for a node whose inventory and
+  volume a caller already has (the kubelet plugin's components);
+  ``NodeFacts.spec`` renders the same spec from them.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from ._grant import capability_devices, control_device, gpu_device
 from ._model import CdiContainerEdits, CdiDevice, CdiSpec
 from ._rules import CdiSpecError, required_version
 
-__all__ = ["NODE_KIND", "DEFAULT_PATH", "node_spec", "generate_node_spec"]
+__all__ = ["NODE_KIND", "DEFAULT_PATH", "NodeFacts", "node_spec", "read_node_facts", "generate_node_spec"]
 
 NODE_KIND = "nvidia.com/gpu"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -102,29 +105,50 @@ def node_spec(
     return msgspec.structs.replace(spec, cdi_version=required_version(spec))
 
 
-async def generate_node_spec(flags: Flags) -> CdiSpec:
-    """Read the node named by ``flags`` (host_file, dev_dir, volume_dir, ld_cache) into its static spec."""
+class NodeFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """What a node's spec (and a grant on it) needs beyond the inventory:
+    the control devices by path, the driver volume's mount and environment,
+    and the MIG capability facts (None on a node without MIG devices)."""
+
+    control_devices: dict[str, DeviceRule]
+    volume: ContainerBindMount
+    volume_env: dict[str, str]
+    caps: MigCapabilities | None = None
+
+    def spec(self, inventory: NodeInventory, dev_dir: str) -> CdiSpec:
+        """The node's static spec from these facts."""
+        return node_spec(inventory, self.control_devices, dev_dir, volume=self.volume,
+                         volume_env=self.volume_env, caps=self.caps)
+
+
+async def read_node_facts(flags: Flags, inventory: NodeInventory, volume: NvidiaVolume) -> NodeFacts:
+    """The facts of the node ``inventory`` describes: control devices from
+    ``flags.dev_dir`` (or the host file's numbers), the volume's mount and
+    environment, capability facts from ``flags.proc_dir`` (blocking reads on
+    a one-thread executor of their own)."""
     from .._startup import find_control_devices  # the isolator imports this package
 
+    host_numbers = dict(inventory.control_devices) if inventory.kind == "simulated" else None
+    control = await executor_run_once(find_control_devices, flags, host_numbers)
+    caps = await executor_run_once(read_mig_capabilities, flags.proc_dir) if inventory.mig_devices else None
+    mount = ContainerBindMount(host_path=volume.host_path, container_path=volume.container_path)
+    env = volume.env(ImageManifest(env=[f"PATH={DEFAULT_PATH}"]))
+    return NodeFacts(control_devices=dict(control), volume=mount, volume_env=dict(env), caps=caps)
+
+
+async def generate_node_spec(flags: Flags) -> CdiSpec:
+    """Read the node named by ``flags`` (host_file, dev_dir, volume_dir, ld_cache) into its static spec."""
     nvml = await NvmlService.open(flags.host_file)
     try:
         inventory = await nvml.inventory()
     finally:
         await nvml.close()
-    host_numbers = dict(inventory.control_devices) if inventory.kind == "simulated" else None
-    executor = Executor(1, name="cdi-generate")
-    try:
-        control = await executor.run(find_control_devices, flags, host_numbers)
-    finally:
-        executor.shutdown(wait=False)
     volume = await NvidiaVolume.create(flags.volume_dir, inventory.driver_version, ld_cache=flags.ld_cache)
     try:
-        mount = ContainerBindMount(host_path=volume.host_path, container_path=volume.container_path)
-        env = volume.env(ImageManifest(env=[f"PATH={DEFAULT_PATH}"]))
+        facts = await read_node_facts(flags, inventory, volume)
     finally:
         await volume.close()
-    caps = await executor_run_once(read_mig_capabilities, flags.proc_dir) if inventory.mig_devices else None
-    return node_spec(inventory, control, flags.dev_dir, volume=mount, volume_env=env, caps=caps)
+    return facts.spec(inventory, flags.dev_dir)
 
 
 async def executor_run_once(function, *args):
