@@ -1,0 +1,59 @@
+"""Compile ``deviceplugin.proto`` into the committed Python modules.
+
+Rules:
+- ``generate(output_root)`` runs ``grpcio-tools``' protoc (the version
+  pinned in ``pyproject.toml``'s test extra) on
+  ``isolators/kubelet/_proto/deviceplugin.proto`` with the repository as
+  its include root, so the modules import each other by their package path
+  (``isolators.kubelet._proto.deviceplugin_pb2``); it writes
+  ``deviceplugin_pb2.py``, ``deviceplugin_pb2.pyi`` and
+  ``deviceplugin_pb2_grpc.py`` under ``output_root`` at that path and
+  returns their paths. A protoc error raises ``RuntimeError`` with its
+  output.
+- ``python -m isolators.kubelet._proto.generate`` regenerates them in place
+  (after editing the .proto or changing the pinned grpcio-tools); the test
+  ``tests/kubelet/test_kubelet_api.py`` fails while they are stale.
+- Only this developer step needs ``grpcio-tools``; the plugin needs the
+  ``grpcio`` and ``protobuf`` runtimes pinned in the dependencies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["PROTO", "GENERATED", "SOURCE_ROOT", "generate"]
+
+SOURCE_ROOT = Path(__file__).resolve().parents[3]
+"""The directory holding the ``isolators`` package (the include root)."""
+PROTO = "isolators/kubelet/_proto/deviceplugin.proto"
+GENERATED = (
+    "isolators/kubelet/_proto/deviceplugin_pb2.py",
+    "isolators/kubelet/_proto/deviceplugin_pb2.pyi",
+    "isolators/kubelet/_proto/deviceplugin_pb2_grpc.py",
+)
+
+
+def generate(output_root: str | os.PathLike[str]) -> list[Path]:
+    """Compile the .proto under ``output_root`` (see the module rules)."""
+    from grpc_tools import protoc  # the developer's tool, not the plugin's dependency
+
+    output_root = Path(output_root)
+    output_root.mkdir(parents=True, exist_ok=True)
+    args = ["grpc_tools.protoc", f"-I{SOURCE_ROOT}", f"--python_out={output_root}",
+            f"--pyi_out={output_root}", f"--grpc_python_out={output_root}", str(SOURCE_ROOT / PROTO)]
+    captured = io.StringIO()
+    with contextlib.redirect_stderr(captured):
+        code = protoc.main(args)
+    if code != 0:
+        raise RuntimeError(f"protoc failed on {PROTO} ({code}): {captured.getvalue().strip()}")
+    return [output_root / name for name in GENERATED]
+
+
+if __name__ == "__main__":  # pragma: no cover - a developer's command
+    for path in generate(SOURCE_ROOT):
+        print(f"wrote {path}")
+    sys.exit(0)
