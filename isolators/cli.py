@@ -15,6 +15,8 @@ Commands:
   on stdout is the document alone.
 - ``serve``, ``exec``, ``status``: the isolator as a service and its
   clients (``isolators.service``; SPEC section 16).
+- ``kubelet-plugin``: the Kubernetes device plugin (``isolators.kubelet``;
+  SPEC section 18).
 - The churn benchmark is not a command: it lives in the source tree
   (``python -m benchmarks.churn`` from a checkout), not in the installed
   package.
@@ -134,9 +136,11 @@ def _parser() -> argparse.ArgumentParser:
                           help="write the spec to PATH (atomically; e.g. /etc/cdi/nvidia.yaml) instead of stdout")
     generate.set_defaults(func=_cmd_cdi_generate)
 
+    from .kubelet._command import add_command as add_kubelet_command
     from .service._commands import add_commands  # serve, exec, status
 
     add_commands(sub)
+    add_kubelet_command(sub)
     return parser
 
 

@@ -1,0 +1,89 @@
+"""The ``kubelet-plugin`` command of the ``gpu-isolator`` CLI.
+
+Rules (R-K8-1):
+- ``add_command(sub)`` adds the subcommand; options are spelled
+  ``--name=value`` (or ``--name value``) as ``serve`` takes them, dashes or
+  underscores: the plugin's own (``--device_plugin_dir``,
+  ``--time_slicing_replicas``, ``--listen``, ``--credential``,
+  ``--pass_device_specs``, ``--flags FILE``) and, as extra options, every
+  ``Flags`` field (``--host_file=``, ``--dev_dir=``, ``--cdi_spec_dir=``,
+  ``--nvidia_mig_strategy=`` ...), read by ``service_flags``.
+- Bad options exit 2 with one line (``--credential`` without ``--listen``,
+  replicas below 1, an unknown flag). It logs at INFO on stderr and prints
+  one line on stdout once it runs: what it offers, where, and the address
+  of ``/metrics`` with ``--listen``; it exits 0 after SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+__all__ = ["add_command"]
+
+PROG = "gpu-isolator"
+
+
+def add_command(sub: Any) -> None:
+    from ._names import DEFAULT_DIR
+
+    plugin = sub.add_parser(
+        "kubelet-plugin", allow_abbrev=False,
+        help="offer this node's GPUs to the Kubernetes kubelet (device plugin v1beta1)",
+        description="Serve the kubelet's device plugin API (v1beta1, gRPC) on a socket in the device plugin"
+                    " directory and register with kubelet.sock: nvidia.com/gpu (and nvidia.com/mig-<profile> under"
+                    " --nvidia_mig_strategy=mixed) with NVML health that recovers (mark_healthy), topology-aware"
+                    " preferred allocation, and CDI device names in Allocate (the node spec it writes to"
+                    " --cdi_spec_dir, default /var/run/cdi). It re-registers when the kubelet restarts and stops on"
+                    " SIGTERM, removing only its own sockets.",
+        epilog="Any other --name=value option is one of the isolator's flags (Flags field names, e.g."
+               " --host_file=node.toml --dev_dir=/dev --nvidia_mig_strategy=mixed); they override --flags FILE.",
+    )
+    plugin.add_argument("--device_plugin_dir", "--device-plugin-dir", metavar="DIR", default=DEFAULT_DIR,
+                        help=f"the kubelet's device plugin directory (default {DEFAULT_DIR})")
+    plugin.add_argument("--time_slicing_replicas", "--time-slicing-replicas", metavar="N", type=int, default=1,
+                        help="offer each GPU as N device IDs <UUID>::<i> (time-slicing; default 1)")
+    plugin.add_argument("--listen", metavar="HOST:PORT",
+                        help="serve /metrics and POST /kubelet-plugin/mark_healthy here (default: not at all)")
+    plugin.add_argument("--credential", metavar="FILE",
+                        help="the bearer secret mark_healthy needs (a root-owned file of mode 0600); needs --listen")
+    plugin.add_argument("--pass_device_specs", "--pass-device-specs", action="store_true",
+                        help="also answer Allocate with device specs (/dev/nvidia<minor> and the control devices)")
+    plugin.add_argument("--flags", metavar="FILE", help="the isolator's flags as a JSON or TOML file")
+    plugin.add_argument("--poll_interval", "--poll-interval", metavar="SECONDS", type=float, default=1.0,
+                        help=argparse.SUPPRESS)
+    plugin.set_defaults(func=_cmd_kubelet_plugin, accepts_flags=True)
+
+
+def _usage(message: str) -> Exception:
+    from ..cli import UsageError
+
+    return UsageError(f"{PROG} kubelet-plugin: error: {message}")
+
+
+def _cmd_kubelet_plugin(args: argparse.Namespace) -> int:
+    from ..service._serve import service_flags
+    from ._run import PluginOptions, PluginSummary, run_plugin
+
+    if args.credential and not args.listen:
+        raise _usage("--credential needs --listen HOST:PORT (the operator's route is served there)")
+    if args.time_slicing_replicas < 1:
+        raise _usage(f"--time_slicing_replicas must be a whole number >= 1, got {args.time_slicing_replicas}")
+    if not args.poll_interval > 0:
+        raise _usage(f"--poll_interval must be > 0, got {args.poll_interval}")
+    flags = service_flags(args.flags, getattr(args, "extra", []))
+    options = PluginOptions(device_plugin_dir=args.device_plugin_dir, time_slicing_replicas=args.time_slicing_replicas,
+                            listen=args.listen, credential=args.credential,
+                            pass_device_specs=args.pass_device_specs, poll_interval=args.poll_interval)
+    logging.getLogger().setLevel(logging.INFO)
+
+    def ready(summary: PluginSummary) -> None:
+        offered = ", ".join(f"{name} ({count} devices)" for name, count in summary.resources.items())
+        where = f"; metrics at http://{summary.address}/metrics" if summary.address else ""
+        print(f"{PROG} kubelet-plugin: offering {offered} in {summary.device_plugin_dir};"
+              f" CDI node spec {summary.spec_file}{where}", flush=True)
+
+    asyncio.run(run_plugin(flags, options, ready=ready))
+    return 0

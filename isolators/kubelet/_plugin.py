@@ -1,0 +1,171 @@
+"""KubeletPluginProcess: the plugin's decisions, in one actor.
+
+Rules (R-K8-3, R-K8-4, R-K8-8, R-K8-9):
+- One process, id ``kubelet-plugin``, over the components' allocator (its
+  health and topology; nothing is allocated from it: under Kubernetes the
+  kubelet decides which pod holds a device, and the container runtime
+  applies the device rules from the CDI spec), the ``DeviceCatalog`` and
+  the node's facts (``NodeFacts``). The gRPC servicers translate messages
+  and ask it.
+- ``allocate(resource, requests)``: every container request is answered
+  (``allocate_answer``) or the whole call is refused; the CDI node spec is
+  made current (rewritten when missing or changed, one executor job)
+  before any name is handed out, so the names resolve when the runtime
+  creates the container. Counted: ``allocations`` (container requests
+  answered), ``allocation_failures`` (calls refused).
+- ``preferred(resource, requests)``: per request, ``plan_preferred`` then
+  the allocator's choice among those units.
+- ``registered(resource)`` counts a registration the kubelet accepted.
+- ``write_spec()`` writes the node spec (``gpu-isolator-node.json`` in
+  the CDI spec dir) when missing or different; ``create`` calls it before
+  the process serves, so a plugin that cannot write it never starts.
+- ``POST /kubelet-plugin/mark_healthy`` (the operator's recovery, R-K8-9):
+  without the bearer credential (``--credential``) 401 and nothing
+  changes; a plugin started without ``--credential`` answers 403 to
+  everyone; then only POST (405), a JSON body ``{"uuid": "<GPU or MIG
+  UUID>"}`` (400), a UUID this plugin offers (404); then the allocator's
+  ``mark_healthy``: 200 with ``{"uuid", "unit", "healthy": true,
+  "was_unhealthy"}``; the next ``ListAndWatch`` list shows it ``Healthy``.
+- Metrics (published in ``initialize``, given back in ``finalize``):
+  counters ``kubelet/registrations``, ``kubelet/allocations``,
+  ``kubelet/allocation_failures``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from actors import NvidiaGpuAllocator
+from runtime import Executor, MetricSet, Process, Response, current_runtime
+
+from ..cdi import CdiWriteError, NodeFacts, encode_spec, ensure_spec_file
+from ..credential import BearerCredential
+from ._allocate import ContainerAnswer, allocate_answer
+from ._catalog import DeviceCatalog
+from ._errors import FAILED_PRECONDITION, PluginRequestError
+from ._preferred import plan_preferred
+
+__all__ = ["KubeletPluginProcess", "PLUGIN_ID", "NODE_SPEC_FILE"]
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_ID = "kubelet-plugin"
+NODE_SPEC_FILE = "gpu-isolator-node.json"
+
+
+class MarkHealthy(msgspec.Struct, forbid_unknown_fields=True):
+    uuid: str
+
+
+class KubeletPluginProcess(Process):
+    """The kubelet plugin's decisions (see module rules)."""
+
+    def __init__(self, catalog: DeviceCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, spec: bytes, *,
+                 spec_dir: str, dev_dir: str, pass_device_specs: bool = False,
+                 credential: BearerCredential | None = None) -> None:
+        super().__init__(PLUGIN_ID)
+        self.catalog = catalog
+        self.allocator = allocator
+        self.facts = facts
+        self.spec = spec
+        self.spec_dir = spec_dir
+        self.dev_dir = dev_dir
+        self.pass_device_specs = pass_device_specs
+        self.credential = credential
+        self.registrations = 0
+        self.allocations = 0
+        self.allocation_failures = 0
+        self.executor = Executor(1, name="kubelet-plugin")
+        """Blocking file work: the spec, the sockets' identities."""
+        self._metrics: MetricSet | None = None
+
+    def initialize(self) -> None:
+        self.route("/mark_healthy", KubeletPluginProcess._mark_healthy_route,
+                   help="POST {\"uuid\": ...} with the bearer credential: mark a GPU or MIG device healthy again")
+        metrics = self._metrics = MetricSet(current_runtime().metrics)
+        metrics.counter("kubelet/registrations", "registrations the kubelet accepted",
+                        read=lambda: self.registrations)
+        metrics.counter("kubelet/allocations", "container requests the plugin answered with devices",
+                        read=lambda: self.allocations)
+        metrics.counter("kubelet/allocation_failures", "Allocate calls the plugin refused",
+                        read=lambda: self.allocation_failures)
+
+    def finalize(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        self.executor.shutdown(wait=False)
+
+    # -- the node spec -----------------------------------------------------------------
+    async def write_spec(self) -> str | None:
+        """Make the spec file hold the node spec: None when it did, else why it was written."""
+        state = await self.executor.run(ensure_spec_file, self.spec_dir, NODE_SPEC_FILE, self.spec)
+        if state is not None:
+            logger.info("Wrote the CDI node spec %s/%s (it was %s)", self.spec_dir, NODE_SPEC_FILE, state)
+        return state
+
+    # -- the kubelet's calls ---------------------------------------------------------------
+    def registered(self, resource: str) -> None:
+        self.registrations += 1
+
+    async def allocate(self, resource: str, requests: list[list[str]]) -> list[ContainerAnswer]:
+        """Answers for every container request, or the call refused (see module rules)."""
+        offer = self.catalog.by_resource[resource]
+        snapshot = await self.allocator.health_since(None)
+        try:
+            answers = [
+                allocate_answer(offer, ids, snapshot.unhealthy, uuids=self.catalog.uuids,
+                                control_devices=self.facts.control_devices, dev_dir=self.dev_dir,
+                                caps=self.facts.caps, pass_device_specs=self.pass_device_specs)
+                for ids in requests
+            ]
+            try:
+                await self.write_spec()
+            except CdiWriteError as error:
+                raise PluginRequestError(FAILED_PRECONDITION, f"{error}; the CDI device names would not resolve,"
+                                                              " so nothing was allocated") from error
+        except PluginRequestError as error:
+            self.allocation_failures += 1
+            logger.warning("Allocate for %s refused: %s", resource, error)
+            raise
+        self.allocations += len(answers)
+        for ids, answer in zip(requests, answers):
+            logger.info("Allocate for %s: %s -> %s", resource, ", ".join(ids), ", ".join(answer.cdi_devices))
+        return answers
+
+    async def preferred(self, resource: str, requests: list[tuple[list[str], list[str], int]]) -> list[list[str]]:
+        """The suggested IDs per request (see module rules)."""
+        offer = self.catalog.by_resource[resource]
+        plans = [plan_preferred(offer, available, must, size) for available, must, size in requests]
+        answers = []
+        for plan in plans:
+            chosen = await self.allocator.preferred(plan.candidates, plan.count, plan.include)
+            answers.append(plan.finish(chosen))
+        return answers
+
+    # -- the operator's route ------------------------------------------------------------
+    async def _mark_healthy_route(self, request: Any) -> Response:
+        if self.credential is None:
+            return Response.error(403, "this plugin was started without --credential FILE, so no one may mark"
+                                       " devices healthy; restart it with --listen and --credential")
+        if not self.credential.accepts(request.headers):
+            logger.warning("mark_healthy from %s refused: no valid bearer credential", request.client)
+            return BearerCredential.unauthorized()
+        if request.method != "POST":
+            return Response(f"405 Method Not Allowed: use POST with {{\"uuid\": \"GPU-...\"}}\n", 405,
+                            headers={"Allow": "POST"})
+        try:
+            body = msgspec.json.decode(request.body, type=MarkHealthy)
+        except msgspec.DecodeError as error:
+            return Response.error(400, f"expected a JSON body {{\"uuid\": \"<GPU or MIG UUID>\"}}: {error}")
+        unit = self.catalog.unit_of_uuid(body.uuid)
+        if unit is None:
+            return Response.error(404, f"no GPU or MIG device with UUID {body.uuid!r} is offered by this plugin")
+        before = (await self.allocator.health_since(None)).unhealthy.get(unit)
+        await self.allocator.mark_healthy(unit)
+        logger.warning("Operator at %s marked %s (%s) healthy%s", request.client, body.uuid, unit,
+                       f" (it was unhealthy: {before})" if before else " (it was healthy)")
+        return Response.json({"uuid": body.uuid, "unit": str(unit), "healthy": True, "was_unhealthy": before})
