@@ -9,6 +9,8 @@
 - ``node_root_prefix``: ``gpu-isolator-test-<pid>-`` (a directory's conftest
   may narrow it).
 - ``probes()`` spawns a ``DeviceProbe`` (killed at teardown).
+- ``fake_nvml_lib`` (session): the fake NVML (``tests/native/fake_nvml.c``)
+  built once with gcc into ``libnvidia-ml.so.1``; skips when gcc is absent.
 - Every test is watched (``tests.support.host_facts``): opening the host's
   ``/etc/ld.so.cache`` or ``/proc/devices`` fails it unless it is marked
   ``@pytest.mark.host_facts`` (it reads the host's own on purpose).
@@ -21,6 +23,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from tests.support import host_facts
+from tests.support.fake_nvml import NO_GCC, build_fake_nvml
 from tests.support.kernel import skip_reason
 from tests.support.nodes import TEST_ROOT_PREFIX, Node
 from tests.support.probes import DeviceProbe
@@ -89,3 +92,12 @@ def probes() -> Iterator[Callable[[], DeviceProbe]]:
     finally:
         for probe in spawned:
             probe.close()
+
+
+@pytest.fixture(scope="session")
+def fake_nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The fake NVML, built with gcc (skips when gcc is absent)."""
+    lib = build_fake_nvml(tmp_path_factory.mktemp("fake-nvml"))
+    if lib is None:
+        pytest.skip(NO_GCC)
+    return lib

@@ -3,7 +3,8 @@
 The helpers behind them live in ``tests.support.fake_nvml``: the fake NVML
 (tests/native/fake_nvml.c, compiled once per session with gcc into
 ``libnvidia-ml.so.1``) and ``NvmlProbe``, which runs the real ``pynvml`` in
-a child process that preloads the fake (``probe``).
+a child process that preloads the fake (``probe``); ``fake_nvml_lib`` is
+the suite's (``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.fake_nvml import NO_GCC, NvmlProbe, build_fake_nvml
+from tests.support.fake_nvml import NvmlProbe
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -20,15 +21,6 @@ DATA = Path(__file__).resolve().parent / "data"
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     return DATA
-
-
-@pytest.fixture(scope="session")
-def fake_nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The fake NVML, built with gcc (skips when gcc is absent)."""
-    lib = build_fake_nvml(tmp_path_factory.mktemp("fake-nvml"))
-    if lib is None:
-        pytest.skip(NO_GCC)
-    return lib
 
 
 @pytest.fixture

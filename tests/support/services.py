@@ -78,7 +78,7 @@ sys.exit(code)
 """
 
 
-def _read_line(stream: Any, timeout: float) -> bytes:
+def read_line(stream: Any, timeout: float) -> bytes:
     """One line from a pipe, or what came before ``timeout`` / end of stream."""
     deadline = time.monotonic() + timeout
     data = b""
@@ -121,7 +121,7 @@ class ServeProcess:
                  "--poll-interval", str(self.poll_interval)],
                 cwd=ROOT, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
             )
-        line = _read_line(self.process.stdout, timeout).decode()
+        line = read_line(self.process.stdout, timeout).decode()
         if "serving as " not in line:
             self.stop()
             raise AssertionError(f"serve did not start within {timeout}s: {line!r}\n{self.log()}")
@@ -206,7 +206,7 @@ class ServeProcess:
     @staticmethod
     def probe_result(process: subprocess.Popen, timeout: float = 30.0) -> dict[str, Any]:
         """The probe's JSON line (read while it holds)."""
-        line = _read_line(process.stdout, timeout)
+        line = read_line(process.stdout, timeout)
         if not line:
             stderr = process.stderr.read().decode() if process.poll() is not None else ""
             raise AssertionError(f"no answer from the probe within {timeout}s (exit {process.poll()}): {stderr}")
