@@ -11,7 +11,8 @@ Rules:
   holds its parent's node and its two capability nodes
   (``/dev/nvidia-caps/nvidia-cap<minor>``, read-only: ``r``, mode 0444,
   as real capability nodes are). ``all`` holds every GPU node and every
-  MIG device's capability nodes. Their facts come from ``--proc_dir``; a
+  MIG device's capability nodes, each once (compute instances of one GPU
+  instance share its capability node). Their facts come from ``--proc_dir``; a
   node whose MIG devices have none is one clear error.
 - The shared edits (applied once whatever devices are asked for) hold the
   control devices and the driver volume: its read-only bind mount at
@@ -94,6 +95,7 @@ def node_spec(
     devices += [CdiDevice(name=mig.uuid, container_edits=CdiContainerEdits(device_nodes=mig_nodes[mig.device]))
                 for mig in migs]
     every = list(nodes.values()) + [node for mig in migs for node in mig_nodes[mig.device][1:]]
+    every = list({node.path: node for node in every}.values())  # compute instances of one GPU instance share its cap
     devices.append(CdiDevice(name="all", container_edits=CdiContainerEdits(device_nodes=every)))
     shared = CdiContainerEdits(
         env=[f"{key}={value}" for key, value in (volume_env or {}).items()] if volume is not None else [],

@@ -165,3 +165,20 @@ async def test_engines_run_the_isolators_grant_of_one_mig_device(podman, runc, b
         assert by_podman.env["NVIDIA_VISIBLE_DEVICES"] == uuid[MIG["2g"]]
         await isolator.cleanup(ContainerID("a"))
         assert list(cdi_dir.iterdir()) == []
+
+
+def test_compute_instances_of_one_gpu_instance_share_its_cap_once_in_all(capsys, tmp_path) -> None:
+    # tests/inventory/data/h200-mig.toml: GPU 2's GPU instance 1 holds two compute instances.
+    from isolators.testing import SimulatedNode
+
+    node = SimulatedNode(tmp_path / "node", host=REPO / "tests" / "inventory" / "data" / "h200-mig.toml").create_files()
+    code = cli.main(["cdi", "generate", "--host-file", node.host_file, "--volume-dir", node.volume_dir,
+                     "--ld-cache", node.ld_cache, "--proc-dir", node.proc_dir])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    devices = {d["name"]: [n["path"] for n in d["containerEdits"]["deviceNodes"]] for d in json.loads(out)["devices"]}
+    every = devices["all"]
+    assert len(every) == len(set(every))
+    ci0, ci1 = devices["2:0"], devices["2:1"]
+    assert ci0[:2] == ci1[:2] and ci0[2] != ci1[2]  # the parent and the GI's cap shared, each CI's own cap
+    assert set(ci0 + ci1) <= set(every)
