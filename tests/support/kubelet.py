@@ -344,9 +344,13 @@ class PluginCommand:
                                             env=self.env)
         line = read_line(self.process.stdout, timeout).decode()
         if "offering " not in line:
-            code = self.process.poll()
+            try:
+                code = self.process.wait(5) if not line else self.process.poll()  # stdout closed: it exited
+            except subprocess.TimeoutExpired:
+                code = None
             self.close()
-            raise AssertionError(f"kubelet-plugin did not start within {timeout}s (exit {code}): {line!r}\n{self.log()}")
+            raise AssertionError(f"kubelet-plugin did not start (exit {code}; waited at most {timeout}s):"
+                                 f" {line!r}\n{self.log()}")
         self.first_line = line.strip()
         if "metrics at http://" in line:
             self.address = line.split("metrics at http://", 1)[1].split("/", 1)[0]
