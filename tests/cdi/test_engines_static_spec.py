@@ -109,3 +109,37 @@ def test_podman_refuses_a_version_newer_than_it_reads_and_the_debug_log_says_why
                           devices=["gpu-isolator/container=c1"], cdi_dir=str(tmp_path))
     assert accepted.returncode == 0, accepted.stderr
     assert accepted.stdout == "none\n"
+
+
+def test_podman_injects_what_the_kubelet_plugin_allocates(podman, gpu_dev, tmp_path) -> None:
+    """R-K8-4: the CDI names ``Allocate`` answers resolve in the node spec the
+    plugin wrote, and podman (``--device NAME``, as a CDI-enabled runtime
+    does) gives the container exactly those GPUs."""
+    from tests.support.host_facts import own_facts
+    from tests.support.kubelet import FakeKubelet, PluginCommand, flag_args, plugin_directory
+
+    cdi_dir = tmp_path / "cdi"
+    cdi_dir.mkdir()
+    uuids = [gpu.uuid for gpu in load_host_file(PCIE).gpus]
+    flags = {"host_file": PCIE, "dev_dir": gpu_dev, "volume_dir": str(tmp_path / "volume"),
+             "cdi_spec_dir": str(cdi_dir), **own_facts(tmp_path)}
+    with plugin_directory() as directory:
+        kubelet = FakeKubelet(directory).start()
+        plugin = PluginCommand(flag_args(flags) + [f"--device_plugin_dir={directory}"], tmp_path)
+        try:
+            plugin.start()
+            kubelet.wait_registrations(1)
+            answer = kubelet.allocate("nvidia.com/gpu", [uuids[3], uuids[1]])
+        finally:
+            kubelet.close()
+            assert plugin.stop() == 0
+            plugin.close()
+    names = [device.name for device in answer.cdi_devices]
+    assert names == [f"nvidia.com/gpu={uuids[1]}", f"nvidia.com/gpu={uuids[3]}"]
+    result = podman.run(podman.image, probe_args(), devices=names, volumes=[f"{gpu_dev}:/host-dev:dev"],
+                        cdi_dir=str(cdi_dir))
+    assert result.returncode == 0, result.stderr
+    report = parse_probe(result.stdout)
+    assert_sees_exactly(report, [1, 3])
+    assert "ro" in report.mounts["/usr/local/nvidia"]
+    assert os.listdir(cdi_dir) == ["gpu-isolator-node.json"]
