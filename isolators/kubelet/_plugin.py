@@ -17,8 +17,8 @@ Rules (R-K8-3, R-K8-4, R-K8-8, R-K8-9):
   the allocator's choice among those units.
 - ``registered(resource)`` counts a registration the kubelet accepted.
 - ``write_spec()`` writes the node spec (``gpu-isolator-node.json`` in
-  the CDI spec dir) when missing or different; ``create`` calls it before
-  the process serves, so a plugin that cannot write it never starts.
+  the CDI spec dir) when missing or different; ``create`` writes it, then
+  spawns the process, so a plugin that cannot write it never starts.
 - ``POST /kubelet-plugin/mark_healthy`` (the operator's recovery, R-K8-9):
   without the bearer credential (``--credential``) 401 and nothing
   changes; a plugin started without ``--credential`` answers 403 to
@@ -39,7 +39,7 @@ from typing import Any
 import msgspec
 
 from actors import NvidiaGpuAllocator
-from runtime import Executor, MetricSet, Process, Response, current_runtime
+from runtime import Executor, MetricSet, Process, Response, current_runtime, spawn
 
 from ..cdi import CdiWriteError, NodeFacts, encode_spec, ensure_spec_file
 from ..credential import BearerCredential
@@ -81,6 +81,18 @@ class KubeletPluginProcess(Process):
         self.executor = Executor(1, name="kubelet-plugin")
         """Blocking file work: the spec, the sockets' identities."""
         self._metrics: MetricSet | None = None
+
+    @classmethod
+    async def create(cls, *args: Any, **kwargs: Any) -> "KubeletPluginProcess":
+        """The process (arguments as ``__init__``), spawned once its spec is written."""
+        plugin = cls(*args, **kwargs)
+        try:
+            await plugin.write_spec()  # before anything is served: a name handed out must resolve
+        except BaseException:
+            plugin.executor.shutdown(wait=False)
+            raise
+        spawn(plugin)
+        return plugin
 
     def initialize(self) -> None:
         self.route("/mark_healthy", KubeletPluginProcess._mark_healthy_route,

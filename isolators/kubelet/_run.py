@@ -32,7 +32,7 @@ import anyio
 import msgspec
 
 from actors.flags import Flags
-from runtime import Executor, Runtime, spawn, terminate, wait
+from runtime import Executor, Runtime, terminate, wait
 
 from ..cdi import encode_spec, read_node_facts
 from ..credential import BearerCredential
@@ -89,11 +89,9 @@ async def run_plugin(flags: Flags, options: PluginOptions,
                                               options.time_slicing_replicas)
                 facts = await read_node_facts(flags, components.inventory, components.volume)
                 spec = encode_spec(facts.spec(components.inventory, flags.dev_dir), "json")
-                plugin = KubeletPluginProcess(catalog, components.allocator, facts, spec, spec_dir=spec_dir,
-                                              dev_dir=flags.dev_dir, pass_device_specs=options.pass_device_specs,
-                                              credential=credential)
-                await plugin.write_spec()  # before anything is served: a name handed out must resolve
-                spawn(plugin)
+                plugin = await KubeletPluginProcess.create(
+                    catalog, components.allocator, facts, spec, spec_dir=spec_dir, dev_dir=flags.dev_dir,
+                    pass_device_specs=options.pass_device_specs, credential=credential)
                 endpoints = [
                     ResourceEndpoint(directory, offer, plugin.pid,
                                      DevicePluginServicer(offer, plugin.pid, components.allocator), sockets,

@@ -10,7 +10,8 @@ applications cause does not), ``Allocate`` of it is refused with
 ``FAILED_PRECONDITION`` naming it, the operator's ``mark_healthy`` makes
 it ``Healthy`` again in the next list, and NVML's events failing for good
 (the node's health unknown) makes every ID ``Unhealthy`` -- not a node
-that keeps reporting healthy GPUs. Without a usable NVML and without a
+that keeps reporting healthy GPUs. After a kubelet restart the new
+stream carries the current health (R-K8-5). Without a usable NVML and without a
 host file the command exits 2 with NVML's error (R-K8-1, R-NV-1).
 """
 
@@ -93,6 +94,11 @@ def test_xid_unhealthy_then_healthy_again_then_every_gpu_unhealthy_when_nvml_is_
             index, devices = kubelet.wait_list(GPU, lambda d: health(d)[UUIDS[1]] == "Unhealthy", after=first + 1)
             assert health(devices) == {UUIDS[0]: "Healthy", UUIDS[1]: "Unhealthy", UUIDS[2]: "Healthy",
                                        UUIDS[3]: "Healthy"}
+
+            kubelet.restart()  # R-K8-5: the stream served after re-registering carries the current health
+            kubelet.wait_registrations(2)
+            index, devices = kubelet.wait_list(GPU)
+            assert health(devices)[UUIDS[1]] == "Unhealthy" and index == 0
 
             with pytest.raises(grpc.RpcError) as refused:
                 kubelet.allocate(GPU, [UUIDS[0], UUIDS[1]])

@@ -14,8 +14,9 @@ Rules:
   (``who``: ``plugin->kubelet`` or ``kubelet->plugin``; the dict is the
   message with its proto field names, defaults left out);
   ``transcript(since)`` renders them, one per line.
-- ``wait_registrations(n)``, ``wait_list(resource, predicate, after=i)``
-  wait (bounded; ``AssertionError`` with what came, on timeout) on a
+- ``wait_registrations(n)`` (until n were accepted and each one's stream
+  is open, so ``stream(resource)`` is the newest), ``wait_list(resource,
+  predicate, after=i)`` wait (bounded; ``AssertionError`` with what came, on timeout) on a
   ``threading.Condition`` notified by every change -- never a sleep.
 - ``preferred(...)``, ``allocate(...)`` drive the plugin as the kubelet
   does (one container request per call); a refusal raises the
@@ -191,8 +192,12 @@ class FakeKubelet:
                 self._changed.wait(left)
 
     def wait_registrations(self, count: int, timeout: float = WAIT) -> list[dict]:
-        return self._wait(lambda: self.registrations[:] if len(self.registrations) >= count else None,
-                          f"{count} registrations", timeout)
+        """The registrations once ``count`` were accepted and each one's stream is open."""
+        def done() -> Any:
+            accepted = self.registrations[:count]
+            return self.registrations[:] if len(accepted) == count and all("stream" in r for r in accepted) else None
+
+        return self._wait(done, f"{count} registrations", timeout)
 
     def stream(self, resource: str) -> Stream:
         return self.streams[resource][-1]
@@ -223,12 +228,15 @@ class FakeKubelet:
                 unix_target(str(self.directory / self.endpoints[resource])))
         return rpc.DevicePluginStub(channel)
 
-    def open_stream(self, resource: str) -> Stream:
+    def open_stream(self, resource: str, registration: dict | None = None) -> Stream:
         request = pb.Empty()
         self.record(KUBELET_TO_PLUGIN, "ListAndWatch", request)
         stream = Stream(resource, self.stub(resource).ListAndWatch(request))
         with self._changed:
             self.streams.setdefault(resource, []).append(stream)
+            if registration is not None:
+                registration["stream"] = stream
+            self._changed.notify_all()
         threading.Thread(target=self._consume, args=(stream,), name=f"fake-kubelet-{resource}", daemon=True).start()
         return stream
 
@@ -307,15 +315,14 @@ class _Registration(rpc.RegistrationServicer):
             old.close()
         answer = pb.Empty()
         kubelet.record(KUBELET_TO_PLUGIN, "Register (accepted)", answer)
+        registration = {
+            "resource": request.resource_name, "endpoint": request.endpoint, "version": request.version,
+            "options": _as_dict(request.options), "dialled_options": _as_dict(options), "at": time.monotonic(),
+        }
         with kubelet._changed:
-            kubelet.registrations.append({
-                "resource": request.resource_name, "endpoint": request.endpoint, "version": request.version,
-                "options": _as_dict(request.options),
-                "dialled_options": _as_dict(options),
-                "at": time.monotonic(),
-            })
+            kubelet.registrations.append(registration)
             kubelet._changed.notify_all()
-        threading.Thread(target=kubelet.open_stream, args=(request.resource_name,), daemon=True).start()
+        threading.Thread(target=kubelet.open_stream, args=(request.resource_name, registration), daemon=True).start()
         return answer
 
 
