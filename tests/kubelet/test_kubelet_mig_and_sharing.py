@@ -1,4 +1,5 @@
-"""R-K8-6 (MIG ``mixed``: one socket and registration per profile) and
+"""R-K8-6 (MIG ``mixed``: one socket and registration per profile; ``single``:
+``nvidia.com/gpu`` lists MIG devices) and
 R-K8-7 (time-slicing replicas ``<UUID>::<i>``) through the real command
 and the fake kubelet.
 
@@ -55,6 +56,13 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PluginComm
 
 
 @pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PluginCommand, FakeKubelet, SimulatedNode, Path]]:
+    # GPU 0 alone (its 4 MIG devices): under 'single' every GPU considered must be in MIG mode.
+    yield from run_plugin(tmp_path_factory.mktemp("mig-single"), H200, "--nvidia_mig_strategy=single",
+                          "--nvidia_gpu_devices=0", "--resources=gpus:4")
+
+
+@pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PluginCommand, FakeKubelet, SimulatedNode, Path]]:
     yield from run_plugin(tmp_path_factory.mktemp("time-slicing"), DGX8, "--time_slicing_replicas=2")
 
@@ -104,6 +112,17 @@ def test_mixed_allocates_a_mig_device_by_its_cdi_name_with_its_capability_nodes(
     assert f"Unknown device IDs for nvidia.com/mig-1g.18gb: '{MIG[(0, 2, 0)]}'" in other.value.details()
     assert kubelet.preferred("nvidia.com/mig-1g.18gb", RESOURCES["nvidia.com/mig-1g.18gb"], [], 1) == [
         MIG[(0, 3, 0)]]
+
+
+def test_single_offers_the_mig_devices_as_nvidia_com_gpu(single) -> None:
+    _, kubelet, _, _ = single
+    [registration] = kubelet.wait_registrations(1)
+    assert registration["resource"] == "nvidia.com/gpu" and registration["endpoint"] == "gpu-isolator-gpu.sock"
+    _, devices = kubelet.wait_list("nvidia.com/gpu")
+    on_gpu0 = sorted(((gi, ci), uuid) for (index, gi, ci), uuid in MIG.items() if index == 0)
+    assert [d[0] for d in devices] == [uuid for _, uuid in on_gpu0]  # unit order: GPU instance, compute instance
+    answer = kubelet.allocate("nvidia.com/gpu", [MIG[(0, 2, 0)]])
+    assert [d.name for d in answer.cdi_devices] == [f"nvidia.com/gpu={MIG[(0, 2, 0)]}"]
 
 
 def test_time_slicing_offers_replicas_and_spreads_over_distinct_gpus_first(shared) -> None:
