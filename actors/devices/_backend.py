@@ -6,7 +6,12 @@ Rules:
   event-loop objects.
 - A backend manages the cgroups below one root, ``<hierarchy>/<cgroups_root>``.
   Every method takes a cgroup as a relative path under that root, checked by
-  ``validate_cgroup``; nothing is ever written outside the root.
+  ``validate_cgroup``; nothing is ever written outside the root -- except by
+  ``confine(path, access)`` (SPEC R-SC-8), which only ever takes devices
+  away: it denies ``access.deny`` to an existing cgroup ``path`` named from
+  the hierarchy's root (``validate_confined``: never the root, an ancestor
+  of it or a cgroup inside it) and so to every cgroup below it. Applying
+  it again is cheap and changes nothing that holds.
 - Every kernel operation (mkdir, open, each rule write, a read, each bpf(2)
   command, rmdir ...) goes through ``_kernel_op``, which first calls
   ``kernel_hook(op, target)`` when one is set (with none set, a backend's
@@ -105,8 +110,23 @@ class DeviceOperation(NamedTuple):
 
 
 OPERATION_KINDS = frozenset(
-    {"configure", "reconfigure", "remove", "state", "exists", "list_cgroups", "reconcile", "remove_root"}
+    {"configure", "reconfigure", "remove", "state", "exists", "list_cgroups", "reconcile", "remove_root", "confine"}
 )
+
+
+def validate_confined(path: object, root: str, inside: str) -> str:
+    """``path`` (a cgroup from the hierarchy's root, e.g. ``user.slice``) if
+    it is a plain relative path that neither holds nor lies inside the
+    backend's own root ``root``, which is ``inside`` from the hierarchy's
+    root (confining it would deny the containers' GPUs too)."""
+    _check_relative(path, "confined cgroup")
+    assert isinstance(path, str)
+    if inside == path or inside.startswith(path + "/") or path.startswith(inside + "/"):
+        raise InvalidCgroupError(
+            f"Cannot confine cgroup {_show(path)}: it holds or lies inside device control's own root {root}"
+            " (whose containers must keep their GPUs); confine the users' cgroups, e.g. user.slice"
+        )
+    return path
 
 
 def unknown_operation(kind: str) -> ValueError:
@@ -164,6 +184,11 @@ class DeviceBackend(Protocol):
 
     def remove_root(self) -> bool:
         """Delete the root itself once no cgroup is left below it; False if some are."""
+
+    def confine(self, path: str, access: Policy) -> list[str]:
+        """Deny ``access.deny`` to the existing cgroup ``path`` (from the
+        hierarchy's root, outside the root) and every cgroup below it,
+        leaving the rest as it is; what it changed, in words."""
 
     def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:
         """Apply ``ops`` in order; one value or exception per operation."""

@@ -27,6 +27,9 @@ Backend rules:
   stat, and writes the plan without a wrapper call per rule. The syscalls
   and errors are the same; with a hook set every operation is reported in
   the plain order.
+- ``confine`` (the port's exception to "below the root") writes deny rules
+  only, never ``a``: a confined cgroup such as ``user.slice`` has children
+  and live sessions, which keep every other device.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import logging
 import os
 from typing import Iterable
 
-from ._backend import BackendBase, list_cgroup_dirs, reraise, validate_cgroup, validate_cgroups_root
+from ._backend import BackendBase, list_cgroup_dirs, reraise, validate_cgroup, validate_cgroups_root, validate_confined
 from ._errors import DeviceControlError, KernelOperationError
 from ._policy import Policy, as_policy
 from ._rules import DeviceRule, check_diff
@@ -224,6 +227,20 @@ class CgroupsV1Backend(BackendBase):
                 f"{path}: {'allowed' if name == 'devices.allow' else 'denied'} '{line}'" for name, line in writes
             )
         return repairs
+
+    def confine(self, path: str, access: Policy) -> list[str]:
+        """Each deny rule written to ``devices.deny`` of ``path`` (see the
+        port): in an allow-all cgroup it becomes an exception the kernel
+        also gives every cgroup below, and one that denies by default loses
+        those devices (its children with it). ``devices.list`` of an
+        allow-all cgroup does not show such exceptions, so the rules are
+        written again on every call; what was written, in words."""
+        directory = os.path.join(self.hierarchy, validate_confined(path, self.root, os.path.relpath(self.root, self.hierarchy)))
+        if not os.path.isdir(directory):
+            raise DeviceControlError(f"Cannot confine cgroup '{path}': {directory} does not exist")
+        writes = [("devices.deny", str(rule)) for rule in access.deny]
+        self._write(directory, writes)
+        return [f"{directory}: denied '{line}'" for _name, line in writes]
 
 
 def _read_text(file: str) -> str:

@@ -47,6 +47,9 @@ Rules:
   ``ForeignProgramsError`` (its own part done and kept): the kernel runs
   them too, so the cgroup may lack devices its policy grants; they are
   reported, never detached on a guess.
+- ``confine`` puts one program of ours (allow all but the GPU rules) on a
+  cgroup outside the root, found and replaced by name as above, beside
+  whatever others attached there.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from collections import OrderedDict
 from typing import Any, Iterable, NamedTuple
 
 from . import _bpf
-from ._backend import BackendBase, list_cgroup_dirs, validate_cgroup, validate_cgroups_root
+from ._backend import BackendBase, list_cgroup_dirs, validate_cgroup, validate_cgroups_root, validate_confined
 from ._device_program import read_policy
 from ._errors import DeviceControlError, ForeignProgramsError, KernelOperationError
 from ._policy import Policy, apply_diff, as_policy
@@ -176,6 +179,17 @@ class CgroupsV2Backend(BackendBase):
 
     def list_cgroups(self) -> list[str]:
         return list_cgroup_dirs(self.root)
+
+    def confine(self, path: str, access: Policy) -> list[str]:
+        """Leave exactly one program of ours on ``path`` (from the hierarchy's
+        root), compiled from ``access`` (allow all but its deny rules): the
+        kernel runs it for that cgroup and every cgroup below, beside any
+        program of others (every one must allow). Attached when missing,
+        replaced when its instructions differ; the repairs, in words."""
+        directory = os.path.join(self.hierarchy, validate_confined(path, self.root, os.path.relpath(self.root, self.hierarchy)))
+        if not os.path.isdir(directory):
+            raise DeviceControlError(f"Cannot confine cgroup '{path}': {directory} does not exist")
+        return self._attach(directory, access, fresh=False, foreign_out=[])
 
     # -- applying one cgroup -----------------------------------------------------
 

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterable
 from runtime import Executor, Future, Process, ProcessTerminated, dispatch, generate_id, spawn, terminate, wait
 
 from . import _metrics
-from ._backend import DeviceBackend, DeviceOperation, validate_cgroup, validate_cgroups_root
+from ._backend import DeviceBackend, DeviceOperation, _check_relative, validate_cgroup, validate_cgroups_root
 from ._cgroups_v1 import CgroupsV1Backend
 from ._cgroups_v2 import CgroupsV2Backend
 from ._detect import resolve_backend
@@ -241,6 +241,17 @@ class DeviceControl:
         ``Policy`` given); the repairs, in words."""
         try:
             return self._submit("reconcile", validate_cgroup(cgroup), as_policy(allow, deny))
+        except DeviceControlError as error:
+            return Future.failed(error)
+
+    def confine(self, path: str, deny: Iterable[DeviceRule | str]) -> Future[list[str]]:
+        """Deny ``deny`` to the existing cgroup ``path`` -- named from the
+        hierarchy's root (``user.slice``), outside this root -- and to every
+        cgroup below it, nothing else changed (SPEC R-SC-8); what it
+        changed, in words. Idempotent: call it again to re-check."""
+        try:
+            _check_relative(path, "confined cgroup")
+            return self._submit("confine", path, as_policy(["a *:* rwm"], deny))
         except DeviceControlError as error:
             return Future.failed(error)
 

@@ -12,15 +12,20 @@ Rules:
   directory, the lock file and who holds it, and what to do.
 - The holder writes who it is into the file (its process id, then its
   device worker's), so that such an error can say.
+- The lock file is opened ``O_NOFOLLOW`` (SPEC R-SC-7): a symbolic link
+  planted at its name is refused (ELOOP), never followed to truncate the
+  file it names; a name that is not a regular file is refused too.
 - ``release()`` closes this process's descriptor (an exiting process's
   closes by itself); a worker that still runs keeps the lock until it exits.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import stat
 import time
 
 from ._errors import DeviceControlError
@@ -52,11 +57,17 @@ class WorkDirLock:
         file = lock_file(work_dir)
         try:
             os.makedirs(work_dir, mode=0o700, exist_ok=True)
-            fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK
+            fd = os.open(file, flags, 0o600)
         except OSError as error:
             raise DeviceControlError(
                 f"Cannot lock the work directory {work_dir}: {file}: {error.strerror}"
+                + (" (a symbolic link: the lock is never followed through one; remove it)"
+                   if error.errno == errno.ELOOP else "")
             ) from error
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise DeviceControlError(f"Cannot lock the work directory {work_dir}: {file} is not a regular file")
         deadline = time.monotonic() + max(0.0, timeout)
         try:
             while True:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-from ._backend import BackendBase, validate_cgroup
+from ._backend import BackendBase, validate_cgroup, validate_confined
 from ._errors import DeviceControlError
 from ._policy import Policy, apply_diff, as_policy
 from ._rules import DeviceRule, check_diff
@@ -51,6 +51,8 @@ class MemoryBackend(BackendBase):
         self._shared = shared
         self._cgroups: dict[str, Policy] = _PRETEND_KERNEL.setdefault(root, {}) if shared else {}
         self._children: dict[str, int] = _PRETEND_CHILDREN.setdefault(root, {}) if shared else {}
+        self.confined: dict[str, Policy] = {}
+        """Cgroups outside the root given to ``confine``, with their policy."""
         if not self._children:
             for cgroup in self._cgroups:
                 self._count(cgroup, 1)
@@ -161,6 +163,14 @@ class MemoryBackend(BackendBase):
 
     def list_cgroups(self) -> list[str]:
         return sorted(self._cgroups)
+
+    def confine(self, path: str, access: Policy) -> list[str]:
+        """Recorded (``confined``); nothing to enforce in memory."""
+        path = validate_confined(path, self.root, self.root.partition(":")[2].strip("/"))
+        if self.confined.get(path) == access:
+            return []
+        self.confined[path] = access
+        return [f"memory:/{path}: confined"]
 
     def reconcile(self, cgroup: str, desired: Policy) -> list[str]:
         validate_cgroup(cgroup)

@@ -122,6 +122,9 @@ class FaultInjectingBackend:
     def remove_root(self) -> bool:
         return self.inner.remove_root()
 
+    def confine(self, path: str, access: Policy) -> list[str]:
+        return self.inner.confine(path, access)
+
     def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:
         return self.inner.apply_batch(ops)
 

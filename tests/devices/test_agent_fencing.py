@@ -247,3 +247,22 @@ def test_a_worker_stopped_before_asking_for_the_parent_death_signal_is_fenced_by
     outcome = json.loads(supervisor.stdout.strip().splitlines()[-1])
     assert outcome["reparented"] is True
     assert outcome["exit"] == FENCED_EXIT, outcome  # not 0: it went on, built a backend and said ready
+
+
+def test_the_lock_is_never_followed_through_a_symbolic_link(tmp_path) -> None:
+    """SPEC R-SC-7 (issue 25, finding 7): a link planted at the lock's name
+    is refused, and the file it names is left as it was."""
+    from actors.devices._lock import WorkDirLock
+
+    victim = tmp_path / "root-only"
+    victim.write_text("ROOT SECRET\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "agent.lock").symlink_to(victim)
+    with pytest.raises(DeviceControlError, match=r"agent\.lock: Too many levels of symbolic links \(a symbolic link"):
+        WorkDirLock.acquire(str(work), timeout=0.1)
+    assert victim.read_text() == "ROOT SECRET\n"
+    (work / "agent.lock").unlink()
+    os.mkfifo(work / "agent.lock")  # not a regular file: refused without blocking on the FIFO
+    with pytest.raises(DeviceControlError, match="is not a regular file"):
+        WorkDirLock.acquire(str(work), timeout=0.1)
