@@ -14,6 +14,9 @@ Rules (libprocess' process manager and socket manager, R-NW-1..5):
   (once its ``initialize`` has run) -> 404. A sender header that does not
   parse as ``id@host:port`` -> 400, as is a POST to a message name without
   any sender header.
+- A process with an ``admit`` check (``Process.admit``) sees none of
+  these requests unless the check lets it through; the check's answer
+  (e.g. 401) goes back otherwise, before anything is delivered.
 - Any other request goes to the process's route (``Process.route``) with
   the longest matching path, dispatched to that process like any event,
   or to the runtime's own endpoints: ``GET /__processes__``, ``GET
@@ -280,6 +283,10 @@ class Network:
             return self._builtin(path)
         ident, _, rest = path[1:].partition("/")
         proc = self.rt._processes.get(PID(ident, self.host, self.port)) if ident else None
+        if proc is not None and proc._admit is not None:
+            refusal = proc._admit(request)
+            if refusal is not None:
+                return refusal
         headers = request.headers
         if request.method == "POST" and ("libprocess-from" in headers or headers.get("user-agent", "").startswith("libprocess/")):
             return self._message(proc, ident, rest, request)

@@ -36,6 +36,11 @@ Rules (libprocess ``process/process.hpp``):
   handlers get the body's bytes as they travel on the wire, locally too
   (``str`` as UTF-8, a Struct or dict as its JSON, ``None`` as ``b""``);
   ``type=Any`` gets a local body as sent and a remote one as bytes.
+- ``admit(check)``: every request from another runtime for this process
+  (message or route) is first given to ``check(request)`` in the network;
+  a ``Response`` it returns is the answer, and the message is not
+  delivered nor the route run (a credential check: nothing changes, no
+  reply goes anywhere).
 - ``route(path, handler, help="")`` serves HTTP requests for
   ``/<id><path>`` (and paths below it without a longer route):
   ``handler(request)`` -- or ``handler(process, request)`` for a function
@@ -151,6 +156,7 @@ class Process:
         self._linkers: set[PID] = set()
         self._handlers: dict[str, tuple[Callable, type]] = {}
         self._routes: dict[str, tuple[Callable, str]] = {}
+        self._admit: Callable[[Any], Any] | None = None
         self._handled = 0
         self._failures = 0
         self._rejected = 0
@@ -211,6 +217,14 @@ class Process:
                 return handler(request)
             fn.__name__ = getattr(handler, "__name__", "route")
         self._routes[path.rstrip("/") or "/"] = (fn, help)
+
+    def admit(self, check: Callable[[Any], Any] | None) -> None:
+        """Give every request from another runtime addressed to this process
+        (its messages and its routes) to ``check(request)`` first; a
+        ``Response`` it returns is the answer and nothing is delivered (None:
+        go on). ``check`` runs in the network, outside the mailbox: it must
+        not block or touch the process's state. None removes it."""
+        self._admit = check
 
     def send(self, to: PID, name: str, body: Any = None) -> None:
         """Send a named message from this process."""

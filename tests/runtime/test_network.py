@@ -405,3 +405,38 @@ async def test_terminated_processes_leave_the_routing_table() -> None:
             assert (await http.get("/web/state")).status_code == 404
             answer = await http.post("/web/state", content=b"", headers={"Libprocess-From": "p@127.0.0.1:1"})
             assert answer.status_code == 404
+
+
+async def test_an_admit_check_sees_every_remote_request_first_and_its_refusal_delivers_nothing() -> None:
+    """``Process.admit`` (the service's bearer credential, SPEC R-SC-6): a
+    refused message is not delivered and a refused route does not run;
+    the runtime's own endpoints and other processes are not asked."""
+    async with Runtime(listen="127.0.0.1:0") as rt:
+        guarded, open_ = Receiver("guarded"), Receiver("open")
+        spawn(guarded)
+        spawn(open_)
+        guarded.route("/state", lambda request: {"seen": True})
+        asked: list[str] = []
+
+        def check(request: Any) -> Response | None:
+            asked.append(request.path)
+            return None if request.headers.get("authorization") == "Bearer yes" else Response("no\n", 401)
+
+        guarded.admit(check)
+        sender = {"Libprocess-From": "peer(1)@127.0.0.1:1"}
+        body = b'{"container": "c1", "gpus": 1}'
+        async with httpx.AsyncClient(base_url=f"http://{rt.address}") as http:
+            refused = await http.post("/guarded/allocate", content=body, headers=sender)
+            route_refused = await http.get("/guarded/state")
+            unknown = await http.post("/guarded/unknown", content=body, headers=sender)
+            other = await http.post("/open/allocate", content=body, headers=sender)
+            metrics = await http.get("/metrics")
+            admitted = await http.post("/guarded/allocate", content=b'{"container": "c2", "gpus": 1}',
+                                       headers={**sender, "Authorization": "Bearer yes"})
+            route = await http.get("/guarded/state", headers={"Authorization": "Bearer yes"})
+            await guarded.expect(1)
+            await open_.expect(1)
+    assert [r.status_code for r in (refused, route_refused, unknown)] == [401, 401, 401]
+    assert (other.status_code, metrics.status_code, admitted.status_code, route.json()) == (202, 200, 202, {"seen": True})
+    assert [body for _name, _sender, body in guarded.got] == [Allocate("c2", 1)]  # the refused one never arrived
+    assert asked == ["/guarded/allocate", "/guarded/state", "/guarded/unknown", "/guarded/allocate", "/guarded/state"]
