@@ -283,8 +283,8 @@ class Network:
             return self._builtin(path)
         ident, _, rest = path[1:].partition("/")
         proc = self.rt._processes.get(PID(ident, self.host, self.port)) if ident else None
-        if proc is not None and proc._admit is not None:
-            refusal = proc._admit(request)
+        if proc is not None and proc._remote_check is not None:
+            refusal = proc._remote_check(request)
             if refusal is not None:
                 return refusal
         headers = request.headers

@@ -156,7 +156,7 @@ class Process:
         self._linkers: set[PID] = set()
         self._handlers: dict[str, tuple[Callable, type]] = {}
         self._routes: dict[str, tuple[Callable, str]] = {}
-        self._admit: Callable[[Any], Any] | None = None
+        self._remote_check: Callable[[Any], Any] | None = None
         self._handled = 0
         self._failures = 0
         self._rejected = 0
@@ -224,7 +224,7 @@ class Process:
         ``Response`` it returns is the answer and nothing is delivered (None:
         go on). ``check`` runs in the network, outside the mailbox: it must
         not block or touch the process's state. None removes it."""
-        self._admit = check
+        self._remote_check = check
 
     def send(self, to: PID, name: str, body: Any = None) -> None:
         """Send a named message from this process."""
