@@ -5,6 +5,9 @@ Rules (Mesos ``MesosIsolator`` wrapping a ``MesosIsolatorProcess``):
   ``Future`` at once (await it); the actor orders and runs the call.
 - ``supports_nesting()`` and ``supports_standalone()`` are answered here
   (R-IS-2): both true.
+- ``unit_rules()``: the device rules of every unit the isolator hands out
+  (whole GPUs; MIG devices with their parent and capability nodes), as
+  ``serve --confine`` denies them (SPEC R-SC-8).
 - ``close()`` terminates the actor and its device control actor (waiting for
   a device worker process to exit); it cleans nothing up: containers and
   their cgroups stay for the next agent to recover.
@@ -12,7 +15,7 @@ Rules (Mesos ``MesosIsolator`` wrapping a ``MesosIsolatorProcess``):
 
 from __future__ import annotations
 
-from actors.devices import DeviceControl
+from actors.devices import DeviceControl, DeviceRule
 from actors.resources import Resources
 from runtime import Future, dispatch, terminate, wait
 
@@ -65,6 +68,11 @@ class MesosIsolator:
 
     def containers(self) -> Future[dict[str, list[int]]]:
         return dispatch(self.pid, NvidiaGpuIsolatorProcess.containers)
+
+    def unit_rules(self) -> list[DeviceRule]:
+        """The rules granting every unit this isolator hands out (see module rules)."""
+        catalog = self.process.catalog
+        return catalog.rules({unit for units in catalog.pools.values() for unit in units})
 
     @property
     def recovery_report(self) -> list[str]:

@@ -1,19 +1,24 @@
-"""The isolator as a service (SPEC section 16): ``serve``, ``exec``, ``status``.
+"""The isolator as a service (SPEC sections 16 and 19): ``serve``, ``exec``, ``status``.
 
-- ``_service``: ``GpuIsolatorService``, the network-reachable process in
-  front of an isolator (messages, the waiting line, exec containers
-  released once empty, ``GET /gpu-isolator/state``), recovering from its
-  records (``_records``) and the kernel.
-- ``_messages``: the wire Structs and the state document.
+- ``_service``: ``GpuIsolatorService``, the process in front of an
+  isolator (requests, the waiting line, the owner check and per-user
+  limits, exec containers released once empty, the state each caller may
+  read, ``--confine``), recovering from its records (``_records``) and
+  the kernel.
+- ``_front_door``: the unix socket users reach it through (who is asking
+  comes from the kernel: ``_caller``), framed as ``_frames`` says;
+  ``_caller``: who is asking and what they may touch, decided in one
+  place; ``_trust``: the directories it trusts (StrictModes).
+- ``_messages``: the request and answer Structs and the state document.
 - ``_line``: the prepares not answered yet and the line they wait in.
 - ``_demand``: what a request asks for (GPUs, MIG devices by profile);
   ``_units``: what the node hands out, counted and shown (MIG included).
-- ``_host``: what the service asks the host (socket owners, processes,
-  cgroup membership).
-- ``_client``: ``ServiceClient``, a process that asks a service.
-- ``_serve``: ``serve`` until SIGTERM/SIGINT; ``_exec`` and ``_launcher``:
-  the exec client and its command, moved into the cgroup before it runs;
-  ``_status``: the state as a table; ``_commands``: the CLI wiring.
+- ``_launcher`` and ``_supervisor``: the command started by the service,
+  as the caller, inside its cgroup; ``_host``: what the kernel says of a
+  cgroup's processes.
+- ``_client``: ``SocketClient``, one connection to the service;
+  ``_exec``: the exec client; ``_status``: the state as a table;
+  ``_serve``: ``serve`` until SIGTERM/SIGINT; ``_commands``: the CLI wiring.
 Each module states its rules at the top. Names are imported when first used
 (``exec`` and ``status`` need little of the agent).
 """
@@ -25,27 +30,31 @@ from typing import TYPE_CHECKING
 from runtime._lazy import lazy_exports
 
 _EXPORTS = {
-    "._client": ("LostService", "ServiceClient"),
-    "._exec": ("DEFAULT_AGENT", "exec_command"),
-    "._launcher": ("PendingCommand", "SignalForwarder", "exit_code"),
-    "._messages": ("SERVICE_ID", "CleanedUp", "Cleanup", "ContainerView", "GrantedGpu", "MigDeviceView", "Prepare",
-                   "Prepared", "Queued", "ServiceState", "Start", "Started", "Statistics", "Update", "Updated", "Usage",
-                   "WaitingView", "visible_devices_env"),
+    "._caller": ("Caller", "ServiceError", "authorize"),
+    "._client": ("DEFAULT_SOCKET", "LostService", "Refused", "SocketClient", "socket_path"),
+    "._exec": ("exec_command",),
+    "._launcher": ("SignalForwarder", "exit_code"),
+    "._messages": ("SERVICE_ID", "CleanedUp", "Cleanup", "ContainerView", "Exited", "GrantedGpu", "MigDeviceView",
+                   "Prepare", "Prepared", "Queued", "Refusal", "ServiceState", "Signal", "Started", "StateRequest",
+                   "Statistics", "Update", "Updated", "Usage", "UserShare", "WaitingView", "visible_devices_env"),
     "._records": ("ContainerRecord", "RecordsError", "RecordsFile", "records_file"),
-    "._serve": ("serve", "service_flags"),
-    "._service": ("GpuIsolatorService", "ServiceError"),
+    "._serve": ("ServeOptions", "serve", "service_flags"),
+    "._service": ("GpuIsolatorService", "UserLimits"),
     "._status": ("fetch_state", "render_state"),
+    "._trust": ("UntrustedPath", "check_trusted_dir"),
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
 
 
 if TYPE_CHECKING:
-    from ._client import LostService, ServiceClient
-    from ._exec import DEFAULT_AGENT, exec_command
-    from ._launcher import PendingCommand, SignalForwarder, exit_code
+    from ._caller import Caller, ServiceError, authorize
+    from ._client import DEFAULT_SOCKET, LostService, Refused, SocketClient, socket_path
+    from ._exec import exec_command
+    from ._launcher import SignalForwarder, exit_code
     from ._messages import *  # noqa: F403 -- its __all__, the names _EXPORTS lists for it
     from ._records import ContainerRecord, RecordsError, RecordsFile, records_file
-    from ._serve import serve, service_flags
-    from ._service import GpuIsolatorService, ServiceError
+    from ._serve import ServeOptions, serve, service_flags
+    from ._service import GpuIsolatorService, UserLimits
     from ._status import fetch_state, render_state
+    from ._trust import UntrustedPath, check_trusted_dir

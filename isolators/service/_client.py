@@ -1,77 +1,111 @@
-"""ServiceClient: a process that asks a gpu-isolator service and matches its answers.
+"""SocketClient: one connection to the service's unix socket (blocking).
 
 Rules:
-- ``ServiceClient(service_pid, id=...)`` runs in a runtime that listens
-  (the service answers over the network, to the sender's PID).
-  ``ask(name, body)`` (dispatched to it) sends a request and returns a
-  Future of the answer carrying the same ``request`` (so every request
-  needs a ``request`` of its own); ``queued`` notes go to ``on_queued``.
-- The client links to the service on its first request (and again after
-  losing it): when the connection breaks or cannot be made, every
-  unanswered request fails with ``LostService`` -- nothing waits forever
-  on a dead service.
-- Answers nobody waits for (a request given up on) are dropped.
+- ``socket_path(option)``: ``--socket``, else ``$GPU_ISOLATOR_SOCKET``,
+  else ``DEFAULT_SOCKET``.
+- ``SocketClient.connect(path, timeout)`` connects (a service that cannot
+  be reached is one ``LostService`` saying so); the kernel tells the
+  service who is asking, nothing the client sends does.
+- ``ask(verb, body, fds=())`` sends one request and returns the next
+  frame that is not ``queued`` (``queued`` frames go to ``on_queued``);
+  ``send`` and ``receive`` are the two halves. Each waits at most
+  ``timeout`` seconds (None: as long as it takes); an ``error`` frame (the
+  service refused the frame and closed) raises ``Refused`` with its text,
+  the connection closing raises ``LostService``.
+- Requests carry their own ``request`` string (``request_id``), which
+  each answer echoes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+import os
+import socket
+from typing import Any, Callable
 
-from runtime import PID, Failure, Future, Process, Promise
+from runtime import Failure
 
-from ._messages import CleanedUp, Prepared, Queued, Started, Statistics, Updated
+from ._frames import Frame, FrameError, FrameReader, recv_frame, send_frame
 
-__all__ = ["LostService", "ServiceClient"]
+__all__ = ["DEFAULT_SOCKET", "LostService", "Refused", "SocketClient", "socket_path"]
 
-_ANSWERS = {"prepared": Prepared, "started": Started, "updated": Updated, "statistics": Statistics,
-            "cleaned_up": CleanedUp}
+DEFAULT_SOCKET = "/run/gpu-isolator/gpu-isolator.sock"
+_requests = itertools.count(1)
 
 
 class LostService(Failure):
-    """The connection to the service broke or could not be made."""
+    """The service cannot be reached, or closed the connection."""
 
 
-class ServiceClient(Process):
-    """Asks a gpu-isolator service (see module rules)."""
+class Refused(Failure):
+    """The service refused a frame (``error``) and closed the connection."""
 
-    def __init__(self, service: PID, id: str = "gpu-isolator-client") -> None:
-        super().__init__(id)
-        self.service = service
-        self._waiting: dict[str, Promise] = {}
-        self._linked = False
-        self._heard = False  # any answer yet: "lost" the service, else never reached it
-        self.on_queued: Any = None
 
-    def initialize(self) -> None:
-        self.install("queued", ServiceClient._queued, Queued)
-        for name, kind in _ANSWERS.items():
-            self.install(name, ServiceClient._answer, kind)
+def socket_path(option: str | None) -> str:
+    return option or os.environ.get("GPU_ISOLATOR_SOCKET") or DEFAULT_SOCKET
 
-    def ask(self, name: str, body: Any) -> Future:
-        """Send request ``name``; a Future of its answer (LostService if the service goes)."""
-        if not self._linked:
-            self._linked = True
-            self.link(self.service)
-        promise: Promise = Promise()
-        self._waiting[body.request] = promise
-        self.send(self.service, name, body)
-        return promise.future
 
-    def _answer(self, sender: PID, body: Any) -> None:
-        self._heard = True
-        promise = self._waiting.pop(body.request, None)
-        if promise is not None:
-            promise.set_value(body)
+def request_id(kind: str) -> str:
+    return f"{kind}-{os.getpid()}-{next(_requests)}"
 
-    def _queued(self, sender: PID, body: Queued) -> None:
-        self._heard = True
-        if self.on_queued is not None:
-            self.on_queued(body)
 
-    def exited(self, pid: PID) -> None:
-        self._linked = False
-        waiting, self._waiting = self._waiting, {}
-        what = "lost" if self._heard else "cannot reach"
-        for promise in waiting.values():
-            promise.fail(LostService(f"{what} the gpu-isolator service at {self.service.host}:{self.service.port}"
-                                     " (is 'gpu-isolator serve' running there?)"))
+class SocketClient:
+    """One connection to the service (see module rules)."""
+
+    def __init__(self, sock: socket.socket, path: str) -> None:
+        self.sock = sock
+        self.path = path
+        self.reader = FrameReader()
+        self.on_queued: Callable[[dict[str, Any]], None] | None = None
+
+    @classmethod
+    def connect(cls, path: str, timeout: float | None = 30.0) -> "SocketClient":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError as error:
+            sock.close()
+            raise LostService(f"cannot reach the gpu-isolator service at {path}: {error.strerror or error}"
+                              " (is 'gpu-isolator serve' running? --socket or $GPU_ISOLATOR_SOCKET name"
+                              " another socket)") from None
+        return cls(sock, path)
+
+    def send(self, verb: str, body: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+        try:
+            send_frame(self.sock, verb, body, fds)
+        except OSError as error:
+            raise LostService(f"lost the gpu-isolator service at {self.path}: {error.strerror or error}") from None
+
+    def receive(self, timeout: float | None = None) -> Frame:
+        """The next frame (``queued`` ones handed to ``on_queued`` first)."""
+        self.sock.settimeout(timeout)
+        while True:
+            try:
+                frame = recv_frame(self.sock, self.reader)
+            except TimeoutError:
+                raise
+            except (OSError, FrameError) as error:
+                raise LostService(f"lost the gpu-isolator service at {self.path}: {error}") from None
+            if frame is None:
+                raise LostService(f"the gpu-isolator service at {self.path} closed the connection")
+            if frame.verb == "error":
+                raise Refused(str(frame.body.get("error")))
+            if frame.verb == "queued" and self.on_queued is not None:
+                self.on_queued(frame.body)
+                continue
+            return frame
+
+    def ask(self, verb: str, body: dict[str, Any], fds: tuple[int, ...] = (), timeout: float | None = 30.0) -> Frame:
+        body = {"request": request_id(verb), **body}
+        self.send(verb, body, fds)
+        return self.receive(timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "SocketClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

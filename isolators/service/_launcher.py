@@ -1,48 +1,59 @@
-"""The command of ``gpu-isolator exec``: forked early, run only once it is inside its cgroup.
+"""Starting an exec command's supervisor (the service side), and the client's signals.
 
 Rules:
-- ``PendingCommand.fork(argv)`` forks before the client starts any thread
-  or event loop. The child blocks the forwarded signals, waits on a pipe
-  and never runs the command by itself: the parent moves it into the
-  container's cgroup first (through the service), then ``run(env)``
-  sends the environment to add, and only then does the child restore
-  every signal to its default, unblock them (a signal forwarded meanwhile
-  is delivered now, as if the command had got it) and ``execvp`` the
-  command. The command therefore never runs outside the cgroup.
-- The pipe closing without a word (``abort()``, or the parent killed)
-  makes the child exit at once with status 125, running nothing.
-- ``run`` returns None when ``execvp`` succeeded (a close-on-exec pipe
-  closes), else the ``OSError`` it raised (the child then exits 127 when
-  the command was not found, 126 otherwise, as shells do).
-- ``wait()`` reaps the child; ``exit_code(status)`` is its exit status, or
-  128 + N when a signal N killed it.
-- ``SignalForwarder`` blocks ``FORWARDED`` in the client (every thread
-  started later inherits the block) and takes them in a thread of its own
-  (``sigwaitinfo``). While no command runs, each goes to ``before(signo)``
-  (the client gives up); once ``target`` is set it is sent on to the
-  command -- except a signal the terminal sent to our process group
-  (``SI_KERNEL``, e.g. Ctrl-C): the command, in the same group, got it
-  already. ``SIGWINCH`` before the command runs is ignored.
-- ``run``, ``wait`` block: the client calls them through its executor.
+- ``launch(spec, conn_fd, stdio)`` (blocking: the service's executor)
+  starts ``_supervisor`` in a fresh interpreter (``python -I``, a session
+  of its own, a minimal environment: nothing of the caller's reaches the
+  root process but the spec), hands it the spec on a pipe and the
+  client's connection and stdio as inherited descriptors, and waits up to
+  ``START_TIMEOUT`` seconds for its first word on the status pipe: the
+  command's pid (``Launched.pid``), or why it did not start
+  (``Launched.error``, with the exit status the client was told). The
+  service closes its own copies of the descriptors afterwards.
+- ``Launched.popen`` is the supervisor, a child of the service, which
+  reaps it (``Popen.poll`` on every tick). After a restart the service is
+  no longer its parent; the supervisor still asks it for the release.
+- ``LaunchSpec`` is what the supervisor needs, all checked by the service
+  before: the command, environment and directory the client sent, the
+  caller's uid, gid and groups (from the kernel), the cgroup to join.
+- ``exit_code(status)``: a wait status as a shell reports it.
+- ``SignalForwarder`` (the exec client): blocks ``FORWARDED`` in the
+  client (threads started later inherit the block) and takes them in a
+  thread of its own (``sigwaitinfo``). While no command runs, each goes to
+  ``before(signo)`` (the client gives up; ``SIGWINCH`` is ignored then);
+  once ``forward`` is set, to ``forward(signo, group)``: ``group`` when the
+  terminal sent it (``SI_KERNEL``: Ctrl-C goes to the whole foreground
+  group, so the command's whole process group gets it too), else the
+  command alone.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
+import select
 import signal
+import subprocess
 import sys
 import threading
-from typing import Callable
+import time
+from pathlib import Path
+from typing import Any, Callable
 
-__all__ = ["FORWARDED", "PendingCommand", "SignalForwarder", "exit_code"]
+import msgspec
+
+from ._frames import encode
+
+__all__ = ["FORWARDED", "LaunchSpec", "Launched", "SignalForwarder", "exit_code", "launch"]
 
 FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGWINCH, signal.SIGALRM)
-_RESTORED = (*FORWARDED, signal.SIGPIPE, signal.SIGXFSZ)  # Python ignores the last two; a command expects defaults
 _SI_KERNEL = 0x80
-ABORTED = 125
+START_TIMEOUT = 30.0
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); from isolators.service._supervisor import main;"
+         " sys.exit(main(sys.argv[2:]))")
+_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C.UTF-8"}
 
 
 def exit_code(status: int) -> int:
@@ -51,113 +62,95 @@ def exit_code(status: int) -> int:
     return 128 - code if code < 0 else code
 
 
-class PendingCommand:
-    """A forked child that runs ``argv`` only when told to (see module rules)."""
+class LaunchSpec(msgspec.Struct, kw_only=True):
+    container_id: str
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    uid: int
+    gid: int
+    groups: list[int]
+    procs: list[str]
+    """The container's ``cgroup.procs`` file(s) to write the supervisor into."""
+    controller: str
+    """Which ``/proc/self/cgroup`` line to read back: ``devices`` (v1) or ``""`` (v2)."""
+    suffix: str
+    """How that line ends inside the container: ``/<cgroups_root>/<id>``."""
+    cgroup: str
+    """The container's cgroup directory (shown to the client)."""
+    socket: str
+    """The service's socket: the supervisor asks it to release the container when the command ends."""
 
-    def __init__(self, pid: int, go: int, exec_error: int, argv: list[str]) -> None:
-        self.pid = pid
-        self.argv = argv
-        self._go = go
-        self._exec_error = exec_error
-        self.status: int | None = None
 
-    @classmethod
-    def fork(cls, argv: list[str]) -> "PendingCommand":
-        if not argv:
-            raise ValueError("no command to run")
-        go_read, go_write = os.pipe()
-        error_read, error_write = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns
-            try:
-                os.close(go_write)
-                os.close(error_read)
-                _child(go_read, error_write, argv)
-            finally:
-                os._exit(ABORTED)
-        os.close(go_read)
-        os.close(error_write)
-        return cls(pid, go_write, error_read, list(argv))
+class Launched(msgspec.Struct, kw_only=True):
+    popen: Any = None
+    pid: int | None = None
+    """The command's pid."""
+    error: str | None = None
+    status: int | None = None
+    """The exit status the client was told when the command did not start."""
 
-    def run(self, env: dict[str, str]) -> OSError | None:
-        """Let the child exec the command with ``env`` added; its exec error, if any."""
-        data = json.dumps(env).encode()
+
+def launch(spec: LaunchSpec, conn_fd: int, stdio: tuple[int, int, int]) -> Launched:
+    """Start the supervisor and read its first word (see module rules)."""
+    spec_read, spec_write = os.pipe()
+    status_read, status_write = os.pipe()
+    try:
+        data = msgspec.json.encode(spec)
+        document = json.loads(data)
+        document.update(conn=conn_fd, stdio=list(stdio), status=status_write)
+        popen = subprocess.Popen(
+            [sys.executable, "-I", "-c", _BOOT, _PACKAGE_PARENT, str(spec_read)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=_ENV, cwd="/", start_new_session=True,
+            close_fds=True, pass_fds=(spec_read, status_write, conn_fd, *stdio))
+    except OSError as error:
+        for fd in (spec_read, spec_write, status_read, status_write):
+            os.close(fd)
+        why = f"cannot start the command's supervisor: {error.strerror or error}"
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._go, view):]
-        finally:
-            self.abort()
-        chunks = []
-        while True:
-            chunk = os.read(self._exec_error, 64)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        os.close(self._exec_error)
-        self._exec_error = -1
-        if not chunks:
-            return None
-        code = int(b"".join(chunks) or b"0")
-        return OSError(code, os.strerror(code))
-
-    def abort(self) -> None:
-        """Close the pipe: a child not yet told to run exits without running anything."""
-        if self._go >= 0:
-            os.close(self._go)
-            self._go = -1
-
-    def wait(self) -> int:
-        """Reap the child (blocking); its wait status."""
-        if self.status is None:
-            while True:
-                try:
-                    _, self.status = os.waitpid(self.pid, 0)
-                    break
-                except InterruptedError:  # pragma: no cover - PEP 475 retries already
-                    continue
-        return self.status
-
-    def close(self) -> None:
-        """Abort if not yet run, close what is left open."""
-        self.abort()
-        if self._exec_error >= 0:
-            os.close(self._exec_error)
-            self._exec_error = -1
+            os.write(conn_fd, encode("exited", {"container_id": spec.container_id, "status": 125, "error": why}))
+        except OSError:
+            pass
+        return Launched(error=why, status=125)
+    os.close(spec_read)
+    os.close(status_write)
+    try:
+        with os.fdopen(spec_write, "wb") as sink:
+            sink.write(json.dumps(document).encode())
+        word = read_line(status_read, START_TIMEOUT)
+    except OSError as error:
+        word = json.dumps({"error": f"cannot talk to the command's supervisor: {error.strerror}"}).encode()
+    finally:
+        os.close(status_read)
+    try:
+        report = json.loads(word)
+    except ValueError:
+        report = {"error": "the command's supervisor stopped before it said anything (see the service's log)"}
+    if report.get("pid"):
+        return Launched(popen=popen, pid=int(report["pid"]))
+    return Launched(popen=popen, error=str(report.get("error")), status=int(report.get("status") or 125))
 
 
-def _child(go: int, exec_error: int, argv: list[str]) -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(go, 65536)
-        except InterruptedError:  # pragma: no cover
-            continue
+def read_line(fd: int, timeout: float) -> bytes:
+    """The first line from a pipe, or what came before ``timeout`` / its end."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            break
+        chunk = os.read(fd, 4096)
         if not chunk:
             break
-        chunks.append(chunk)
-    if not chunks:
-        os._exit(ABORTED)
-    env = json.loads(b"".join(chunks))
-    os.environ.update(env)
-    for signo in _RESTORED:
-        signal.signal(signo, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
-    try:
-        os.execvp(argv[0], argv)
-    except OSError as error:
-        os.write(exec_error, str(error.errno or 0).encode())
-        os._exit(127 if error.errno == errno.ENOENT else 126)
+        data += chunk
+    return data
 
 
 class SignalForwarder:
     """Takes the forwarded signals in a thread (see module rules)."""
 
     def __init__(self) -> None:
-        self.target: int | None = None
+        self.forward: Callable[[int, bool], None] | None = None
         self.before: Callable[[int], None] | None = None
         self._thread: threading.Thread | None = None
 
@@ -170,21 +163,8 @@ class SignalForwarder:
     def _take(self) -> None:
         while True:
             info = signal.sigwaitinfo(FORWARDED)
-            signo = info.si_signo
-            target = self.target
-            if target is not None:
-                if info.si_code == _SI_KERNEL and os.getpgid(0) == _pgid(target):
-                    continue  # the terminal sent it to the whole group: the command has it
-                try:
-                    os.kill(target, signo)
-                except ProcessLookupError:
-                    pass
-            elif signo != signal.SIGWINCH and self.before is not None:
-                self.before(signo)
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
+            forward = self.forward
+            if forward is not None:
+                forward(info.si_signo, info.si_code == _SI_KERNEL)
+            elif info.si_signo != signal.SIGWINCH and self.before is not None:
+                self.before(info.si_signo)

@@ -14,11 +14,14 @@ Rules (first come, first served):
 - A pending request is ``cancel``led by a cleanup of its container, or
   ``drop_sender``ed when its sender goes away; cancelled ones are skipped,
   never answered twice. ``close()`` hands back every one still pending.
+  An exec request holds its client's stdio descriptors (``fds``) until
+  it is answered, dropped or started (``close_fds``).
 - Pure: no I/O, no runtime; the service does the waiting and the talking.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -36,7 +39,7 @@ QUEUE = "queue"
 class PendingPrepare:
     """A prepare not answered yet: arriving, or waiting in line."""
 
-    __slots__ = ("sender", "body", "demand", "since", "uid", "user", "cancelled")
+    __slots__ = ("sender", "body", "demand", "since", "uid", "user", "cancelled", "fds")
 
     def __init__(self, sender: Any, body: Prepare, demand: dict[str, int] | None = None) -> None:
         self.sender = sender
@@ -46,12 +49,21 @@ class PendingPrepare:
         self.uid: int | None = None
         self.user: str | None = None
         self.cancelled = False
+        self.fds: tuple[int, ...] = ()
+        """An exec request's stdin, stdout and stderr, held until its command starts or it ends."""
+
+    def close_fds(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = ()
 
     def view(self) -> WaitingView:
         """The request as ``GET /gpu-isolator/state`` shows it."""
         body = self.body
         return WaitingView(container_id=body.container_id, gpus=body.gpus, mig=mig_counts(self.demand),
-                           command=body.command, user=self.user, client=str(self.sender), since=self.since)
+                           command=body.command, user=self.user, uid=self.uid,
+                           client=getattr(getattr(self.sender, "caller", None), "peer", None) or str(self.sender),
+                           since=self.since)
 
 
 def fits(demand: Mapping[str, int], free: Mapping[str, int]) -> bool:

@@ -1,21 +1,27 @@
 """The service's messages and its state document (msgspec Structs).
 
 Rules:
-- Requests go to ``gpu-isolator@HOST:PORT`` as libprocess messages named
-  ``prepare``, ``start``, ``update``, ``usage`` and ``cleanup`` (JSON
-  bodies). Every request carries ``request``, a string chosen by the
-  sender, echoed by each reply, so a sender can match answers to questions.
-- Replies go back to the sender's PID as messages: ``queued`` (a
-  ``prepare`` with ``wait`` that must wait its turn; it is followed by
-  ``prepared`` later), ``prepared``, ``started``, ``updated``,
-  ``statistics`` and ``cleaned_up``. A reply whose ``error`` is set is a
-  refusal with one line of text (Mesos' wording where Mesos has one); the
-  other fields are then empty.
-- ``prepare`` with a ``command`` asks for an exec container: a process of
-  the sender's is moved into it by ``start`` (which needs the ``token``
-  the ``prepared`` reply carried, so only the real holder of the sender's
-  address can move a process in), and the container is released once no
-  process is left in it after its sender asked for cleanup or went away.
+- Users send requests on the unix socket as frames (``_frames``:
+  ``{"verb": NAME, "body": {...}}``) and get the answers on the same
+  connection; an agent holding the bearer credential may send
+  ``prepare`` (without a command), ``update``, ``usage`` and ``cleanup``
+  as libprocess messages to ``gpu-isolator@HOST:PORT`` and gets them to
+  its PID (SPEC R-SC-6). Every request carries ``request``, a string
+  chosen by the sender, echoed by each reply, so a sender can match
+  answers to questions. Nothing in a request says who sends it.
+- Answers: ``queued`` (a ``prepare`` with ``wait`` that must wait its
+  turn; ``prepared`` follows later), ``prepared``, ``updated``,
+  ``statistics``, ``cleaned_up``, ``state``; for exec, ``started`` and
+  ``exited`` (from the command's supervisor, on the same connection). A
+  reply whose ``error`` is set is a refusal with one line of text (Mesos'
+  wording where Mesos has one); the other fields are then empty.
+  ``error`` (``Refusal``) answers a frame the service cannot take, and the
+  connection closes.
+- ``prepare`` with a ``command`` asks for an exec container: the service
+  starts the command itself in it, as the caller, with ``env`` and ``cwd``
+  (and the stdin, stdout and stderr passed with the frame); the client
+  forwards ``signal``s and gets ``exited``. The container is released
+  once no process is left in it.
 - Units: ``gpus`` counts what the node hands out as ``gpus`` (whole GPUs;
   under ``--nvidia_mig_strategy=single`` its MIG devices); ``mig`` asks
   for MIG devices by profile (``{"1g.18gb": 2}``), offered under
@@ -23,8 +29,11 @@ Rules:
   is named by its identity (``195:0/gi3/ci0``) and, as NVIDIA names it,
   ``<GPU index>:<MIG index>``; its UUID (``MIG-...``) goes into the
   visible-devices variables.
+- The state a caller reads is its own (SPEC R-SC-5): its containers and
+  waiting requests whole, other users' only as counts per user
+  (``others``); root and agents read everything.
 - Unknown fields are ignored (newer clients); a body that does not decode
-  to its Struct is logged and counted by the runtime, never answered.
+  to its Struct is refused, never guessed at.
 """
 
 from __future__ import annotations
@@ -36,9 +45,9 @@ import msgspec
 from .._types import ResourceStatistics
 
 __all__ = [
-    "SERVICE_ID", "Prepare", "Start", "Update", "Usage", "Cleanup",
-    "GrantedGpu", "Queued", "Prepared", "Started", "Updated", "Statistics", "CleanedUp",
-    "ContainerView", "WaitingView", "MigDeviceView", "ServiceState", "visible_devices_env",
+    "SERVICE_ID", "Prepare", "Update", "Usage", "Cleanup", "StateRequest", "Signal",
+    "GrantedGpu", "Queued", "Prepared", "Started", "Exited", "Updated", "Statistics", "CleanedUp", "Refusal",
+    "ContainerView", "WaitingView", "MigDeviceView", "UserShare", "ServiceState", "visible_devices_env",
 ]
 
 SERVICE_ID = "gpu-isolator"
@@ -60,16 +69,11 @@ class Prepare(msgspec.Struct, kw_only=True):
     wait: bool = False
     """Queue until enough GPUs are free (first come, first served) instead of failing."""
     command: list[str] | None = None
-    """The command an exec client will run in it (an exec container; see the module rules)."""
-
-
-class Start(msgspec.Struct, kw_only=True):
-    """Move process ``pid`` (the sender's, not yet running the command) into an exec container."""
-
-    request: str
-    container_id: str
-    token: str
-    pid: _Pid
+    """The command the service starts in it, as the caller (an exec container; see the module rules)."""
+    env: dict[str, str] | None = None
+    """The command's environment (the client's); the visible-devices variables are set over it."""
+    cwd: str | None = None
+    """The directory the command starts in (the client's, an absolute path), entered as the caller."""
 
 
 class Update(msgspec.Struct, kw_only=True):
@@ -90,6 +94,19 @@ class Cleanup(msgspec.Struct, kw_only=True):
 
     request: str
     container_id: str
+
+
+class StateRequest(msgspec.Struct, kw_only=True):
+    """The state as the caller may read it (``status``)."""
+
+    request: str = ""
+
+
+class Signal(msgspec.Struct, kw_only=True):
+    """To the command's supervisor: send signal ``signo`` to the command (``group``: its process group)."""
+
+    signo: Annotated[int, msgspec.Meta(ge=1, le=64)]
+    group: bool = False
 
 
 # -- replies -------------------------------------------------------------------
@@ -135,21 +152,33 @@ class Prepared(msgspec.Struct, kw_only=True):
     gpus: list[GrantedGpu] = []
     env: dict[str, str] = {}
     """``NVIDIA_VISIBLE_DEVICES`` and ``CUDA_VISIBLE_DEVICES``: the GPUs' UUIDs."""
-    token: str | None = None
-    """For ``start`` (exec containers only)."""
 
 
 class Started(msgspec.Struct, kw_only=True):
-    request: str
+    """The command runs (from its supervisor)."""
+
     container_id: str
-    error: str | None = None
-    pid: int | None = None
-    cgroup: str | None = None
+    pid: int
+    cgroup: str
     """The cgroup's directory (v1: in the devices hierarchy; v2: the unified one)."""
-    cgroup_suffix: str | None = None
-    """How ``/proc/<pid>/cgroup`` ends for a process inside it (``/<cgroups_root>/<id>``)."""
-    controller: str | None = None
-    """The ``/proc/<pid>/cgroup`` controllers field to look at: ``devices`` (v1) or ``""`` (v2)."""
+
+
+class Exited(msgspec.Struct, kw_only=True):
+    """The command ended, or never started (``error``; from its supervisor)."""
+
+    container_id: str
+    status: int
+    """Its exit status as a shell reports it (128 + N for signal N); 125/126/127 when it did not start."""
+    signal: int | None = None
+    error: str | None = None
+    left: int = 0
+    """Processes it left in the container (the GPUs go when they exit)."""
+
+
+class Refusal(msgspec.Struct, kw_only=True):
+    """A frame the service does not take; the connection then closes."""
+
+    error: str
 
 
 class Updated(msgspec.Struct, kw_only=True):
@@ -201,8 +230,19 @@ class WaitingView(msgspec.Struct, kw_only=True):
     mig: dict[str, int] = {}
     command: list[str] | None = None
     user: str | None = None
+    uid: int | None = None
     client: str | None = None
     since: float | None = None
+
+
+class UserShare(msgspec.Struct, kw_only=True):
+    """What another user holds and waits for, as counts (all a user may read of it)."""
+
+    gpus: int = 0
+    """Whole GPUs held."""
+    mig_devices: int = 0
+    waiting: int = 0
+    """Requests waiting in line."""
 
 
 class MigDeviceView(msgspec.Struct, kw_only=True):
@@ -219,7 +259,9 @@ class MigDeviceView(msgspec.Struct, kw_only=True):
     resource: str = ""
     """What it counts under: ``mig-<profile>`` (mixed) or ``gpus`` (single)."""
     container: str | None = None
-    """The container holding it."""
+    """The container holding it (hidden from other users)."""
+    user: str | None = None
+    """Who holds it."""
     unhealthy: str | None = None
     """Why it is withheld, when it is."""
 
@@ -239,3 +281,7 @@ class ServiceState(msgspec.Struct, kw_only=True):
     """Every MIG device handed out (``single`` and ``mixed``), in order."""
     mig_mode: list[int] = []
     """Whole GPUs in MIG mode (minors): handed out whole under ``none``."""
+    others: dict[str, UserShare] = {}
+    """Other users' share, by user name: what a user who is not root reads instead of their containers."""
+    socket: str = ""
+    """The unix socket users reach the service through."""

@@ -8,9 +8,17 @@ Rules:
   taken from here.
 - ``RecordsFile`` keeps every record in one JSON file,
   ``<work_dir>/service/containers.json``, written whole and atomically (a
-  temporary file, ``fsync``, ``rename``, ``fsync`` of the directory): a
+  new temporary file, ``fsync``, ``rename``, ``fsync`` of the directory): a
   reader sees the old file or the new one. A record is written before the
   isolator prepares its container, and again after every change.
+- Nothing is followed through a link a user may have planted (SPEC
+  R-SC-7; the work dir and its parents are checked at start, ``_trust``):
+  the ``service`` directory is opened ``O_NOFOLLOW`` and must be a
+  directory owned by the service's user that no one else may write; the
+  temporary file is a new one (``O_CREAT|O_EXCL|O_NOFOLLOW``, a name of
+  its own) created in that directory by descriptor, and renamed there;
+  the records are read ``O_NOFOLLOW`` too. Temporary files a crash left
+  are removed when the records are loaded.
 - ``recovered_records`` matches the records with what the isolator
   recovered from the kernel: records of vanished cgroups are dropped, a
   cgroup without a record gets one (``recovered``: released only by a
@@ -24,8 +32,10 @@ Rules:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import stat
 import time
 
 import msgspec
@@ -54,10 +64,12 @@ class ContainerRecord(msgspec.Struct, kw_only=True):
     uid: int | None = None
     user: str | None = None
     pid: int | None = None
-    """The process an exec client moved in."""
+    """The command's process (exec containers)."""
+    supervisor: int | None = None
+    """The command's supervisor (it lives in the container while the command runs)."""
     since: float = 0.0
     releasing: bool = False
-    """Its sender asked for cleanup or went away: released once no process is left."""
+    """Its owner asked for cleanup, or its command ended leaving processes behind: released once none is left."""
     recovered: bool = False
     """Found under the cgroups root at start without a record (an orphan)."""
 
@@ -101,6 +113,7 @@ class _File(msgspec.Struct):
 
 
 _decoder = msgspec.json.Decoder(_File)
+_writes = itertools.count()
 _encoder = msgspec.json.Encoder()
 
 
@@ -123,14 +136,44 @@ class RecordsFile:
             " commands and are released only by an explicit cleanup."
         )
 
-    def load(self) -> list[ContainerRecord]:
+    def _directory(self) -> int:
+        """The records' directory, opened without following links (see module rules)."""
+        directory = os.path.dirname(self.path)
         try:
-            with open(self.path, "rb") as handle:
-                data = handle.read()
-        except FileNotFoundError:
-            return []
+            os.makedirs(directory, 0o700)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as error:
-            raise self._error(f"cannot read it ({error.strerror})") from None
+            raise self._error(f"cannot open {directory} ({error.strerror}; a symbolic link is never followed)") from None
+        info = os.fstat(fd)
+        if info.st_uid not in (0, os.geteuid()) or info.st_mode & 0o022:
+            os.close(fd)
+            raise self._error(f"{directory} is owned by uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):04o};"
+                              f" it must be owned by root and writable by no one else (chown root {directory};"
+                              f" chmod 700 {directory})")
+        return fd
+
+    def load(self) -> list[ContainerRecord]:
+        directory = self._directory()
+        name = os.path.basename(self.path)
+        try:
+            for stale in os.listdir(directory):
+                if stale.startswith(name + ".") and stale.endswith(".tmp"):
+                    os.unlink(stale, dir_fd=directory)
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+            except FileNotFoundError:
+                return []
+            except OSError as error:
+                raise self._error(f"cannot read it ({error.strerror})") from None
+            try:
+                data = b"".join(iter(lambda: os.read(fd, 1 << 16), b""))
+            finally:
+                os.close(fd)
+        finally:
+            os.close(directory)
         if not data:
             raise self._error("it is empty (truncated)")
         try:
@@ -148,21 +191,21 @@ class RecordsFile:
         return _encoder.encode(_File(VERSION, self.root, sorted(records, key=lambda r: r.container_id)))
 
     def write(self, data: bytes) -> None:
-        """Replace the file with ``data``, atomically and durably."""
-        directory = os.path.dirname(self.path)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        temporary = self.path + ".tmp"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        """Replace the file with ``data``, atomically and durably (see module rules)."""
+        directory = self._directory()
+        name = os.path.basename(self.path)
+        temporary = f"{name}.{os.getpid()}.{next(_writes)}.tmp"
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=directory)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+            os.fsync(directory)
         finally:
-            os.close(fd)
-        os.rename(temporary, self.path)
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            os.close(directory)

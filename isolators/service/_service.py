@@ -1,114 +1,160 @@
-"""GpuIsolatorService: the isolator as a process other OS processes can reach.
+"""GpuIsolatorService: the isolator as a process users and agents can reach, who may do what.
 
-Rules (SPEC R-SV-1..3):
-- One process, id ``gpu-isolator`` (``gpu-isolator@HOST:PORT`` once the
-  runtime listens), in front of an isolator handle. It holds what the
-  kernel cannot tell (``ContainerRecord``: command, owner, client, the
-  process moved in), checkpointed in its work dir before and after every
-  change; the isolator holds the GPUs.
-- Messages (``_messages``): ``prepare`` (``wait``: queue until enough GPUs
-  are free), ``start`` (exec containers: move the sender's process in),
-  ``update``, ``usage``, ``cleanup``; each answered to the sender's PID.
-  Refusals carry one line: the isolator's own text (Mesos' wording, e.g.
-  "Requested 2 gpus but only 1 available") or the service's.
+Rules (SPEC R-SV-1, R-SC-1..8):
+- One process, id ``gpu-isolator``, in front of an isolator handle. It
+  holds what the kernel cannot tell (``ContainerRecord``: command, owner,
+  the command's process and supervisor), checkpointed in its work dir
+  before and after every change; the isolator holds the GPUs.
+- Callers: users on the unix socket (``_front_door``; the kernel names
+  them, ``_caller``), whose requests arrive as ``request(connection,
+  frame)`` and are answered on the connection; agents on TCP, whose
+  libprocess messages reach it only with the bearer credential (``admit``
+  refuses the rest with 401 before anything is delivered, R-SC-6) and are
+  answered to their PID. Every refusal is one line: the isolator's own
+  text (Mesos' wording, e.g. "Requested 2 gpus but only 1 available") or
+  the service's.
+- Who may do what is decided by ``_caller.authorize`` on every verb
+  naming a container, and by ``may_prepare`` for new ones: a user
+  touches only containers their uid asked for ("Container 'ID' belongs
+  to another user", nothing changed); containers without a command are
+  root's. Limits per uid (root and agents are not limited), each refused
+  with a clear line and counted: ``max_waiting_per_user`` requests in
+  line, ``max_gpus_per_user`` units held (whole GPUs and MIG devices;
+  checked when a request arrives and again when it is granted).
 - A request asks for ``gpus`` and, under ``--nvidia_mig_strategy=mixed``,
-  MIG devices by profile (``_demand``); the isolator is asked for exactly
-  that. One that the node can never meet is refused at once, waiting or
-  not, with the text of ``NodeUnits.refusal`` (``_units``: Mesos' form,
-  and on a MIG node what to ask for instead).
+  MIG devices by profile (``_demand``); one the node can never meet is
+  refused at once, waiting or not (``NodeUnits.refusal``).
 - Prepares are admitted one at a time, in arrival order (one pump), so a
   queue decision never races an allocation. First come, first served: a
   waiting request is served once enough GPUs are free for it, and nobody
   behind it is served before it; while anybody waits, a request that does
-  not wait is refused (nothing is free for it). The line is tried again
-  after every release and on every tick (health may change).
-- Exec containers (a ``prepare`` with a ``command``) are refused on the
-  in-memory backend (it enforces nothing) and for senders not on this
-  host (no socket here listens at the sender's address). ``start`` needs
-  the ``prepared`` reply's token, and moves only a process of the user
-  owning the sender's socket (root: any) into the cgroup -- the v1 devices
-  cgroup or the v2 unified one -- confirmed by the kernel. Their GPUs
-  cannot be changed by ``update`` while they run.
-- The service links to every sender of a ``prepare``. When a sender goes
-  away (its connection breaks, R-NW-3) its waiting requests are dropped
-  and its exec containers become ``releasing``; so does an exec container
-  whose ``cleanup`` comes while processes remain in it. A releasing
-  container is cleaned up once its cgroup holds no process: polled every
-  ``poll_interval`` seconds through the executor, all of them in one job.
-  Other containers are cleaned up only by ``cleanup`` (Mesos' semantics:
-  an agent that dies does not take its containers with it).
+  not wait is refused. The line is tried again after every release and on
+  every tick.
+- Exec containers (a ``prepare`` with a ``command``, unix socket only;
+  refused on the in-memory backend, which enforces nothing): once the
+  GPUs are granted the caller gets ``prepared``, the connection and the
+  caller's stdio go to the command's supervisor (``_launcher``,
+  ``_supervisor``), which starts the command inside the cgroup as the
+  caller and talks to the client from then on. The container lives while
+  processes remain in its cgroup: it is released once the cgroup is empty
+  -- seen when its supervisor (a child of the service) exits, and on
+  every tick (after a restart, when the service is no longer its
+  parent). ``cleanup`` of an exec container by its owner marks it
+  ``releasing`` (released once empty); ``update`` is refused while it
+  runs.
+- A connection that closes takes its waiting requests with it; a TCP
+  agent that goes away (R-NW-3) likewise. Other containers are cleaned up
+  only by ``cleanup`` (Mesos' semantics).
+- Reading (R-SC-5): ``state(caller)`` shows the caller's own containers
+  and waiting requests whole, other users' only as counts per user
+  (``ServiceState.others``); root and agents see everything.
+- Deny by default (R-SC-8): every cgroup given with ``--confine`` gets
+  every GPU and MIG node denied (``DeviceControl.confine``) before the
+  service serves (failing that, it does not start), and again on every
+  tick.
 - ``create`` recovers before the process serves: records are loaded, the
   isolator recovers the containers they name (and finds the others under
-  the cgroups root: kept as ``recovered``, released only by ``cleanup``),
-  records whose cgroup is gone are dropped, and each exec container's
-  client is linked again (already gone: it is released once empty).
-- ``GET /gpu-isolator/state``: ``ServiceState`` as JSON -- containers with
-  their GPUs (minors and UUIDs) and MIG devices, command, user, client,
-  process and state; free and unhealthy GPUs; every MIG device handed out
-  (name, profile, UUID, holder or health) and the strategy; GPUs in MIG
-  mode handed out whole (``none``); the waiting line.
-- Metrics (``/metrics``), published in ``initialize`` through a
-  ``runtime.MetricSet`` and given back in ``finalize``: gauges
-  ``service/containers``, ``service/waiting``, ``service/releasing``;
-  counters ``service/exec_started`` (processes moved in) and
-  ``service/released_when_empty``.
+  the cgroups root: kept as ``recovered``, root's, released only by
+  ``cleanup``), records whose cgroup is gone are dropped, and exec
+  containers are released once empty.
+- ``GET /gpu-isolator/state`` (TCP, with the credential): the whole state.
+- Metrics, published in ``initialize`` and given back in ``finalize``:
+  gauges ``service/containers``, ``service/waiting``,
+  ``service/releasing``; counters ``service/exec_started``,
+  ``service/released_when_empty``, ``service/refused_by_owner``,
+  ``service/refused_by_limit`` and ``service/unauthorized`` (401s).
 - Termination (SIGTERM to ``serve``) touches no container: waiting
-  requests are told the service stops; records and the kernel keep the
-  rest for the next start.
+  requests are told the service stops; records, the kernel and the
+  supervisors keep the rest for the next start.
 - Every log line names the container id.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
+import os
 import time
 from typing import Any
 
+import msgspec
+
 from actors import Gpu
+from actors.devices import DeviceRule
 from actors.flags import Flags
 from actors.mig import resource_of_profile
 from actors.resources import Resources
-from runtime import PID, Executor, Failure, MetricSet, Process, Response, current_runtime, delay, dispatch, spawn
+from runtime import PID, Executor, MetricSet, Process, Response, current_runtime, delay, dispatch, spawn
 
 from .._errors import IsolatorError
 from .._types import ContainerConfig, ContainerID, ContainerState
 from . import _host
+from ._caller import Caller, ServiceError, authorize, container_id, may_prepare
 from ._demand import GPUS, demand_of, mig_counts, resources_text
+from ._launcher import LaunchSpec, launch
+from ._line import GRANT, QUEUE, PendingPrepare, WaitingLine, fits
 from ._messages import (
     CleanedUp,
     Cleanup,
     Prepare,
     Prepared,
-    SERVICE_ID,
     Queued,
+    SERVICE_ID,
     ServiceState,
-    Start,
-    Started,
+    StateRequest,
     Statistics,
     Update,
     Updated,
     Usage,
+    UserShare,
     visible_devices_env,
 )
-from ._line import GRANT, QUEUE, PendingPrepare, WaitingLine, fits
 from ._records import ContainerRecord, RecordsFile, records_file, recovered_records
 from ._units import NodeUnits
 
-__all__ = ["GpuIsolatorService", "ServiceError"]
+__all__ = ["GpuIsolatorService", "UserLimits"]
 
 logger = logging.getLogger(__name__)
 
+REQUESTS: dict[str, type] = {"prepare": Prepare, "update": Update, "usage": Usage, "cleanup": Cleanup,
+                             "state": StateRequest}
 
-class ServiceError(Failure):
-    """A request the service refuses; the message says why."""
+
+class UserLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What one uid may hold and queue (root and agents are not limited)."""
+
+    max_gpus_per_user: int | None = None
+    max_waiting_per_user: int = 16
+
+
+class _Agent:
+    """A TCP peer that presented the credential: answered to its PID."""
+
+    __slots__ = ("service", "pid", "caller")
+
+    def __init__(self, service: "GpuIsolatorService", pid: PID) -> None:
+        self.service = service
+        self.pid = pid
+        self.caller = Caller.agent(pid)
+
+    def send(self, verb: str, body: Any) -> None:
+        self.service.send(self.pid, verb, body)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Agent) and other.pid == self.pid
+
+    def __hash__(self) -> int:
+        return hash(self.pid)
+
+    async def detach(self) -> None:  # pragma: no cover - an agent never asks for an exec container
+        return None
 
 
 class GpuIsolatorService(Process):
-    """The isolator as a network-reachable process (see module rules)."""
+    """The isolator as a service (see module rules)."""
 
     def __init__(self, flags: Flags, components: Any, isolator: Any, records: dict[str, ContainerRecord],
-                 records_io: RecordsFile, poll_interval: float = 1.0) -> None:
+                 records_io: RecordsFile, poll_interval: float = 1.0, *, limits: UserLimits | None = None,
+                 credential: Any = None, confine: tuple[str, ...] = (), socket: str = "") -> None:
         super().__init__(SERVICE_ID)
         self.flags = flags
         self.components = components
@@ -119,10 +165,17 @@ class GpuIsolatorService(Process):
         self.records = records
         self._records_io = records_io
         self.poll_interval = poll_interval
+        self.limits = limits or UserLimits()
+        self.credential = credential
+        self.confine = tuple(confine)
+        self.socket = socket
+        self._confine_rules: list[DeviceRule] = []
+        self._confine_errors: dict[str, str] = {}
         self._host = Executor(2, name="gpu-isolator-service")
         self._writer = Executor(1, name="gpu-isolator-records")
         self._line = WaitingLine()
-        self._tokens: dict[str, str] = {}
+        self._launching: set[str] = set()
+        self._supervisors: dict[str, Any] = {}
         self._pumping = False
         self._polling = False
         self._timer: Any = None
@@ -130,12 +183,16 @@ class GpuIsolatorService(Process):
         self.units = NodeUnits(self.allocator.pools(), components.inventory, flags.nvidia_mig_strategy)
         self.started = 0
         self.released_when_empty = 0
+        self.refused_by_owner = 0
+        self.refused_by_limit = 0
+        self.unauthorized = 0
         self._metrics: MetricSet | None = None
 
     # -- construction and recovery -------------------------------------------------
     @classmethod
-    async def create(cls, flags: Flags, components: Any, isolator: Any, poll_interval: float = 1.0) -> "GpuIsolatorService":
-        """Recover (see module rules), then spawn the service process."""
+    async def create(cls, flags: Flags, components: Any, isolator: Any, poll_interval: float = 1.0,
+                     **options: Any) -> "GpuIsolatorService":
+        """Recover (see module rules), confine, then spawn the service process."""
         records_io = RecordsFile(records_file(flags.work_dir), isolator.devices.root)
         reader = Executor(1, name="gpu-isolator-records")
         try:
@@ -154,31 +211,40 @@ class GpuIsolatorService(Process):
         await isolator.recover(states, set())
         known = await isolator.containers()
         records = recovered_records(named, known)
-        service = cls(flags, components, isolator, records, records_io, poll_interval)
+        service = cls(flags, components, isolator, records, records_io, poll_interval, **options)
+        if service.confine:
+            service._confine_rules = [DeviceRule(r.type, r.major, r.minor, "rwm") for r in isolator.unit_rules()]
+            for path in service.confine:  # before anyone is served; a cgroup that cannot be confined stops it
+                done = await service.devices.confine(path, service._confine_rules)
+                logger.info("Confined %s: every GPU and MIG node denied to it and below (%d rule(s))", path,
+                            len(service._confine_rules))
+                del done
         spawn(service)
         return service
 
     def initialize(self) -> None:
         self.install("prepare", GpuIsolatorService._on_prepare, Prepare)
-        self.install("start", GpuIsolatorService._on_start, Start)
         self.install("update", GpuIsolatorService._on_update, Update)
         self.install("usage", GpuIsolatorService._on_usage, Usage)
         self.install("cleanup", GpuIsolatorService._on_cleanup, Cleanup)
         self.route("/state", GpuIsolatorService._state_route,
-                   help="containers with their GPUs and commands, free and unhealthy GPUs, the waiting line (JSON)")
+                   help="containers with their GPUs and commands, free and unhealthy GPUs, the waiting line (JSON;"
+                        " needs 'Authorization: Bearer <secret>')")
+        self.admit(self._authenticate)
         metrics = self._metrics = MetricSet(current_runtime().metrics)
         metrics.gauge("service/containers", lambda: len(self.records), "containers the service holds")
         metrics.gauge("service/waiting", lambda: len(self._line.waiting()), "prepare requests waiting in line for GPUs")
         metrics.gauge("service/releasing", lambda: sum(r.releasing for r in self.records.values()),
                       "exec containers released once their last process exits")
-        metrics.counter("service/exec_started", "processes moved into exec containers", read=lambda: self.started)
+        metrics.counter("service/exec_started", "commands started in exec containers", read=lambda: self.started)
         metrics.counter("service/released_when_empty", "exec containers released once empty",
                         read=lambda: self.released_when_empty)
-        for record in self.records.values():
-            if record.is_exec and record.client is not None and not record.releasing:
-                self.link(PID.parse(record.client))  # gone already: exited() releases it once empty
-            elif record.is_exec and record.client is None:
-                record.releasing = True
+        metrics.counter("service/refused_by_owner", "requests refused: the container belongs to another user",
+                        read=lambda: self.refused_by_owner)
+        metrics.counter("service/refused_by_limit", "requests refused by a per-user limit",
+                        read=lambda: self.refused_by_limit)
+        metrics.counter("service/unauthorized", "TCP requests refused without the bearer credential (401)",
+                        read=lambda: self.unauthorized)
         self._save()  # what recovery kept (records of vanished cgroups are gone from the file too)
         self._timer = delay(self.poll_interval, self.pid, GpuIsolatorService._tick)
 
@@ -195,6 +261,16 @@ class GpuIsolatorService(Process):
         self._host.shutdown(wait=False)
         self._writer.shutdown(wait=False)  # a write in its thread still finishes
 
+    # -- who may ask (TCP) -----------------------------------------------------------
+    def _authenticate(self, request: Any) -> Response | None:
+        """Every TCP request for this process needs the credential (runs in the network)."""
+        if self.credential is not None and self.credential.accepts(request.headers):
+            return None
+        self.unauthorized += 1
+        from ..credential import BearerCredential
+
+        return BearerCredential.unauthorized()
+
     # -- records ------------------------------------------------------------------------
     def _save(self) -> Any:
         """Checkpoint every record: encoded now, written in order by one
@@ -205,37 +281,101 @@ class GpuIsolatorService(Process):
     async def _write(self, data: bytes) -> bool:
         try:
             await self._writer.run(self._records_io.write, data)
-        except OSError as error:
+        except Exception as error:
             logger.error("Cannot write the service's records %s: %s; a restart may forget which containers"
                          " run exec commands", self._records_io.path, error)
             return False
         return True
 
-    # -- prepare --------------------------------------------------------------------------
-    def _on_prepare(self, sender: PID | None, body: Prepare) -> None:
-        if sender is None:
-            logger.error("Container %s: prepare without a sender to answer; dropped", body.container_id)
-            return
-        pending = PendingPrepare(sender, body)
+    # -- requests on the unix socket -----------------------------------------------------
+    async def request(self, connection: Any, frame: Any) -> None:
+        """One request from a user's connection (``_front_door``)."""
+        kind = REQUESTS.get(frame.verb)
         try:
-            pending.demand = self._check_new(body)
+            if kind is None:
+                raise msgspec.ValidationError(f"unknown request {frame.verb!r}")
+            body = msgspec.convert(frame.body, type=kind)
+        except msgspec.ValidationError as error:
+            for fd in frame.fds:
+                os.close(fd)
+            connection.refuse(f"a {frame.verb!r} request that does not decode: {error}")
+            return
+        if frame.verb == "prepare":
+            self._prepare(connection, body, frame.fds)
+        elif frame.verb == "state":
+            connection.send("state", await self.state(connection.caller))
+        else:
+            await {"update": self._update, "usage": self._usage, "cleanup": self._cleanup}[frame.verb](connection, body)
+
+    def disconnected(self, connection: Any) -> None:
+        """A user's connection closed: its waiting requests go (see module rules)."""
+        for pending in self._line.drop_sender(connection):
+            pending.close_fds()
+            logger.info("Container %s: its client (%s) went away while it waited; request dropped",
+                        pending.body.container_id, connection.caller.describe())
+
+    # -- messages from agents (TCP, credential checked by admit) --------------------------
+    def _on_prepare(self, sender: PID | None, body: Prepare) -> None:
+        if sender is not None:
+            self.link(sender)
+            self._prepare(_Agent(self, sender), body, ())
+
+    async def _on_update(self, sender: PID | None, body: Update) -> None:
+        if sender is not None:
+            await self._update(_Agent(self, sender), body)
+
+    async def _on_usage(self, sender: PID | None, body: Usage) -> None:
+        if sender is not None:
+            await self._usage(_Agent(self, sender), body)
+
+    async def _on_cleanup(self, sender: PID | None, body: Cleanup) -> None:
+        if sender is not None:
+            await self._cleanup(_Agent(self, sender), body)
+
+    def exited(self, pid: PID) -> None:
+        for pending in self._line.drop_sender(_Agent(self, pid)):
+            pending.close_fds()
+            logger.info("Container %s: its agent %s went away while it waited; request dropped",
+                        pending.body.container_id, pid)
+
+    # -- prepare --------------------------------------------------------------------------
+    def _prepare(self, channel: Any, body: Prepare, fds: tuple[int, ...]) -> None:
+        caller: Caller = channel.caller
+        pending = PendingPrepare(channel, body)
+        pending.uid, pending.user = caller.uid, caller.user
+        try:
+            may_prepare(caller, body.command)
+            pending.demand = self._check_new(body, fds)
+            self._check_waiting(caller, body)
         except (ServiceError, ValueError) as error:
+            pending.fds = fds
             self._answer(pending, str(error))
             return
-        self.link(sender)
+        pending.fds = fds
         self._line.arrive(pending)
         self._kick()
 
-    def _check_new(self, body: Prepare) -> dict[str, int]:
+    def _check_new(self, body: Prepare, fds: tuple[int, ...]) -> dict[str, int]:
         """What a new prepare asks for, per resource, once checked (see module rules)."""
-        cid = _container_id(body.container_id)
+        cid = container_id(body.container_id)
         if body.command is not None:
             if self.backend == "memory":
                 raise ServiceError(
                     "this gpu-isolator service runs the in-memory device backend, which enforces nothing: exec"
                     " needs cgroups (serve with --device_backend=cgroups_v1 or cgroups_v2, as root)")
-            if not body.command or not all(isinstance(word, str) and word for word in body.command[:1]):
+            if not body.command or not all(isinstance(word, str) and "\0" not in word for word in body.command) \
+                    or not body.command[0]:
                 raise ServiceError(f"Container {cid}: the command is empty")
+            if body.cwd is None or not body.cwd.startswith("/") or "\0" in body.cwd:
+                raise ServiceError(f"Container {cid}: the command needs the absolute directory it starts in (cwd)")
+            if any("\0" in key or "=" in key or not key or "\0" in value for key, value in (body.env or {}).items()):
+                raise ServiceError(f"Container {cid}: an environment variable with '=' or NUL in its name or NUL in"
+                                   " its value")
+            if len(fds) != 3:
+                raise ServiceError(f"Container {cid}: the command's stdin, stdout and stderr come with the request"
+                                   f" (3 descriptors; got {len(fds)})")
+        elif fds:
+            raise ServiceError("descriptors come only with a command")
         demand = demand_of(body.gpus, body.mig)
         refusal = self.units.refusal(demand)
         if refusal is not None:
@@ -243,6 +383,30 @@ class GpuIsolatorService(Process):
         if str(cid) in self.records or self._line.holds(str(cid)):
             raise ServiceError("Container has already been prepared")
         return demand
+
+    def _check_waiting(self, caller: Caller, body: Prepare) -> None:
+        limit = self.limits.max_waiting_per_user
+        if not body.wait or caller.privileged:
+            return
+        waiting = sum(1 for pending in self._line.pending() if pending.uid == caller.uid and pending.body.wait)
+        if waiting >= limit:
+            self.refused_by_limit += 1
+            raise ServiceError(f"User '{caller.user}' has {waiting} requests waiting for GPUs already"
+                               f" (--max_waiting_per_user={limit}): wait for them, or cancel one")
+
+    async def _check_held(self, pending: PendingPrepare) -> str | None:
+        """Why granting ``pending`` would take its user over ``--max_gpus_per_user`` (None: it would not)."""
+        limit = self.limits.max_gpus_per_user
+        if limit is None or pending.uid in (None, 0):
+            return None
+        held_by = await self.isolator.containers()
+        held = sum(len(units) for name, units in held_by.items()
+                   if (record := self.records.get(name)) is not None and record.uid == pending.uid and record.is_exec)
+        wanted = sum(pending.demand.values())
+        if held + wanted <= limit:
+            return None
+        self.refused_by_limit += 1
+        return (f"User '{pending.user}' holds {held} GPU(s); {wanted} more would exceed --max_gpus_per_user={limit}")
 
     def _kick(self) -> None:
         if not self._pumping and not self._stopping:
@@ -270,17 +434,14 @@ class GpuIsolatorService(Process):
 
     async def _admit(self, pending: PendingPrepare) -> None:
         body = pending.body
-        if body.command is not None:
-            sender = pending.sender
-            pending.uid, pending.user = await self._host.run(_sender_user, sender.host, sender.port)
-            if pending.cancelled:
-                return
-            if pending.uid is None:
-                self._answer(pending, f"exec runs commands on the service's host only: no socket of this host"
-                                      f" listens at {sender.host}:{sender.port} (the client's address)")
-                return
+        over = await self._check_held(pending)
+        if pending.cancelled:
+            return
+        if over is not None:
+            self._answer(pending, over)
+            return
         free = await self._free()
-        if pending.cancelled:  # cancelled, or its sender went away, meanwhile
+        if pending.cancelled:  # cancelled, or its client went away, meanwhile
             return
         decision = self._line.admission(pending.demand, body.wait, free)
         if decision == GRANT:
@@ -290,7 +451,7 @@ class GpuIsolatorService(Process):
             logger.info("Container %s: waiting in line (position %d) for %d GPU(s)", body.container_id, position,
                         body.gpus)
             mig = mig_counts(pending.demand)
-            self.send(pending.sender, "queued", Queued(
+            pending.sender.send("queued", Queued(
                 request=body.request, container_id=body.container_id, position=position, gpus=body.gpus,
                 free=free.get(GPUS, 0), mig=mig, mig_free={p: free.get(resource_of_profile(p), 0) for p in mig}))
         else:
@@ -299,78 +460,110 @@ class GpuIsolatorService(Process):
     async def _grant(self, pending: PendingPrepare) -> None:
         body = pending.body
         name = body.container_id
-        record = ContainerRecord(container_id=name, command=body.command, client=str(pending.sender),
+        over = await self._check_held(pending)
+        if over is not None:
+            self._answer(pending, over)
+            return
+        record = ContainerRecord(container_id=name, command=body.command, client=pending.sender.caller.peer,
                                  uid=pending.uid, user=pending.user, since=time.time())
         self.records[name] = record
-        if not await self._save():
-            del self.records[name]
-            self._answer(pending, f"Container {name}: cannot record it in {self._records_io.path} (see the"
-                                  " service's log); nothing was prepared")
-            return
-        try:
-            await self.isolator.prepare(ContainerID(name),
-                                        ContainerConfig(resources=Resources.parse(resources_text(pending.demand))))
-        except Exception as error:
-            if self.records.get(name) is record:
-                del self.records[name]
-                await self._save()
-            logger.info("Container %s: prepare refused: %s", name, error)
-            self._answer(pending, str(error))
-            return
-        if self.records.get(name) is not record:  # cleaned up while it was prepared
-            self._answer(pending, f"Container {name} was cleaned up before it was prepared")
-            return
-        gpus = self.units.granted((await self.isolator.containers()).get(name, []))
-        token = None
         if record.is_exec:
-            token = self._tokens[name] = secrets.token_hex(16)
-        uuids = [gpu.uuid or "" for gpu in gpus]
-        logger.info("Container %s: prepared with GPUs %s for %s%s", name, [g.mig_device or g.minor for g in gpus],
-                    pending.sender, f" to run {body.command}" if body.command else "")
-        self.send(pending.sender, "prepared", Prepared(request=body.request, container_id=name, gpus=gpus,
-                                                       env=visible_devices_env(uuids), token=token))
-
-    def _answer(self, pending: PendingPrepare, error: str) -> None:
-        body = pending.body
-        self.send(pending.sender, "prepared", Prepared(request=body.request, container_id=body.container_id,
-                                                       error=error))
-
-    # -- start ------------------------------------------------------------------------------
-    async def _on_start(self, sender: PID | None, body: Start) -> None:
-        if sender is None:
-            return
-        name = body.container_id
+            self._launching.add(name)  # not released as "empty" before its supervisor is in
         try:
-            record = self.records.get(name)
-            if record is None or not record.is_exec:
-                raise ServiceError(f"Container {name} is not an exec container of this service")
-            if record.client != str(sender) or not secrets.compare_digest(self._tokens.get(name, ""), body.token):
-                raise ServiceError(f"Container {name}: only the client that prepared it may start it (wrong token)")
-            if record.pid is not None or record.releasing:
-                raise ServiceError(f"Container {name} has already been started")
-            del self._tokens[name]
-            cgroup_dir = self.devices.path(name)
-            suffix = f"/{self.flags.cgroups_root}/{name}"
-            controller = "devices" if self.backend == "cgroups_v1" else ""
-            await self._host.run(_host.move_into, body.pid, cgroup_dir, suffix, controller, record.uid)
-        except (ServiceError, _host.HostError, ValueError) as error:
-            logger.warning("Container %s: start refused: %s", name, error)
-            self.send(sender, "started", Started(request=body.request, container_id=name, error=str(error)))
+            if not await self._save():
+                del self.records[name]
+                self._answer(pending, f"Container {name}: cannot record it in {self._records_io.path} (see the"
+                                      " service's log); nothing was prepared")
+                return
+            try:
+                await self.isolator.prepare(ContainerID(name),
+                                            ContainerConfig(resources=Resources.parse(resources_text(pending.demand))))
+            except Exception as error:
+                if self.records.get(name) is record:
+                    del self.records[name]
+                    await self._save()
+                logger.info("Container %s: prepare refused: %s", name, error)
+                self._answer(pending, str(error))
+                return
+            if self.records.get(name) is not record:  # cleaned up while it was prepared
+                self._answer(pending, f"Container {name} was cleaned up before it was prepared")
+                return
+            gpus = self.units.granted((await self.isolator.containers()).get(name, []))
+            uuids = [gpu.uuid or "" for gpu in gpus]
+            env = visible_devices_env(uuids)
+            logger.info("Container %s: prepared with GPUs %s for %s%s", name, [g.mig_device or g.minor for g in gpus],
+                        pending.sender.caller.describe(), f" to run {body.command}" if body.command else "")
+            pending.sender.send("prepared", Prepared(request=body.request, container_id=name, gpus=gpus, env=env))
+            if record.is_exec:
+                await self._start(record, pending, env)
+        finally:
+            self._launching.discard(name)
+            pending.close_fds()
+
+    async def _start(self, record: ContainerRecord, pending: PendingPrepare, env: dict[str, str]) -> None:
+        """Hand the command to its supervisor (see module rules)."""
+        name = record.container_id
+        caller: Caller = pending.sender.caller
+        conn_fd = await pending.sender.detach() if not pending.cancelled else None
+        if conn_fd is None:
+            logger.info("Container %s: its client went away before the command started", name)
+            await self._release(record, "its client went away before the command started")
             return
-        record.pid = body.pid
+        cgroup = self.devices.path(name)
+        spec = LaunchSpec(
+            container_id=name, argv=list(record.command or []), env={**(pending.body.env or {}), **env},
+            cwd=pending.body.cwd or "/", uid=caller.uid, gid=caller.gid, groups=list(caller.groups),
+            procs=[os.path.join(cgroup, "cgroup.procs")],
+            controller="devices" if self.backend == "cgroups_v1" else "",
+            suffix=f"/{self.flags.cgroups_root}/{name}", cgroup=cgroup, socket=self.socket)
+        try:
+            launched = await self._host.run(launch, spec, conn_fd, pending.fds)
+        finally:
+            os.close(conn_fd)
+        if launched.popen is not None:
+            self._supervisors[name] = launched.popen  # reaped by _poll
+        if launched.pid is None:
+            logger.warning("Container %s: its command did not start: %s", name, launched.error)
+            record.releasing = True
+            await self._save()
+            return
+        record.pid = launched.pid
+        record.supervisor = launched.popen.pid
         self.started += 1
         await self._save()
-        logger.info("Container %s: process %d moved into %s", name, body.pid, cgroup_dir)
-        self.send(sender, "started", Started(request=body.request, container_id=name, pid=body.pid, cgroup=cgroup_dir,
-                                             cgroup_suffix=suffix, controller=controller))
+        logger.info("Container %s: %s runs as process %d (uid %d) in %s", name, record.command, launched.pid,
+                    caller.uid, cgroup)
+
+    def _answer(self, pending: PendingPrepare, error: str) -> None:
+        pending.close_fds()
+        body = pending.body
+        pending.sender.send("prepared", Prepared(request=body.request, container_id=body.container_id, error=error))
+
+    # -- the owner check ---------------------------------------------------------------
+    def _owner(self, name: str) -> int | None:
+        """Whose container ``name`` is: its exec caller's uid, else root's (see module rules)."""
+        record = self.records.get(name)
+        if record is None:
+            return None
+        return record.uid if record.is_exec else 0
+
+    def _authorize(self, caller: Caller, name: str, owner: int | None) -> None:
+        try:
+            authorize(caller, name, owner)
+        except ServiceError:
+            self.refused_by_owner += 1
+            logger.warning("Container %s: %s refused to %s", name, "a request", caller.describe())
+            raise
 
     # -- update and usage ----------------------------------------------------------------------
-    async def _on_update(self, sender: PID | None, body: Update) -> None:
-        if sender is None:
-            return
+    async def _update(self, channel: Any, body: Update) -> None:
         name = body.container_id
         try:
-            cid = _container_id(name)
+            cid = container_id(name)
+            if name in self.records:
+                self._authorize(channel.caller, name, self._owner(name))
+            elif not channel.caller.privileged:
+                raise ServiceError("Unknown container")
             record = self.records.get(name)
             if record is not None and record.is_exec:
                 raise ServiceError(f"Container {name} runs a command of 'gpu-isolator exec': its GPUs cannot change"
@@ -378,46 +571,51 @@ class GpuIsolatorService(Process):
             await self.isolator.update(cid, Resources.parse(resources_text(demand_of(body.gpus, body.mig))))
             gpus = self.units.granted((await self.isolator.containers()).get(name, []))
         except (ServiceError, IsolatorError, ValueError) as error:
-            self.send(sender, "updated", Updated(request=body.request, container_id=name, error=str(error)))
+            channel.send("updated", Updated(request=body.request, container_id=name, error=str(error)))
             return
         logger.info("Container %s: updated to GPUs %s", name, [g.mig_device or g.minor for g in gpus])
-        self.send(sender, "updated", Updated(request=body.request, container_id=name, gpus=gpus))
+        channel.send("updated", Updated(request=body.request, container_id=name, gpus=gpus))
         self._kick()  # a shrink frees GPUs for the line
 
-    async def _on_usage(self, sender: PID | None, body: Usage) -> None:
-        if sender is None:
-            return
+    async def _usage(self, channel: Any, body: Usage) -> None:
+        name = body.container_id
         try:
-            statistics = await self.isolator.usage(_container_id(body.container_id))
-        except (IsolatorError, ValueError) as error:
-            self.send(sender, "statistics", Statistics(request=body.request, container_id=body.container_id,
-                                                       error=str(error)))
+            cid = container_id(name)
+            if name in self.records:
+                self._authorize(channel.caller, name, self._owner(name))
+            elif not channel.caller.privileged:
+                raise ServiceError("Unknown container")
+            statistics = await self.isolator.usage(cid)
+        except (ServiceError, IsolatorError, ValueError) as error:
+            channel.send("statistics", Statistics(request=body.request, container_id=name, error=str(error)))
             return
-        self.send(sender, "statistics", Statistics(request=body.request, container_id=body.container_id,
-                                                   statistics=statistics))
+        channel.send("statistics", Statistics(request=body.request, container_id=name, statistics=statistics))
 
     # -- cleanup and release -------------------------------------------------------------------
-    async def _on_cleanup(self, sender: PID | None, body: Cleanup) -> None:
-        if sender is None:
-            return
+    async def _cleanup(self, channel: Any, body: Cleanup) -> None:
         name = body.container_id
+        caller: Caller = channel.caller
         reply = CleanedUp(request=body.request, container_id=name)
         try:
-            cid = _container_id(name)
-            cancelled = self._line.cancel(name)
-            if cancelled:
-                for pending in cancelled:
+            cid = container_id(name)
+            waiting = [p for p in self._line.pending() if p.body.container_id == name]
+            if waiting:
+                for pending in waiting:
+                    self._authorize(caller, name, pending.uid)
+                for pending in self._line.cancel(name):
                     self._answer(pending, f"Container {name}: cancelled by a cleanup while it waited for GPUs")
-                logger.info("Container %s: waiting request cancelled by %s", name, sender)
-            else:
-                record = self.records.get(name)
-                if record is not None and record.is_exec:
+                logger.info("Container %s: waiting request cancelled by %s", name, caller.describe())
+            elif name in self.records:
+                self._authorize(caller, name, self._owner(name))
+                record = self.records[name]
+                if record.is_exec:
                     if not record.releasing:
                         record.releasing = True
                         await self._save()
-                    count = (await self._host.run(_host.process_counts, [self.devices.path(name)]))[0]
-                    if count == 0:
-                        await self._release(record, f"cleanup by {sender}")
+                    pids = (await self._host.run(_host.cgroup_pids, [self.devices.path(name)]))[0]
+                    count = sum(pid != record.supervisor for pid in pids)  # the command's, not its supervisor
+                    if not pids and name not in self._launching:
+                        await self._release(record, f"cleanup by {caller.describe()}")
                     else:
                         reply.released, reply.processes = False, count
                         logger.info("Container %s: %d process(es) still inside; its GPUs go when they exit",
@@ -426,37 +624,23 @@ class GpuIsolatorService(Process):
                     await self.isolator.cleanup(cid)
                     if self.records.pop(name, None) is not None:
                         await self._save()
-                    logger.info("Container %s: cleaned up by %s", name, sender)
+                    logger.info("Container %s: cleaned up by %s", name, caller.describe())
                     self._kick()
-        except (IsolatorError, ValueError) as error:
+            elif caller.privileged:  # idempotent, as in Mesos; nothing of anyone's is touched otherwise
+                await self.isolator.cleanup(cid)
+        except (ServiceError, IsolatorError, ValueError) as error:
             reply = CleanedUp(request=body.request, container_id=name, error=str(error), released=False)
-        self.send(sender, "cleaned_up", reply)
+        channel.send("cleaned_up", reply)
 
     async def _release(self, record: ContainerRecord, why: str) -> None:
         name = record.container_id
         await self.isolator.cleanup(ContainerID(name))
         if self.records.get(name) is record:
             del self.records[name]
-            self._tokens.pop(name, None)
             await self._save()
             self.released_when_empty += 1
             logger.info("Container %s: released its GPUs (%s; no process left in it)", name, why)
         self._kick()
-
-    def exited(self, pid: PID) -> None:
-        client = str(pid)
-        for pending in self._line.drop_sender(pid):
-            logger.info("Container %s: its client %s went away while it waited; request dropped",
-                        pending.body.container_id, client)
-        changed = False
-        for record in self.records.values():
-            if record.is_exec and record.client == client and not record.releasing:
-                record.releasing = changed = True
-                logger.info("Container %s: its client %s went away; released once no process is left in it",
-                            record.container_id, client)
-        if changed:
-            self._save()
-            dispatch(self.pid, GpuIsolatorService._poll)
 
     async def _tick(self) -> None:
         self._timer = None
@@ -464,69 +648,104 @@ class GpuIsolatorService(Process):
             await self._poll()
             if self._line.head() is not None:
                 self._kick()  # health may have changed
+            if self.confine:
+                await self._confine()
         finally:
             if not self._stopping:
                 self._timer = delay(self.poll_interval, self.pid, GpuIsolatorService._tick)
 
+    async def _confine(self) -> None:
+        """Deny every GPU to the ``--confine`` cgroups again (a repair is logged)."""
+        for path in self.confine:
+            try:
+                repairs = await self.devices.confine(path, self._confine_rules)
+            except Exception as error:
+                if self._confine_errors.get(path) != str(error):
+                    self._confine_errors[path] = str(error)
+                    logger.error("Cannot confine %s: %s; its processes may reach GPUs", path, error)
+                continue
+            if self._confine_errors.pop(path, None) is not None or (repairs and self.backend == "cgroups_v2"):
+                logger.warning("Confined %s again: %s", path, "; ".join(repairs) or "every GPU denied")
+
     async def _poll(self) -> None:
-        """Release every releasing container whose cgroup holds no process (one executor job)."""
+        """Release every exec container whose cgroup holds no process (one executor job)."""
         if self._polling:
             return
-        releasing = [record for record in self.records.values() if record.releasing]
-        if not releasing:
+        for name, popen in list(self._supervisors.items()):
+            if popen.poll() is not None:  # reaped
+                del self._supervisors[name]
+        polled = [record for record in self.records.values()
+                  if (record.is_exec or record.releasing) and record.container_id not in self._launching]
+        if not polled:
             return
         self._polling = True
         try:
-            counts = await self._host.run(_host.process_counts, [self.devices.path(r.container_id) for r in releasing])
-            for record, count in zip(releasing, counts):
-                if count == 0 and self.records.get(record.container_id) is record:
+            found = await self._host.run(_host.cgroup_pids, [self.devices.path(r.container_id) for r in polled])
+            changed = False
+            for record, pids in zip(polled, found):
+                if self.records.get(record.container_id) is not record:
+                    continue
+                if not pids:
                     try:
-                        await self._release(record, "its client is gone" if record.client else "recovered")
+                        await self._release(record, "its command ended" if record.pid else "nothing runs in it")
                     except Exception as error:  # the next tick tries again
                         logger.error("Container %s: release failed: %s", record.container_id, error)
+                elif not record.releasing and record.supervisor is not None and record.supervisor not in pids:
+                    record.releasing = changed = True  # its command ended, leaving processes behind
+                    logger.info("Container %s: its command ended; %d process(es) it left keep its GPUs until"
+                                " they exit", record.container_id, len(pids))
+            if changed:
+                await self._save()
         finally:
             self._polling = False
 
-    # -- GET /gpu-isolator/state ------------------------------------------------------------------
+    # -- the state ------------------------------------------------------------------
     async def _state_route(self, request: Any) -> Any:
         if request.method not in ("GET", "HEAD"):
             return Response.error(405, "/gpu-isolator/state answers GET")
-        return Response.json(await self.state())
+        return Response.json(await self.state(Caller.agent("tcp")))
 
-    async def state(self) -> ServiceState:
-        """What ``GET /gpu-isolator/state`` answers."""
+    async def state(self, caller: Caller | None = None) -> ServiceState:
+        """The state as ``caller`` may read it (None: everything; see module rules)."""
+        everything = caller is None or caller.privileged
         held = await self.isolator.containers()
         available = await self.allocator.available()
         unhealthy = await self.allocator.unhealthy()
-        containers, holders = {}, {}
+        containers, holders, users, others = {}, {}, {}, {}
         for name in sorted(held):
             minors = [unit for unit in held[name] if isinstance(unit, int)]
             migs = [unit for unit in held[name] if not isinstance(unit, int)]
-            holders.update(dict.fromkeys(migs, name))
-            record = self.records.get(name) or ContainerRecord(container_id=name)
-            containers[name] = record.view(minors, [self.units.uuid(m) for m in minors], migs,
-                                           [self.units.uuid(m) for m in migs])
+            record = self.records.get(name) or ContainerRecord(container_id=name, uid=0, user="root")
+            owner = record.uid if record.is_exec else 0
+            if everything or owner == caller.uid:
+                holders.update(dict.fromkeys(migs, name))
+                containers[name] = record.view(minors, [self.units.uuid(m) for m in minors], migs,
+                                               [self.units.uuid(m) for m in migs])
+            else:
+                share = others.setdefault(record.user or str(owner), UserShare())
+                share.gpus += len(minors)
+                share.mig_devices += len(migs)
+            users.update(dict.fromkeys(migs, record.user or str(owner)))
+        waiting = []
+        for pending in self._line.waiting():
+            if everything or pending.uid == caller.uid:
+                waiting.append(pending.view())
+            else:
+                others.setdefault(pending.user or str(pending.uid), UserShare()).waiting += 1
+        mig_views = self.units.mig_views(holders, unhealthy)
+        for view in mig_views:
+            view.user = users.get(view.device)
         return ServiceState(
             containers=containers,
             free=sorted(g.minor for g in available if isinstance(g, Gpu)),
             unhealthy={str(g.minor): reason for g, reason in sorted(unhealthy.items()) if isinstance(g, Gpu)},
-            waiting=[pending.view() for pending in self._line.waiting()],
+            waiting=waiting,
             total=sorted(g.minor for g in self.units.whole),
             backend=self.backend,
             address=str(self.pid),
             mig_strategy=self.units.strategy,
-            mig_devices=self.units.mig_views(holders, unhealthy),
+            mig_devices=mig_views,
             mig_mode=self.units.mig_mode,
+            others=others,
+            socket=self.socket,
         )
-
-
-def _container_id(text: str) -> ContainerID:
-    """A top-level container id from a message (validated before any use)."""
-    if not isinstance(text, str) or "." in text:
-        raise ServiceError(f"Invalid container id {text!r}: the service manages top-level containers only")
-    return ContainerID(text)
-
-
-def _sender_user(host: str, port: int) -> tuple[int | None, str | None]:
-    uid = _host.listener_uid(host, port)
-    return uid, _host.user_name(uid)

@@ -1,21 +1,22 @@
 """``gpu-isolator status``: the service's state as a table.
 
 Rules:
-- ``fetch_state(agent)`` GETs ``/gpu-isolator/state`` from the service at
-  ``agent`` (blocking, bounded by ``timeout``) and decodes it to a
-  ``ServiceState``; a service that cannot be reached or answers something
-  else is one ``Failure`` saying so.
+- ``fetch_state(socket)`` asks the service on its unix socket for the
+  state (blocking, bounded by ``timeout``) and decodes it to a
+  ``ServiceState``: the caller's own containers and waiting requests,
+  other users' as counts per user (root sees everything; SPEC R-SC-5). A
+  service that cannot be reached or answers something else is one
+  ``Failure`` saying so.
 - ``render_state(state)`` is the table: one row per container (GPUs, user,
   process, state, age, command; a MIG device by NVIDIA's name
-  ``<GPU index>:<MIG index>``), then the free and unhealthy GPUs, on a MIG
-  node its MIG devices (name, profile, identity, holder or free, health)
-  and how to ask for them, or the GPUs in MIG mode handed out whole, and
-  the waiting line.
+  ``<GPU index>:<MIG index>``), then what other users hold, the free and
+  unhealthy GPUs, on a MIG node its MIG devices (name, profile, identity,
+  holder or free, health) and how to ask for them, or the GPUs in MIG
+  mode handed out whole, and the waiting line.
 """
 
 from __future__ import annotations
 
-import http.client
 import shlex
 import time
 
@@ -23,33 +24,27 @@ import msgspec
 
 from runtime import Failure
 
+from ._client import LostService, Refused, SocketClient
 from ._messages import ServiceState
 
 __all__ = ["fetch_state", "render_state"]
 
 
-def fetch_state(host: str, port: int, timeout: float = 10.0) -> ServiceState:
-    where = f"{host}:{port}"
-    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+def fetch_state(socket_path: str, timeout: float = 10.0) -> ServiceState:
     try:
-        connection.request("GET", "/gpu-isolator/state")
-        response = connection.getresponse()
-        body = response.read()
-    except OSError as error:
-        raise Failure(f"cannot reach the gpu-isolator service at {where}: {error.strerror or error}"
-                      " (is 'gpu-isolator serve' running there?)") from None
-    except http.client.HTTPException as error:
-        raise Failure(f"the service at {where} did not answer in HTTP: {error!r}") from None
-    finally:
-        connection.close()
-    if response.status != 200:
-        text = body.decode("utf-8", "replace").strip().splitlines()
-        raise Failure(f"the service at {where} answered {response.status}: {text[0] if text else response.reason}"
-                      " (is it a gpu-isolator service?)")
+        with SocketClient.connect(socket_path, timeout) as client:
+            frame = client.ask("state", {}, timeout=timeout)
+    except (LostService, Refused) as error:
+        raise Failure(str(error)) from None
+    except TimeoutError:
+        raise Failure(f"the gpu-isolator service at {socket_path} did not answer within {timeout:g} s") from None
+    if frame.verb != "state":
+        raise Failure(f"the service at {socket_path} answered {frame.verb!r} to 'state' (is it a gpu-isolator"
+                      " service?)")
     try:
-        return msgspec.json.decode(body, type=ServiceState)
-    except msgspec.DecodeError as error:
-        raise Failure(f"the service at {where} answered an unreadable state: {error}") from None
+        return msgspec.convert(frame.body, type=ServiceState)
+    except msgspec.ValidationError as error:
+        raise Failure(f"the service at {socket_path} answered an unreadable state: {error}") from None
 
 
 def _minors(minors: list[int]) -> str:
@@ -86,9 +81,9 @@ def render_state(state: ServiceState, now: float | None = None) -> str:
                                                                              key=lambda item: int(item[0])))
     migs = state.mig_devices
     named = {mig.device: mig.name for mig in migs}
-    mig_counts = (f", {len(migs)} MIG device(s): {sum(m.container is None and m.unhealthy is None for m in migs)}"
+    mig_counts = (f", {len(migs)} MIG device(s): {sum(m.container is None and m.user is None and m.unhealthy is None for m in migs)}"
                   f" free, {sum(m.unhealthy is not None for m in migs)} unhealthy") if migs else ""
-    lines = [f"{state.address}: {state.backend}, {len(state.total)} GPU(s): {len(state.free)} free,"
+    lines = [f"{state.socket or state.address}: {state.backend}, {len(state.total)} GPU(s): {len(state.free)} free,"
              f" {len(state.unhealthy)} unhealthy{mig_counts}, {len(state.containers)} container(s),"
              f" {len(state.waiting)} waiting"]
     rows = [["CONTAINER", "GPUS", "USER", "PID", "STATE", "AGE", "COMMAND"]]
@@ -97,6 +92,10 @@ def render_state(state: ServiceState, now: float | None = None) -> str:
         rows.append([name, gpus, view.user or "-", str(view.pid or "-"), view.state,
                      _age(view.since, now), shlex.join(view.command) if view.command else "-"])
     lines += _table(rows) if len(rows) > 1 else ["(no containers)"]
+    if state.others:
+        lines.append("other users:    " + ", ".join(
+            f"{user} {share.gpus} GPU(s)" + (f" {share.mig_devices} MIG device(s)" if share.mig_devices else "")
+            + (f", {share.waiting} waiting" if share.waiting else "") for user, share in sorted(state.others.items())))
     lines.append(f"free GPUs:      {_minors(state.free)}")
     lines.append(f"unhealthy GPUs: {unhealthy or '-'}")
     if state.mig_mode:
@@ -107,7 +106,7 @@ def render_state(state: ServiceState, now: float | None = None) -> str:
                      f" {_ASK.get(state.mig_strategy, 'not handed out')}):")
         rows = [["  MIG", "PROFILE", "DEVICE", "STATE"]]
         for mig in migs:
-            held = [mig.container] if mig.container else []
+            held = [mig.container] if mig.container else [f"held by {mig.user}"] if mig.user else []
             health = [f"unhealthy ({mig.unhealthy})"] if mig.unhealthy is not None else []
             rows.append([f"  {mig.name}", mig.profile, mig.device, ", ".join(held + health) or "free"])
         lines += _table(rows)

@@ -1,8 +1,10 @@
-"""R-SV-2..4 on the real kernel (root; cgroups v1 and v2): ``gpu-isolator
-serve`` and ``gpu-isolator exec`` as real OS processes on a simulated
-4-GPU node. A probe run by exec opens mknod'ed GPU nodes from inside its
+"""R-SV-2..4 with R-SC-2 on the real kernel (root; cgroups v1 and v2):
+``gpu-isolator serve`` and ``gpu-isolator exec`` as real OS processes on a
+simulated 4-GPU node; the service starts each command itself, inside its
+container. A probe run by exec opens mknod'ed GPU nodes from inside its
 container: ENXIO (no driver behind major 195) = the kernel let it through,
-EPERM = the device cgroup denied it. Every wait is bounded."""
+EPERM = the device cgroup denied it. Every wait is bounded. (The same as
+throwaway users, and the attacks of issue 25: ``test_shared_box``.)"""
 
 from __future__ import annotations
 
@@ -13,14 +15,9 @@ import signal
 import sys
 import time
 
-import anyio
-import pytest
-
-from isolators.service import Cleanup, Prepare, ServiceClient, Start, Update
-from isolators.service._host import cgroup_of
-from runtime import spawn
+from tests.support.kernel import wait_gone
 from tests.support.probes import DENIED, GRANTED
-from tests.support.services import ServeProcess, ask, client_of
+from tests.support.services import ServeProcess, ask
 
 ALL = [0, 1, 2, 3]
 
@@ -55,7 +52,7 @@ def test_concurrent_execs_each_run_inside_their_cgroup_with_exactly_their_gpus(k
     two = service.probe(*paths, gpus=2, hold=True)
     none = service.probe(*paths, gpus=0, hold=True)
     results = {name: service.probe_result(process) for name, process in (("one", one), ("two", two), ("none", none))}
-    state = service.state()
+    state = service.state_naming(*results.values())
     views = by_pid(state)
     granted = {}
     for label, result in results.items():
@@ -65,8 +62,8 @@ def test_concurrent_execs_each_run_inside_their_cgroup_with_exactly_their_gpus(k
         assert cgroup_line(result, service.node.backend).endswith(f"/{service.node.cgroups_root}/{name}")
         assert result["CUDA_VISIBLE_DEVICES"] == ",".join(view["uuids"])
         assert result["NVIDIA_VISIBLE_DEVICES"] == (",".join(view["uuids"]) or "none")
-        assert view["state"] == "running" and view["user"] == "root"
-        assert view["command"][0] == sys.executable
+        assert view["state"] == "running" and (view["user"], result["uid"]) == ("root", 0)
+        assert result["NoNewPrivs"] == "1" and view["command"][0].endswith("/exec_probe")
     assert [len(granted[label]) for label in ("one", "two", "none")] == [1, 2, 0]
     assert granted["one"].isdisjoint(granted["two"])
     assert all(uuid.startswith("GPU-") for view in state["containers"].values() for uuid in view["uuids"])
@@ -109,7 +106,7 @@ def test_wait_queues_first_come_first_served_and_too_few_fails_with_the_mesos_te
     holder.stdin.close()
     assert service.finish(holder)[0] == 0
     got_first, got_second = service.probe_result(first), service.probe_result(second)
-    views = by_pid(service.state())
+    views = by_pid(service.state_naming(got_first, got_second))
     first_gpus, second_gpus = set(views[got_first["pid"]][1]["gpus"]), set(views[got_second["pid"]][1]["gpus"])
     assert (len(first_gpus), len(second_gpus)) == (2, 1) and first_gpus.isdisjoint(second_gpus)
     assert got_first["access"] == expected(gpu_nodes, first_gpus)
@@ -122,21 +119,36 @@ def test_wait_queues_first_come_first_served_and_too_few_fails_with_the_mesos_te
     service.wait_state(lambda s: not s["containers"] and s["free"] == ALL)
 
 
-def test_a_client_killed_with_sigkill_frees_its_gpus_once_its_command_is_gone(kernel_service: ServeProcess,
-                                                                             gpu_nodes: dict[int, str]) -> None:
+def test_a_client_killed_with_sigkill_takes_its_command_with_it_and_frees_its_gpus(
+        kernel_service: ServeProcess, gpu_nodes: dict[int, str]) -> None:
+    """R-SC-2: the client's connection closing kills the command's process group."""
     service = kernel_service
     client = service.probe(*sorted(gpu_nodes.values()), gpus=1, hold=True)
     probe = service.probe_result(client)
     client.kill()
     client.wait()
-    state = service.wait_state(lambda s: [v["state"] for v in s["containers"].values()] == ["releasing"])
-    (name, view), = state["containers"].items()
-    os.kill(probe["pid"], 0)  # the command outlived its client, and keeps its GPU
-    shown = service.status()
-    assert shown.returncode == 0, shown.stderr
-    row = next(line for line in shown.stdout.splitlines() if line.startswith(name))
-    assert row.split()[1:5] == [str(view["gpus"][0]), "root", str(probe["pid"]), "releasing"]
-    client.stdin.close()  # the command's stdin: it ends
+    assert wait_gone(probe["pid"]), "the command outlived its killed client"
+    service.wait_state(lambda s: not s["containers"] and s["free"] == ALL)
+
+
+LEAVES_ONE_BEHIND = "setsid sleep 60 </dev/null >/dev/null 2>&1 & echo $!"
+
+
+def test_a_command_that_leaves_processes_behind_keeps_its_gpus_until_they_exit(kernel_service: ServeProcess) -> None:
+    service = kernel_service
+    code, out, err = service.finish(service.exec("sh", "-c", LEAVES_ONE_BEHIND, gpus=1))
+    left = int(out.split()[0])
+    try:
+        assert code == 0
+        assert err.startswith("gpu-isolator exec: 1 process(es) the command left are still running in exec-")
+        state = service.wait_state(lambda s: [v["state"] for v in s["containers"].values()] == ["releasing"])
+        (name, view), = state["containers"].items()
+        shown = service.status()
+        assert shown.returncode == 0, shown.stderr
+        row = next(line for line in shown.stdout.splitlines() if line.startswith(name))
+        assert row.split()[1:5] == [str(view["gpus"][0]), "root", str(view["pid"]), "releasing"]
+    finally:
+        os.kill(left, signal.SIGKILL)
     service.wait_state(lambda s: not s["containers"] and s["free"] == ALL)
     shown = service.status()
     assert "(no containers)" in shown.stdout and "free GPUs:      0,1,2,3" in shown.stdout
@@ -195,7 +207,7 @@ def test_ctrl_c_on_the_terminal_reaches_the_command_once(kernel_service: ServePr
     pid, terminal = pty.fork()
     if pid == 0:  # the child: exec on a terminal of its own, in the foreground
         try:
-            os.execv(sys.executable, [sys.executable, "-m", "isolators", "exec", "--agent", kernel_service.address,
+            os.execv(sys.executable, [sys.executable, "-m", "isolators", "exec", f"--socket={kernel_service.socket}",
                                       "--gpus", "1", "--", sys.executable, "-I", "-S", str(script)])
         finally:
             os._exit(127)
@@ -226,45 +238,18 @@ def test_ctrl_c_on_the_terminal_reaches_the_command_once(kernel_service: ServePr
     kernel_service.wait_state(lambda s: not s["containers"] and s["free"] == ALL)
 
 
-async def _start_is_guarded(service: ServeProcess) -> None:
-    victim = await anyio.open_process(["sleep", "30"])
-    try:
-        async with client_of(service, id="owner") as owner:
-            intruder = ServiceClient(owner.service, id="intruder")  # same address, another process
-            spawn(intruder)
-            prepared = await ask(owner, "prepare", Prepare(request="p", container_id="guarded", gpus=1,
-                                                           command=["sleep", "30"]))
-            assert prepared.error is None and len(prepared.token) == 32
-            forged = await ask(intruder, "start", Start(request="s1", container_id="guarded", token=prepared.token,
-                                                        pid=victim.pid))
-            assert forged.error == "Container guarded: only the client that prepared it may start it (wrong token)"
-            guessed = await ask(owner, "start", Start(request="s2", container_id="guarded", token="0" * 32,
-                                                      pid=victim.pid))
-            assert guessed.error == forged.error
-            controller = "devices" if service.node.backend == "cgroups_v1" else ""
-            assert not cgroup_of(victim.pid, controller).endswith("/guarded")  # refused: not moved
-            started = await ask(owner, "start", Start(request="s3", container_id="guarded", token=prepared.token,
-                                                      pid=victim.pid))
-            assert started.error is None and started.cgroup == service.node.cgroup_dir("guarded")
-            assert cgroup_of(victim.pid, controller) == f"/{service.node.cgroups_root}/guarded"
-            with open(os.path.join(started.cgroup, "cgroup.procs")) as procs:
-                assert str(victim.pid) in procs.read().split()
-            again = await ask(owner, "start", Start(request="s4", container_id="guarded", token=prepared.token,
-                                                    pid=victim.pid))
-            assert again.error is not None
-            changed = await ask(owner, "update", Update(request="u", container_id="guarded", gpus=2))
-            assert changed.error == ("Container guarded runs a command of 'gpu-isolator exec': its GPUs cannot"
-                                     " change while it runs")
-            cleaned = await ask(owner, "cleanup", Cleanup(request="c", container_id="guarded"))
-            assert cleaned.error is None and (cleaned.released, cleaned.processes) == (False, 1)
-    finally:
-        victim.kill()
-        await victim.wait()
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_start_moves_a_process_only_for_the_client_holding_the_token(kernel_service: ServeProcess,
-                                                                          anyio_backend: str) -> None:
-    await _start_is_guarded(kernel_service)
-    await anyio.to_thread.run_sync(kernel_service.wait_state, lambda s: not s["containers"] and s["free"] == ALL)
+def test_an_exec_containers_gpus_cannot_change_and_its_cleanup_waits_for_its_processes(
+        kernel_service: ServeProcess, gpu_nodes: dict[int, str]) -> None:
+    service = kernel_service
+    holder = service.probe(gpu_nodes[0], gpus=1, hold=True)
+    probe = service.probe_result(holder)
+    (name, _view), = service.state()["containers"].items()
+    changed = ask(service, "update", container_id=name, gpus=2)
+    assert changed["error"] == (f"Container {name} runs a command of 'gpu-isolator exec': its GPUs cannot"
+                                " change while it runs")
+    cleaned = ask(service, "cleanup", container_id=name)
+    assert cleaned["error"] is None and (cleaned["released"], cleaned["processes"]) == (False, 1)
+    assert service.state()["containers"][name]["state"] == "releasing"
+    holder.stdin.close()
+    assert service.finish(holder)[0] == 0 and wait_gone(probe["pid"])
+    service.wait_state(lambda s: not s["containers"] and s["free"] == ALL)

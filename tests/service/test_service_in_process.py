@@ -15,7 +15,9 @@ from runtime import Runtime, current_runtime, dispatch, terminate, wait
 pytestmark = pytest.mark.anyio
 
 SERVICE_METRICS = {"service_containers": "gauge", "service_waiting": "gauge", "service_releasing": "gauge",
-                   "service_exec_started": "counter", "service_released_when_empty": "counter"}
+                   "service_exec_started": "counter", "service_released_when_empty": "counter",
+                   "service_refused_by_owner": "counter", "service_refused_by_limit": "counter",
+                   "service_unauthorized": "counter"}
 
 
 @pytest.fixture

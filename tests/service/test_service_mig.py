@@ -98,7 +98,7 @@ def test_mixed_exec_gets_mig_devices_by_profile_and_gpus_beyond_the_whole_ones_i
     one = service.probe_result(first)  # running before the second asks
     both = mig_exec(service, mig_nodes, gpus=1, mig=["1g.18gb", "2g.35gb:1"])
     two = service.probe_result(both)
-    state = service.state()
+    state = service.state_naming(one, two)
     name_one, view_one = container_of(state, one["pid"])
     name_two, view_two = container_of(state, two["pid"])
     assert (view_one["gpus"], view_one["mig_devices"]) == ([], ["195:0/gi3/ci0"])  # lowest first: GI 3, then GI 4

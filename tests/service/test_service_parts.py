@@ -1,7 +1,8 @@
-"""The service's parts on their own: who owns a listening socket, the
-command held back until it is told to run, exit statuses, the records
-file, the waiting line, flags from a file and options, what a request
-asks for (GPUs and MIG devices by profile), and the status table."""
+"""The service's parts on their own: who is asking (the kernel's peer
+credentials) and the one owner check, container ids, frames, exit
+statuses, the records file and the directories it trusts (StrictModes),
+the waiting line, flags from a file and options, what a request asks for
+(GPUs and MIG devices by profile), and the status table."""
 
 from __future__ import annotations
 
@@ -17,101 +18,136 @@ from pathlib import Path
 import pytest
 
 from isolators.service import (
+    Caller,
     ContainerRecord,
     ContainerView,
     MigDeviceView,
-    PendingCommand,
     Prepare,
     RecordsError,
     RecordsFile,
+    ServiceError,
     ServiceState,
+    UntrustedPath,
+    UserShare,
     WaitingView,
+    authorize,
+    check_trusted_dir,
     exit_code,
     render_state,
     service_flags,
     visible_devices_env,
 )
-from isolators.service._host import HostError, cgroup_of, listener_uid, move_into, process_owner
+from isolators.service._caller import container_id, peer_caller
+from isolators.service._frames import FrameError, FrameReader, encode
+from isolators.service._host import cgroup_of, cgroup_pids
 from isolators.service._demand import demand_of, describe, merge_mig_options, resources_text
 from isolators.service._line import GRANT, QUEUE, PendingPrepare, WaitingLine
 
 
-def test_listener_uid_names_the_owner_of_the_socket_listening_there() -> None:
-    with socket.socket() as listening, socket.socket() as closed:
-        listening.bind(("127.0.0.1", 0))
-        listening.listen()
-        port = listening.getsockname()[1]
-        assert listener_uid("127.0.0.1", port) == os.getuid()
-        assert listener_uid("localhost", port) == os.getuid()
-        closed.bind(("127.0.0.1", 0))  # bound, not listening
-        assert listener_uid("127.0.0.1", closed.getsockname()[1]) is None
-    with socket.socket() as wildcard:
-        wildcard.bind(("0.0.0.0", 0))
-        wildcard.listen()
-        assert listener_uid("127.0.0.1", wildcard.getsockname()[1]) == os.getuid()
+def test_the_caller_is_what_the_kernel_says_of_the_other_end() -> None:
+    left, right = socket.socketpair(socket.AF_UNIX)
+    with left, right:
+        caller = peer_caller(left, {})
+    assert (caller.uid, caller.gid, caller.pid) == (os.getuid(), os.getgid(), os.getpid())
+    assert set(caller.groups) == set(os.getgroups()) and caller.peer == f"pid {os.getpid()}"
 
 
-def _ipv6_loopback() -> socket.socket:
-    if not socket.has_ipv6:
-        pytest.skip("this Python has no IPv6")
-    six = socket.socket(socket.AF_INET6)
-    try:
-        six.bind(("::1", 0))
-    except OSError as error:
-        six.close()
-        pytest.skip(f"cannot bind the IPv6 loopback [::1]: {error}")
-    return six
+def test_one_owner_check_for_every_verb_naming_a_container() -> None:
+    alice = Caller(uid=1001, gid=1001, user="alice")
+    authorize(alice, "mine", 1001)
+    for owner in (1002, 0, None):  # another user's, root's (no command), one found at start without a record
+        with pytest.raises(ServiceError, match=r"^Container 'theirs' belongs to another user$"):
+            authorize(alice, "theirs", owner)
+    authorize(Caller(uid=0, gid=0), "theirs", 1002)  # root
+    authorize(Caller.agent("agent@127.0.0.1:1"), "theirs", 1002)  # an agent holding the credential
 
 
-def test_listener_uid_tells_an_ipv6_listener_from_an_ipv4_one() -> None:
-    with _ipv6_loopback() as six:
-        six.listen()
-        assert listener_uid("::1", six.getsockname()[1]) == os.getuid()
-        assert listener_uid("127.0.0.1", six.getsockname()[1]) is None
+@pytest.mark.parametrize("text", ["exec-\u202egpjexe", "bad id", "tab\tid", "bell\x07", "caf\u00e9", "", "a.b",
+                                  "../x", 5])
+def test_container_ids_are_printable_ascii_only(text: object) -> None:
+    with pytest.raises(ServiceError, match=r"^Invalid container id "):
+        container_id(text)
+    assert str(container_id("exec-0123abcd_X")) == "exec-0123abcd_X"
 
 
-def test_process_facts_and_a_move_that_is_refused() -> None:
-    me = os.getpid()
-    assert process_owner(me) == (os.getuid(), os.geteuid())
-    assert cgroup_of(me, "") is not None
-    with pytest.raises(HostError, match="Process 4194304 does not exist"):
-        process_owner(4194304)
-    if os.getuid() != 0:
-        with pytest.raises(HostError, match="belongs to uid"):
-            move_into(1, "/nonexistent", "/x", "", os.getuid())
+def test_frames_and_what_is_not_one() -> None:
+    reader = FrameReader()
+    data = encode("prepare", {"container_id": "c", "gpus": 1}) + encode("state", {})
+    reader.feed(data[:7])
+    assert reader.next() is None and reader.partial
+    reader.feed(data[7:])
+    assert [(f.verb, f.body) for f in (reader.next(), reader.next())] == [
+        ("prepare", {"container_id": "c", "gpus": 1}), ("state", {})]
+    for bad, text in ((b"\0\0\0\0", "a frame length of 0"), (b"\x7f\0\0\0", "a frame length of"),
+                      (b"\0\0\0\x02[]", 'not {"verb"'), (b"\0\0\0\x02{x", "not JSON")):
+        reader = FrameReader()
+        reader.feed(bad)
+        with pytest.raises(FrameError, match=text):
+            reader.next()
 
 
-def test_a_pending_command_runs_nothing_until_told_and_nothing_when_aborted(tmp_path: Path) -> None:
-    marker = tmp_path / "ran"
-    script = f"import os, sys; open({str(marker)!r}, 'a').write(os.environ.get('GRANT', '?') + '\\n'); sys.exit(3)"
-    aborted = PendingCommand.fork([sys.executable, "-c", script])
-    time.sleep(0.2)
-    assert not marker.exists()
-    aborted.abort()
-    assert exit_code(aborted.wait()) == 125 and not marker.exists()
-    aborted.close()
-
-    told = PendingCommand.fork([sys.executable, "-c", script])
-    assert told.run({"GRANT": "GPU-x"}) is None
-    assert exit_code(told.wait()) == 3 and marker.read_text() == "GPU-x\n"
-    told.close()
-
-    missing = PendingCommand.fork(["no-such-command-for-gpu-isolator"])
-    error = missing.run({})
-    assert error is not None and error.errno == 2
-    assert exit_code(missing.wait()) == 127
-    missing.close()
+def test_exit_statuses_as_a_shell_reports_them(tmp_path: Path) -> None:
+    for argv, code in ((["sh", "-c", "exit 3"], 3), (["sh", "-c", "kill -TERM $$"], 128 + signal.SIGTERM)):
+        process = subprocess.Popen(argv)
+        _, status = os.waitpid(process.pid, 0)
+        assert exit_code(status) == code
+    assert cgroup_of(os.getpid(), "") is not None
+    assert cgroup_pids([str(tmp_path / "no-such-cgroup")]) == [[]]
 
 
-def test_a_signal_sent_before_the_command_runs_is_delivered_when_it_does() -> None:
-    held = PendingCommand.fork(["sleep", "30"])
-    time.sleep(0.2)
-    os.kill(held.pid, signal.SIGTERM)  # blocked while it waits: nothing happens yet
-    time.sleep(0.1)
-    assert os.waitpid(held.pid, os.WNOHANG) == (0, 0)
-    held.run({})  # the signal is delivered as it unblocks, before the command runs
-    assert exit_code(held.wait()) == 128 + signal.SIGTERM
-    held.close()
+def test_only_trusted_directories_are_used(tmp_path: Path) -> None:
+    """R-SC-7: a directory (or a parent) others may write or own is refused, naming it and the fix."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to own directories as another user")
+    work = tmp_path / "work"
+    assert check_trusted_dir(str(work), "work directory") == str(work)  # not there yet: made by the service
+    work.mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o755)
+    assert check_trusted_dir(str(work), "work directory") == str(work)
+    os.chmod(work, 0o777)
+    with pytest.raises(UntrustedPath, match=rf"is not safe: {work} has mode 0777, writable by others \(chmod go-w"):
+        check_trusted_dir(str(work), "work directory")
+    os.chmod(work, 0o700)
+    os.chown(work, 65534, 65534)
+    with pytest.raises(UntrustedPath, match=rf"is not safe: {work} is owned by uid 65534, not root \(chown root"):
+        check_trusted_dir(str(work / "service"), "work directory")
+    os.chown(work, 0, 0)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)  # like /tmp: a parent whose entries only their owners replace
+    (sticky / "mine").mkdir(mode=0o700)
+    assert check_trusted_dir(str(sticky / "mine"), "work directory") == str(sticky / "mine")
+    with pytest.raises(UntrustedPath, match="writable by others"):
+        check_trusted_dir(str(sticky), "work directory")  # but not as the work dir itself
+    link = tmp_path / "link"
+    link.symlink_to(work)
+    assert check_trusted_dir(str(link), "work directory") == str(work)  # resolved, then checked
+
+
+def test_the_records_are_never_written_or_read_through_a_link(tmp_path: Path) -> None:
+    """R-SC-7 (issue 25, finding 7): links planted where the records go are refused, never followed."""
+    victim = tmp_path / "root-only"
+    victim.write_text("ROOT SECRET\n")
+    service = tmp_path / "work" / "service"
+    service.mkdir(parents=True, mode=0o700)
+    records = RecordsFile(str(service / "containers.json"), "/sys/fs/cgroup/devices/root")
+    data = records.encode([ContainerRecord(container_id="a")])
+    (service / "containers.json").symlink_to(victim)
+    with pytest.raises(RecordsError, match=r"cannot read it \(Too many levels of symbolic links\)"):
+        records.load()
+    (service / "containers.json").unlink()
+    for stale in ("containers.json.1.0.tmp", "containers.json.99.7.tmp"):  # a crash's leftovers, or planted links
+        (service / stale).symlink_to(victim)
+    assert records.load() == [] and sorted(os.listdir(service)) == []  # removed, not followed
+    records.write(data)
+    assert [r.container_id for r in records.load()] == ["a"] and victim.read_text() == "ROOT SECRET\n"
+    moved = tmp_path / "elsewhere"
+    moved.mkdir(mode=0o700)
+    os.rename(service, tmp_path / "work" / "old")
+    (tmp_path / "work" / "service").symlink_to(moved)
+    with pytest.raises(RecordsError, match="a symbolic link is never followed"):
+        records.write(data)
+    assert os.listdir(moved) == []
 
 
 def test_records_round_trip_and_refuse_to_be_read_as_empty(tmp_path: Path) -> None:
@@ -178,7 +214,10 @@ def test_visible_devices_and_the_status_table() -> None:
     (["exec", "--mig", "1g.18gb:0", "--", "true"],
      "gpu-isolator exec: error: --mig '1g.18gb:0': the count after ':' must be a whole number above 0"),
     (["exec", "--mig", "big", "--", "true"], "gpu-isolator exec: error: Invalid MIG profile 'big': "),
-    (["status", "--agent", "127.0.0.1:99999"], "gpu-isolator status: error: Invalid address '127.0.0.1:99999'"),
+    (["serve", "--listen", "127.0.0.1:99999", "--device_backend=memory"],
+     "gpu-isolator serve: error: Invalid address '127.0.0.1:99999'"),
+    (["serve", "--max_connections_per_user=0", "--device_backend=memory"], "expected a whole number >= 1, got '0'"),
+    (["exec", "--agent", "127.0.0.1:5052", "--gpus", "1", "--", "true"], "unrecognized arguments: --agent"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(argv: list[str], text: str, capsys: pytest.CaptureFixture) -> None:
     from isolators.cli import main
@@ -186,22 +225,6 @@ def test_bad_arguments_are_one_line_and_exit_2(argv: list[str], text: str, capsy
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert text in err and err.count("\n") == 1, err
-
-
-def test_a_process_of_another_user_is_never_moved(tmp_path: Path) -> None:
-    if os.getuid() != 0:
-        pytest.skip("needs root to start a process as another user")
-    other = subprocess.Popen(["sleep", "30"], user=65534)
-    try:
-        target = tmp_path / "cgroup"
-        target.mkdir()
-        with pytest.raises(HostError, match=f"Process {other.pid} belongs to uid 65534, not to the sender"
-                                            r" \(uid 1000\); a client may move only its own processes"):
-            move_into(other.pid, str(target), "/x", "", 1000)
-        assert not (target / "cgroup.procs").exists()  # refused before anything was written
-    finally:
-        other.kill()
-        other.wait()
 
 
 def test_the_waiting_line_is_first_come_first_served() -> None:
@@ -295,3 +318,20 @@ def test_the_status_table_of_a_mig_node() -> None:
                          address="gpu-isolator@127.0.0.1:5052", mig_mode=[0])
     assert render_state(whole, now=0.0).splitlines()[-1] == (
         "MIG mode:       GPU(s) 0 handed out whole (--nvidia_mig_strategy=none: no MIG device is handed out)")
+
+
+def test_the_status_table_shows_other_users_only_as_counts() -> None:
+    """R-SC-5: what a user who is not root reads of others."""
+    state = ServiceState(
+        containers={"exec-1": ContainerView(gpus=[0], command=["python", "mine.py"], user="alice", uid=1001, pid=12,
+                                            since=1000.0, state="running")},
+        free=[3], unhealthy={}, total=[0, 1, 2, 3], backend="cgroups_v2", address="gpu-isolator",
+        socket="/run/gpu-isolator/gpu-isolator.sock",
+        others={"bob": UserShare(gpus=2, waiting=1), "carol": UserShare(mig_devices=1)})
+    assert render_state(state, now=1100.0).splitlines()[:5] == [
+        "/run/gpu-isolator/gpu-isolator.sock: cgroups_v2, 4 GPU(s): 1 free, 0 unhealthy, 1 container(s), 0 waiting",
+        "CONTAINER  GPUS  USER   PID  STATE    AGE    COMMAND",
+        "exec-1     0     alice  12   running  1m40s  python mine.py",
+        "other users:    bob 2 GPU(s), 1 waiting, carol 0 GPU(s) 1 MIG device(s)",
+        "free GPUs:      3",
+    ]

@@ -1,133 +1,146 @@
-"""``gpu-isolator serve`` and ``exec`` as real OS processes, for tests.
+"""``gpu-isolator serve``, ``exec`` and ``status`` as real OS processes, for tests.
 
 Rules:
-- ``ServeProcess(node)`` runs ``python -m isolators serve`` on a test
-  node's flags (written to a flags file), listening on loopback (port 0
-  unless given); ``start()`` waits (bounded) for its "serving as" line and
-  reads its address from it. ``stop()`` sends SIGTERM and waits (bounded),
-  then kills; its exit status is returned. ``restart()`` is stop and start
-  at the same address. Its log (stderr) is kept in a file and shown by
-  ``log()``.
-- ``state()`` is ``GET /gpu-isolator/state`` (JSON), ``metrics()`` the
-  parsed ``GET /metrics``; ``wait_state(pred)``
-  polls it until ``pred(state)`` holds, failing with the last state after
-  ``timeout`` seconds.
-- ``exec(...)`` starts ``python -m isolators exec --agent <address> ...``
-  with pipes; ``finish(process)`` waits for it (bounded) and returns
-  (status, stdout, stderr). ``status()`` runs ``python -m isolators status``.
-- ``EXEC_PROBE`` is a command for exec: it opens every path it is given
-  (``O_RDWR``; ``r:/path``: ``O_RDONLY``, reported as ``/path``, for
-  capability nodes, which are read-only) and prints one JSON line -- errno per path (0 = opened), the
-  visible-devices variables, its pid and ``/proc/self/cgroup`` -- then, with
-  ``--hold``, waits until its stdin closes; it exits with ``--exit N``.
-  ``probe_result`` adds ``access``: the verdict on each path
-  (``probes.verdict``: GRANTED or DENIED), which tests compare.
-- Every process started is killed by ``close()`` (the fixtures call it).
-- ``async with client_of(service) as client``: a ``ServiceClient`` in a
-  runtime of this test's own, listening on loopback; ``await ask(client,
-  name, body)`` sends one request and returns its answer (bounded).
+- ``ServeProcess(node, directory, **options)`` runs ``python -m isolators
+  serve`` on a test node's flags (written to a flags file) with its unix
+  socket in a directory of its own that every user may traverse
+  (``tests.support.users.public_dir``), and, with ``listen``, on TCP too
+  (``credential``: the bearer secret, written to a root-owned 0600 file).
+  ``start()`` waits (bounded) for its "serving on" line. ``stop()`` sends
+  SIGTERM and waits (bounded), then kills; its exit status is returned.
+  ``restart()`` is stop and start with the same socket and address. Its
+  log (stderr) is kept in a file and shown by ``log()``.
+- ``state()`` is the state as root reads it on the socket (as a plain
+  JSON document); ``wait_state(pred)`` polls it until ``pred(state)``
+  holds, failing with the last state after ``timeout`` seconds;
+  ``state_naming(*probes)`` waits until it names each probe's process.
+  ``metrics()`` is the parsed ``GET /metrics`` (TCP: ``listen`` needed).
+- ``exec(...)`` starts ``gpu-isolator exec --socket <socket> ...`` with
+  pipes, as root or, with ``user``, as that throwaway user
+  (``tests.support.users``); ``finish(process)`` waits for it (bounded)
+  and returns (status, stdout, stderr). ``status(*args, user=None)`` runs
+  ``gpu-isolator status``.
+- ``probe(*paths, ...)`` execs ``exec_probe`` (``tests/native/exec_probe.c``,
+  built once per session with gcc into a public directory: any user can
+  run it): it opens every path it is given (``O_RDWR``; ``r:/path``:
+  ``O_RDONLY``, reported as ``/path``) and prints one JSON line -- errno
+  per path (0 = opened), its pid, parent, uids, gid, groups, NoNewPrivs,
+  ``/proc/self/cgroup``, working directory and the visible-devices
+  variables -- then, with ``hold``, waits until its stdin closes; it exits
+  with ``code``. ``probe_result`` adds ``access``: the verdict on each
+  path (``probes.verdict``: GRANTED or DENIED), which tests compare.
+- Every process started is killed by ``close()`` (the fixtures call it),
+  and the socket's directory removed.
+- ``connect(service)`` is a ``SocketClient`` of this (root) process;
+  ``ask(service, verb, **body)`` one request on a connection of its own,
+  the answer's body; ``tcp_message(service, name, body, sender, secret)``
+  a libprocess message over TCP (with the bearer ``secret`` or without),
+  its HTTP status and text.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import select
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
-import anyio
+import msgspec
 
-from isolators.service import ServiceClient
-from runtime import PID, Runtime, dispatch, spawn
+from isolators.service import SocketClient, fetch_state
+from isolators.service._launcher import read_line as read_fd_line
 
 from .probes import verdicts
+from .users import ThrowawayUser, public_dir
 
 ROOT = Path(__file__).resolve().parents[2]
+NATIVE = ROOT / "tests" / "native"
+_built: dict[str, str] = {}
 
-EXEC_PROBE = r"""
-import json, os, sys
-args = sys.argv[1:]
-hold = "--hold" in args
-code = 0
-if "--exit" in args:
-    code = int(args[args.index("--exit") + 1])
-paths = [a for a in args if a.startswith(("/", "r:/"))]
-seen = {}
-for arg in paths:
-    path = arg[2:] if arg.startswith("r:") else arg
-    try:
-        os.close(os.open(path, os.O_RDONLY if arg.startswith("r:") else os.O_RDWR))
-        seen[path] = 0
-    except OSError as error:
-        seen[path] = error.errno
-with open("/proc/self/cgroup") as f:
-    cgroup = f.read()
-print(json.dumps({"open": seen, "pid": os.getpid(), "cgroup": cgroup,
-                  "NVIDIA_VISIBLE_DEVICES": os.environ.get("NVIDIA_VISIBLE_DEVICES"),
-                  "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}), flush=True)
-if hold:
-    sys.stdin.read()
-sys.exit(code)
-"""
+
+def native_tool(name: str) -> str:
+    """``tests/native/<name>.c`` built once per session into a public directory (its path); gcc needed."""
+    if name not in _built:
+        if shutil.which("gcc") is None:
+            import pytest
+
+            pytest.skip("needs gcc to build the exec probe")
+        directory = _built.setdefault("", public_dir("gpu-isolator-tools-"))
+        target = os.path.join(directory, name)
+        subprocess.run(["gcc", "-O1", "-o", target, str(NATIVE / f"{name}.c")], check=True, capture_output=True)
+        os.chmod(target, 0o755)
+        _built[name] = target
+    return _built[name]
+
+
+def remove_native_tools() -> None:
+    directory = _built.pop("", None)
+    _built.clear()
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def read_line(stream: Any, timeout: float) -> bytes:
     """One line from a pipe, or what came before ``timeout`` / end of stream."""
-    deadline = time.monotonic() + timeout
-    data = b""
-    fd = stream.fileno()
-    while not data.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            break
-        chunk = os.read(fd, 1)
-        if not chunk:
-            break
-        data += chunk
-    return data
+    return read_fd_line(stream.fileno(), timeout)
 
 
 class ServeProcess:
     """``gpu-isolator serve`` for one test (see module rules)."""
 
-    def __init__(self, node: Any, directory: str | os.PathLike[str], listen: str = "127.0.0.1:0",
-                 poll_interval: float = 0.1, **flags: Any) -> None:
+    def __init__(self, node: Any, directory: str | os.PathLike[str], listen: str | None = None,
+                 poll_interval: float = 0.1, credential: str | None = None, confine: tuple[str, ...] = (),
+                 options: tuple[str, ...] = (), **flags: Any) -> None:
         self.node = node
         self.directory = Path(directory)
         self.listen = listen
         self.poll_interval = poll_interval
+        self.credential = credential
+        self.confine = confine
+        self.options = options
         self.flags = flags
         self.process: subprocess.Popen | None = None
+        self.public = public_dir("gpu-isolator-serve-")
+        self.socket = os.path.join(self.public, "run", "gpu-isolator.sock")
         self.address = ""
         self.ready_line = ""
         self.children: list[subprocess.Popen] = []
         self._log_path = self.directory / f"serve-{id(self)}.log"
 
     # -- the service ---------------------------------------------------------------------
-    def start(self, timeout: float = 60.0) -> "ServeProcess":
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def command(self) -> list[str]:
         flags_file = self.directory / "flags.json"
         flags_file.write_text(json.dumps(self.node.flag_values(self.flags)))
+        argv = [sys.executable, "-m", "isolators", "serve", f"--socket={self.socket}", "--flags", str(flags_file),
+                "--poll-interval", str(self.poll_interval), *[f"--confine={path}" for path in self.confine],
+                *self.options]
+        if self.listen is not None:
+            argv.append(f"--listen={self.listen}")
+        if self.credential is not None:
+            secret = self.directory / "credential"
+            secret.write_text(self.credential + "\n")
+            os.chmod(secret, 0o600)
+            argv.append(f"--credential={secret}")
+        return argv
+
+    def start(self, timeout: float = 60.0) -> "ServeProcess":
+        self.directory.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "isolators", "serve", "--listen", self.listen, "--flags", str(flags_file),
-                 "--poll-interval", str(self.poll_interval)],
-                cwd=ROOT, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-            )
+            self.process = subprocess.Popen(self.command(), cwd=ROOT, stdout=subprocess.PIPE, stderr=log,
+                                            stdin=subprocess.DEVNULL)
         line = read_line(self.process.stdout, timeout).decode()
-        if "serving as " not in line:
+        if "serving on " not in line:
             self.stop()
             raise AssertionError(f"serve did not start within {timeout}s: {line!r}\n{self.log()}")
         self.ready_line = line.strip()
-        pid = line.split("serving as ", 1)[1].split()[0]
-        self.address = pid.split("@", 1)[1]
+        if " and as gpu-isolator@" in line:
+            self.address = line.split(" and as gpu-isolator@", 1)[1].split()[0]
         return self
 
     def stop(self, signo: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
@@ -149,9 +162,10 @@ class ServeProcess:
         return process.returncode
 
     def restart(self, timeout: float = 60.0) -> int | None:
-        """Stop (SIGTERM) and start again at the same address; the stop's exit status."""
+        """Stop (SIGTERM) and start again on the same socket and address; the stop's exit status."""
         code = self.stop()
-        self.listen = self.address
+        if self.address:
+            self.listen = self.address
         self.start(timeout)
         return code
 
@@ -162,8 +176,8 @@ class ServeProcess:
             return ""
 
     def state(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"http://{self.address}/gpu-isolator/state", timeout=10) as response:
-            return json.loads(response.read())
+        """The state as root reads it on the socket."""
+        return msgspec.to_builtins(fetch_state(self.socket))
 
     def metrics(self) -> dict[str, float]:
         """``GET /metrics``, parsed by prometheus-client: {sample name: value} (unlabelled samples)."""
@@ -184,24 +198,33 @@ class ServeProcess:
                 raise AssertionError(f"state never matched within {timeout}s: {state}\n{self.log()}")
             time.sleep(0.05)
 
+    def state_naming(self, *probes: dict[str, Any], timeout: float = 15.0) -> dict[str, Any]:
+        """The state once it names every probe's process as a container's pid
+        (the service records a command's pid when its supervisor reports it,
+        which may be after the command printed)."""
+        pids = {probe["pid"] for probe in probes}
+        return self.wait_state(lambda s: pids <= {view["pid"] for view in s["containers"].values()}, timeout)
+
     # -- clients -------------------------------------------------------------------------------
+    def _cli(self, args: list[str], user: ThrowawayUser | None, **popen: Any) -> subprocess.Popen:
+        if user is None:
+            return subprocess.Popen([sys.executable, "-m", "isolators", *args], **{"cwd": ROOT, **popen})
+        return user.cli(*args, **{"cwd": self.public, **popen})
+
     def exec(self, *command: str, gpus: int | None = None, mig: tuple[str, ...] | list[str] = (), wait: bool = False,
-             stdin: Any = subprocess.PIPE) -> subprocess.Popen:
+             stdin: Any = subprocess.PIPE, user: ThrowawayUser | None = None, **popen: Any) -> subprocess.Popen:
         """``gpu-isolator exec`` (``--gpus`` when given, one ``--mig`` per entry of ``mig``)."""
-        options = ["--agent", self.address, *(["--gpus", str(gpus)] if gpus is not None else [])]
+        options = [f"--socket={self.socket}", *(["--gpus", str(gpus)] if gpus is not None else [])]
         options += [f"--mig={profile}" for profile in mig] + (["--wait"] if wait else [])
-        process = subprocess.Popen([sys.executable, "-m", "isolators", "exec", *options, "--", *command],
-                                   cwd=ROOT, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        process = self._cli(["exec", *options, "--", *command], user, stdin=stdin, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, **popen)
         self.children.append(process)
         return process
 
     def probe(self, *paths: str, gpus: int | None = None, mig: tuple[str, ...] | list[str] = (), hold: bool = False,
-              wait: bool = False, code: int = 0) -> subprocess.Popen:
-        probe = self.directory / "exec_probe.py"
-        if not probe.exists():
-            probe.write_text(EXEC_PROBE)
+              wait: bool = False, code: int = 0, user: ThrowawayUser | None = None, **popen: Any) -> subprocess.Popen:
         args = [*paths, *(["--hold"] if hold else []), "--exit", str(code)]
-        return self.exec(sys.executable, "-I", "-S", str(probe), *args, gpus=gpus, mig=mig, wait=wait)
+        return self.exec(native_tool("exec_probe"), *args, gpus=gpus, mig=mig, wait=wait, user=user, **popen)
 
     @staticmethod
     def probe_result(process: subprocess.Popen, timeout: float = 30.0) -> dict[str, Any]:
@@ -226,9 +249,18 @@ class ServeProcess:
             raise AssertionError(f"exec did not end within {timeout}s: {err.decode()}") from None
         return process.returncode, out.decode(), err.decode()
 
-    def status(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "isolators", "status", "--agent", self.address, *args],
-                              cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    def status(self, *args: str, timeout: float = 30.0, user: ThrowawayUser | None = None,
+               socket: str | None = None) -> subprocess.CompletedProcess:
+        process = self._cli(["status", f"--socket={socket or self.socket}", *args], user, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+        self.children.append(process)
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+            raise AssertionError(f"status did not answer within {timeout}s: {err}") from None
+        return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
     def close(self) -> None:
         for child in self.children:
@@ -245,6 +277,7 @@ class ServeProcess:
         if self.process is not None and self.process.stdout is not None:
             self.process.stdout.close()
         self.process = None
+        shutil.rmtree(self.public, ignore_errors=True)
 
 
 def gpus_of(state: dict[str, Any]) -> dict[str, list[int]]:
@@ -252,16 +285,28 @@ def gpus_of(state: dict[str, Any]) -> dict[str, list[int]]:
     return {name: view["gpus"] for name, view in state["containers"].items()}
 
 
-@asynccontextmanager
-async def client_of(service: ServeProcess, id: str = "test-client") -> AsyncIterator[ServiceClient]:
-    """A ServiceClient of the service, in a runtime of its own (see module rules)."""
-    async with Runtime(listen="127.0.0.1:0"):
-        client = ServiceClient(PID.parse(f"gpu-isolator@{service.address}"), id=id)
-        spawn(client)
-        yield client
+def connect(service: ServeProcess) -> SocketClient:
+    """A connection of this test's process (root) to the service's socket."""
+    return SocketClient.connect(service.socket, timeout=20)
 
 
-async def ask(client: ServiceClient, name: str, body: Any, timeout: float = 20.0) -> Any:
-    """One request and its answer."""
-    with anyio.fail_after(timeout):
-        return await dispatch(client.pid, ServiceClient.ask, name, body)
+def ask(service: ServeProcess, verb: str, timeout: float = 20.0, **body: Any) -> dict[str, Any]:
+    """One request on a connection of its own; the answer's body (``verb`` checked by the caller)."""
+    with connect(service) as client:
+        return client.ask(verb, body, timeout=timeout).body
+
+
+def tcp_message(service: ServeProcess, name: str, body: dict[str, Any], sender: str,
+                secret: str | None = None) -> tuple[int, str]:
+    """A libprocess message to ``gpu-isolator`` over TCP (``secret``: as the bearer); (status, text)."""
+    import http.client
+
+    host, port = service.address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    headers = {"Libprocess-From": sender, **({"Authorization": f"Bearer {secret}"} if secret else {})}
+    try:
+        connection.request("POST", f"/gpu-isolator/{name}", body=json.dumps(body), headers=headers)
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
