@@ -126,7 +126,8 @@ def may_prepare(caller: Caller, command: list[str] | None) -> None:
 def container_id(text: Any) -> ContainerID:
     """A top-level container id from a request (see module rules)."""
     if not isinstance(text, str) or not text or not all("!" <= ch <= "~" for ch in text):
-        raise ServiceError(f"Invalid container id {text!r}: only printable ASCII letters, digits and punctuation"
+        shown = repr(text) if not isinstance(text, str) or len(text) <= 64 else f"{text[:40]!r}... ({len(text)} characters)"
+        raise ServiceError(f"Invalid container id {shown}: only printable ASCII letters, digits and punctuation"
                            " (no spaces, control or bidirectional characters)")
     if "." in text:
         raise ServiceError(f"Invalid container id {text!r}: the service manages top-level containers only")

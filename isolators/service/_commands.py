@@ -80,6 +80,9 @@ def add_commands(sub: Any) -> None:
                        help="requests one user may have waiting in line (default 16)")
     serve.add_argument("--max_connections_per_user", metavar="N", type=_positive, default=32,
                        help="connections one user may hold open (default 32)")
+    serve.add_argument("--idle_timeout", metavar="SECONDS", type=float, default=10.0,
+                       help="close a connection that sends nothing for this long while none of its requests is"
+                            " unanswered, or that leaves a frame unfinished (default 10)")
     serve.add_argument("--flags", metavar="FILE", help="the isolator's flags as a JSON or TOML file")
     serve.add_argument("--poll-interval", metavar="SECONDS", type=float, default=1.0,
                        help="how often exec containers are checked for remaining processes, and --confine"
@@ -134,6 +137,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     flags = service_flags(args.flags, getattr(args, "extra", []))
     if not args.poll_interval > 0:
         raise _usage(f"{PROG} serve: error: --poll-interval must be > 0, got {args.poll_interval}")
+    if not args.idle_timeout > 0:
+        raise _usage(f"{PROG} serve: error: --idle_timeout must be > 0, got {args.idle_timeout}")
     if args.listen is not None:
         from runtime._network import parse_address
 
@@ -145,7 +150,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(socket=args.socket, socket_group=args.socket_group, listen=args.listen,
                            credential=args.credential, confine=tuple(args.confine),
                            max_gpus_per_user=args.max_gpus_per_user, max_waiting_per_user=args.max_waiting_per_user,
-                           max_connections_per_user=args.max_connections_per_user, poll_interval=args.poll_interval)
+                           max_connections_per_user=args.max_connections_per_user, idle_timeout=args.idle_timeout,
+                           poll_interval=args.poll_interval)
 
     def ready(service: Any) -> None:
         backend = service.backend

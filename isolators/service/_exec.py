@@ -17,9 +17,12 @@ Rules (SPEC R-SV-2, R-SC-2):
   (``gpu-isolator exec: error: ...``) and exit status 125 (the service
   refused -- Mesos' "Requested N gpus but only M available" --, cannot be
   reached, or went away); 126 / 127 when the command cannot be executed /
-  is not found; 128 + N when signal N came before the command ran: the
-  connection closes, which withdraws the request (a command starting just
-  then is killed with its process group).
+  is not found; 128 + N when signal N came before the command ran. Every
+  signal is sent on the connection as it comes (the client keeps no
+  state that could race the command's start): one the service gets
+  before it handed the connection to the supervisor withdraws the
+  request, and the service answers so; one the supervisor gets reaches
+  the command (just started, if need be).
 - The command keeps its GPUs as long as any of its processes runs; when
   it leaves some behind, exec says how many (their GPUs go when they
   exit). Losing the connection once the command runs (its supervisor was
@@ -33,7 +36,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import sys
 import threading
 
@@ -89,25 +91,21 @@ def exec_command(socket_path: str, gpus: int, argv: list[str], wait: bool = Fals
 def _run(client: SocketClient, forwarder: SignalForwarder, gpus: int, argv: list[str], wait: bool,
          mig: dict[str, int], cwd: str) -> int:
     container_id = f"exec-{secrets.token_hex(6)}"
-    interrupted: list[int] = []
+    early: list[int] = []
     lock = threading.Lock()
-    started = threading.Event()
-
-    def before(signo: int) -> None:  # a signal before the command runs: withdraw (close the connection)
-        with lock:
-            if started.is_set():
-                return
-            interrupted.append(signo)
-            try:
-                client.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def forward(signo: int, group: bool) -> None:
         try:
             client.send("signal", {"signo": signo, "group": group})
         except LostService:
             pass
+
+    def before(signo: int) -> None:  # before the request is out: sent right after it
+        with lock:
+            if forwarder.forward is None:
+                early.append(signo)
+                return
+        forward(signo, False)
 
     def queued(body: dict) -> None:
         wanted = demand_of(body.get("gpus", 0), body.get("mig") or {})
@@ -127,44 +125,47 @@ def _run(client: SocketClient, forwarder: SignalForwarder, gpus: int, argv: list
                     stdio)
         for fd in opened:
             os.close(fd)
-        prepared = client.receive(None if wait else ANSWER_TIMEOUT).body
-        if prepared.get("error") is not None:
-            _say(f"error: {prepared['error']}")
-            return FAILED
-        for gpu in prepared.get("gpus", []):
-            if gpu.get("mig_mode"):
-                index = gpu.get("index") if gpu.get("index") is not None else gpu.get("minor")
-                _say(f"note: GPU {index} is in MIG mode and is granted whole (the service runs"
-                     " --nvidia_mig_strategy=none): CUDA runs on it only through its MIG devices, which this"
-                     " command does not hold")
-        phase = "start"
-        frame = client.receive(ANSWER_TIMEOUT)
+        with lock:
+            forwarder.forward = forward  # from now on every signal goes to the service, then to the command
+            for signo in early:
+                forward(signo, False)
+        frame = client.receive(None if wait else ANSWER_TIMEOUT)
+        if frame.verb == "prepared":
+            prepared = frame.body
+            if prepared.get("error") is not None:
+                _say(f"error: {prepared['error']}")
+                return FAILED
+            for gpu in prepared.get("gpus", []):
+                if gpu.get("mig_mode"):
+                    index = gpu.get("index") if gpu.get("index") is not None else gpu.get("minor")
+                    _say(f"note: GPU {index} is in MIG mode and is granted whole (the service runs"
+                         " --nvidia_mig_strategy=none): CUDA runs on it only through its MIG devices, which this"
+                         " command does not hold")
+            phase = "start"
+            frame = client.receive(ANSWER_TIMEOUT)
         if frame.verb == "started":
-            with lock:
-                if not interrupted:
-                    started.set()
-                    forwarder.forward = forward
             phase = "run"
             frame = client.receive(None)
         if frame.verb != "exited":
             _say(f"error: the service answered {frame.verb!r} where the command's end was expected")
             return FAILED
-        forwarder.forward = None
         end = frame.body
-        if end.get("error"):
+        if end.get("withdrawn"):
+            _say(f"{signal.Signals(end['signal']).name} before the command started: request withdrawn")
+        elif end.get("error"):
             _say(f"error: {end['error']}")
         if end.get("left"):
             _say(f"{end['left']} process(es) the command left are still running in {container_id}; its GPUs are"
                  " released when they exit")
         return int(end.get("status", FAILED))
-    except (LostService, Refused, TimeoutError) as error:
-        if interrupted:
-            _say(f"{signal.Signals(interrupted[0]).name} before the command started: request withdrawn")
-            return 128 + interrupted[0]
-        if isinstance(error, TimeoutError):
-            _say("error: the gpu-isolator service did not answer in time")
-        elif phase == "run":
+    except TimeoutError:
+        _say("error: the gpu-isolator service did not answer in time")
+        return FAILED
+    except (LostService, Refused) as error:
+        if phase == "run":
             _say(f"error: lost the command's supervisor ({error}); the command's exit status is unknown")
         else:
             _say(f"error: {error}")
         return FAILED
+    finally:
+        forwarder.forward = None

@@ -23,6 +23,8 @@ Rules:
   exec request, a second request on a connection that asked for an exec
   container; answers a client does not read (``MAX_UNSENT`` queued, or
   one not written within ``SEND_TIMEOUT``).
+- A ``signal`` on an exec connection before it is handed on goes to the
+  service (``GpuIsolatorService.signal``: the request is withdrawn).
 - An exec connection is handed to the command's supervisor
   (``detach``): reading stops, what is queued is written, and the
   service gets a duplicate descriptor of the connection to pass on; the
@@ -62,7 +64,7 @@ DEFAULT_SOCKET = "/run/gpu-isolator/gpu-isolator.sock"
 SEND_TIMEOUT = 10.0
 MAX_UNSENT = 64
 REQUESTS = frozenset({"prepare", "update", "usage", "cleanup", "state"})
-FINAL = frozenset({"prepared", "updated", "statistics", "cleaned_up", "state", "error"})
+FINAL = frozenset({"prepared", "updated", "statistics", "cleaned_up", "state", "exited", "error"})
 _FD_SPACE = socket.CMSG_SPACE(MAX_FDS * 4)
 
 
@@ -124,6 +126,8 @@ class Connection:
         self._out: deque[bytes] = deque()
         self._wake = anyio.Event()
         self._handed: Promise | None = None
+        self._waiting: anyio.CancelScope | None = None
+        self._rearm = False
         self._reading: anyio.CancelScope | None = None
         self._scope: anyio.CancelScope | None = None
 
@@ -137,6 +141,9 @@ class Connection:
             return
         if verb in FINAL and self.pending:
             self.pending -= 1
+            if not self.pending and self._waiting is not None:  # the reader waits with no limit: set one
+                self._rearm = True
+                self._waiting.cancel()
         self._out.append(encode(verb, body if isinstance(body, dict) else msgspec.json.encode(body)))
         if len(self._out) > MAX_UNSENT:
             self.door.count("slow")
@@ -206,8 +213,15 @@ class Connection:
                         timeout = max(0.0, started + limits.idle_timeout - time.monotonic())
                     else:
                         timeout = None if self.pending else limits.idle_timeout
-                    with anyio.move_on_after(timeout) as waited:
+                    with anyio.CancelScope() as waited:
+                        if timeout is not None:
+                            waited.deadline = anyio.current_time() + timeout
+                        self._waiting = waited
                         await anyio.wait_readable(self.sock)
+                    self._waiting = None
+                    if waited.cancelled_caught and self._rearm:  # its last answer went out: idle from now
+                        self._rearm = False
+                        continue
                     if waited.cancelled_caught:
                         self.door.count("idle")
                         what = "a frame it did not finish" if reader.partial else "nothing"
@@ -244,8 +258,9 @@ class Connection:
 
     def _take(self, frame: Any) -> bool:
         """Hand one frame on; False when it ends the connection."""
-        if frame.verb == "signal" and not frame.fds:
-            return True  # for a supervisor that has not taken over yet: nothing to signal
+        if frame.verb == "signal" and self.exec and not frame.fds:
+            dispatch(self.door.service, _service_signal(), self, frame)  # before the command started
+            return True
         if self.exec:
             self._bad("one exec request per connection: nothing more is read on it", frame.fds)
             return False
@@ -322,6 +337,12 @@ def _service_request() -> Any:
     from ._service import GpuIsolatorService
 
     return GpuIsolatorService.request
+
+
+def _service_signal() -> Any:
+    from ._service import GpuIsolatorService
+
+    return GpuIsolatorService.signal
 
 
 class FrontDoor:

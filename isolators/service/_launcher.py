@@ -19,12 +19,11 @@ Rules:
 - ``exit_code(status)``: a wait status as a shell reports it.
 - ``SignalForwarder`` (the exec client): blocks ``FORWARDED`` in the
   client (threads started later inherit the block) and takes them in a
-  thread of its own (``sigwaitinfo``). While no command runs, each goes to
-  ``before(signo)`` (the client gives up; ``SIGWINCH`` is ignored then);
-  once ``forward`` is set, to ``forward(signo, group)``: ``group`` when the
-  terminal sent it (``SI_KERNEL``: Ctrl-C goes to the whole foreground
-  group, so the command's whole process group gets it too), else the
-  command alone.
+  thread of its own (``sigwaitinfo``). Until ``forward`` is set each goes
+  to ``before(signo)`` (``SIGWINCH`` is dropped then); once it is, to
+  ``forward(signo, group)``: ``group`` when the terminal sent it
+  (``SI_KERNEL``: Ctrl-C goes to the whole foreground group, so the
+  command's whole process group gets it too), else the command alone.
 """
 
 from __future__ import annotations

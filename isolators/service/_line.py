@@ -39,7 +39,7 @@ QUEUE = "queue"
 class PendingPrepare:
     """A prepare not answered yet: arriving, or waiting in line."""
 
-    __slots__ = ("sender", "body", "demand", "since", "uid", "user", "cancelled", "fds")
+    __slots__ = ("sender", "body", "demand", "since", "uid", "user", "cancelled", "fds", "withdrawn")
 
     def __init__(self, sender: Any, body: Prepare, demand: dict[str, int] | None = None) -> None:
         self.sender = sender
@@ -51,6 +51,8 @@ class PendingPrepare:
         self.cancelled = False
         self.fds: tuple[int, ...] = ()
         """An exec request's stdin, stdout and stderr, held until its command starts or it ends."""
+        self.withdrawn: int | None = None
+        """The signal its client forwarded before the command started (it is then withdrawn)."""
 
     def close_fds(self) -> None:
         for fd in self.fds:

@@ -173,6 +173,8 @@ class Exited(msgspec.Struct, kw_only=True):
     error: str | None = None
     left: int = 0
     """Processes it left in the container (the GPUs go when they exit)."""
+    withdrawn: bool = False
+    """Signal ``signal`` came before the command started: the request was withdrawn, nothing ran."""
 
 
 class Refusal(msgspec.Struct, kw_only=True):

@@ -43,7 +43,10 @@ Rules (SPEC R-SV-1, R-SC-1..8):
   ``releasing`` (released once empty); ``update`` is refused while it
   runs.
 - A connection that closes takes its waiting requests with it; a TCP
-  agent that goes away (R-NW-3) likewise. Other containers are cleaned up
+  agent that goes away (R-NW-3) likewise. A ``signal`` the exec client
+  forwards before its connection is handed on withdraws its request: the
+  client gets ``exited`` (``withdrawn``, 128 + N) and nothing runs; one
+  forwarded later reaches the command (through its supervisor). Other containers are cleaned up
   only by ``cleanup`` (Mesos' semantics).
 - Reading (R-SC-5): ``state(caller)`` shows the caller's own containers
   and waiting requests whole, other users' only as counts per user
@@ -90,11 +93,13 @@ from .._types import ContainerConfig, ContainerID, ContainerState
 from . import _host
 from ._caller import Caller, ServiceError, authorize, container_id, may_prepare
 from ._demand import GPUS, demand_of, mig_counts, resources_text
+from ._frames import encode
 from ._launcher import LaunchSpec, launch
 from ._line import GRANT, QUEUE, PendingPrepare, WaitingLine, fits
 from ._messages import (
     CleanedUp,
     Cleanup,
+    Exited,
     Prepare,
     Prepared,
     Queued,
@@ -175,6 +180,8 @@ class GpuIsolatorService(Process):
         self._writer = Executor(1, name="gpu-isolator-records")
         self._line = WaitingLine()
         self._launching: set[str] = set()
+        self._granting: dict[Any, PendingPrepare] = {}
+        """Exec requests being granted, by connection (a signal then withdraws them)."""
         self._supervisors: dict[str, Any] = {}
         self._pumping = False
         self._polling = False
@@ -306,6 +313,26 @@ class GpuIsolatorService(Process):
             connection.send("state", await self.state(connection.caller))
         else:
             await {"update": self._update, "usage": self._usage, "cleanup": self._cleanup}[frame.verb](connection, body)
+
+    def signal(self, connection: Any, frame: Any) -> None:
+        """A signal the exec client forwarded before its command started: the
+        request is withdrawn, nothing runs (see module rules)."""
+        signo = frame.body.get("signo")
+        if not isinstance(signo, int) or not 0 < signo < 65:
+            connection.refuse(f"a 'signal' request without a signal number 1 to 64: {signo!r}")
+            return
+        for pending in self._line.drop_sender(connection):
+            self._withdraw(pending, signo)
+        granting = self._granting.get(connection)
+        if granting is not None and granting.withdrawn is None:
+            granting.withdrawn = signo  # _grant sees it before it starts the command
+
+    def _withdraw(self, pending: PendingPrepare, signo: int, channel: Any = None) -> None:
+        pending.close_fds()
+        logger.info("Container %s: withdrawn by signal %d before its command started", pending.body.container_id,
+                    signo)
+        (channel or pending.sender).send("exited", Exited(container_id=pending.body.container_id, status=128 + signo,
+                                                          signal=signo, withdrawn=True))
 
     def disconnected(self, connection: Any) -> None:
         """A user's connection closed: its waiting requests go (see module rules)."""
@@ -469,6 +496,7 @@ class GpuIsolatorService(Process):
         self.records[name] = record
         if record.is_exec:
             self._launching.add(name)  # not released as "empty" before its supervisor is in
+            self._granting[pending.sender] = pending
         try:
             if not await self._save():
                 del self.records[name]
@@ -493,11 +521,17 @@ class GpuIsolatorService(Process):
             env = visible_devices_env(uuids)
             logger.info("Container %s: prepared with GPUs %s for %s%s", name, [g.mig_device or g.minor for g in gpus],
                         pending.sender.caller.describe(), f" to run {body.command}" if body.command else "")
+            if pending.withdrawn is not None:
+                self._withdraw(pending, pending.withdrawn)
+                await self._release(record, "withdrawn before its command started")
+                return
             pending.sender.send("prepared", Prepared(request=body.request, container_id=name, gpus=gpus, env=env))
             if record.is_exec:
                 await self._start(record, pending, env)
         finally:
             self._launching.discard(name)
+            if self._granting.get(pending.sender) is pending:
+                del self._granting[pending.sender]
             pending.close_fds()
 
     async def _start(self, record: ContainerRecord, pending: PendingPrepare, env: dict[str, str]) -> None:
@@ -508,6 +542,16 @@ class GpuIsolatorService(Process):
         if conn_fd is None:
             logger.info("Container %s: its client went away before the command started", name)
             await self._release(record, "its client went away before the command started")
+            return
+        if pending.withdrawn is not None:  # a signal read while the connection was handed on
+            try:
+                os.write(conn_fd, encode("exited", msgspec.json.encode(Exited(
+                    container_id=name, status=128 + pending.withdrawn, signal=pending.withdrawn, withdrawn=True))))
+            except OSError:
+                pass
+            os.close(conn_fd)
+            pending.close_fds()
+            await self._release(record, "withdrawn before its command started")
             return
         cgroup = self.devices.path(name)
         spec = LaunchSpec(

@@ -1,9 +1,11 @@
 /* The command tests run through `gpu-isolator exec` (tests/support/services.py).
-   exec_probe [PATH | r:PATH]... [--hold] [--exit N]: opens each PATH (O_RDWR; r: O_RDONLY, reported
-   as PATH), then prints one JSON line -- errno per path (0 = opened), its pid, parent pid, uids, gid,
-   supplementary groups, NoNewPrivs and Uid lines of /proc/self/status, /proc/self/cgroup, its working
-   directory and the visible-devices variables -- then, with --hold, waits until its stdin closes, and
-   exits with N. Plain C and libc, so any user can run it from a directory they can reach. */
+   exec_probe [PATH | r:PATH]... [--hold | --serve] [--exit N]: opens each PATH (O_RDWR; r: O_RDONLY,
+   reported as PATH), then prints one JSON line -- errno per path (0 = opened), its pid, parent pid,
+   uids, gid, supplementary groups, NoNewPrivs and Uid lines of /proc/self/status, /proc/self/cgroup,
+   its working directory and the visible-devices variables -- then, with --hold, waits until its stdin
+   closes; with --serve, opens each path read from a line of stdin (O_RDWR) and prints its errno, until
+   stdin closes; and exits with N. Plain C and libc, so any user can run it from a directory they can
+   reach. */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <errno.h>
@@ -44,11 +46,12 @@ static void status_line(const char *status, const char *name, char *out, size_t 
 }
 
 int main(int argc, char **argv) {
-    int hold = 0, code = 0;
+    int hold = 0, serve = 0, code = 0;
     printf("{\"open\": {");
     int first = 1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--hold")) { hold = 1; continue; }
+        if (!strcmp(argv[i], "--serve")) { serve = 1; continue; }
         if (!strcmp(argv[i], "--exit") && i + 1 < argc) { code = atoi(argv[++i]); continue; }
         const char *path = argv[i];
         int flags = O_RDWR;
@@ -89,6 +92,16 @@ int main(int argc, char **argv) {
     if (hold) {
         char buffer[256];
         while (read(0, buffer, sizeof buffer) > 0) {}
+    }
+    if (serve) {
+        char line[4096];
+        while (fgets(line, sizeof line, stdin)) {
+            line[strcspn(line, "\n")] = 0;
+            int fd = open(line, O_RDWR);
+            printf("%d\n", fd < 0 ? errno : 0);
+            if (fd >= 0) close(fd);
+            fflush(stdout);
+        }
     }
     return code;
 }

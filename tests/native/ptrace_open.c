@@ -1,5 +1,8 @@
-/* ptrace_open PID PATH...: attach to PID, make it call openat(AT_FDCWD, PATH, O_RDWR)
-   for each PATH (closing what it opened), print "PATH errno" (0: opened), detach. */
+/* What a command could do to a process of its own user it may ptrace (issue 25, finding 6).
+   ptrace_open PID PATH...: attach to PID, make it call openat(AT_FDCWD, PATH, O_RDWR) for each
+   PATH (closing what it opened) -- the kernel judges that open by PID's cgroup, not ours -- print
+   "PATH errno" (0: opened; "attach ERRNO" when PID cannot be traced), restore it and detach.
+   x86-64 only (it borrows the instruction at PID's program counter for one syscall). */
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>

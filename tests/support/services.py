@@ -27,7 +27,8 @@ Rules:
   per path (0 = opened), its pid, parent, uids, gid, groups, NoNewPrivs,
   ``/proc/self/cgroup``, working directory and the visible-devices
   variables -- then, with ``hold``, waits until its stdin closes; it exits
-  with ``code``. ``probe_result`` adds ``access``: the verdict on each
+  with ``code`` (``serve``: it opens each path it reads on stdin and
+  prints its errno, until stdin closes). ``probe_result`` adds ``access``: the verdict on each
   path (``probes.verdict``: GRANTED or DENIED), which tests compare.
 - Every process started is killed by ``close()`` (the fixtures call it),
   and the socket's directory removed.
@@ -222,8 +223,9 @@ class ServeProcess:
         return process
 
     def probe(self, *paths: str, gpus: int | None = None, mig: tuple[str, ...] | list[str] = (), hold: bool = False,
-              wait: bool = False, code: int = 0, user: ThrowawayUser | None = None, **popen: Any) -> subprocess.Popen:
-        args = [*paths, *(["--hold"] if hold else []), "--exit", str(code)]
+              serve: bool = False, wait: bool = False, code: int = 0, user: ThrowawayUser | None = None,
+              **popen: Any) -> subprocess.Popen:
+        args = [*paths, *(["--hold"] if hold else []), *(["--serve"] if serve else []), "--exit", str(code)]
         return self.exec(native_tool("exec_probe"), *args, gpus=gpus, mig=mig, wait=wait, user=user, **popen)
 
     @staticmethod

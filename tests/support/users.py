@@ -8,14 +8,16 @@ Rules:
   group (``groupadd``/``groupdel``), ``ThrowawayUser.join(group)`` adds a
   user to it. Without root, ``useradd`` or ``userdel`` they skip with the
   reason.
-- ``user.popen(argv, ...)`` runs a Python program of this project as that
-  user: the interpreter starts as root and imports what the program needs
-  (this interpreter may live where the user cannot read, e.g. under
-  ``/root``), then drops to the user -- supplementary groups, gid, then
+- ``user.popen(module, *args, cgroup=None)`` runs ``module.main(args)``
+  of this project as that user: the interpreter starts as root and
+  imports what the program needs (this interpreter may live where the
+  user cannot read, e.g. under ``/root``), joins ``cgroup`` (a
+  ``cgroup.procs`` file: the user's session, as a login would place it)
+  when given, then drops to the user -- supplementary groups, gid, then
   uid, real, effective and saved -- marks itself dumpable as a process
-  the user started would be, and runs ``python -m <module> args``. From
-  there on the kernel knows it as the user's process, nothing else:
-  ``SO_PEERCRED``, ``/proc/<pid>/status``, signals and ptrace all say so.
+  the user started would be, and runs. From there on the kernel knows it
+  as the user's process, nothing else: ``SO_PEERCRED``,
+  ``/proc/<pid>/status``, signals and ptrace all say so.
 - ``user.cli(*args)`` is ``gpu-isolator ARGS`` as that user.
 - ``public_dir(prefix)``: a directory every user may traverse (mode 0755,
   under ``/tmp``), for the sockets, device nodes and programs such users
@@ -41,21 +43,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 _AS_USER = r"""
-import ctypes, os, sys
+import ctypes, importlib, os, sys
+sys.path.insert(0, sys.argv.pop(1))  # this project (tests.support modules are imported from it)
 import json, socket, signal, select, secrets, threading, errno, struct, array, shlex, time, argparse, encodings.idna
 import msgspec
 import isolators.cli
 from isolators.service import _client, _commands, _demand, _exec, _frames, _launcher, _messages, _status
-uid, gid, groups, module = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+uid, gid, groups, cgroup, module = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+main = isolators.cli.main if module == "isolators" else importlib.import_module(module).main
+if cgroup != "-":  # a session of the user's in that cgroup, as a login would make one
+    with open(cgroup, "w") as procs:
+        procs.write(str(os.getpid()))
 os.setgroups([int(g) for g in groups.split(",") if g])
 os.setresgid(gid, gid, gid)
 os.setresuid(uid, uid, uid)
 ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: as a process the user started
-sys.argv = [module, *sys.argv[5:]]
-if module == "isolators":
-    sys.exit(isolators.cli.main(sys.argv[1:]))
-import runpy
-runpy.run_module(module, run_name="__main__")
+sys.argv = [module, *sys.argv[6:]]
+sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -87,11 +91,13 @@ class ThrowawayUser:
     def join(self, group: str) -> None:
         subprocess.run(["gpasswd", "-a", self.name, group], check=True, capture_output=True)
 
-    def popen(self, module: str, *args: str, cwd: str | os.PathLike[str] = "/", **popen: Any) -> subprocess.Popen:
-        """``python -m module args`` as this user (see module rules)."""
+    def popen(self, module: str, *args: str, cwd: str | os.PathLike[str] = "/", cgroup: str | None = None,
+              **popen: Any) -> subprocess.Popen:
+        """``module.main(args)`` as this user (see module rules); ``cgroup``:
+        a ``cgroup.procs`` file to join first, as the user's session."""
         groups = ",".join(str(g) for g in self.groups)
-        return subprocess.Popen([sys.executable, "-c", _AS_USER, str(self.uid), str(self.gid), groups, module, *args],
-                                cwd=cwd, **popen)
+        return subprocess.Popen([sys.executable, "-c", _AS_USER, str(ROOT), str(self.uid), str(self.gid), groups,
+                                 cgroup or "-", module, *args], cwd=cwd, **popen)
 
     def cli(self, *args: str, **popen: Any) -> subprocess.Popen:
         """``gpu-isolator ARGS`` as this user."""
