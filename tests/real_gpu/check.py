@@ -251,30 +251,31 @@ def check_serve_exec(out: str, uuids: list[str]) -> None:
     log = open(os.path.join(out, "serve.log"), "w")
     base = "/tmp/gpucheck/serve"
     server = subprocess.Popen(
-        [sys.executable, "-m", "isolators", "-v", "serve", "--listen", "127.0.0.1:5052",
+        [sys.executable, "-m", "isolators", "-v", "serve", f"--socket={base}/gpu-isolator.sock", "--listen",
+         "127.0.0.1:5052",
          "--cgroups_root=gpu-isolator-gpucheck-serve", f"--runtime_dir={base}/run", f"--work_dir={base}/work",
          f"--volume_dir={base}/volume", f"--ld_cache={LD_CACHE}", f"--dev_dir={DEV_DIR}",
          f"--device_backend={BACKEND}"],
         stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + TIMEOUT
-        status = sh([sys.executable, "-m", "isolators", "status", "--agent", "127.0.0.1:5052"])
+        status = sh([sys.executable, "-m", "isolators", "status", f"--socket={base}/gpu-isolator.sock"])
         while status.returncode != 0 and time.monotonic() < deadline and server.poll() is None:
             time.sleep(0.5)
-            status = sh([sys.executable, "-m", "isolators", "status", "--agent", "127.0.0.1:5052"])
+            status = sh([sys.executable, "-m", "isolators", "status", f"--socket={base}/gpu-isolator.sock"])
         check("serve starts and status answers", status.returncode == 0,
               {"rc": status.returncode, "stdout": status.stdout[-800:], "stderr": status.stderr[-500:]})
-        one = sh([sys.executable, "-m", "isolators", "exec", "--agent", "127.0.0.1:5052", "--gpus", "1", "--",
+        one = sh([sys.executable, "-m", "isolators", "exec", f"--socket={base}/gpu-isolator.sock", "--gpus", "1", "--",
                   "nvidia-smi", "-L"])
         check("exec --gpus 1 -- nvidia-smi -L lists exactly one GPU",
               one.returncode == 0 and len(gpu_lines(one.stdout)) == 1,
               {"rc": one.returncode, "stdout": one.stdout.strip(), "stderr": one.stderr.strip()[-500:]})
-        zero = sh([sys.executable, "-m", "isolators", "exec", "--agent", "127.0.0.1:5052", "--gpus", "0", "--",
+        zero = sh([sys.executable, "-m", "isolators", "exec", f"--socket={base}/gpu-isolator.sock", "--gpus", "0", "--",
                    "nvidia-smi", "-L"])
         check("exec --gpus 0 -- nvidia-smi -L lists none",
               zero.returncode not in (125, 126, 127) and not gpu_lines(zero.stdout),
               {"rc": zero.returncode, "stdout": zero.stdout.strip(), "stderr": zero.stderr.strip()[-500:]})
-        too_many = sh([sys.executable, "-m", "isolators", "exec", "--agent", "127.0.0.1:5052", "--gpus",
+        too_many = sh([sys.executable, "-m", "isolators", "exec", f"--socket={base}/gpu-isolator.sock", "--gpus",
                        str(len(uuids) + 1), "--", "true"])
         check("exec asking for more GPUs than the node has fails with 125",
               too_many.returncode == 125 and "only" in too_many.stderr, {"rc": too_many.returncode, "stderr": too_many.stderr.strip()[-500:]})

@@ -79,15 +79,18 @@ def hold(path: str, count: int) -> None:
         reader = FrameReader()
         try:
             send_frame(sock, "state", {"request": "s"})
+        except OSError:
+            pass  # refused and closed already: its refusal is still there to read
+        try:
             frame = recv_frame(sock, reader)
+            outcome = "closed" if frame is None else frame.body.get("error") if frame.verb == "error" else None
         except OSError as error:
-            frame = None
-            refusals.append(str(error))
-        if frame is not None and frame.verb == "state":
+            outcome = str(error)
+        if outcome is None:
             answered += 1
             held.append((sock, reader))
         else:
-            refusals.append(frame.body.get("error") if frame is not None else "closed")
+            refusals.append(outcome)
             sock.close()
     _say({"answered": answered, "refused": refusals})
     sys.stdin.read()
