@@ -222,10 +222,9 @@ class GpuIsolatorService(Process):
         if service.confine:
             service._confine_rules = [DeviceRule(r.type, r.major, r.minor, "rwm") for r in isolator.unit_rules()]
             for path in service.confine:  # before anyone is served; a cgroup that cannot be confined stops it
-                done = await service.devices.confine(path, service._confine_rules)
+                await service.devices.confine(path, service._confine_rules)
                 logger.info("Confined %s: every GPU and MIG node denied to it and below (%d rule(s))", path,
                             len(service._confine_rules))
-                del done
         spawn(service)
         return service
 
@@ -591,12 +590,13 @@ class GpuIsolatorService(Process):
             return None
         return record.uid if record.is_exec else 0
 
-    def _authorize(self, caller: Caller, name: str, owner: int | None) -> None:
+    def _authorize(self, caller: Caller, verb: str, name: str, owner: int | None) -> None:
         try:
             authorize(caller, name, owner)
         except ServiceError:
             self.refused_by_owner += 1
-            logger.warning("Container %s: %s refused to %s", name, "a request", caller.describe())
+            logger.warning("Container %s: %s refused to %s: it belongs to uid %s", name, verb, caller.describe(),
+                           owner)
             raise
 
     # -- update and usage ----------------------------------------------------------------------
@@ -605,7 +605,7 @@ class GpuIsolatorService(Process):
         try:
             cid = container_id(name)
             if name in self.records:
-                self._authorize(channel.caller, name, self._owner(name))
+                self._authorize(channel.caller, "update", name, self._owner(name))
             elif not channel.caller.privileged:
                 raise ServiceError("Unknown container")
             record = self.records.get(name)
@@ -626,7 +626,7 @@ class GpuIsolatorService(Process):
         try:
             cid = container_id(name)
             if name in self.records:
-                self._authorize(channel.caller, name, self._owner(name))
+                self._authorize(channel.caller, "usage", name, self._owner(name))
             elif not channel.caller.privileged:
                 raise ServiceError("Unknown container")
             statistics = await self.isolator.usage(cid)
@@ -645,12 +645,12 @@ class GpuIsolatorService(Process):
             waiting = [p for p in self._line.pending() if p.body.container_id == name]
             if waiting:
                 for pending in waiting:
-                    self._authorize(caller, name, pending.uid)
+                    self._authorize(caller, "cancelling a waiting request", name, pending.uid)
                 for pending in self._line.cancel(name):
                     self._answer(pending, f"Container {name}: cancelled by a cleanup while it waited for GPUs")
                 logger.info("Container %s: waiting request cancelled by %s", name, caller.describe())
             elif name in self.records:
-                self._authorize(caller, name, self._owner(name))
+                self._authorize(caller, "cleanup", name, self._owner(name))
                 record = self.records[name]
                 if record.is_exec:
                     if not record.releasing:

@@ -72,7 +72,9 @@ def native_tool(name: str) -> str:
             import pytest
 
             pytest.skip("needs gcc to build the exec probe")
-        directory = _built.setdefault("", public_dir("gpu-isolator-tools-"))
+        if "" not in _built:
+            _built[""] = public_dir("gpu-isolator-tools-")
+        directory = _built[""]
         target = os.path.join(directory, name)
         subprocess.run(["gcc", "-O1", "-o", target, str(NATIVE / f"{name}.c")], check=True, capture_output=True)
         os.chmod(target, 0o755)
