@@ -118,12 +118,12 @@ async def serve(flags: Flags, options: ServeOptions | None = None, *,
     from ._service import GpuIsolatorService, UserLimits
 
     options = options or ServeOptions()
-    _trusted_work_dir(flags.work_dir)
     credential = BearerCredential.load(options.credential) if options.credential else None
+    group = _group(options.socket_group)
+    _trusted_work_dir(flags.work_dir)  # the first thing that may make anything
     if options.listen is not None and credential is None:
         logger.warning("Listening on %s without --credential: every request there that reads or changes"
                        " containers is refused (401); /metrics stays readable", options.listen)
-    group = _group(options.socket_group)
     _raise_open_files()
     path = os.path.abspath(options.socket)
     sock = bind_socket(path, group)

@@ -247,7 +247,13 @@ def test_command_errors_are_one_line_and_non_zero(tmp_path: Path) -> None:
     bad_flags = tmp_path / "flags.toml"
     bad_flags.write_text("no_such_flag = 1\n")
     nowhere = str(tmp_path / "no-service.sock")
+    readable = tmp_path / "secret"
+    readable.write_text("s3cret\n")
+    os.chmod(readable, 0o644)
     cases = [
+        (("serve", f"--socket={nowhere}", "--listen=127.0.0.1:0", f"--credential={readable}",
+          "--device_backend=memory", f"--work_dir={tmp_path / 'work'}"), f"Credential '{readable}' has mode 0644: others may read it" if os.geteuid() == 0
+         else f"Credential '{readable}' is owned by uid {os.geteuid()}, not root"),
         (("serve", f"--socket={nowhere}", "--flags", str(tmp_path / "missing.json")), "Failed to read flags file"),
         (("serve", f"--socket={nowhere}", "--flags", str(bad_flags)), "Failed to load unknown flag 'no_such_flag'"),
         (("serve", "--listen", "nowhere", "--device_backend=memory"), "Invalid address 'nowhere'"),

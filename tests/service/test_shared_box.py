@@ -29,7 +29,8 @@ import pytest
 
 from isolators.service._host import cgroup_of
 from tests.service.conftest import SECRET
-from tests.support.kernel import KERNEL_BACKENDS, hierarchy_of, remove_test_cgroups, skip_reason, wait_gone
+from tests.support.kernel import (KERNEL_BACKENDS, attached_programs, detach_programs, hierarchy_of,
+                                  remove_test_cgroups, skip_reason, wait_gone)
 from tests.support.nodes import TEST_ROOT_PREFIX, Node
 from tests.support.probes import DENIED, GRANTED, verdict
 from tests.support.services import ServeProcess, ask, native_tool, tcp_message
@@ -138,6 +139,18 @@ def wait_until(condition: Any, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"not so within {timeout}s"
         time.sleep(0.05)
+
+
+def undo_v1_confinement(*cgroups: str) -> bool:
+    """Allow GPU 0 again on each v1 cgroup, parent first; False when the
+    service denied the parent again before the child's write (EPERM)."""
+    try:
+        for directory in cgroups:
+            with open(os.path.join(directory, "devices.allow"), "w") as allow:
+                allow.write(f"c 195:{ALL[0]} rwm")
+    except PermissionError:
+        return False
+    return True
 
 
 def finish_empty(box: Box) -> None:
@@ -383,7 +396,8 @@ def test_one_users_waiting_quota_and_idle_connections_never_lock_another_out(box
 def test_a_confined_session_opens_no_gpu_and_a_command_gains_nothing_by_ptracing_it(
         box: Box, people: People, gpu_nodes: dict[int, str]) -> None:
     """Finding 6 (R-SC-8): a process in Mallory's session -- a cgroup below
-    the --confine'd one -- gets EPERM on every GPU; his exec'd command,
+    the --confine'd one -- gets EPERM on every GPU, again after someone
+    undid the confinement (the service checks it every tick); his exec'd command,
     ptracing his exec client there, makes it open the GPUs -- EPERM too --
     and cannot ptrace its root supervisor at all."""
     service, mallory = box.service, people.mallory
@@ -396,6 +410,13 @@ def test_a_confined_session_opens_no_gpu_and_a_command_gains_nothing_by_ptracing
             procs.write(str(shell.pid))  # his login shell's session
         assert [reopen(shell, path) for path in gpus] == [DENIED] * 4
         assert reopen(shell, "/dev/null") == GRANTED  # every other device kept
+        confined = os.path.join(box.hierarchy, box.users)
+        if box.backend == "cgroups_v2":  # someone takes the confinement away ...
+            assert detach_programs(confined)
+            wait_until(lambda: len(attached_programs(confined)) == 1)  # ... and the next tick puts it back
+        else:  # v1: the confined cgroup and the session, as a root who allows the GPU again would
+            wait_until(lambda: undo_v1_confinement(confined, os.path.dirname(box.session(mallory))))
+        wait_until(lambda: reopen(shell, gpus[0]) == DENIED)  # denied again: only the service's tick did that
     finally:
         shell.kill()
         shell.wait()
