@@ -222,26 +222,35 @@ async def test_v2_in_the_worker_survives_a_restart_read_back_from_the_kernel(v2_
         await control.close()
 
 
+async def held_mid_batch(control: DeviceControl, calls_of: Any) -> tuple[Any, list]:
+    """``calls_of()``'s calls, returned once the worker waits in write(2) mid-batch:
+    the loop stops reading its results, whose pipe holds one page, so it reports
+    what fits and then applies nothing more -- a known point to kill or stop
+    it at. ``read_results(child)`` has the loop read them again."""
+    child = control._process.driver._child
+    fcntl.fcntl(child.read_fd, fcntl.F_SETPIPE_SZ, 4096)
+    asyncio.get_running_loop().remove_reader(child.read_fd)
+    calls = calls_of()
+    blocked = await anyio.to_thread.run_sync(wait_blocked_writing_a_pipe, child.pid)
+    assert blocked, "the worker never filled its result pipe"
+    return child, calls
+
+
+def read_results(child: Any) -> None:
+    asyncio.get_running_loop().add_reader(child.read_fd, child._on_readable)
+
+
 @pytest.mark.asyncio
 async def test_a_worker_killed_mid_batch_fails_only_the_operations_not_yet_reported(v1_sandbox) -> None:
     async with Runtime():
         control = await _v1_control(v1_sandbox)
         await control.exists("warm")  # the next batch is sent whole
-        child = control._process.driver._child
-        # A known point to kill it at: the loop stops reading the child's results,
-        # whose pipe holds one page, so the child reports what fits and then waits
-        # in write(2), mid-batch, applying nothing more.
-        fcntl.fcntl(child.read_fd, fcntl.F_SETPIPE_SZ, 4096)
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(child.read_fd)
         policy = container_policy([], ["c 195:0 rwm"])
         hold = control.exists("warm")  # keeps the worker busy so that the 400 go as one batch
-        calls = [control.configure(f"c{i}", *policy) for i in range(400)]
-        blocked = await anyio.to_thread.run_sync(wait_blocked_writing_a_pipe, child.pid)
-        assert blocked, "the worker never filled its result pipe"
+        child, calls = await held_mid_batch(control, lambda: [control.configure(f"c{i}", *policy) for i in range(400)])
         killed = [child.pid]
         os.kill(child.pid, signal.SIGKILL)
-        loop.add_reader(child.read_fd, child._on_readable)  # what it reported is read, then its end
+        read_results(child)  # what it reported is read, then its end
         await hold
         results = await collect([call.recover(lambda error: error) for call in calls])
         reported = [r for r in results if not isinstance(r, BaseException)]
@@ -267,12 +276,17 @@ async def test_termination_fails_what_the_worker_has_not_reported_and_the_child_
         control = await _v1_control(v1_sandbox)
         pid = control.worker_pid
         policy = container_policy([], [])
-        calls = [control.configure(f"c{i}", *policy) for i in range(200)]
-        await calls[0]
+        child, calls = await held_mid_batch(control, lambda: [control.configure(f"c{i}", *policy) for i in range(600)])
+        stop_process(pid)  # what it wrote is read, and nothing more comes meanwhile
+        read_results(child)
+        await calls[0]  # reported before the termination
+        asyncio.get_running_loop().remove_reader(child.read_fd)
+        os.kill(pid, signal.SIGCONT)  # it goes on until its pipe is full again
         await control.close()
         results = await collect([call.recover(lambda error: error) for call in calls])
         terminated = [r for r in results if isinstance(r, ProcessTerminated)]
         assert terminated and all(isinstance(r, (ProcessTerminated, Policy)) for r in results)
+        assert isinstance(results[0], Policy)  # what was reported stands
         assert "terminated before the operation completed" in str(terminated[0])
     assert wait_gone(pid)
 
