@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from typing import Any
 
 import anyio
@@ -35,21 +34,12 @@ from tests.support.containers import C, cleanup_until_removed, config, free_gpus
 from tests.support.probes import DENIED, GRANTED
 from tests.support.errors import isolator_failure
 from tests.support.nodes import judge
-from tests.support.kernel import stop_process
+from tests.support.kernel import stop_process, wait_gone
 
 
-def wait_exit(pid: int, timeout: float = 10.0) -> None:
+def wait_exit(pid: int) -> None:
     """Until ``pid`` is gone or a zombie (bounded)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"device worker {pid} did not exit")
+    assert wait_gone(pid), f"device worker {pid} did not exit"
 
 
 class StoppedWorker:
