@@ -22,16 +22,15 @@ Run: ``python -m benchmarks.dispatch [--backend asyncio|trio|both] [--n 30000]``
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import platform
 import statistics
 import sys
 import time
 from typing import Any, Awaitable, Callable
 
 from runtime import PID, Process, Runtime, dispatch, spawn, terminate, wait
+
+from .reporting import alternating, emit, options
 
 MODES = ("sequential", "concurrent")
 
@@ -178,8 +177,7 @@ async def _run_rounds(
             made = {impl: 0 for impl in impls}
             seconds = {impl: 0.0 for impl in impls}
             for chunk in range(CHUNKS):
-                order = ("runtime", "baseline") if chunk % 2 == 0 else ("baseline", "runtime")
-                for impl in order:
+                for impl in alternating(("runtime", "baseline"), chunk):
                     calls, target = impls[impl]
                     count, elapsed = await _timed(backend, calls, target, n // CHUNKS, width)
                     made[impl] += count
@@ -216,12 +214,10 @@ def format_table(results: dict[str, dict[str, dict[str, float]]], callers: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.dispatch", description=__doc__.split("\n")[0])
+    parser = options("benchmarks.dispatch", __doc__)
     parser.add_argument("--backend", choices=("asyncio", "trio", "both"), default="both")
     parser.add_argument("--n", type=int, default=30_000, help="round trips per measurement (default 30000)")
     parser.add_argument("--callers", type=int, default=100, help="concurrent callers (default 100)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported (default 3)")
-    parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
     if args.n < args.callers * CHUNKS or args.callers < 1 or args.repeat < 1:
         parser.error(
@@ -230,16 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     backends = ["asyncio", "trio"] if args.backend == "both" else [args.backend]
     results = {backend: run(backend, args.n, args.callers, args.repeat) for backend in backends}
-    if not args.json_only:
-        print(format_table(results, args.callers))
-    print(json.dumps({
-        "benchmark": "dispatch_round_trip",
-        "n": args.n,
-        "callers": args.callers,
-        "repeat": args.repeat,
-        "python": platform.python_version(),
-        "results": results,
-    }))
+    emit("dispatch_round_trip", format_table(results, args.callers), args.json_only,
+         n=args.n, callers=args.callers, repeat=args.repeat, results=results)
     return 0
 
 

@@ -24,9 +24,7 @@ Run: ``python -m benchmarks.remote [--n 2000] [--window 64] [--backend asyncio|t
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -37,6 +35,8 @@ from typing import Any, Iterator
 import anyio
 
 from runtime import PID, Process, Promise, Runtime, dispatch, spawn
+
+from .reporting import alternating, emit, options
 
 MODES = ("sequential", "pipelined")
 BODY = b"x" * 64
@@ -121,8 +121,7 @@ async def measure(n: int, window: int, repeat: int, backend: str) -> dict[str, d
             pinger = spawn(Pinger())
             for i in range(repeat):
                 for mode in MODES:
-                    order = ("ours", "compactor") if i % 2 == 0 else ("compactor", "ours")
-                    for impl in order:
+                    for impl in alternating(("ours", "compactor"), i):
                         if impl == "ours":
                             seconds = await ours(pinger, our_echo, n, windows[mode])
                         else:
@@ -143,26 +142,27 @@ async def measure(n: int, window: int, repeat: int, backend: str) -> dict[str, d
     return results
 
 
+def format_table(results: dict[str, dict[str, Any]], n: int, repeat: int, backend: str) -> str:
+    lines = [
+        f"remote round trips between two OS processes on loopback ({backend}; {n} per run, median of {repeat})",
+        f"{'mode':<22}{'ours rt/s':>12}{'compactor rt/s':>16}{'ratio':>8}",
+        "-" * 58,
+    ]
+    for mode, row in results.items():
+        label = f"{mode} (window {row['window']})"
+        lines.append(f"{label:<22}{row['ours_rps']:>12,}{row['compactor_rps']:>16,}{row['ratio']:>8.2f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.remote", description=__doc__.split("\n")[0])
+    parser = options("benchmarks.remote", __doc__)
     parser.add_argument("--n", type=int, default=2000, help="round trips per run (default 2000)")
     parser.add_argument("--window", type=int, default=64, help="pings in flight when pipelined (default 64)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported (default 3)")
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio", help="our runtime's event loop (default asyncio)")
-    parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
     results = anyio.run(measure, args.n, args.window, args.repeat, args.backend, backend=args.backend)
-    if not args.json_only:
-        print(f"remote round trips between two OS processes on loopback ({args.backend}; {args.n} per run, median of {args.repeat})")
-        print(f"{'mode':<22}{'ours rt/s':>12}{'compactor rt/s':>16}{'ratio':>8}")
-        print("-" * 58)
-        for mode, row in results.items():
-            label = f"{mode} (window {row['window']})"
-            print(f"{label:<22}{row['ours_rps']:>12,}{row['compactor_rps']:>16,}{row['ratio']:>8.2f}")
-    print(json.dumps({
-        "benchmark": "remote_round_trip", "n": args.n, "repeat": args.repeat, "backend": args.backend,
-        "python": platform.python_version(), "results": results,
-    }))
+    emit("remote_round_trip", format_table(results, args.n, args.repeat, args.backend), args.json_only,
+         n=args.n, repeat=args.repeat, backend=args.backend, results=results)
     return 0
 
 

@@ -1,0 +1,111 @@
+"""The hand-written baseline: an ``asyncio.Queue`` and one serving task per actor.
+
+Rules:
+- A message is ``(method, argument, future)``: the serving task calls
+  ``method(argument)`` and, when ``future`` is not None (a call, not a
+  tell), sets its result or its exception. ``(None, None, None)`` ends the
+  task.
+- A call: a loop future, ``put_nowait``, ``await`` the future. A tell:
+  ``put_nowait`` with no future. Stopping an actor: the end message, then
+  awaiting its task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .contender import Contender, check_told
+
+_END = (None, None, None)
+
+
+class Handler:
+    """What a queue actor does per message (the same as the other contenders' actors)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def echo(self, value: Any) -> Any:
+        return value
+
+    def tell(self, _value: Any) -> None:
+        self.seen += 1
+
+    def received(self, _value: Any = None) -> int:
+        seen, self.seen = self.seen, 0
+        return seen
+
+
+async def serve(queue: asyncio.Queue) -> None:
+    get = queue.get
+    while True:
+        method, argument, future = await get()
+        if method is None:
+            return
+        try:
+            result = method(argument)
+        except Exception as e:  # an actor outlives a failing message
+            if future is not None:
+                future.set_exception(e)
+            continue
+        if future is not None:
+            future.set_result(result)
+
+
+class QueueActor:
+    """One actor: its queue, its task and its handler."""
+
+    __slots__ = ("queue", "task", "handler")
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.task = asyncio.get_running_loop().create_task(serve(self.queue))
+        self.handler = Handler()
+
+    async def call(self, method: Any, argument: Any = None) -> Any:
+        future = asyncio.get_running_loop().create_future()
+        self.queue.put_nowait((method, argument, future))
+        return await future
+
+    async def stop(self) -> None:
+        self.queue.put_nowait(_END)
+        await self.task
+
+
+class QueueContender(Contender):
+    key = "queue"
+    label = "asyncio.Queue actor"
+
+    async def start(self) -> None:
+        self._actor = QueueActor()
+
+    async def stop(self) -> None:
+        await self._actor.stop()
+
+    async def sequential(self, n: int) -> None:
+        create_future = asyncio.get_running_loop().create_future
+        put = self._actor.queue.put_nowait
+        echo = self._actor.handler.echo
+        for i in range(n):
+            future = create_future()
+            put((echo, i, future))
+            await future
+
+    async def live(self, k: int) -> list[QueueActor]:
+        actors = [QueueActor() for _ in range(k)]
+        await asyncio.gather(*(actor.call(actor.handler.echo, 1) for actor in actors))
+        return actors
+
+    async def release(self, actors: list[QueueActor]) -> None:
+        for actor in actors:
+            actor.queue.put_nowait(_END)
+        await asyncio.gather(*(actor.task for actor in actors))
+
+    async def tells(self, m: int) -> None:
+        actor = self._actor
+        put = actor.queue.put_nowait
+        tell = actor.handler.tell
+        for i in range(m):
+            put((tell, i, None))
+        check_told(self, await actor.call(actor.handler.received), m)
