@@ -77,15 +77,17 @@ def bind_loop(loop: asyncio.AbstractEventLoop | None) -> None:
 class Future(Generic[T]):
     """The result of an asynchronous operation (see the module rules)."""
 
-    __slots__ = ("_state", "_value", "_callbacks", "_waiter", "_discard_requested", "_discard_callbacks")
+    __slots__ = ("_state", "_value", "_callbacks", "_waiter", "_discard")
 
     def __init__(self) -> None:
         self._state = PENDING
         self._value: Any = None
         self._callbacks: list | None = None
         self._waiter: Any = None  # the first asyncio awaiter's loop future
-        self._discard_requested = False
-        self._discard_callbacks: list | None = None
+        self._discard: list | bool | None = None
+        """None: no discard asked for, no producer callback; a list: the
+        producer's ``on_discard`` callbacks, no discard asked for yet; True:
+        a discard was asked for."""
 
     # -- construction ----------------------------------------------------
     @classmethod
@@ -125,7 +127,7 @@ class Future(Generic[T]):
 
     def has_discard(self) -> bool:
         """True once somebody asked to discard this Future."""
-        return self._discard_requested
+        return self._discard is True
 
     def get(self) -> T:
         """The value of a READY Future; raises the failure otherwise."""
@@ -166,7 +168,8 @@ class Future(Generic[T]):
                 waiter.set_result(value)
             else:
                 _wake(waiter, state, value)
-        self._discard_callbacks = None
+        if self._discard is not True:
+            self._discard = None  # no discard can reach the producer now
         return True
 
     # -- callbacks -------------------------------------------------------
@@ -198,21 +201,22 @@ class Future(Generic[T]):
 
     def on_discard(self, callback: Callable[[], Any]) -> "Future[T]":
         """Run ``callback()`` when a discard is requested (for producers)."""
-        if self._discard_requested:
+        discard = self._discard
+        if discard is True:
             callback()
         elif self._state is PENDING:
-            if self._discard_callbacks is None:
-                self._discard_callbacks = [callback]
+            if discard is None:
+                self._discard = [callback]
             else:
-                self._discard_callbacks.append(callback)
+                discard.append(callback)
         return self
 
     def discard(self) -> bool:
         """Request that the producer stop; True if the request was recorded."""
-        if self._state is not PENDING or self._discard_requested:
+        callbacks = self._discard
+        if self._state is not PENDING or callbacks is True:
             return False
-        self._discard_requested = True
-        callbacks, self._discard_callbacks = self._discard_callbacks, None
+        self._discard = True
         for cb in callbacks or ():
             try:
                 cb()
@@ -283,35 +287,37 @@ class Future(Generic[T]):
 
     # -- awaiting --------------------------------------------------------
     def __await__(self):
-        if self._state is PENDING and _parking[0]:
-            # A process is stepping the awaiting async method itself (asyncio,
-            # ``Runtime._step``): hand it this Future; it resumes the method
-            # through its mailbox once the Future completes.
-            yield _Park(self)
-        elif self._state is PENDING:
-            create = _create_waiter
-            if create is None:
-                loop = _get_running_loop()
-                if loop is None:  # trio
-                    return (yield from self._wait_generic().__await__())
-                create = loop.create_future
-            # asyncio: first give the loop one turn (a bare yield). A dispatch
-            # to a free process is usually done by then -- its drain was
-            # scheduled before this task -- and no loop future is needed.
-            yield
-            if self._state is PENDING:
-                # Still pending: wait on an exact loop future (asyncio's C fast
-                # path) that _complete settles with this Future's outcome.
-                waiter = create()
-                if self._waiter is None:
-                    self._waiter = waiter
-                else:  # a second awaiter
-                    self.on_any(lambda f: _wake(waiter, f._state, f._value))
-                return (yield from waiter)
-        state = self._state
-        if state is READY:
+        if self._state is PENDING:
+            if _parking[0]:
+                # A process is stepping the awaiting async method itself
+                # (asyncio, ``Runtime._step``): hand it this Future; it resumes
+                # the method through its mailbox once the Future completes.
+                yield _Park(self)
+            else:
+                create = _create_waiter
+                if create is None:
+                    loop = _get_running_loop()
+                    if loop is None:  # trio
+                        return (yield from self._wait_generic().__await__())
+                    create = loop.create_future
+                # asyncio: first give the loop one turn (a bare yield). A
+                # dispatch to a free process is usually done by then -- its
+                # drain was scheduled before this task -- and no loop future
+                # is needed.
+                yield
+                if self._state is PENDING:
+                    # Still pending: wait on an exact loop future (asyncio's C
+                    # fast path) that _complete settles with this Future's
+                    # outcome.
+                    waiter = create()
+                    if self._waiter is None:
+                        self._waiter = waiter
+                    else:  # a second awaiter
+                        self.on_any(lambda f: _wake(waiter, f._state, f._value))
+                    return (yield from waiter)
+        if self._state is READY:
             return self._value
-        if state is FAILED:
+        if self._state is FAILED:
             raise self._value
         raise Discarded("Future was discarded")
 

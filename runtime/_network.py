@@ -51,7 +51,7 @@ from ._http import Limits, Request, Response
 from ._metrics import Metrics
 from ._peers import Peer, RequestEncoder, host_header
 from ._pid import PID
-from ._process import RUNNING, Process, _exited_event, _initialize_event, wire_bytes
+from ._process import DROPPED, DROPPED_HELP, RUNNING, Process, _exited_event, _initialize_event, wire_bytes
 from ._server import ACCEPTED, ServerConnection
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class NetworkStats:
         self.not_found = metrics.counter("runtime/messages/not_found", "messages for an unknown process or message name (404)")
         self.no_sender = metrics.counter("runtime/messages/no_sender", "messages without a sender that parses (400)")
         self.sent = metrics.counter("runtime/messages/sent", "messages written to other runtimes")
-        self.dropped = metrics.counter("runtime/messages/dropped", "messages dropped: their peer could not be reached or broke")
+        self.dropped = metrics.counter(DROPPED, DROPPED_HELP)
         self.refused_by_peers = metrics.counter("runtime/messages/refused_by_peers", "messages a peer answered with 4xx/5xx")
 
 

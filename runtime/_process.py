@@ -12,7 +12,9 @@ Rules (libprocess ``process/process.hpp``):
   ``await``).
 - A method's exception fails its Future and the process keeps serving.
 - At termination, queued events fail with ``ProcessTerminated`` and async
-  methods still suspended are cancelled, their Futures failed the same way.
+  methods still suspended are cancelled, their Futures failed the same way;
+  queued named messages (which have no Future) are dropped, logged and
+  counted in the runtime's ``runtime/messages/dropped``.
 - The mailbox is a deque drained by one scheduled callback while the process
   has work (no queue object, no task per idle message). Under asyncio an
   async method's first step (up to its first suspension) runs inside the
@@ -25,10 +27,15 @@ Rules (libprocess ``process/process.hpp``):
 - Named messages: ``install(name, handler, type)`` registers a handler called
   ``handler(from_pid, body)`` for bodies decoding (msgspec) to ``type`` (a
   function of the process's class is called ``handler(process, from_pid,
-  body)``, like a dispatched method). A message is an event in the mailbox:
-  its body is decoded and its handler looked up when it is delivered. A body
-  that does not decode is logged and counted, never raised here; a handler
-  that raises is logged and counted as a failure.
+  body)``, like a dispatched method; so is a method of this very process).
+  A message is an event in the mailbox: its body is decoded and its handler
+  looked up when it is delivered. A body that does not decode is logged and
+  counted, never raised here; a handler that raises is logged and counted
+  as a failure. Every delivered message counts as an event handled.
+- A message costs one mailbox entry, ``(_message_event, name, body,
+  from)``: no Future, no argument tuple; a handler installed with no body
+  type (``Any``) is called by the drain itself (a tell: about a deque
+  append, plus one scheduled drain when the process was idle).
 - Over the network (``Runtime(listen=...)``) the same holds: a message from
   another runtime is the same mailbox event with its sender's PID, and
   ``link`` to a PID at another address gives ``exited(pid)`` when the
@@ -49,6 +56,9 @@ Rules (libprocess ``process/process.hpp``):
 - A process stays registered (its id in use, ``wait`` pending) until its
   ``finalize`` has returned, an async ``finalize`` included; linked
   processes get ``exited`` then.
+- What most processes never need costs a live one nothing until it does:
+  the set of linked processes, the routes and the Future ``wait`` returns
+  are made on first use.
 """
 
 from __future__ import annotations
@@ -76,6 +86,12 @@ RUNNING = "running"
 TERMINATING = "terminating"
 TERMINATED = "terminated"
 
+DROPPED = "runtime/messages/dropped"  # the counter of messages that reached no process
+DROPPED_HELP = "messages dropped: their process is not running, or their peer could not be reached or broke"
+
+
+_FINALIZED: Future[None] = Future.ready(None)  # ``_termination()`` of a process nobody waited for
+
 
 def _terminate_marker(process: "Process") -> None:  # identity only
     raise AssertionError("unreachable")
@@ -90,6 +106,9 @@ def _exited_event(process: "Process", pid: PID) -> Any:
 
 
 def _message_event(process: "Process", name: str, body: Any, from_: PID | None) -> Any:
+    """Deliver a named message: decode its body, call its handler. In the
+    mailbox a message is ``(_message_event, name, body, from_)``: one tuple,
+    no argument tuple, no Future (see ``Process._drain``)."""
     decoded = process._decode(name, body)
     if decoded is None:
         return None  # rejected: logged and counted
@@ -97,9 +116,13 @@ def _message_event(process: "Process", name: str, body: Any, from_: PID | None) 
     try:
         return handler(process, from_, value)
     except Exception:
-        process._failures += 1
-        logger.exception("Process %s: handler of message %r from %s raised", process._pid, name, from_)
+        _handler_raised(process, name, from_)
         return None
+
+
+def _handler_raised(process: "Process", name: str, from_: PID | None) -> None:
+    process._failures += 1
+    logger.exception("Process %s: handler of message %r from %s raised", process._pid, name, from_)
 
 
 def wire_bytes(body: Any) -> bytes:
@@ -149,18 +172,22 @@ class Process:
         self._explicit_id = id is not None
         self._mailbox: deque = deque()
         self._scheduled = False
+        self._wake: Callable[[], None] | None = None  # schedules the drain (set at spawn: ``Runtime._waker``)
         self._held = False  # an async initialize is suspended, holding the mailbox
         self._state = RUNNING
         self._runtime: "Runtime | None" = None
         self._tasks: dict[Any, tuple[Future, Any]] = {}
-        self._linkers: set[PID] = set()
         self._handlers: dict[str, tuple[Callable, type]] = {}
-        self._routes: dict[str, tuple[Callable, str]] = {}
         self._remote_check: Callable[[Any], Any] | None = None
         self._handled = 0
         self._failures = 0
         self._rejected = 0
-        self._terminated: Future[None] = Future()
+        self._terminated: Future[None] | None = None  # made when first waited for (``_termination``)
+
+    # What most processes never get, shared empty until one does (a live
+    # actor costs less memory): linked processes, HTTP routes.
+    _linkers: "set[PID] | frozenset[PID]" = frozenset()
+    _routes: "dict[str, tuple[Callable, str]] | types.MappingProxyType" = types.MappingProxyType({})
 
     # -- hooks ------------------------------------------------------------
     @property
@@ -190,7 +217,10 @@ class Process:
         if target is None:  # already gone (or never existed): exited at once
             rt._enqueue(self, _exited_event, (pid,), None, None)
             return
-        target._linkers.add(self._pid)  # notified once it has finalized
+        if type(target._linkers) is frozenset:
+            target._linkers = {self._pid}  # notified once it has finalized
+        else:
+            target._linkers.add(self._pid)
 
     def install(self, name: str, handler: Callable[..., Any], type: Any = Any) -> None:
         """Handle messages called ``name``; bodies decode to ``type``.
@@ -199,6 +229,8 @@ class Process:
         when it is a function of the process's class."""
         if is_class_function(self.__class__, handler):
             fn = handler
+        elif isinstance(handler, types.MethodType) and handler.__self__ is self:
+            fn = handler.__func__  # a method of this process: called as one, no wrapper
         else:
             def fn(_process: "Process", from_: Any, body: Any) -> Any:
                 return handler(from_, body)
@@ -216,6 +248,8 @@ class Process:
             def fn(_process: "Process", request: Any) -> Any:
                 return handler(request)
             fn.__name__ = getattr(handler, "__name__", "route")
+        if type(self._routes) is types.MappingProxyType:
+            self._routes = {}
         self._routes[path.rstrip("/") or "/"] = (fn, help)
 
     def admit(self, check: Callable[[Any], Any] | None) -> None:
@@ -228,13 +262,29 @@ class Process:
 
     def send(self, to: PID, name: str, body: Any = None) -> None:
         """Send a named message from this process."""
-        self._runtime.send(to, name, body, from_=self._pid)
+        self._runtime.send(to, name, body, self._pid)
 
     # -- the drain --------------------------------------------------------
     def _drain(self) -> None:
         mailbox = self._mailbox
         while mailbox:
             fn, args, kwargs, future = mailbox.popleft()
+            if fn is _message_event:  # (_message_event, name, body, from_): a named message
+                self._handled += 1
+                entry = self._handlers.get(args)
+                if entry is not None and entry[1] is Any:  # nothing to decode: call it here
+                    try:
+                        result = entry[0](self, future, kwargs)
+                    except Exception:
+                        _handler_raised(self, args, future)
+                        continue
+                else:
+                    result = _message_event(self, args, kwargs, future)
+                if type(result) is _CoroutineType:
+                    if self._runtime._start_async(self, result, None, hold=False):
+                        continue
+                    return
+                continue
             if fn is _terminate_marker:
                 self._terminate_now()
                 return
@@ -263,11 +313,12 @@ class Process:
                     continue  # its first step ran here (asyncio): serve the next event
                 return  # the task resumes the drain after its first step
             if future is not None:
-                if isinstance(result, Future):
-                    complete(future, result)
-                elif future._callbacks is None and future._state is PENDING:
+                if future._callbacks is None and not isinstance(result, Future):
                     # Future._complete(READY, result) inlined for the common
-                    # case: nothing registered but (maybe) one awaiting task.
+                    # case (a dispatch's Future is pending until its event
+                    # ran): nothing registered but (maybe) one awaiting task;
+                    # on_discard callbacks, if any, can no longer run and go
+                    # with the Future.
                     future._state = READY
                     future._value = result
                     waiter = future._waiter
@@ -275,9 +326,8 @@ class Process:
                         future._waiter = None
                         if not waiter.done():
                             waiter.set_result(result)
-                    future._discard_callbacks = None
                 else:
-                    future._complete(READY, result)
+                    complete(future, result)
         self._scheduled = False
 
     def _terminate_now(self) -> None:
@@ -286,12 +336,22 @@ class Process:
         self._state = TERMINATED
         self._scheduled = False
         rt = self._runtime
-        error = ProcessTerminated(f"Process {self._pid} terminated before the event ran")
+        error = None
+        dropped = 0
         while self._mailbox:
             fn, _args, _kwargs, future = self._mailbox.popleft()
-            if future is not None:
+            if fn is _message_event:  # its last slot is the sender, not a Future
+                dropped += 1
+            elif future is not None:
+                if error is None:
+                    error = ProcessTerminated(f"Process {self._pid} terminated before the event ran")
                 future._complete(FAILED, error)
-        tasks, self._tasks = self._tasks, {}
+        if dropped:
+            rt._count_dropped(dropped)
+            logger.warning("Process %s terminated: %d queued message(s) dropped", self._pid, dropped)
+        tasks = self._tasks
+        if tasks:
+            self._tasks = {}
         for handle, (future, coro) in tasks.items():
             rt._cancel_task(handle)
             if future is not None:
@@ -313,12 +373,23 @@ class Process:
         rt = self._runtime
         if rt._processes.get(self._pid) is self:
             del rt._processes[self._pid]
-        linkers, self._linkers = self._linkers, set()
-        for linker in sorted(linkers):
-            proc = rt._processes.get(linker)
-            if proc is not None and proc._state is not TERMINATED:
-                rt._enqueue(proc, _exited_event, (self._pid,), None, None)
-        self._terminated._complete(READY, None)
+        linkers = self._linkers
+        if linkers:
+            self._linkers = frozenset()
+            for linker in sorted(linkers):
+                proc = rt._processes.get(linker)
+                if proc is not None and proc._state is not TERMINATED:
+                    rt._enqueue(proc, _exited_event, (self._pid,), None, None)
+        if self._terminated is None:
+            self._terminated = _FINALIZED  # nobody waited: no Future of its own
+        else:
+            self._terminated._complete(READY, None)
+
+    def _termination(self) -> Future[None]:
+        """READY once this process has finalized (``runtime.wait``)."""
+        if self._terminated is None:
+            self._terminated = Future()
+        return self._terminated
 
     def _decode(self, name: str, body: Any) -> tuple[Callable, Any] | None:
         entry = self._handlers.get(name)

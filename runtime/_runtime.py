@@ -23,9 +23,20 @@ Rules (libprocess's process manager, scoped):
   ``pid`` (as a method when ``fn`` belongs to its class).
 - ``delay(seconds, pid, method, *args)`` dispatches when the Clock says so
   and returns a cancellable ``Timer``.
+- ``send(to, name, body)``: a message to a local running process is one
+  mailbox entry; to a process that is not running (or unknown) it is
+  dropped, logged and counted in ``runtime/messages/dropped`` (a counter
+  registered on the first drop).
 - Test filters (``runtime.testing``) see every dispatch and message as it is
   queued (a message to another runtime too); the newest matching filter
-  wins and matches once.
+  wins and matches once. With no filter set, a local dispatch or send takes
+  the short path (no filter lookup); with one set, every one is matched.
+- A process's drain is scheduled once when it gets work while idle. On
+  asyncio's own event loops (``asyncio.BaseEventLoop``) that is one
+  ``asyncio.Handle`` per process, made at spawn and appended to the loop's
+  ready queue (what ``call_soon`` does, without a new Handle and a context
+  copy each time); its events run in a context of the process's own,
+  copied from the spawner's. Elsewhere (trio, other loops) ``call_soon``.
 - ``Runtime(listen="host:port")`` puts it on the network (``_network``):
   PIDs carry ``address``; a PID without one names a local process. Without
   ``listen`` local paths pay nothing for it, and a remote PID is an error.
@@ -35,7 +46,10 @@ Rules (libprocess's process manager, scoped):
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
+from collections import deque
 from typing import Any, Callable
 
 import anyio
@@ -51,6 +65,8 @@ from ._network import Network
 from ._pid import PID
 from ._tasks import _async_failed, _Continuation, _Detached, _name, _TrioHandle, _TrioSoon
 from ._process import (
+    DROPPED,
+    DROPPED_HELP,
     RUNNING,
     TERMINATED,
     TERMINATING,
@@ -88,6 +104,7 @@ class Runtime:
         self._processes: dict[PID, Process] = {}
         self._filters: list[Any] = []
         self._call_soon: Callable[..., Any] | None = None
+        self._ready: deque | None = None  # the asyncio loop's ready queue (see ``_waker``)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._backend = ""
         self._previous: Runtime | None = None
@@ -104,6 +121,9 @@ class Runtime:
             self._backend = "asyncio"
             self._call_soon = loop.call_soon
             self._loop = loop
+            ready = getattr(loop, "_ready", None)
+            if isinstance(loop, asyncio.BaseEventLoop) and type(ready) is deque:
+                self._ready = ready
         else:
             self._loop = None
             self._backend = "trio"
@@ -137,7 +157,7 @@ class Runtime:
                 for pid in list(self._processes):
                     self.terminate(pid, inject=True)
                 for proc in list(self._processes.values()):
-                    await proc._terminated
+                    await proc._termination()
             if self._network is not None:
                 await self._network.aclose()
         finally:
@@ -173,7 +193,7 @@ class Runtime:
     def spawn(self, process: Process) -> PID:
         if process._runtime is not None:
             raise Failure(f"Process {process.pid} was already spawned")
-        pid = process.pid
+        pid = process._pid
         if self._network is not None and pid.host is None:
             pid = self._network.local(pid)
         existing = self._processes.get(pid)
@@ -181,17 +201,25 @@ class Runtime:
             raise Failure(f"A process with id {pid} is already running: give each live process a unique id")
         process._pid = pid
         process._runtime = self
+        process._wake = self._waker(process)
         self._processes[pid] = process
         process._mailbox.appendleft((_initialize_event, (), None, None))
         process._scheduled = True
-        self._call_soon(process._drain)
+        process._wake()
         return pid
+
+    def _waker(self, proc: Process) -> Callable[[], None]:
+        """What schedules ``proc``'s drain (see the module rules)."""
+        if self._ready is not None:
+            handle = asyncio.Handle(proc._drain, (), self._loop, contextvars.copy_context())
+            return functools.partial(self._ready.append, handle)
+        return functools.partial(self._call_soon, proc._drain)
 
     def _enqueue(self, proc: Process, fn: Any, args: tuple, kwargs: dict | None, future: Future | None) -> None:
         proc._mailbox.append((fn, args, kwargs, future))
         if not proc._scheduled:
             proc._scheduled = True
-            self._call_soon(proc._drain)
+            proc._wake()
 
     def dispatch(self, pid: PID, method: Callable[..., Any], args: tuple, kwargs: dict) -> Future:
         proc = self._processes.get(pid)
@@ -205,11 +233,13 @@ class Runtime:
         proc._mailbox.append((method, args, kwargs, future))
         if not proc._scheduled:
             proc._scheduled = True
-            self._call_soon(proc._drain)
+            proc._wake()
         return future
 
     def terminate(self, pid: PID, inject: bool = True) -> None:
-        proc = self._lookup(pid)
+        proc = self._processes.get(pid)
+        if proc is None:
+            proc = self._lookup(pid)
         if proc is None or proc._state is not RUNNING:
             return
         proc._state = TERMINATING
@@ -224,30 +254,48 @@ class Runtime:
             proc._mailbox.append(event)
         if not proc._scheduled:
             proc._scheduled = True
-            self._call_soon(proc._drain)
+            proc._wake()
 
     def wait(self, pid: PID) -> Future[None]:
         """READY once ``pid`` has finalized; at once when it is unknown."""
-        proc = self._lookup(pid)
+        proc = self._processes.get(pid)
         if proc is None:
-            return Future.ready(None)
-        return proc._terminated
+            proc = self._lookup(pid)
+            if proc is None:
+                return Future.ready(None)
+        return proc._termination()
 
     def send(self, to: PID, name: str, body: Any, from_: PID | None = None) -> None:
         proc = self._processes.get(to)
+        if proc is not None and proc._state is RUNNING and not self._filters:
+            # the common case, a tell to a local running process: one mailbox
+            # entry (decoded on delivery, in the mailbox's order: handlers
+            # installed by initialize() see messages sent right after spawn)
+            proc._mailbox.append((_message_event, name, body, from_))
+            if not proc._scheduled:
+                proc._scheduled = True
+                proc._wake()
+            return
         if proc is None:
             if self._remote(to, "send to"):
                 self._network.send(to, name, body, from_)
                 return
             proc = self._lookup(to)
         if proc is None or proc._state is not RUNNING:
+            self._count_dropped(1)
             logger.warning("Message %r to %s dropped: process is not running", name, to)
             return
         if self._filters and self._filter_message(to, name, body, from_):
             return
-        # decoded on delivery, in the mailbox's order: handlers installed by
-        # initialize() see messages sent right after spawn
-        self._enqueue(proc, _message_event, (name, body, from_), None, None)
+        proc._mailbox.append((_message_event, name, body, from_))
+        if not proc._scheduled:
+            proc._scheduled = True
+            proc._wake()
+
+    def _count_dropped(self, n: int) -> None:
+        """``n`` messages dropped (their process is not running): counted in
+        ``runtime/messages/dropped`` (registered on the first drop)."""
+        self.metrics.counter(DROPPED, DROPPED_HELP).inc(n)
 
     def _lookup(self, pid: PID) -> Process | None:
         """The local process ``pid`` names (with or without our address)."""
@@ -302,7 +350,7 @@ class Runtime:
                 complete(future, stop.value)
             return
         except (KeyboardInterrupt, SystemExit):
-            self._call_soon(proc._drain)  # the rest of the mailbox still runs
+            proc._wake()  # the rest of the mailbox still runs
             raise
         except BaseException as e:  # noqa: BLE001 - every Future completes
             _async_failed(proc, coro, future, e)
@@ -321,7 +369,7 @@ class Runtime:
             coro.close()
             return
         if not hold:
-            self._call_soon(proc._drain)
+            proc._wake()
         key = handle if handle is not None else asyncio.current_task()
         try:
             if handle is None:
@@ -363,7 +411,7 @@ class Runtime:
         if hold:
             proc._held = False
             if proc._state is not TERMINATED:
-                self._call_soon(proc._drain)
+                proc._wake()
 
     def _cancel_task(self, handle: Any) -> None:
         if type(handle) is _CoroutineType:  # parked by ``_step``: cancel it now
@@ -466,6 +514,15 @@ def dispatch(pid: PID, method: Callable[..., Any], *args: Any, **kwargs: Any) ->
     rt = _current
     if rt is None:
         return Future.failed(ProcessTerminated(f"No runtime is running; cannot dispatch {_name(method)} to {pid}"))
+    proc = rt._processes.get(pid)
+    if proc is not None and proc._state is RUNNING and not rt._filters:
+        # Runtime.dispatch's common case, here without a second call
+        future = Future()
+        proc._mailbox.append((method, args, kwargs, future))
+        if not proc._scheduled:
+            proc._scheduled = True
+            proc._wake()
+        return future
     return rt.dispatch(pid, method, args, kwargs)
 
 
@@ -484,7 +541,10 @@ def wait(pid: PID) -> Future[None]:
 
 def send(to: PID, name: str, body: Any = None, from_: PID | None = None) -> None:
     """Deliver the named message ``name`` with ``body`` to ``to``."""
-    current_runtime().send(to, name, body, from_)
+    rt = _current
+    if rt is None:
+        current_runtime()  # raises: no runtime is running
+    rt.send(to, name, body, from_)
 
 
 def defer(pid: PID, fn: Callable[..., Any]) -> Callable[..., Future]:
