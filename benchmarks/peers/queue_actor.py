@@ -5,9 +5,12 @@ Rules:
   ``method(argument)`` and, when ``future`` is not None (a call, not a
   tell), sets its result or its exception. ``(None, None, None)`` ends the
   task.
-- A call: a loop future, ``put_nowait``, ``await`` the future. A tell:
-  ``put_nowait`` with no future. Stopping an actor: the end message, then
-  awaiting its task.
+- The actor's API is the leanest one it can have, the same shape as the
+  runtime's: ``call(method, argument)`` puts the message with a fresh loop
+  future and returns that future (as ``dispatch`` returns a Future), the
+  caller awaits it; ``tell(method, argument)`` puts it without one (as
+  ``send`` does). Each side pays one plain call per message for its API,
+  nothing more. Stopping an actor: the end message, then awaiting its task.
 """
 
 from __future__ import annotations
@@ -56,20 +59,26 @@ async def serve(queue: asyncio.Queue) -> None:
 class QueueActor:
     """One actor: its queue, its task and its handler."""
 
-    __slots__ = ("queue", "task", "handler")
+    __slots__ = ("queue", "task", "handler", "_put", "_create_future")
 
     def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.task = asyncio.get_running_loop().create_task(serve(self.queue))
+        self.task = loop.create_task(serve(self.queue))
         self.handler = Handler()
+        self._put = self.queue.put_nowait
+        self._create_future = loop.create_future
 
-    async def call(self, method: Any, argument: Any = None) -> Any:
-        future = asyncio.get_running_loop().create_future()
-        self.queue.put_nowait((method, argument, future))
-        return await future
+    def call(self, method: Any, argument: Any = None) -> asyncio.Future:
+        future = self._create_future()
+        self._put((method, argument, future))
+        return future
+
+    def tell(self, method: Any, argument: Any = None) -> None:
+        self._put((method, argument, None))
 
     async def stop(self) -> None:
-        self.queue.put_nowait(_END)
+        self._put(_END)
         await self.task
 
 
@@ -84,13 +93,10 @@ class QueueContender(Contender):
         await self._actor.stop()
 
     async def sequential(self, n: int) -> None:
-        create_future = asyncio.get_running_loop().create_future
-        put = self._actor.queue.put_nowait
+        call = self._actor.call
         echo = self._actor.handler.echo
         for i in range(n):
-            future = create_future()
-            put((echo, i, future))
-            await future
+            await call(echo, i)
 
     async def live(self, k: int) -> list[QueueActor]:
         actors = [QueueActor() for _ in range(k)]
@@ -104,8 +110,8 @@ class QueueContender(Contender):
 
     async def tells(self, m: int) -> None:
         actor = self._actor
-        put = actor.queue.put_nowait
-        tell = actor.handler.tell
+        tell = actor.tell
+        method = actor.handler.tell
         for i in range(m):
-            put((tell, i, None))
+            tell(method, i)
         check_told(self, await actor.call(actor.handler.received), m)
