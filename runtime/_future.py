@@ -294,12 +294,8 @@ class Future(Generic[T]):
                 # the method through its mailbox once the Future completes.
                 yield _Park(self)
             else:
-                create = _create_waiter
-                if create is None:
-                    loop = _get_running_loop()
-                    if loop is None:  # trio
-                        return (yield from self._wait_generic().__await__())
-                    create = loop.create_future
+                if _create_waiter is None and _get_running_loop() is None:  # trio
+                    return (yield from self._wait_generic().__await__())
                 # asyncio: first give the loop one turn (a bare yield). A
                 # dispatch to a free process is usually done by then -- its
                 # drain was scheduled before this task -- and no loop future
@@ -309,7 +305,8 @@ class Future(Generic[T]):
                     # Still pending: wait on an exact loop future (asyncio's C
                     # fast path) that _complete settles with this Future's
                     # outcome.
-                    waiter = create()
+                    create = _create_waiter
+                    waiter = create() if create is not None else _get_running_loop().create_future()
                     if self._waiter is None:
                         self._waiter = waiter
                     else:  # a second awaiter
