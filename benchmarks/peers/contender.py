@@ -15,6 +15,8 @@ Rules:
   awaited (``release``). ``tells(m)``: ``m`` fire-and-forget messages to
   one actor, then one call to ``received`` to sync; a count other than
   ``m`` is an error (``check_told``), never a figure.
+- A contender that has ``live`` gets a peak-RSS-per-live-actor figure
+  (``memory``), whether or not it runs the fan-out.
 - ``missing()`` says why a contender cannot run here (a module not
   installed) or None; ``version()`` is its distribution's version.
 - ``bar``: whether its ratios are held to the issue's bars (a reported-only
@@ -82,6 +84,10 @@ class Contender:
     async def release(self, actors: Any) -> None:
         """Stop the actors ``live`` gave and wait until they are gone."""
         raise NotImplementedError
+
+    def spawns_actors(self) -> bool:
+        """Whether it has ``live`` (and so a memory figure per live actor)."""
+        return type(self).live is not Contender.live
 
     async def fan_out(self, k: int) -> None:
         await self.release(await self.live(k))

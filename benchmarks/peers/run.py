@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     memory: dict[str, Any] = {}
     if args.memory_actors:
         for c in contenders:
-            if "fan_out" in c.workloads:
+            if c.spawns_actors():
                 figure, why = rss_per_actor(c.key, args.memory_actors)
                 memory[c.key] = figure if figure is not None else why
     bar_rows = bars(summary, contenders)
