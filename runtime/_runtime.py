@@ -32,11 +32,12 @@ Rules (libprocess's process manager, scoped):
   wins and matches once. With no filter set, a local dispatch or send takes
   the short path (no filter lookup); with one set, every one is matched.
 - A process's drain is scheduled once when it gets work while idle. On
-  asyncio's own event loops (``asyncio.BaseEventLoop``) that is one
-  ``asyncio.Handle`` per process, made at spawn and appended to the loop's
-  ready queue (what ``call_soon`` does, without a new Handle and a context
-  copy each time); its events run in a context of the process's own,
-  copied from the spawner's. Elsewhere (trio, other loops) ``call_soon``.
+  asyncio's own event loops (``asyncio.BaseEventLoop``, not in debug mode)
+  that is one ``asyncio.Handle`` per process, made at spawn and appended
+  to the loop's ready queue (what ``call_soon`` does, without a new Handle
+  and a context copy each time); its events run in a context of the
+  process's own, copied from the spawner's. Elsewhere (trio, other loops,
+  asyncio's debug mode) ``call_soon``.
 - ``Runtime(listen="host:port")`` puts it on the network (``_network``):
   PIDs carry ``address``; a PID without one names a local process. Without
   ``listen`` local paths pay nothing for it, and a remote PID is an error.
@@ -122,8 +123,8 @@ class Runtime:
             self._call_soon = loop.call_soon
             self._loop = loop
             ready = getattr(loop, "_ready", None)
-            if isinstance(loop, asyncio.BaseEventLoop) and type(ready) is deque:
-                self._ready = ready
+            if isinstance(loop, asyncio.BaseEventLoop) and type(ready) is deque and not loop.get_debug():
+                self._ready = ready  # (in debug mode call_soon's checks stay)
         else:
             self._loop = None
             self._backend = "trio"
