@@ -22,7 +22,7 @@ from .memory import rss_per_actor
 from .report import format_table
 
 DEFAULT = Counts(n=20_000, width=100, actors=1_000, tells=50_000, rounds=5)
-QUICK = Counts(n=5_000, width=100, actors=1_000, tells=20_000, rounds=3)
+QUICK = Counts(n=10_000, width=100, actors=1_000, tells=20_000, rounds=3)
 
 
 async def _run(contenders: list[Contender], counts: Counts, missing: dict[str, str]) -> dict[str, Any]:
