@@ -13,13 +13,8 @@ Rules (Mesos ``NvidiaGpuIsolatorProcess::_update``, R-IS-3/4):
   their parent's rule and their capability nodes. Pure; the same ``Policy``
   comes back for the same GPU set (churn repeats a few), at most 256 sets
   are kept.
-- ``ContainerRecord``: the isolator's record of one top-level container.
-  ``withheld``: GPUs allocated for it beyond its grant whose kernel state is
-  unknown (a device-control call failed with its effects unknown); they
-  stay out of the free pool until the kernel is read back or made to match.
-- ``LingeringCgroup``: a cgroup the isolator has no record of any more but
-  could not remove (processes inside, or the removal failed), with the GPUs
-  still withheld for it (empty once the kernel denies them) and why.
+- ``ContainerRecord``: the isolator's record of one top-level container
+  (its units, and why they are not free, are in the ``GpuLedger``).
 """
 
 from __future__ import annotations
@@ -88,38 +83,15 @@ class Policies:
 
 
 class ContainerRecord:
-    """What the isolator knows of one top-level container: its cgroup, the GPUs
-    it holds, whether its device state was unknown at recovery, who watches it."""
+    """What the isolator knows of one top-level container besides its units
+    (those are in the ``GpuLedger``): its cgroup, who watches it."""
 
-    __slots__ = ("container_id", "cgroup", "allocated", "withheld", "unknown_state", "watchers", "health",
-                 "reaches_any")
+    __slots__ = ("container_id", "cgroup", "watchers", "health")
 
     def __init__(self, container_id: ContainerID, cgroup: str) -> None:
         self.container_id = container_id
         self.cgroup = cgroup
-        self.allocated: set[Gpu] = set()
-        self.withheld: set[Gpu] = set()
-        self.unknown_state = False
         self.watchers: list[Promise] = []
         """Promises of ContainerLimitation handed out by ``watch``."""
         self.health: Future | None = None
-        """The allocator's watch of ``allocated`` while there are watchers."""
-        self.reaches_any = False
-        """Its drift could not be repaired: it may reach any GPU, so every GPU
-        released meanwhile is withheld for it too, until a reconcile repairs it."""
-
-
-class LingeringCgroup:
-    """A cgroup left behind (see the module rules)."""
-
-    __slots__ = ("withheld", "reason", "may_grant_any")
-
-    def __init__(self, withheld: set[Gpu], reason: str, may_grant_any: bool = False) -> None:
-        self.withheld = withheld
-        """GPUs still allocated because the cgroup may grant them."""
-        self.reason = reason
-        """Why it is still there, for errors and logs."""
-        self.may_grant_any = may_grant_any
-        """Its device state is unknown (a configure of it failed part-way: v1
-        then inherits its parent's allow-all, v2 has no program): while it
-        cannot be removed or denied, every free GPU is withheld for it."""
+        """The allocator's watch of its units while there are watchers."""

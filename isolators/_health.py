@@ -39,6 +39,7 @@ class HealthWatch:
     allocator: Any
     catalog: Any
     _in_order: Any
+    _units_of: Any
 
     def watch(self, container_id: ContainerID) -> Any:
         """R-IS-9: a Future of a ContainerLimitation, raised when one of the
@@ -80,7 +81,7 @@ class HealthWatch:
             old.discard()
         if not info.watchers:
             return
-        health = self.allocator.watch(set(info.allocated))
+        health = self.allocator.watch(set(self._units_of(info.container_id)))
         info.health = health
         health.on_ready(defer(self.pid, lambda event: self._unhealthy(info, health, event)))
 

@@ -9,8 +9,9 @@ Rules:
   taken, nothing on the hot path. ``isolator/containers``: top-level
   containers with a record; ``isolator/containers_lingering``: cgroups a
   cleanup or a failed prepare had to leave (processes inside);
-  ``isolator/gpus_quarantined``: GPUs held back for containers whose device
-  state was unknown at recovery.
+  ``isolator/gpus_quarantined``: GPUs held back while a cgroup may reach
+  any GPU (its device state unknown at recovery, a failed prepare's cgroup,
+  drift that could not be repaired).
 - Each measured verb (``measured``: prepare, update, cleanup, and reconcile
   of one container) counts every run that reached its body
   (``isolator/<verb>s``) and the runs that failed
@@ -97,8 +98,9 @@ class IsolatorMetrics:
         published.gauge("isolator/containers", lambda: len(process.infos), "top-level containers with a record")
         published.gauge("isolator/containers_lingering", lambda: len(process._lingering),
                         "cgroups left behind with processes inside (cleaned up, or a failed prepare)")
-        published.gauge("isolator/gpus_quarantined", lambda: len(process._quarantine),
-                        "GPUs held back for containers of unknown device state at recovery")
+        published.gauge("isolator/gpus_quarantined", lambda: len(process.ledger.held_back()),
+                        "GPUs held back while a cgroup may reach any GPU (unknown device state at recovery,"
+                        " a failed prepare's cgroup, drift that could not be repaired)")
         self._bind(published)
 
     def close(self) -> None:

@@ -12,6 +12,9 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
 - Calls for one container apply in arrival order, calls for different
   containers concurrently, every call after a recovery issued before it
   (``_ordering``); every failure leaves as an ``IsolatorError``.
+- Every unit taken from the allocator is in the ledger (``_ledger``) with
+  the reason it is not free, and goes back only through it (``_give_back``):
+  never while a cgroup may reach it.
 - ``prepare``: nested DEBUG -> None; nested -> launch info only; a known id ->
   "Container has already been prepared"; else allocate, then ONE device
   ``configure`` of the whole policy (deny all; standard set, control devices,
@@ -19,17 +22,18 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
   done: the cgroup is removed, then the GPUs go back and no record stays
   (if processes of an earlier container hold it, it is stripped of every
   GPU and lingers; if it cannot be removed, it lingers WITH the GPUs --
-  and every free GPU too when its configure itself failed, since it may
-  then grant any -- never allocated without a record, until a cleanup,
-  prepare or reconcile removes it).
+  and when its configure itself failed it may reach any GPU, so every free
+  one is held back from that moment on -- until a cleanup, prepare or
+  reconcile removes it).
 - Every entry point re-validates the container id (``check_container_id``)
   before anything else: a bad or forged id fails with InvalidContainerID and
   no path is ever built from it.
-- ``update`` grows by allocating and allowing; shrinks by writing the policy
-  of the GPUs it keeps (exactly what a fresh prepare would write, so the
-  surplus is denied and reconcile sees no drift) and then releasing the
-  highest minors first. A failed update changes nothing; the extra GPUs of
-  a failed grow go back only once the kernel is known not to grant them.
+- ``update`` has one algorithm for GPUs and MIG devices (``UnitCatalog``):
+  per resource, take the extra units (all or nothing) and pick the surplus,
+  highest first; write the whole policy of what is kept (exactly what a
+  fresh prepare would write, so reconcile sees no drift); then the surplus
+  goes back. A failed update changes nothing; the extra units of a failed
+  one go back only once the kernel is known not to grant them.
 - ``cleanup`` is idempotent (of an unknown id: nothing to do, unless a
   cgroup of that name exists under the root -- someone else made it --
   which is removed, or denied every GPU while processes keep it): the
@@ -43,8 +47,10 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
   (``_recovery.plan_recovery``) and carries the plan out: one reclaim, the
   records, then every recovered cgroup whose state is known is reconciled
   to its recovered policy (the kernel may lag the record after a crash),
-  repairs reported. Containers of unknown device state share one
-  quarantine and can only be cleaned up.
+  repairs reported. Containers of unknown device state may reach any
+  GPU: every free one is held back for them (the quarantine, shown as
+  theirs), and so is every one released until the last of them is
+  cleaned up; they can only be cleaned up.
 - ``usage`` (R-IS-5, ``_usage``): NVML readings per unit held.
 - ``watch`` (R-IS-9, ``_health``) follows the GPUs the container holds now
   (re-armed at every update); its Futures are discarded at cleanup.
@@ -66,7 +72,6 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
   (``gpus``, ``mig-<profile>``), taken all or nothing, granted by the MIG
   device's parent node and its two capability nodes, released highest
   first per resource, recognised at recovery from the kernel's state.
-  Without MIG devices the whole-GPU paths run unchanged.
 - Every log line names the container id.
 """
 
@@ -86,7 +91,8 @@ from ._components import NvidiaComponents
 from ._container_specs import ContainerSpecs
 from ._errors import IsolatorError, as_isolator_error
 from ._health import HealthWatch
-from ._grant import ContainerRecord, LingeringCgroup, Policies, gpu_rules, requested_gpus
+from ._grant import ContainerRecord, Policies
+from ._ledger import GpuLedger, Reach
 from ._units import UnitCatalog
 from ._launch import build_launch_info, remove_devices_dir, runtime_path
 from ._metrics import IsolatorMetrics, measured
@@ -136,11 +142,11 @@ class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, Kerne
                                     components.volume, self._executor, self.catalog.caps if self._mig else None)
         """The containers' transient CDI specs (R-CD-1; nothing written without ``cdi_spec_dir``)."""
         self.recovery_report: list[str] = []
-        self._quarantine: set[Gpu] = set()
-        """GPUs held back for every container whose device state was unknown at recovery."""
-        self._lingering: dict[ContainerID, LingeringCgroup] = {}
+        self.ledger = GpuLedger()
+        """Every unit taken from the allocator, and why it is not free (``_ledger``)."""
+        self._lingering: dict[ContainerID, str] = {}
         """Ids whose cgroup could not be removed (processes inside, a failed or
-        unknown removal), with the GPUs still withheld for it."""
+        unknown removal), and why; what it may still reach is in the ledger."""
         self._device_dirs: set[ContainerID] = set()
         """Ids (nested too) whose device nodes a prepare copied."""
         self.reconcile_runs = 0
@@ -221,33 +227,24 @@ class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, Kerne
     async def _prepare(self, container_id: ContainerID, config: ContainerConfig) -> ContainerLaunchInfo | None:
         if container_id in self.infos:
             raise IsolatorError("Container has already been prepared")
-        if self._mig:
-            demand = self.catalog.demand(config.resources)
-            requested = sum(demand.values())
-        else:
-            requested = requested_gpus(config.resources)
+        demand = self.catalog.demand(config.resources)
         if container_id in self._lingering:
             await self._refuse_while_lingering(container_id)
         if container_id in self.infos:  # re-check after the await
             raise IsolatorError("Container has already been prepared")
         info = ContainerRecord(container_id, container_id.value if container_id.parent is None else container_id.path())
         self.infos[container_id] = info
-        touched = False  # whether the kernel was asked for anything
-        configured = False  # whether it answered: the cgroup grants exactly ``gpus``
+        touched = False  # whether units were taken and the kernel asked for anything
+        configured = False  # whether it answered: the cgroup grants exactly ``units``
         try:
-            if not requested:
-                gpus: set[Gpu] = set()
-            elif self._mig:
-                gpus = set(await self.allocator.allocate_resources(demand))
-            else:
-                gpus = set(await self.allocator.allocate(requested))
-            info.allocated = gpus
+            units: set = set(await self.allocator.allocate_resources(demand)) if any(demand.values()) else set()
+            self.ledger.hold(container_id, units)
             touched = True
-            await self.devices.configure(info.cgroup, self.policies.of(gpus))
+            await self.devices.configure(info.cgroup, self.policies.of(units))
             configured = True
             launch = await self._launch_info(container_id, config) if config.rootfs is not None else None
             if launch is not None or self.specs.enabled:
-                launch = await self.specs.attach(container_id, info.allocated, config, launch)
+                launch = await self.specs.attach(container_id, units, config, launch)
         except BaseException as e:
             if container_id in self._device_dirs:
                 await self._remove_device_copies(container_id)
@@ -255,25 +252,24 @@ class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, Kerne
             logger.warning("Container %s: prepare failed and was undone: %s", container_id, e)
             raise
         if logger.isEnabledFor(logging.INFO):
-            logger.info("Container %s: prepared with GPUs %s", container_id, minors(info.allocated))
+            logger.info("Container %s: prepared with GPUs %s", container_id, minors(units))
         return launch
 
     async def _undo_prepare(self, info: ContainerRecord, touched: bool, configured: bool = False) -> None:
-        """Forget the record and give its GPUs back -- once the kernel says no
-        cgroup of it grants them: a configure that failed may have applied
-        anything (its effects are unknown when the device worker died), so
-        the cgroup is removed first; while it cannot be, it lingers with the
-        GPUs (and, if its configure failed, every free GPU: it may grant any),
-        for a later cleanup or reconcile to finish."""
+        """Forget the record; its units go back once the kernel says no cgroup
+        of it grants them: a configure that failed may have applied anything
+        (its effects are unknown when the device worker died), so its cgroup
+        may reach any unit until it is removed; while it cannot be, it lingers
+        with its units, for a later cleanup or reconcile to finish."""
         cid = info.container_id
         if self.infos.get(cid) is info:
             del self.infos[cid]
-        gpus, info.allocated, info.withheld = info.allocated | info.withheld, set(), set()
+        if not touched:  # nothing taken, the kernel never asked: nothing there to undo
+            return
         try:
-            if not touched:  # the kernel was never asked: nothing there to undo
-                await self._give_back(gpus)
-                return
-            self._lingering[cid] = LingeringCgroup(gpus, "its prepare failed", may_grant_any=not configured)
+            if not configured:
+                await self._reaches_any(cid, Reach.FAILED_PREPARE)
+            self._lingering[cid] = "its prepare failed"
             await self._settle_lingering(cid)
         except Exception as error:  # keep the original error; what stayed is recorded and logged
             logger.error("Container %s: undoing a failed prepare did not finish: %s", cid, error)
@@ -286,8 +282,7 @@ class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, Kerne
                 return
         except Exception:
             pass
-        lingering = self._lingering.get(container_id)
-        reason = lingering.reason if lingering is not None else "it is still there"
+        reason = self._lingering.get(container_id, "it is still there")
         raise IsolatorError(
             f"Container {container_id}: the cgroup '{container_id.path()}' of an earlier container with"
             f" this id {reason}; it cannot be prepared again until it is gone"
@@ -304,127 +299,85 @@ class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, Kerne
     async def _nested_launch_info(self, container_id: ContainerID, config: ContainerConfig) -> ContainerLaunchInfo | None:
         """A nested container's launch info: it shares its top-level container's grant (R-CD-1)."""
         launch = await self._launch_info(container_id, config)
-        root = self.infos.get(container_id.root())
-        if root is None or root.unknown_state:
+        root = container_id.root()
+        if root not in self.infos or self.ledger.reach(root) is Reach.UNKNOWN_STATE:
             return launch
-        return self.specs.attach_nested(container_id, launch, root.allocated)
+        return self.specs.attach_nested(container_id, launch, self.ledger.held(root))
 
     # -- update ---------------------------------------------------------------
     def update(self, container_id: ContainerID, resources: Resources, limits: dict | None = None) -> Any:
         check_container_id(container_id)
         if container_id.has_parent():
             raise IsolatorError("Not supported for nested containers")
-        info = self.infos.get(container_id)
-        if (info is not None and not self._in_flight(container_id) and self._crashed is None
-                and self._recovering is None and not info.unknown_state and self._fits(info, resources)):
+        if (container_id in self.infos and not self._in_flight(container_id) and self._crashed is None
+                and self._recovering is None and self.ledger.reach(container_id) is not Reach.UNKNOWN_STATE
+                and self.catalog.fits(self.ledger.held(container_id), resources)):
             self._metrics.update.runs.inc()
             return None  # nothing to change, and no earlier call on it in flight: done now
         return self._in_order(container_id, self._update, container_id, resources)
 
-    def _fits(self, info: ContainerRecord, resources: Resources) -> bool:
-        """Whether ``info`` holds exactly what ``resources`` ask for."""
-        if not self._mig:
-            return requested_gpus(resources) == len(info.allocated)
-        demand = {name: count for name, count in self.catalog.demand(resources).items() if count}
-        return demand == self.catalog.held(info.allocated)
-
     @measured("update")
     async def _update(self, container_id: ContainerID, resources: Resources) -> None:
+        """Per resource, take the extra units (all or nothing) and give back the
+        surplus, highest first: ONE ``configure`` of the whole policy of what
+        is kept (exactly what a fresh prepare would write, so reconcile sees no
+        drift), the CDI spec rewritten, then the surplus goes back. A failed
+        update changes nothing; the extra units of a failed one go back only
+        once the kernel is known not to grant them."""
         info = self.infos.get(container_id)
         if info is None:
             raise IsolatorError("Unknown container")
-        if self._mig:
-            return await self._update_units(info, self.catalog.demand(resources))
-        requested = requested_gpus(resources)
-        if info.unknown_state:
+        demand = self.catalog.demand(resources)
+        if self.ledger.reach(container_id) is Reach.UNKNOWN_STATE:
             raise IsolatorError(
                 f"Container {container_id}: its device state was unknown at recovery (GPUs"
-                f" {minors(info.allocated)} are held back for it); it can only be cleaned up"
+                f" {minors(self.ledger.held_back())} are held back for it); it can only be cleaned up"
             )
-        held = len(info.allocated)
-        if requested > held:
-            extra = set(await self.allocator.allocate(requested - held))
-            try:
-                await self.devices.reconfigure(info.cgroup, gpu_rules(extra), [])
-            except BaseException:
-                # Never released on a guess: the grant may be in the kernel
-                # (a device worker that died mid-batch); they are held back
-                # until the kernel is made to match the record, or read back.
-                info.withheld |= extra
-                await self._settle_withheld(info)
-                raise
-            await self._respec(info, info.allocated | extra, extra)
-            info.allocated = info.allocated | extra
-            self._arm(info)
-            logger.info("Container %s: granted GPUs %s (now %s)", container_id, minors(extra), minors(info.allocated))
-        elif requested < held:
-            surplus = set(sorted(info.allocated, reverse=True)[: held - requested])
-            keep = info.allocated - surplus
-            # The whole policy of the GPUs kept, not a bare deny: the model would
-            # then also deny mknod of the surplus, which a fresh prepare allows
-            # (c *:* m), and reconcile/recovery would see that as drift.
-            await self.devices.configure(info.cgroup, self.policies.of(keep))
-            await self._respec(info, keep)
-            info.allocated = keep
-            self._arm(info)
-            await self._give_back(surplus)
-            logger.info("Container %s: released GPUs %s, highest minors first (now %s)",
-                        container_id, minors(surplus), minors(info.allocated))
-
-    async def _respec(self, info: ContainerRecord, gpus: set[Gpu], extra: set[Gpu] | None = None) -> None:
-        """After an update's kernel change, rewrite the container's CDI spec
-        (before any GPU is released: no stale spec names a freed GPU). If it
-        cannot be written, the kernel goes back to the GPUs held before and
-        the ``extra`` ones go back to the pool: the update changes nothing.
-        If the kernel cannot be put back, the ``extra`` GPUs stay withheld
-        until it is (reconcile) or it is read back."""
-        try:
-            await self.specs.write(info.container_id, gpus)
-        except IsolatorError:
-            try:
-                await self.devices.configure(info.cgroup, self.policies.of(info.allocated))
-            except Exception as e:  # the cgroup may still grant them: keep them held
-                logger.error("Container %s: failed to restore its device rules after a failed CDI spec write: %s",
-                             info.container_id, e)
-                info.withheld |= extra or set()
-                await self._settle_withheld(info)
-                raise
-            await self._give_back(extra or set())
-            raise
-
-    async def _update_units(self, info: ContainerRecord, demand: dict[str, int]) -> None:
-        """``update`` on a MIG node: per resource, take the extra units (all or
-        nothing) and give back the surplus, highest first; ONE ``configure`` of
-        the whole policy of what is kept, the CDI spec rewritten, then the
-        surplus goes back."""
-        container_id = info.container_id
-        if info.unknown_state:
-            raise IsolatorError(
-                f"Container {container_id}: its device state was unknown at recovery (GPUs"
-                f" {minors(info.allocated)} are held back for it); it can only be cleaned up"
-            )
-        held = self.catalog.held(info.allocated)
-        wanted = {name: count - held.get(name, 0) for name, count in demand.items() if count > held.get(name, 0)}
-        surplus = self.catalog.surplus(info.allocated, demand)
+        held = self.ledger.held(container_id)
+        counts = self.catalog.held(held)
+        wanted = {name: count - counts.get(name, 0) for name, count in demand.items() if count > counts.get(name, 0)}
+        surplus = self.catalog.surplus(held, demand)
         if not wanted and not surplus:
             return
         extra: set = set(await self.allocator.allocate_resources(wanted)) if wanted else set()
-        keep = (info.allocated - surplus) | extra
+        self.ledger.withhold(container_id, extra)  # its grant is under way: the kernel may have it from now on
+        keep = (held - surplus) | extra
         try:
             await self.devices.configure(info.cgroup, self.policies.of(keep))
         except BaseException:
-            # As for GPUs: never released on a guess (the grant may be in the
-            # kernel); held back until the kernel matches the record again.
-            info.withheld |= extra
+            # Never released on a guess: the grant may be in the kernel (a
+            # device worker that died mid-batch); held back until the kernel
+            # is made to match the record, or read back.
             await self._settle_withheld(info)
             raise
-        await self._respec(info, keep, extra)
-        info.allocated = keep
+        await self._respec(info, keep)
+        await self._give_back(self.ledger.enforced(container_id, keep))
         self._arm(info)
-        await self._give_back(surplus)
         if logger.isEnabledFor(logging.INFO):
-            logger.info("Container %s: granted %s, released %s, highest first (now %s)", container_id,
-                        minors(extra), minors(surplus), minors(info.allocated))
+            changes = ([f"granted GPUs {minors(extra)}"] if extra else []) + (
+                [f"released GPUs {minors(surplus)}, highest minors first"] if surplus else [])
+            logger.info("Container %s: %s (now %s)", container_id, "; ".join(changes), minors(keep))
+
+    async def _respec(self, info: ContainerRecord, units: set) -> None:
+        """After an update's kernel change, rewrite the container's CDI spec
+        (before any unit is released: no stale spec names a freed GPU). If it
+        cannot be written, the kernel goes back to the units held before and
+        the extra ones go back to the pool: the update changes nothing. If the
+        kernel cannot be put back, the extra units stay withheld until it is
+        (reconcile) or it is read back."""
+        try:
+            await self.specs.write(info.container_id, units)
+        except IsolatorError:
+            held = self.ledger.held(info.container_id)
+            try:
+                await self.devices.configure(info.cgroup, self.policies.of(held))
+            except Exception as e:  # the cgroup may still grant them: keep them withheld
+                logger.error("Container %s: failed to restore its device rules after a failed CDI spec write: %s",
+                             info.container_id, e)
+                await self._settle_withheld(info)
+                raise
+            await self._give_back(self.ledger.enforced(info.container_id, held))
+            raise
 
     # -- cleanup --------------------------------------------------------------
     def cleanup(self, container_id: ContainerID) -> Any:
@@ -450,31 +403,27 @@ class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, Kerne
         # GPUs stay, and the cleanup can be retried.
         if self.specs.enabled:  # first: a failure here changes nothing, and no spec outlives its GPUs
             await self.specs.remove(container_id)
-        if not await self.devices.remove(info.cgroup):
+        removed = await self.devices.remove(info.cgroup)
+        if not removed:
             # The standard set and the control devices stay.
             await self.devices.configure(info.cgroup, self.policies.of(()))
-            self._lingering[container_id] = LingeringCgroup(set(), "still has processes")
+            self._lingering[container_id] = "still has processes"
             logger.warning("Container %s: cgroup '%s' still has processes; it stays, its GPUs %s were denied"
-                           " and released", container_id, info.cgroup, minors(info.allocated | info.withheld))
+                           " and released", container_id, info.cgroup, minors(self._units_of(container_id)))
         self.infos.pop(container_id, None)
         if info.watchers or info.health is not None:
             self._stop_watching(info)
-        if info.unknown_state:
-            info.allocated = set()
-            waiting = sorted(str(i.container_id) for i in self.infos.values() if i.unknown_state)
-            if waiting:
-                gpus: set[Gpu] = set()
-                logger.warning("Container %s: cleaned up; GPUs %s stay out of the free pool until %s (of unknown"
-                               " device state too) are cleaned up", container_id, minors(self._quarantine), waiting)
-            else:
-                gpus, self._quarantine = self._quarantine, set()
-        else:
-            gpus, info.allocated, info.withheld = info.allocated | info.withheld, set(), set()
-        await self._give_back(gpus)
+        reach = self.ledger.reach(container_id)
+        released = self.ledger.removed(container_id) if removed else self.ledger.enforced(container_id, ())
+        await self._give_back(released)
+        if reach is Reach.UNKNOWN_STATE and self.ledger.held_back():
+            waiting = sorted(str(cid) for cid in self.ledger.reaching())
+            logger.warning("Container %s: cleaned up; GPUs %s stay out of the free pool until %s (which may reach any"
+                           " GPU) are cleaned up or repaired", container_id, minors(self.ledger.held_back()), waiting)
         if container_id in self._device_dirs:
             await self._remove_device_copies(container_id)
         if logger.isEnabledFor(logging.INFO):
-            logger.info("Container %s: cleaned up, released GPUs %s", container_id, minors(gpus))
+            logger.info("Container %s: cleaned up, released GPUs %s", container_id, minors(released.freed))
 
     async def _cleanup_unknown(self, container_id: ContainerID) -> None:
         """Cleanup of an id the isolator has no record of: as in Mesos, nothing
@@ -490,7 +439,7 @@ class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, Kerne
                            " root (made by someone else); removed it", container_id, cgroup)
             return
         await self.devices.configure(cgroup, self.policies.of(()))
-        self._lingering[container_id] = LingeringCgroup(set(), "still has processes")
+        self._lingering[container_id] = "still has processes"
         logger.warning("Container %s: cleanup of an unknown container found its cgroup '%s' under the isolator root"
                        " (made by someone else) with processes inside; it stays, denied every GPU", container_id,
                        cgroup)
@@ -507,6 +456,11 @@ class NvidiaGpuIsolatorProcess(ContainerOrdering, Recovering, UsageReport, Kerne
     def containers(self) -> dict[str, list[int]]:
         """The containers known and the minors each holds (for scripts and tests);
         a MIG device is written ``195:0/gi3/ci0``."""
-        if self._mig:
-            return {str(cid): minors(info.allocated) for cid, info in self.infos.items()}
-        return {str(cid): sorted(g.minor for g in info.allocated) for cid, info in self.infos.items()}
+        return {str(cid): minors(self._units_of(cid)) for cid in self.infos}
+
+    def _units_of(self, container_id: ContainerID) -> frozenset:
+        """The units a container holds: its record's, or (its device state was
+        unknown at recovery) every unit held back for it."""
+        if self.ledger.reach(container_id) is Reach.UNKNOWN_STATE:
+            return self.ledger.held_back()
+        return self.ledger.held(container_id)

@@ -9,8 +9,9 @@ Rules:
 - It gathers the facts -- the cgroups under the root, each candidate's
   device state (one device-control batch), the GPUs the allocator holds --
   asks the pure planner (``_recovery``), and carries the plan out: one
-  reclaim, the records (containers of unknown device state share the
-  quarantine), the report lines, then every recovered cgroup whose state is
+  reclaim, the records and their units in the ledger (containers of
+  unknown device state may reach any unit: the quarantine is held back for
+  them all), the report lines, then every recovered cgroup whose state is
   known is reconciled to its recovered policy (the kernel may lag its record
   after a crash), and the CDI specs are brought in line.
 - Mixed into the isolator actor (``NvidiaGpuIsolatorProcess``).
@@ -25,6 +26,7 @@ from runtime import Future, await_all, dispatch
 
 from ._errors import IsolatorError
 from ._grant import ContainerRecord
+from ._ledger import Reach
 from ._recovery import BROAD, UNKNOWN, minors, plan_recovery, recovery_candidates
 from ._types import ContainerID, ContainerState, check_container_id
 
@@ -53,7 +55,9 @@ class Recovering:
     _recoveries: Any
     _recovering: Any
     _lingering: dict
-    _quarantine: set
+    ledger: Any
+    _give_back: Any
+    _units_of: Any
     _metrics: Any
     _run: Any
     _enforce_record: Any
@@ -96,26 +100,25 @@ class Recovering:
             logger.warning("Container %s: couldn't find the cgroup '%s' for recovery", cid, cid.path())
         if plan.claim:
             await self.allocator.reclaim(plan.claim)
-        self._quarantine |= plan.quarantine
         recovered: list[ContainerRecord] = []
         for container in plan.containers:
             info = ContainerRecord(container.container_id, container.cgroup)
-            if container.kind == UNKNOWN:
-                info.unknown_state = True
-                info.allocated = self._quarantine  # shared on purpose; never mutated through an info
+            if container.kind == UNKNOWN:  # it may reach any unit: the quarantine is held back for it
+                self.ledger.reaches_any(container.container_id, Reach.UNKNOWN_STATE)
             else:
-                info.allocated = set(container.gpus)
+                self.ledger.hold(container.container_id, container.gpus)
                 recovered.append(info)
                 if container.kind != BROAD:
                     logger.info("Container %s: recovered with GPUs %s", container.container_id,
                                 minors(container.gpus))
             self.infos[container.container_id] = info
+        await self._give_back(self.ledger.hold_back(plan.quarantine))
         for line in plan.report:
             self._report(line)
         for info in recovered:
             await self._reconcile_recovered(info)
-        known = {cid: info.allocated for cid, info in self.infos.items() if not info.unknown_state}
-        unknown = [cid for cid, info in self.infos.items() if info.unknown_state]
+        unknown = [cid for cid in self.infos if self.ledger.reach(cid) is Reach.UNKNOWN_STATE]
+        known = {cid: self.ledger.held(cid) for cid in self.infos if cid not in unknown}
         try:
             for line in await self.specs.recover(known, unknown):
                 self._report(line)

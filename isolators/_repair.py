@@ -8,27 +8,29 @@ Rules (R-DV-5, issue 20 items 2 and 5):
   recreated. ``flags.reconcile_interval`` runs it periodically on the runtime
   Clock (scheduled at initialize, cancelled at finalize; a failed run keeps
   the schedule).
-- No GPU goes back to the pool on a guess. GPUs whose grant had an unknown
-  outcome (a device-control call failed, e.g. a ``WorkerError`` when the
-  device worker died mid-batch) are ``withheld`` on the container's record:
-  they go back once the kernel is made to match the record (a reconcile
-  succeeded), or once the cgroup's state, read back, does not grant them.
+- No unit goes back to the pool on a guess; the ledger (``_ledger``) says
+  why each is not free, and every release goes through it and then
+  ``_give_back``. Units whose grant had an unknown outcome (a device-control
+  call failed, e.g. a ``WorkerError`` when the device worker died
+  mid-batch) are withheld for the container: they go back once the kernel
+  is made to match the record (a reconcile succeeded), or once the cgroup's
+  state, read back, does not grant them.
 - Drift that cannot be repaired is contained and reported: the repair comes
   back as a ``Repair`` with ``failed`` and the reason; when the container
-  may reach GPUs beyond its record (the kernel refused to take them back),
-  every free GPU is held back for it (``withheld``), and every GPU released
-  meanwhile (``_give_back``), until a reconcile repairs it or it is cleaned up. Programs of others attached beside ours
-  (v2) only deny more: reported, nothing held back. Recovery does the same.
-- A cgroup the isolator could not remove lingers (``LingeringCgroup``) with
-  the GPUs it may still grant; they go back once the kernel has removed it,
-  or (processes inside: it stays) denies them. A later cleanup of that id, a
-  prepare of it or a reconcile tries again. One left by a failed prepare
-  may grant any GPU (its configure may have stopped after the mkdir: v1
-  then allows what its parent allows, v2 has no program): when it cannot
-  be removed, every free GPU is held back for it too, until it is -- and
-  so is every GPU released while it is there (``_give_back``: a GPU freed
-  by another container's cleanup or update stays allocated, held back for
-  it, since it may reach that one too).
+  may reach units beyond its record (the kernel refused to take them back)
+  its cgroup may reach any unit (``_reaches_any``: every free unit is taken
+  at once and held back, and so is every unit released meanwhile) until a
+  reconcile repairs it or it is cleaned up. Programs of others attached
+  beside ours (v2) only deny more: reported, nothing held back. Recovery
+  does the same.
+- A cgroup the isolator could not remove lingers (``_lingering``: why) with
+  what it may still reach in the ledger; that goes back once the kernel
+  has removed it, or (processes inside: it stays) denies it every unit. A
+  later cleanup of that id, a prepare of it or a reconcile tries again.
+  One left by a failed prepare may reach any unit (its configure may have
+  stopped after the mkdir: v1 then allows what its parent allows, v2 has
+  no program): from the failure on, every free unit is held back, and so
+  is every unit released while it is there.
 - Mixed into the isolator actor (``NvidiaGpuIsolatorProcess``).
 """
 
@@ -42,6 +44,7 @@ from runtime import delay
 from actors.devices import ForeignProgramsError
 
 from ._grant import ContainerRecord
+from ._ledger import GpuLedger, Reach, Released
 from ._metrics import measured
 from ._recovery import minors
 from ._types import ContainerID, Repair
@@ -59,8 +62,8 @@ class KernelRepair:
     devices: Any
     policies: Any
     specs: Any
+    ledger: GpuLedger
     _lingering: dict
-    _mig: bool
     catalog: Any
     _metrics: Any
     _stopping: bool
@@ -93,12 +96,11 @@ class KernelRepair:
         the repairs made (empty when nothing drifted). Each container's repair
         waits behind its earlier calls, so it never races a prepare, update or
         cleanup of it (a cleaned-up container is skipped, never recreated).
-        GPUs withheld for an unknown outcome go back once the kernel matches
-        the record; lingering cgroups that hold GPUs are removed again."""
+        Units withheld for an unknown outcome go back once the kernel matches
+        the record; lingering cgroups that may reach units are removed again."""
         runs = [self._in_order(cid, self._reconcile_one, cid) for cid in sorted(self.infos)]
         runs += [self._in_order(cid, self._reconcile_lingering, cid)
-                 for cid, lingering in sorted(self._lingering.items())
-                 if lingering.withheld or lingering.may_grant_any]
+                 for cid in sorted(self._lingering) if self.ledger.has(cid)]
         repairs: list[Repair] = []
         failure: Exception | None = None
         for run in runs:  # await every one, so none is left queued (drift not repaired is a failed Repair)
@@ -113,7 +115,7 @@ class KernelRepair:
     @measured("reconcile")
     async def _reconcile_one(self, cid: ContainerID) -> list[Repair]:
         info = self.infos.get(cid)
-        if info is None or info.unknown_state:
+        if info is None or self.ledger.reach(cid) is Reach.UNKNOWN_STATE:
             return []
         lines, failed = await self._enforce_record(info)
         repairs = [Repair(str(cid), line) for line in lines]
@@ -122,18 +124,16 @@ class KernelRepair:
         if failed is not None:
             self._metrics.repairs.inc(len(repairs))
             return repairs + [failed]
-        line = await self.specs.ensure(cid, info.allocated)
+        line = await self.specs.ensure(cid, self.ledger.held(cid))
         if line is not None:
             logger.warning("Container %s: drift repaired: %s", cid, line)
             repairs.append(Repair(str(cid), line))
-        info.reaches_any = False  # the kernel enforces the record now
-        if info.withheld:  # so they are not granted
-            released, info.withheld = info.withheld, set()
+        released = self.ledger.enforced(cid, self.ledger.held(cid))  # the kernel enforces the record now
+        if released.freed or released.held_back:
             await self._give_back(released)
-            logger.info("Container %s: GPUs %s, held back while its kernel state was unknown, released", cid,
-                        minors(released))
-            repairs.append(Repair(str(cid), f"released GPUs {minors(released)} held back while its kernel state"
-                                  " was unknown"))
+            units = minors(released.freed | released.held_back)
+            logger.info("Container %s: GPUs %s, held back while its kernel state was unknown, released", cid, units)
+            repairs.append(Repair(str(cid), f"released GPUs {units} held back while its kernel state was unknown"))
         self._metrics.repairs.inc(len(repairs))
         return repairs
 
@@ -142,134 +142,110 @@ class KernelRepair:
         repair that failed (None when none did). Drift that cannot be repaired
         (v1: a wiped cgroup whose child keeps the re-deny from the kernel; v2:
         a program of others attached to override ours) may let the container
-        reach every GPU: every free GPU is then held back for it until a
-        reconcile repairs it or it is cleaned up. Programs of others attached
-        beside ours can only deny more: reported, nothing held back."""
+        reach every unit: it is then held back for it until a reconcile
+        repairs it or it is cleaned up. Programs of others attached beside
+        ours can only deny more: reported, nothing held back."""
         cid = info.container_id
         try:
-            return await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated)), None
+            return await self.devices.reconcile(info.cgroup, self.policies.of(self.ledger.held(cid))), None
         except ForeignProgramsError as error:
             reason = str(error)
             logger.error("Container %s: drift not repaired: %s", cid, reason)
             return [], Repair(str(cid), f"could not repair its device rules: {reason}", failed=True, reason=reason)
         except Exception as error:
             reason = "; ".join([str(error), *getattr(error, "__notes__", ())])
-            held = await self._withhold_reachable(info)
+            held = await self._reaches_any(cid, Reach.DRIFT)
             contained = (f"GPUs {minors(held)} are held back until it is repaired or cleaned up" if held
                          else "no GPU is free to hold back")
             description = f"could not repair its device rules ({reason}); it may reach any GPU, so {contained}"
             logger.error("Container %s: %s", cid, description)
             return [], Repair(str(cid), description, failed=True, reason=reason)
 
-    async def _withhold_reachable(self, info: ContainerRecord) -> set:
-        """Hold back every free GPU for ``info`` (it may reach them), and every
-        one released while it may; what it holds back."""
-        info.reaches_any = True
-        info.withheld |= await self._hold_back_free()
-        return set(info.withheld)
+    async def _reaches_any(self, cid: ContainerID, reach: Reach) -> frozenset:
+        """``cid``'s cgroup may reach any unit: tell the ledger, and take every
+        free unit at once (one allocator call, before anything else can be
+        handed out) to hold back; what is held back now."""
+        self.ledger.reaches_any(cid, reach)
+        try:
+            taken = await self.allocator.take_free()
+        except Exception as error:
+            logger.error("Container %s: could not hold back the free GPUs (%s)", cid, error)
+        else:
+            await self._give_back(self.ledger.hold_back(taken))
+        return self.ledger.held_back() | self.ledger.withheld(cid)
 
-    async def _give_back(self, units: set) -> None:
-        """Return ``units`` to the free pool -- unless a cgroup may reach any
-        GPU (a failed prepare's left behind, or a container whose drift could
-        not be repaired): then they stay allocated, held back for it, until
-        it is removed or repaired."""
-        if not units:
-            return
-        holder = next(((cid, lingering.withheld) for cid, lingering in self._lingering.items()
-                       if lingering.may_grant_any), None)
-        if holder is None:
-            holder = next(((cid, info.withheld) for cid, info in self.infos.items() if info.reaches_any), None)
-        if holder is not None:
-            cid, withheld = holder
-            withheld |= set(units)
-            logger.warning("Container %s: GPUs %s released elsewhere stay out of the free pool while its cgroup,"
-                           " which may reach any GPU, is not removed or repaired", cid, minors(units))
-            return
-        await self.allocator.deallocate(units)
-
-    async def _hold_back_free(self) -> set:
-        """Allocate every free GPU (for a cgroup that may reach them); the GPUs taken."""
-        for _attempt in range(3):
-            free = set(await self.allocator.available())
-            if not free:
-                return set()
-            try:
-                await self.allocator.allocate(free)
-            except Exception:  # another container took one meanwhile: look again
-                continue
-            return free
-        return set()
+    async def _give_back(self, released: Released) -> None:
+        """Carry out what the ledger let go: ``freed`` back to the allocator;
+        ``held_back`` stay while a cgroup may reach any unit (logged)."""
+        if released.held_back:
+            logger.warning("GPUs %s released stay out of the free pool while the cgroups of %s, which may reach any"
+                           " GPU, are not removed or repaired", minors(released.held_back),
+                           sorted(str(cid) for cid in self.ledger.reaching()))
+        if released.freed:
+            await self.allocator.deallocate(released.freed)
 
     async def _reconcile_lingering(self, cid: ContainerID) -> list[Repair]:
-        lingering = self._lingering.get(cid)
-        if lingering is None or not (lingering.withheld or lingering.may_grant_any):
+        if cid not in self._lingering or not self.ledger.has(cid):
             return []
-        withheld = minors(lingering.withheld)
+        units = minors(self.ledger.held(cid) | self.ledger.withheld(cid))
         gone = await self._settle_lingering(cid)
-        line = (f"removed the cgroup '{cid.path()}' left behind; released GPUs {withheld}" if gone else
-                f"denied GPUs {withheld} to the cgroup '{cid.path()}' left behind (processes inside) and released them")
+        line = (f"removed the cgroup '{cid.path()}' left behind; released GPUs {units}" if gone else
+                f"denied GPUs {units} to the cgroup '{cid.path()}' left behind (processes inside) and released them")
         return [Repair(str(cid), line)]
 
     async def _settle_lingering(self, container_id: ContainerID) -> bool:
-        """Remove a lingering cgroup; True once it is gone. The GPUs withheld
-        for it go back only when the kernel has removed it, or (processes
-        inside: it stays) denies them; a failure keeps them and is raised."""
-        lingering = self._lingering[container_id]
+        """Remove a lingering cgroup; True once it is gone. What it may reach
+        goes back only when the kernel has removed it, or (processes inside:
+        it stays) denies it every unit; a failure keeps them and is raised."""
         cgroup = container_id.path()
         try:
             removed = await self.devices.remove(cgroup)
-            if not removed and (lingering.withheld or lingering.may_grant_any):
+            if not removed and self.ledger.has(container_id):
                 # Processes inside: take every GPU back from them.
                 await self.devices.configure(cgroup, self.policies.of(()))
         except BaseException as error:
-            lingering.reason = f"could not be removed ({error})"
-            if lingering.may_grant_any:  # its state is unknown: it may reach any GPU
-                lingering.withheld |= await self._hold_back_free()
+            self._lingering[container_id] = f"could not be removed ({error})"
             logger.error("Container %s: cgroup '%s' could not be removed (%s); GPUs %s stay out of the free pool"
                          " until a cleanup or reconcile removes it", container_id, cgroup, error,
-                         minors(lingering.withheld))
+                         minors(self.ledger.held(container_id) | self.ledger.withheld(container_id)))
             raise
-        released, lingering.withheld = lingering.withheld, set()
-        lingering.may_grant_any = False
+        released = self.ledger.removed(container_id) if removed else self.ledger.enforced(container_id, ())
         if removed:
             del self._lingering[container_id]
         else:
-            lingering.reason = "still has processes"
+            self._lingering[container_id] = "still has processes"
             logger.warning("Container %s: cgroup '%s' still has processes; it stays, its GPUs %s were denied"
-                           " and released", container_id, cgroup, minors(released))
+                           " and released", container_id, cgroup, minors(released.freed | released.held_back))
         await self._give_back(released)
         return removed
 
     async def _settle_withheld(self, info: ContainerRecord) -> None:
-        """Give back the withheld GPUs the kernel does not grant: make the
+        """Give back the withheld units the kernel does not grant: make the
         kernel enforce the record (reconcile) and release them all; failing
         that, read the cgroup's state back and release those it does not
         grant. Whatever cannot be known stays withheld."""
-        withheld = set(info.withheld)
+        cid = info.container_id
+        withheld = self.ledger.withheld(cid)
         if not withheld:
             return
         try:
-            await self.devices.reconcile(info.cgroup, self.policies.of(info.allocated))
-            released = withheld
+            await self.devices.reconcile(info.cgroup, self.policies.of(self.ledger.held(cid)))
+            released = self.ledger.enforced(cid, self.ledger.held(cid))
         except Exception as error:
             try:
                 state = await self.devices.state(info.cgroup)
             except Exception as again:
                 logger.warning("Container %s: GPUs %s stay out of the free pool: the kernel state of cgroup '%s'"
-                               " is unknown (%s; %s)", info.container_id, minors(withheld), info.cgroup, error, again)
+                               " is unknown (%s; %s)", cid, minors(withheld), info.cgroup, error, again)
                 return
             if state is None:
-                released = set()
-            elif self._mig:
-                released = {unit for unit in withheld if not self.catalog.may_use(state, unit)}
-            else:
-                released = {g for g in withheld if not state.is_granted("c", g.major, g.minor, "r")
-                            and not state.is_granted("c", g.major, g.minor, "w")}
-        info.withheld -= released
+                return
+            released = self.ledger.not_granted(cid, {unit for unit in withheld if not self.catalog.may_use(state, unit)})
         await self._give_back(released)
-        if info.withheld:
+        still = self.ledger.withheld(cid)
+        if still:
             logger.warning("Container %s: GPUs %s stay out of the free pool: cgroup '%s' may still grant them",
-                           info.container_id, minors(info.withheld), info.cgroup)
+                           cid, minors(still), info.cgroup)
         else:
             logger.info("Container %s: GPUs %s, whose grant had an unknown outcome, are not granted; released",
-                        info.container_id, minors(released))
+                        cid, minors(withheld))

@@ -23,7 +23,8 @@ Rules (R-MG-2/3; a unit is a whole ``Gpu`` or a ``MigDevice``):
   or fraction → "The 'gpus' resource must be an unsigned integer"), and
   under the ``mixed`` strategy every ``mig-<profile>`` the same way; a
   ``mig-<profile>`` under another strategy is an error naming the flag.
-  ``held(units)`` counts units by the resource they belong to;
+  ``held(units)`` counts units by the resource they belong to, ``fits``
+  says whether they are exactly what resources ask for;
   ``surplus(units, demand)`` picks, per resource, the highest units to
   give back (``update`` shrinks highest first, as for GPUs).
 - Launch info (``container_files``): a container with its own rootfs gets
@@ -164,6 +165,13 @@ class UnitCatalog:
             name = self._pool_of.get(unit, GPUS)
             counts[name] = counts.get(name, 0) + 1
         return counts
+
+    def fits(self, units: Iterable[Unit], resources: Resources) -> bool:
+        """Whether ``units`` are exactly what ``resources`` ask for (an update with nothing to do)."""
+        demand = self.demand(resources)
+        held = self.held(units)
+        return all(held.get(name, 0) == count for name, count in demand.items()) and all(
+            name in demand for name in held)
 
     def surplus(self, units: Iterable[Unit], demand: Mapping[str, int]) -> set[Unit]:
         """The units to give back so that ``units`` fit ``demand``, highest first per resource."""

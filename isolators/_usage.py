@@ -35,6 +35,7 @@ class UsageReport:
     _recovering: Any
     _in_order: Any
     _in_flight: Any
+    _units_of: Any
 
     def usage(self, container_id: ContainerID) -> Any:
         check_container_id(container_id)
@@ -49,10 +50,9 @@ class UsageReport:
         return result if isinstance(result, ResourceStatistics) else await result
 
     def _usage_now(self, container_id: ContainerID) -> Any:
-        info = self.infos.get(container_id)
-        if info is None:
+        if container_id not in self.infos:
             raise IsolatorError("Unknown container")
-        gpus = sorted(info.allocated)
+        gpus = sorted(self._units_of(container_id))
         if not gpus:
             return ResourceStatistics(timestamp=time.time(), gpus_allocated=0)
         return self._usage(gpus)

@@ -20,7 +20,7 @@ Rules (R-AL-1, SPEC section 11; Mesos' ``NvidiaGpuAllocator``):
 - ``total()`` is the managed set (sync). Every other call dispatches to the
   process and returns a runtime ``Future``: ``allocate(count) ->
   Future[set[Gpu]]``, ``allocate(gpus) -> Future[None]``,
-  ``deallocate(gpus)``, ``reclaim(gpus)``, ``available()``,
+  ``deallocate(gpus)``, ``reclaim(gpus)``, ``take_free()``, ``available()``,
   ``allocated()``, health calls. One handle may be shared by several
   isolators; copies of it address the same process.
 - Health (R-HE-1): with ``flags.nvidia_health_checks`` (the default),
@@ -214,6 +214,10 @@ class NvidiaGpuAllocator:
     def reclaim(self, gpus: Iterable[Gpu]) -> Future[None]:
         """Recovery: take GPUs a surviving container holds, whatever their health."""
         return dispatch(self.pid, GpuAllocatorProcess.reclaim, frozenset(gpus))
+
+    def take_free(self) -> Future[set[Unit]]:
+        """Take every unit not allocated, healthy or not, in one call; the units taken."""
+        return dispatch(self.pid, GpuAllocatorProcess.take_free)
 
     def available(self) -> Future[set[Gpu]]:
         """The GPUs that may be handed out now (free and healthy)."""

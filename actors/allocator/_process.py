@@ -12,7 +12,10 @@ Rules (R-AL-1..3; Mesos' ``NvidiaGpuAllocatorProcess``):
   managed). ``deallocate(gpus)`` returns them or fails with "{...} are not
   allocated" (a double free, a bogus GPU). ``reclaim(gpus)`` is recovery's
   allocate: it takes managed GPUs that are not allocated whatever their
-  health (a container that held them is still running).
+  health (a container that held them is still running). ``take_free()``
+  takes every unit not allocated, whatever its health, in one call
+  (nothing can be handed out between a look and a take): an isolator
+  holds them back while a cgroup may reach any unit.
 - A failed call changes nothing: every check runs before any change.
 - Units (R-MG-3): what is handed out is a unit, a whole ``Gpu`` or a
   ``MigDevice``. ``pools`` names which units count under which resource:
@@ -301,6 +304,13 @@ class GpuAllocatorProcess(Process):
             raise AllocatorError(f"{format_gpus(missing)} are not available ({self._why(missing)})")
         self.free.difference_update(wanted)
         self.allocated.update(wanted)
+
+    def take_free(self) -> set[Unit]:
+        """Every unit not allocated (healthy or not), now allocated; the units."""
+        taken = set(self.free)
+        self.free.clear()
+        self.allocated.update(taken)
+        return taken
 
     def deallocate(self, gpus: Iterable[Gpu]) -> None:
         returned = _as_gpu_set(gpus)

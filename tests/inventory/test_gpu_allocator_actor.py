@@ -76,6 +76,23 @@ async def test_mesos_allocator_scenario(node4):
 
 
 @pytest.mark.asyncio
+async def test_take_free_takes_every_unit_not_allocated_in_one_call(node4):
+    """What an isolator holds back while a cgroup may reach any GPU: every free
+    GPU, unhealthy ones too (they would come back with mark_healthy)."""
+    async with Runtime():
+        allocator = await allocator_for(node4)
+        held = await allocator.allocate(1)
+        await allocator.mark_unhealthy(Gpu(195, 3), "Xid 79")
+        taken = await allocator.take_free()
+        assert taken == allocator.total() - held and Gpu(195, 3) in taken
+        assert await allocator.available() == set() and await allocator.allocated() == allocator.total()
+        assert await allocator.take_free() == set()
+        await allocator.deallocate(taken)
+        assert await allocator.available() == allocator.total() - held - gpus(3)
+        await allocator.close()
+
+
+@pytest.mark.asyncio
 async def test_a_failed_call_changes_nothing(node4):
     async with Runtime():
         allocator = await allocator_for(node4)

@@ -134,12 +134,12 @@ async def test_different_containers_do_not_wait_for_each_other(memory_node) -> N
         await isolator.prepare(ContainerID("a"), one_gpu())
         # Hold the allocator: a's update waits on it; b's usage must still answer.
         gate = runtime.Promise()
-        original = components.allocator.allocate
+        original = components.allocator.allocate_resources
 
         def slow_allocate(request):
             return gate.future.then(lambda _: original(request))
 
-        components.allocator.allocate = slow_allocate
+        components.allocator.allocate_resources = slow_allocate
         update = isolator.update(ContainerID("a"), Resources.parse("gpus:2"))
         await isolator.prepare(ContainerID("b"), ContainerConfig())
         assert (await isolator.usage(ContainerID("b"))).gpus_allocated == 0

@@ -204,3 +204,32 @@ async def test_v2_programs_not_read_back_keep_every_gpu_out_until_all_unknown_ar
         await isolator.cleanup(ContainerID("b"))
         assert await free_minors(components) == {0, 1, 2, 3}
         assert await isolator.devices.list_cgroups() == []
+
+
+@pytest.mark.asyncio
+async def test_v2_a_gpu_released_while_a_container_of_unknown_state_is_there_stays_held_back(node_factory) -> None:
+    """An unknown device state may reach any GPU, the ones other containers
+    held at recovery too: one they release is held back with the quarantine
+    (the ledger's rule), not handed out, until the unknown one is cleaned up."""
+    node = node_factory("cgroups_v2")
+    async with runtime.Runtime():
+        components, isolator = await node.start()
+        for name in ("a", "b", "c"):
+            await isolator.prepare(ContainerID(name), cfg("gpus:1"))  # GPUs 0, 1, 2
+        await node.crash(components, isolator)
+        (ours,) = attached_programs(node.cgroup_dir("a"))
+        detach_program(node.cgroup_dir("a"), ours)
+        attach_program(node.cgroup_dir("a"), NOT_OURS, PROGRAM_NAME)  # a program of our name we did not write
+
+        components, isolator = await node.start()
+        await isolator.recover(states("a", "b", "c"), set())
+        assert await isolator.containers() == {"a": [0, 3], "b": [1], "c": [2]}  # a: the quarantine
+        await isolator.cleanup(ContainerID("b"))
+        assert await free_minors(components) == set()  # GPU 1 joins the quarantine: a may reach it
+        assert await isolator.containers() == {"a": [0, 1, 3], "c": [2]}
+        await isolator_failure(isolator.prepare(ContainerID("new"), cfg("gpus:1")),
+                               "Requested 1 gpus but only 0 available")
+        await isolator.cleanup(ContainerID("a"))
+        assert await free_minors(components) == {0, 1, 3}
+        await isolator.cleanup(ContainerID("c"))
+        assert await isolator.devices.list_cgroups() == []
