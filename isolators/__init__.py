@@ -28,7 +28,7 @@ _EXPORTS = {
     "actors.resources": ("Resources", "ResourcesError"),
     "._components": ("NvidiaComponents",),
     "._errors": ("InvalidContainerID", "IsolatorError"),
-    "._handle": ("MesosIsolator",),
+    "._handle": ("NvidiaGpuIsolator",),
     "._process": ("NvidiaGpuIsolatorProcess",),
     "._types": ("ContainerClass", "ContainerConfig", "ContainerID", "ContainerLaunchInfo", "ContainerLimitation",
                 "ContainerMountInfo", "ContainerState", "GpuStatistics", "Repair", "ResourceStatistics",
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
     from ._components import NvidiaComponents
     from ._errors import InvalidContainerID, IsolatorError
-    from ._handle import MesosIsolator
+    from ._handle import NvidiaGpuIsolator
     from ._process import NvidiaGpuIsolatorProcess
     from ._types import (
         ContainerBindMount,

@@ -1,6 +1,8 @@
-"""MesosIsolator: the handle an agent holds to an NVIDIA GPU isolator.
+"""NvidiaGpuIsolator: the handle an agent holds to an NVIDIA GPU isolator actor.
 
-Rules (Mesos ``MesosIsolator`` wrapping a ``MesosIsolatorProcess``):
+Rules (Mesos' ``MesosIsolator`` wrapping a ``MesosIsolatorProcess``; named
+like its siblings ``NvidiaGpuAllocator`` and ``NvidiaVolume``, the handles
+of their processes):
 - Each method dispatches to the isolator actor and returns a runtime
   ``Future`` at once (await it); the actor orders and runs the call.
 - ``supports_nesting()`` and ``supports_standalone()`` are answered here
@@ -31,7 +33,7 @@ from ._types import (
 )
 
 
-class MesosIsolator:
+class NvidiaGpuIsolator:
     """A handle to an isolator process: each method dispatches and returns a Future."""
 
     def __init__(self, process: NvidiaGpuIsolatorProcess, devices: DeviceControl) -> None:

@@ -91,14 +91,16 @@ class IsolatorMetrics:
         help = "repairs made: drift reconcile repaired (device rules, CDI specs), device rules recover repaired"
         self.repairs = metrics.counter("isolator/repairs", help) if metrics is not None else Counter("")
 
-    def publish(self, process: Any) -> None:
-        """Register in the current runtime; the gauges read ``process``."""
+    def publish(self, containers: Callable[[], int], lingering: Callable[[], int],
+                held_back: Callable[[], int]) -> None:
+        """Register in the current runtime; the gauges call ``containers``,
+        ``lingering`` and ``held_back`` when a snapshot is taken."""
         self.close()
         published = self._published = MetricSet(current_runtime().metrics)
-        published.gauge("isolator/containers", lambda: len(process.infos), "top-level containers with a record")
-        published.gauge("isolator/containers_lingering", lambda: len(process._lingering),
+        published.gauge("isolator/containers", containers, "top-level containers with a record")
+        published.gauge("isolator/containers_lingering", lingering,
                         "cgroups left behind with processes inside (cleaned up, or a failed prepare)")
-        published.gauge("isolator/gpus_quarantined", lambda: len(process.ledger.held_back()),
+        published.gauge("isolator/gpus_quarantined", held_back,
                         "GPUs held back while a cgroup may reach any GPU (unknown device state at recovery,"
                         " a failed prepare's cgroup, drift that could not be repaired)")
         self._bind(published)
@@ -112,8 +114,8 @@ class IsolatorMetrics:
 
 
 def measured(verb: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
-    """Count and time an isolator verb's body (an async method of the actor,
-    which keeps its ``IsolatorMetrics`` as ``_metrics``)."""
+    """Count and time an isolator verb's body (an async method of the actor or
+    of a part of it, which keeps the actor's ``IsolatorMetrics`` as ``_metrics``)."""
 
     def decorate(body: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         @functools.wraps(body)

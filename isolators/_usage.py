@@ -7,73 +7,60 @@ Rules:
   temperature where NVML has them (None where it has no answer); a MIG
   device is read on its MIG handle and named by profile and instances.
 - Answered at once when no call on the container is in flight (nor a
-  recovery); otherwise in arrival order, behind them.
-- One executor job per usage (``NvmlService.usages``); an NVML failure is an
-  ``IsolatorError`` with NVML's text.
-- Mixed into the isolator actor (``NvidiaGpuIsolatorProcess``).
+  recovery); otherwise in arrival order, behind them (the isolator's
+  ``Ordering``).
+- ``UsageReader.read(units)``: one executor job per usage
+  (``NvmlService.usages``); a container holding nothing is answered with
+  no job at all; an NVML failure is an ``IsolatorError`` with NVML's text.
+- A part the isolator actor owns.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
-from actors import Gpu
-from actors.mig import MigDevice
+from actors.mig import MigDevice, Unit
 
-from ._errors import IsolatorError, as_isolator_error
-from ._types import ContainerID, GpuStatistics, ResourceStatistics, check_container_id
+from ._errors import as_isolator_error
+from ._types import GpuStatistics, ResourceStatistics
+
+__all__ = ["UsageReader"]
 
 
-class UsageReport:
-    """The isolator actor's ``usage`` verb (see the module rules)."""
+class UsageReader:
+    """NVML's readings of the units a container holds (see the module rules)."""
 
-    infos: dict
-    nvml: Any
-    inventory: Any
-    _mig: bool
-    _recovering: Any
-    _in_order: Any
-    _in_flight: Any
-    _units_of: Any
+    def __init__(self, nvml: Any, inventory: Any, has_mig: bool) -> None:
+        self._nvml = nvml
+        self._inventory = inventory
+        self._has_mig = has_mig
 
-    def usage(self, container_id: ContainerID) -> Any:
-        check_container_id(container_id)
-        if container_id.has_parent():
-            raise IsolatorError("Not supported for nested containers")
-        if self._in_flight(container_id) or self._recovering is not None:  # answer in arrival order
-            return self._in_order(container_id, self._usage_in_order, container_id)
-        return self._usage_now(container_id)
-
-    async def _usage_in_order(self, container_id: ContainerID) -> ResourceStatistics:
-        result = self._usage_now(container_id)
-        return result if isinstance(result, ResourceStatistics) else await result
-
-    def _usage_now(self, container_id: ContainerID) -> Any:
-        if container_id not in self.infos:
-            raise IsolatorError("Unknown container")
-        gpus = sorted(self._units_of(container_id))
-        if not gpus:
+    def read(self, units: Iterable[Unit]) -> Any:
+        """The container's statistics: at once when it holds nothing, else a coroutine."""
+        units = sorted(units)
+        if not units:
             return ResourceStatistics(timestamp=time.time(), gpus_allocated=0)
-        return self._usage(gpus)
+        return self._read(units)
 
-    async def _usage(self, gpus: list[Gpu]) -> ResourceStatistics:
+    async def _read(self, units: list[Unit]) -> ResourceStatistics:
         try:
-            readings = await self.nvml.usages(gpus)
+            readings = await self._nvml.usages(units)
         except Exception as error:
             raise as_isolator_error(error) from error
-        by_gpu = self.inventory.by_gpu()
-        by_mig = self.inventory.by_mig() if self._mig else {}
+        by_gpu = self._inventory.by_gpu()
+        by_mig = self._inventory.by_mig() if self._has_mig else {}
         stats = []
-        for gpu in gpus:
-            r = readings.get(gpu)
-            if isinstance(gpu, MigDevice):
-                stats.append(_mig_statistics(gpu, by_mig.get(gpu), r))
+        for unit in units:
+            r = readings.get(unit)
+            if isinstance(unit, MigDevice):
+                stats.append(_mig_statistics(unit, by_mig.get(unit), r))
                 continue
-            info = by_gpu.get(gpu)
-            stats.append(GpuStatistics(minor=gpu.minor, uuid=info.uuid if info is not None else None,
+            info = by_gpu.get(unit)
+            stats.append(GpuStatistics(minor=unit.minor, uuid=info.uuid if info is not None else None,
                                        **_readings(r)))
-        return ResourceStatistics(timestamp=time.time(), gpus_allocated=len(gpus), gpus=stats)
+        return ResourceStatistics(timestamp=time.time(), gpus_allocated=len(units), gpus=stats)
 
 
 def _mig_statistics(device: MigDevice, info: Any, reading: Any) -> GpuStatistics:

@@ -54,7 +54,7 @@ from actors.volume.testing import write_ld_cache
 from actors.devices import MemoryBackend, default_hierarchy
 
 from ._components import NvidiaComponents
-from ._handle import MesosIsolator
+from ._handle import NvidiaGpuIsolator
 from ._process import NvidiaGpuIsolatorProcess
 from ._types import ContainerID, ContainerState
 
@@ -162,7 +162,7 @@ class SimulatedNode:
             self.host_file = None
         self.extra: dict[str, Any] = dict(extra or {})
         self.components: NvidiaComponents | None = None
-        self.isolator: MesosIsolator | None = None
+        self.isolator: NvidiaGpuIsolator | None = None
 
     # -- files ------------------------------------------------------------------
     def create_files(self) -> "SimulatedNode":
@@ -249,7 +249,7 @@ class SimulatedNode:
         return Flags.from_dict(self.flag_values(changes, **more))
 
     async def start(self, changes: Mapping[str, Any] | None = None, /, *, devices: Any = None,
-                    **more: Any) -> tuple[NvidiaComponents, MesosIsolator]:
+                    **more: Any) -> tuple[NvidiaComponents, NvidiaGpuIsolator]:
         """Components and an isolator from the flags (inside a Runtime); kept
         on the node. ``devices``: a device control to use instead of the
         flags' (fault injection)."""
@@ -276,7 +276,7 @@ class SimulatedNode:
 
     async def restart(self, known: Iterable[str] | None = None, orphans: Iterable[str] = (), *,
                       recover: bool = True, changes: Mapping[str, Any] | None = None,
-                      **start: Any) -> tuple[NvidiaComponents, MesosIsolator]:
+                      **start: Any) -> tuple[NvidiaComponents, NvidiaGpuIsolator]:
         """Drop every actor, start again (``start(changes, **start)``) and
         recover ``known`` containers (default: every one the isolator held)
         and ``orphans``."""

@@ -29,7 +29,7 @@ _EXPORTS = {
     "._control": ("DeviceControl", "DeviceControlProcess"),
     "._detect": ("default_hierarchy", "detect_backend", "resolve_backend"),
     "._device_program": ("build_device_program", "program_instructions", "read_policy"),
-    "._errors": ("DeviceControlError", "DeviceRuleError", "ForeignProgramsError",
+    "._errors": ("AgentCrash", "DeviceControlError", "DeviceRuleError", "ForeignProgramsError",
                  "InvalidCgroupError", "KernelOperationError", "WorkerError"),
     "._memory": ("MemoryBackend",),
     "._policy": ("STANDARD_CONTAINER_DEVICES", "Policy", "apply_diff", "container_policy"),
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from ._detect import default_hierarchy, detect_backend, resolve_backend
     from ._device_program import build_device_program, program_instructions, read_policy
     from ._errors import (
+        AgentCrash,
         DeviceControlError,
         DeviceRuleError,
         ForeignProgramsError,

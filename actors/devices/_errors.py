@@ -15,6 +15,12 @@ Rules:
   program is in place and recorded; the kernel runs the others too (they
   may deny devices the policy grants), so the drift is reported, not
   guessed away. ``program_ids`` names them.
+- ``AgentCrash`` is not an ``Exception``: raised through device control
+  where the agent ends, as if its process died there (nothing is rolled
+  back, nothing of its batch runs after it). Production never raises one
+  (a real crash ends the process); fault injection raises its
+  ``SimulatedCrash`` (``actors.devices.testing``). ``kind`` names it in
+  the isolator's error.
 """
 
 from __future__ import annotations
@@ -55,3 +61,9 @@ class ForeignProgramsError(DeviceControlError):
 
     def __reduce__(self) -> tuple:  # crosses the device worker's pipe
         return (type(self), (str(self), self.program_ids))
+
+
+class AgentCrash(BaseException):
+    """The agent ends here (see module rules): drop every actor and recover."""
+
+    kind = "crash"

@@ -10,7 +10,7 @@ Rules:
 - Hand one to ``DeviceControl.create(backend_impl=...)``: it runs in a
   thread (or in line when its inner backend never blocks), never in a
   device worker process.
-- ``SimulatedCrash`` is a ``BaseException``: no rollback and no
+- ``SimulatedCrash`` is an ``AgentCrash`` (a ``BaseException``): no rollback and no
   per-operation handler catches it; device control fails every caller of
   its batch with it, and the isolator takes it as the agent's death.
 """
@@ -22,14 +22,17 @@ import os
 from typing import Any, Iterable, Sequence
 
 from ._backend import DeviceBackend, DeviceOperation
+from ._errors import AgentCrash
 from ._policy import Policy
 from ._rules import DeviceRule
 
 __all__ = ["FaultInjectingBackend", "SimulatedCrash"]
 
 
-class SimulatedCrash(BaseException):
+class SimulatedCrash(AgentCrash):
     """Raised by ``FaultInjectingBackend(crash_at=k)``: the agent "dies" here (see module rules)."""
+
+    kind = "simulated crash"
 
 
 class FaultInjectingBackend:

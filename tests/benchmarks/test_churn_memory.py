@@ -25,9 +25,10 @@ async def test_ten_thousand_lifecycles_leave_nothing_behind() -> None:
             assert run.errors == []
             assert run.lifecycles == LIFECYCLES and 0 < run.gpu_lifecycles < LIFECYCLES
 
-            # The isolator: no record, no per-id queue, nothing lingering.
-            assert process.infos == {} and process._sequences == {}
-            assert process._lingering == {} and process._device_dirs == set()
+            # The isolator: no record, no per-id queue, nothing lingering, nothing in the ledger or watched.
+            assert process.records == {} and process.ordering.sequences() == 0
+            assert process.repair.lingering == {} and process._device_dirs == set()
+            assert process.ledger.owners() == set() and len(process.watches) == 0
             assert await isolator.containers() == {}
             assert len(process.policies) <= 1 + 8  # by GPU set (none, or one of 8), not by container
 

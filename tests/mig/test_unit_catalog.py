@@ -1,4 +1,4 @@
-"""The isolator's view of units (isolators._units): rules, grants, demand."""
+"""The isolator's view of units (isolators._catalog): rules, grants, demand."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from actors.mig import MigCapabilityError, MigDevice, read_mig_capabilities
 from actors.resources import Resources
 from isolators._grant import gpu_rule, requested_count
 from isolators._recovery import minors
-from isolators._units import UnitCatalog
+from isolators._catalog import UnitCatalog
 from tests.support.errors import raises_isolator_error
 
 PROC = str(Path(__file__).resolve().parents[2] / "examples" / "h200-mig-proc")

@@ -95,7 +95,7 @@ async def test_an_isolator_call_failing_with_another_error_type_breaks_its_step(
     that fails otherwise breaks its step even when the text is the expected one
     (alone and inside ``concurrent``)."""
     from actors.allocator import AllocatorError
-    from isolators._handle import MesosIsolator
+    from isolators._handle import NvidiaGpuIsolator
     from runtime import Future
 
     def refuse(self, container_id, *args):
@@ -110,8 +110,8 @@ async def test_an_isolator_call_failing_with_another_error_type_breaks_its_step(
         "  - cleanup: {id: a}\n"
     )
     script = load_script_file(str(tmp_path / "types.yaml"))
-    monkeypatch.setattr(MesosIsolator, "prepare", refuse)
-    monkeypatch.setattr(MesosIsolator, "update", refuse)
+    monkeypatch.setattr(NvidiaGpuIsolator, "prepare", refuse)
+    monkeypatch.setattr(NvidiaGpuIsolator, "update", refuse)
     lines: list[str] = []
     async with Runtime():
         report = await run_script(script, "memory", echo=lines.append)
