@@ -78,6 +78,8 @@ class UnitCatalog:
         self.pools = {name: frozenset(units) for name, units in pools.items()}
         self.strategy = strategy
         self._pool_of = {unit: name for name, units in self.pools.items() for unit in units}
+        self._one_pool = len(self.pools) <= 1
+        """Every unit counts under ``gpus``."""
         self.mig_devices = frozenset(unit for unit in self._pool_of if isinstance(unit, MigDevice))
         self.has_mig = bool(self.mig_devices)
         """Whether any MIG device is handed out (else the whole-GPU paths apply unchanged)."""
@@ -147,7 +149,10 @@ class UnitCatalog:
     def demand(self, resources: Resources) -> dict[str, int]:
         """Units asked for per resource (see module rules)."""
         wanted = {GPUS: requested_count(resources, GPUS)}
-        for name in resources.names():
+        scalars = resources.scalars
+        if not resources.others and (not scalars or (len(scalars) == 1 and GPUS in scalars)):
+            return wanted  # the common case: nothing but gpus
+        for name in (*resources.scalars, *resources.others):
             if not name.startswith(MIG_RESOURCE_PREFIX):
                 continue
             if self.strategy != "mixed":
@@ -169,6 +174,8 @@ class UnitCatalog:
     def fits(self, units: Iterable[Unit], resources: Resources) -> bool:
         """Whether ``units`` are exactly what ``resources`` ask for (an update with nothing to do)."""
         demand = self.demand(resources)
+        if self._one_pool:  # every unit counts under gpus, the only resource demanded
+            return demand[GPUS] == len(units)  # type: ignore[arg-type]
         held = self.held(units)
         return all(held.get(name, 0) == count for name, count in demand.items()) and all(
             name in demand for name in held)
@@ -197,3 +204,4 @@ class UnitCatalog:
             for host in self.caps.proc_files(device):
                 files.append((host, "/proc/" + os.path.relpath(host, self.caps.proc_dir)))
         return MigFiles(cap_nodes=tuple(nodes), proc_files=tuple(files))
+

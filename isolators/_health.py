@@ -20,7 +20,8 @@ Rules:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from actors.mig import MigDevice, Unit
@@ -55,14 +56,12 @@ class HealthWatches:
         self._pid: PID | None = None
         self._watches: dict[ContainerID, _Watch] = {}
         """Containers somebody watches (dropped when nobody does)."""
+        self.watched: Mapping[ContainerID, Any] = MappingProxyType(self._watches)
+        """``_watches``, read-only: ``id in watched`` says whether anybody watches it."""
 
     def bind(self, pid: PID) -> None:
         """The actor the continuations run on (at its initialize)."""
         self._pid = pid
-
-    def __len__(self) -> int:
-        """Containers somebody watches."""
-        return len(self._watches)
 
     def watch(self, container_id: ContainerID, units: Iterable[Unit]) -> Future:
         """A Future of the container's next ``ContainerLimitation``."""

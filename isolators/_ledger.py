@@ -31,8 +31,8 @@ Rules (R-IS-3/4/6/7, R-DV-5; issue 20 items 2 and 5, issue 29):
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 from actors.mig import Unit
@@ -43,12 +43,31 @@ Owner = Hashable
 """A cgroup the isolator answers for, by its container id."""
 
 
-class Reach(enum.Enum):
-    """Why a cgroup may reach any unit (see the module rules)."""
+class Reach:
+    """Why a cgroup may reach any unit: one of ``FAILED_PREPARE``, ``DRIFT``
+    and ``UNKNOWN_STATE`` (compared by identity; a plain class, not an
+    ``enum.Enum``, whose member lookups cost a call on the hot path)."""
 
-    FAILED_PREPARE = "its prepare failed part-way, so the cgroup may exist without its device rules"
-    DRIFT = "its device rules drifted and could not be repaired"
-    UNKNOWN_STATE = "its device state was unknown at recovery"
+    __slots__ = ("name", "why")
+
+    FAILED_PREPARE: "Reach"
+    DRIFT: "Reach"
+    UNKNOWN_STATE: "Reach"
+
+    def __init__(self, name: str, why: str) -> None:
+        self.name = name
+        self.why = why
+
+    def __repr__(self) -> str:
+        return f"Reach.{self.name}"
+
+
+Reach.FAILED_PREPARE = Reach("FAILED_PREPARE", "its prepare failed part-way, so the cgroup may exist without its"
+                             " device rules")
+Reach.DRIFT = Reach("DRIFT", "its device rules drifted and could not be repaired")
+Reach.UNKNOWN_STATE = Reach("UNKNOWN_STATE", "its device state was unknown at recovery")
+
+_EMPTY: frozenset = frozenset()
 
 
 class Released(NamedTuple):
@@ -60,12 +79,13 @@ class Released(NamedTuple):
 
 
 NOTHING = Released(frozenset(), frozenset())
+"""What a statement that let nothing go returns."""
 
 
 class GpuLedger:
     """Why each unit the isolator took is not free (see the module rules)."""
 
-    __slots__ = ("_held", "_withheld", "_reaching", "_held_back")
+    __slots__ = ("_held", "_withheld", "_reaching", "_held_back", "reaching")
 
     def __init__(self) -> None:
         # Invariant: each value is non-empty; the units of every _held and
@@ -82,6 +102,9 @@ class GpuLedger:
         unknown (a grow under way, or one whose operation failed)."""
         self._reaching: dict[Owner, Reach] = {}
         """Owners whose cgroup may reach any unit, and why."""
+        self.reaching: Mapping[Owner, Reach] = MappingProxyType(self._reaching)
+        """``_reaching``, read-only: ``reaching.get(owner)`` is why ``owner``'s
+        cgroup may reach any unit (None: only its own)."""
         # Invariant: empty whenever _reaching is (the last owner to stop
         # reaching any unit frees them).
         self._held_back: set[Unit] = set()
@@ -90,23 +113,23 @@ class GpuLedger:
     # -- what the ledger says ------------------------------------------------------
     def held(self, owner: Owner) -> frozenset[Unit]:
         """The units ``owner``'s record grants."""
-        return self._held.get(owner, frozenset())
+        return self._held.get(owner, _EMPTY)
 
     def withheld(self, owner: Owner) -> frozenset[Unit]:
         """The units withheld for ``owner`` (its kernel state for them unknown)."""
         return frozenset(self._withheld.get(owner, ()))
 
-    def reach(self, owner: Owner) -> Reach | None:
-        """Why ``owner``'s cgroup may reach any unit (None: only its own)."""
-        return self._reaching.get(owner)
-
-    def reaching(self) -> dict[Owner, Reach]:
-        """Every owner whose cgroup may reach any unit, and why."""
-        return dict(self._reaching)
-
     def held_back(self) -> frozenset[Unit]:
         """The units held back while a cgroup may reach any unit."""
         return frozenset(self._held_back)
+
+    def shown(self, owner: Owner) -> frozenset[Unit]:
+        """The units ``owner``'s record shows as its own: those it holds, or,
+        its device state unknown at recovery, every unit held back (the
+        quarantine)."""
+        if self._reaching.get(owner) is Reach.UNKNOWN_STATE:
+            return frozenset(self._held_back)
+        return self._held.get(owner, _EMPTY)
 
     def has(self, owner: Owner) -> bool:
         """Whether ``owner`` holds, withholds or may reach anything."""
@@ -128,10 +151,10 @@ class GpuLedger:
     # -- units coming in -------------------------------------------------------------
     def hold(self, owner: Owner, units: Iterable[Unit]) -> None:
         """The allocator gave ``units`` for ``owner``'s record (a prepare, a recovery)."""
-        units = frozenset(units)
         if units:
+            units = frozenset(units)
             self._check_new(units)
-            self._held[owner] = self._held.get(owner, frozenset()) | units
+            self._held[owner] = self._held.get(owner, _EMPTY) | units
 
     def withhold(self, owner: Owner, units: Iterable[Unit]) -> None:
         """The allocator gave ``units`` for ``owner`` beyond its record (a grow
@@ -183,7 +206,7 @@ class GpuLedger:
 
     def removed(self, owner: Owner) -> Released:
         """``owner``'s cgroup is gone: it reaches nothing."""
-        if not self.has(owner):
+        if owner not in self._held and owner not in self._withheld and owner not in self._reaching:
             return NOTHING
         going = self._held.pop(owner, frozenset()) | frozenset(self._withheld.pop(owner, ()))
         self._reaching.pop(owner, None)

@@ -11,7 +11,7 @@ Rules:
 - A recovery (``recover``) runs one at a time (a Sequence of recoveries),
   once every call issued before it is done (a no-op added to each busy
   container's Sequence); while it runs or waits, every call issued after it
-  waits for it (``recovering``).
+  waits for it (``quiet`` is False meanwhile).
 - Every failure leaves as an ``IsolatorError`` with the original text and
   cause (``as_isolator_error``). An ``AgentCrash`` from device control
   (fault injection's simulated crash) fails the call and every later call:
@@ -67,19 +67,11 @@ class Ordering:
         self._pid = pid
 
     # -- what is in flight -----------------------------------------------------------
-    def in_flight(self, container_id: ContainerID) -> bool:
-        """Whether a call on this container is running or waiting."""
-        return container_id in self._running or container_id in self._sequences
-
-    @property
-    def recovering(self) -> bool:
-        """Whether a recovery runs or waits (every later call waits for it)."""
-        return self._recovering is not None
-
-    @property
-    def crashed(self) -> bool:
-        """Whether the agent "died" (an ``AgentCrash``): every call fails."""
-        return self._crashed is not None
+    def quiet(self, container_id: ContainerID) -> bool:
+        """Whether nothing is in flight on this container, no recovery runs or
+        waits and the agent has not crashed: a call on it may be answered at once."""
+        return (self._recovering is None and self._crashed is None and container_id not in self._running
+                and container_id not in self._sequences)
 
     def sequences(self) -> int:
         """Containers that have a Sequence now (none once every call is done)."""

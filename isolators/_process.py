@@ -236,7 +236,8 @@ class NvidiaGpuIsolatorProcess(Process):
         configured = False  # whether it answered: the cgroup grants exactly ``units``
         try:
             units: set = set(await self.allocator.allocate_resources(demand)) if any(demand.values()) else set()
-            self.ledger.hold(container_id, units)
+            if units:
+                self.ledger.hold(container_id, units)
             touched = True
             await self.devices.configure(cgroup, self.policies.of(units))
             configured = True
@@ -296,7 +297,7 @@ class NvidiaGpuIsolatorProcess(Process):
         """A nested container's launch info: it shares its top-level container's grant (R-CD-1)."""
         launch = await self._launch_info(container_id, config)
         root = container_id.root()
-        if root not in self.records or self.ledger.reach(root) is Reach.UNKNOWN_STATE:
+        if root not in self.records or self.ledger.reaching.get(root) is Reach.UNKNOWN_STATE:
             return launch
         return self.specs.attach_nested(container_id, launch, self.ledger.held(root))
 
@@ -306,8 +307,8 @@ class NvidiaGpuIsolatorProcess(Process):
         if container_id.has_parent():
             raise IsolatorError("Not supported for nested containers")
         ordering = self.ordering
-        if (container_id in self.records and not ordering.in_flight(container_id) and not ordering.crashed
-                and not ordering.recovering and self.ledger.reach(container_id) is not Reach.UNKNOWN_STATE
+        if (container_id in self.records and ordering.quiet(container_id)
+                and self.ledger.reaching.get(container_id) is not Reach.UNKNOWN_STATE
                 and self.catalog.fits(self.ledger.held(container_id), resources)):
             self._metrics.update.runs.inc()
             return None  # nothing to change, and no earlier call on it in flight: done now
@@ -319,7 +320,7 @@ class NvidiaGpuIsolatorProcess(Process):
         if cgroup is None:
             raise IsolatorError("Unknown container")
         demand = self.catalog.demand(resources)
-        if self.ledger.reach(container_id) is Reach.UNKNOWN_STATE:
+        if self.ledger.reaching.get(container_id) is Reach.UNKNOWN_STATE:
             raise IsolatorError(
                 f"Container {container_id}: its device state was unknown at recovery (GPUs"
                 f" {minors(self.ledger.held_back())} are held back for it); it can only be cleaned up"
@@ -400,16 +401,18 @@ class NvidiaGpuIsolatorProcess(Process):
             await self.devices.configure(cgroup, self.policies.of(()))
             self.repair.lingering[container_id] = "still has processes"
             logger.warning("Container %s: cgroup '%s' still has processes; it stays, its GPUs %s were denied"
-                           " and released", container_id, cgroup, minors(self._units_of(container_id)))
+                           " and released", container_id, cgroup, minors(self.ledger.shown(container_id)))
         del self.records[container_id]
-        self.watches.forget(container_id)
-        reach = self.ledger.reach(container_id)
+        if container_id in self.watches.watched:
+            self.watches.forget(container_id)
+        reach = self.ledger.reaching.get(container_id)
         released = self.ledger.removed(container_id) if removed else self.ledger.enforced(container_id, ())
-        await self.repair.give_back(released)
+        if released.freed or released.held_back:
+            await self.repair.give_back(released)
         if reach is Reach.UNKNOWN_STATE and self.ledger.held_back():
             logger.warning("Container %s: cleaned up; GPUs %s stay out of the free pool until %s (which may reach any"
                            " GPU) are cleaned up or repaired", container_id, minors(self.ledger.held_back()),
-                           sorted(str(cid) for cid in self.ledger.reaching()))
+                           sorted(str(cid) for cid in self.ledger.reaching))
         if container_id in self._device_dirs:
             await self._remove_device_copies(container_id)
         if logger.isEnabledFor(logging.INFO):
@@ -482,7 +485,7 @@ class NvidiaGpuIsolatorProcess(Process):
                 self._report(f"Container {cid}: recovery repaired its device rules: {line}")
             if failed is not None:
                 self._report(f"Container {cid}: recovery {failed.description}")
-        unknown = [cid for cid in self.records if self.ledger.reach(cid) is Reach.UNKNOWN_STATE]
+        unknown = [cid for cid in self.records if self.ledger.reaching.get(cid) is Reach.UNKNOWN_STATE]
         known = {cid: self.ledger.held(cid) for cid in self.records if cid not in unknown}
         try:
             for line in await self.specs.recover(known, unknown):
@@ -546,7 +549,7 @@ class NvidiaGpuIsolatorProcess(Process):
         check_container_id(container_id)
         if container_id.has_parent():
             raise IsolatorError("Not supported for nested containers")
-        if self.ordering.in_flight(container_id) or self.ordering.recovering:  # answer in arrival order
+        if not self.ordering.quiet(container_id):  # answer in arrival order
             return self.ordering.call(container_id, self._usage_in_order, container_id)
         return self._usage_now(container_id)
 
@@ -557,7 +560,7 @@ class NvidiaGpuIsolatorProcess(Process):
     def _usage_now(self, container_id: ContainerID) -> Any:
         if container_id not in self.records:
             raise IsolatorError("Unknown container")
-        return self.usages.read(self._units_of(container_id))
+        return self.usages.read(self.ledger.shown(container_id))
 
     def watch(self, container_id: ContainerID) -> Any:
         """R-IS-9: a Future of a ContainerLimitation, raised when one of the
@@ -577,16 +580,9 @@ class NvidiaGpuIsolatorProcess(Process):
     async def _watch(self, container_id: ContainerID) -> tuple[Future]:
         if container_id not in self.records:
             raise IsolatorError("Unknown container")
-        return (self.watches.watch(container_id, self._units_of(container_id)),)
+        return (self.watches.watch(container_id, self.ledger.shown(container_id)),)
 
     def containers(self) -> dict[str, list[int]]:
         """The containers known and the minors each holds (for scripts and tests);
         a MIG device is written ``195:0/gi3/ci0``."""
-        return {str(cid): minors(self._units_of(cid)) for cid in self.records}
-
-    def _units_of(self, container_id: ContainerID) -> frozenset:
-        """The units a container holds: its record's, or (its device state was
-        unknown at recovery) every unit held back for it."""
-        if self.ledger.reach(container_id) is Reach.UNKNOWN_STATE:
-            return self.ledger.held_back()
-        return self.ledger.held(container_id)
+        return {str(cid): minors(self.ledger.shown(cid)) for cid in self.records}

@@ -41,6 +41,7 @@ import logging
 from typing import Any
 
 from actors.devices import DeviceControl, ForeignProgramsError
+from runtime import Future
 
 from ._catalog import UnitCatalog
 from ._grant import Policies
@@ -52,6 +53,8 @@ from ._types import ContainerID, Repair
 __all__ = ["KernelRepair"]
 
 logger = logging.getLogger(__name__)
+
+_DONE: Future[None] = Future.ready(None)
 
 
 class KernelRepair:
@@ -71,15 +74,17 @@ class KernelRepair:
         unknown removal), and why; what it may still reach is in the ledger."""
 
     # -- the ledger's decisions, carried out ------------------------------------------
-    async def give_back(self, released: Released) -> None:
-        """Carry out what the ledger let go: ``freed`` back to the allocator;
-        ``held_back`` stay while a cgroup may reach any unit (logged)."""
+    def give_back(self, released: Released) -> Future[None]:
+        """Carry out what the ledger let go: ``freed`` back to the allocator
+        (the Future of it: await it); ``held_back`` stay while a cgroup may
+        reach any unit (logged)."""
         if released.held_back:
             logger.warning("GPUs %s released stay out of the free pool while the cgroups of %s, which may reach any"
                            " GPU, are not removed or repaired", minors(released.held_back),
-                           sorted(str(cid) for cid in self._ledger.reaching()))
+                           sorted(str(cid) for cid in self._ledger.reaching))
         if released.freed:
-            await self._allocator.deallocate(released.freed)
+            return self._allocator.deallocate(released.freed)
+        return _DONE
 
     async def reaches_any(self, cid: ContainerID, reach: Reach) -> frozenset:
         """``cid``'s cgroup may reach any unit: tell the ledger, and take every
@@ -100,7 +105,7 @@ class KernelRepair:
         """R-DV-5 for one container (its record is ``cgroup`` and its units in
         the ledger): the repairs made; units withheld for it go back once the
         kernel enforces its record."""
-        if self._ledger.reach(cid) is Reach.UNKNOWN_STATE:
+        if self._ledger.reaching.get(cid) is Reach.UNKNOWN_STATE:
             return []
         lines, failed = await self.enforce_record(cid, cgroup)
         repairs = [Repair(str(cid), line) for line in lines]

@@ -244,6 +244,8 @@ class GpuAllocatorProcess(Process):
     def allocate_resources(self, demand: dict[str, int]) -> set[Unit]:
         """Units for several resources at once (``{"gpus": 1, "mig-1g.18gb": 2}``),
         all or nothing (see module rules)."""
+        if len(demand) == 1 and "gpus" in demand and "gpus" in self.pools:  # the common case: one count of gpus
+            return self.allocate_count(demand["gpus"])
         wanted: list[tuple[str, int]] = []
         for name, count in demand.items():
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:

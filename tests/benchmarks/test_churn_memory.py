@@ -28,7 +28,7 @@ async def test_ten_thousand_lifecycles_leave_nothing_behind() -> None:
             # The isolator: no record, no per-id queue, nothing lingering, nothing in the ledger or watched.
             assert process.records == {} and process.ordering.sequences() == 0
             assert process.repair.lingering == {} and process._device_dirs == set()
-            assert process.ledger.owners() == set() and len(process.watches) == 0
+            assert process.ledger.owners() == set() and process.watches.watched == {}
             assert await isolator.containers() == {}
             assert len(process.policies) <= 1 + 8  # by GPU set (none, or one of 8), not by container
 

@@ -80,9 +80,9 @@ def test_while_a_cgroup_may_reach_any_unit_nothing_is_freed() -> None:
     ledger.reaches_any("x", Reach.FAILED_PREPARE)
     assert ledger.hold_back(gpus(2, 3)) == released(held_back=gpus(2, 3))  # every free unit, taken
     assert ledger.removed("a") == released(held_back=gpus(0))  # released elsewhere: held back too
-    assert ledger.held_back() == gpus(0, 2, 3) and ledger.reach("x") is Reach.FAILED_PREPARE
+    assert ledger.held_back() == gpus(0, 2, 3) and ledger.reaching.get("x") is Reach.FAILED_PREPARE
     assert ledger.removed("x") == released(gpus(0, 2, 3))  # the last one that could reach them is gone
-    assert ledger.held_back() == frozenset() and ledger.reaching() == {}
+    assert ledger.held_back() == frozenset() and ledger.reaching == {}
     assert ledger.units() == gpus(1)
 
 
@@ -96,6 +96,16 @@ def test_held_back_units_wait_for_the_last_cgroup_that_may_reach_them() -> None:
     assert ledger.removed("u2") == released(gpus(0, 1))
 
 
+def test_a_container_of_unknown_state_shows_the_quarantine_as_its_own() -> None:
+    ledger = GpuLedger()
+    ledger.hold("known", gpus(0))
+    ledger.reaches_any("unknown", Reach.UNKNOWN_STATE)
+    ledger.reaches_any("drifted", Reach.DRIFT)
+    ledger.hold_back(gpus(1, 2))
+    assert ledger.shown("unknown") == gpus(1, 2)
+    assert ledger.shown("known") == gpus(0) and ledger.shown("drifted") == frozenset()  # its record's own
+
+
 def test_a_repaired_drift_frees_what_was_held_back_for_it() -> None:
     ledger = GpuLedger()
     ledger.hold("c1", gpus(0))
@@ -104,7 +114,7 @@ def test_a_repaired_drift_frees_what_was_held_back_for_it() -> None:
     ledger.hold_back(gpus(2, 3))
     assert ledger.removed("c2") == released(held_back=gpus(1))
     assert ledger.enforced("c1", gpus(0)) == released(gpus(1, 2, 3))  # reconciled: the kernel enforces its record
-    assert ledger.reach("c1") is None and ledger.held("c1") == gpus(0)
+    assert ledger.reaching.get("c1") is None and ledger.held("c1") == gpus(0)
 
 
 def test_units_taken_when_nobody_reaches_any_more_are_freed_again() -> None:
@@ -207,7 +217,7 @@ class LedgerAgainstTheKernel(RuleBasedStateMachine):
         self.remove_or_deny(owner, removal, deny)  # the undo; what stays lingers
 
     def updatable(self) -> list[str]:
-        return sorted(o for o in self.records if self.ledger.reach(o) is not Reach.UNKNOWN_STATE)
+        return sorted(o for o in self.records if self.ledger.reaching.get(o) is not Reach.UNKNOWN_STATE)
 
     @precondition(lambda self: self.updatable())
     @rule(data=st.data(), count=st.integers(1, 2), outcome=outcomes,
@@ -265,7 +275,7 @@ class LedgerAgainstTheKernel(RuleBasedStateMachine):
     def reconcile(self, data) -> None:
         """The kernel made to enforce the record (a drift repaired, withheld units settled)."""
         owner = data.draw(st.sampled_from(sorted(self.records)))
-        if self.ledger.reach(owner) is Reach.UNKNOWN_STATE:
+        if self.ledger.reaching.get(owner) is Reach.UNKNOWN_STATE:
             return  # only a cleanup ends it
         self.reach[owner] = self.ledger.held(owner)
         self.apply(self.ledger.enforced(owner, self.ledger.held(owner)))
@@ -308,7 +318,7 @@ class LedgerAgainstTheKernel(RuleBasedStateMachine):
     def held_back_only_while_a_cgroup_may_reach_any(self) -> None:
         """Nothing is held back without need: only while the model has a cgroup that may reach any unit."""
         if not any(reach is ALL for reach in self.reach.values()):
-            assert self.ledger.held_back() == frozenset() and self.ledger.reaching() == {}
+            assert self.ledger.held_back() == frozenset() and self.ledger.reaching == {}
 
     def teardown(self) -> None:
         """Every cgroup removed at last: every unit is free again (none leaked)."""
