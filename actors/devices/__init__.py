@@ -6,11 +6,13 @@ v2 (an eBPF program per cgroup, read back from the kernel) and in-memory. Shaped
 runc's ``libcontainer/cgroups/devices``: a pure rule model (``_rules``),
 one interned policy value (``_policy``), a pure emulator of the v1
 kernel's semantics (``_v1_emulator``), a compiler of policies to eBPF
-(``_device_program``), and backends that only apply,
-driven in line, in a thread or in a device worker process of their own
-(``_drivers``, ``_worker``). Each module states its rules at the top.
-``bpf`` offers the bpf(2) calls to tools that drive the kernel directly;
-``testing`` the fault-injection doubles tests use.
+(``_device_program``), and backends that only apply, each syscall through
+one seam (``_kernel``), driven in line, in a thread or in a device worker
+process of their own (``_drivers``, ``_worker``), every one applying an
+operation through the same function. Each module states its rules at the
+top. ``bpf`` offers the bpf(2) calls to tools that drive the kernel
+directly; ``testing`` the fault-injection doubles tests use (a kernel seam
+that injects faults: the backends have one path).
 
 Names are imported when first used, so that a device worker process can
 import the backend modules alone (``_worker_child``).

@@ -13,19 +13,20 @@ Rules:
   of it or a cgroup inside it) and so to every cgroup below it. Applying
   it again is cheap and changes nothing that holds.
 - Every kernel operation (mkdir, open, each rule write, a read, each bpf(2)
-  command, rmdir ...) goes through ``_kernel_op``, which first calls
-  ``kernel_hook(op, target)`` when one is set (with none set, a backend's
-  hot path may make the same syscalls without the wrapper, reporting
-  errors the same way). An ``OSError``
-  from the hook or the operation becomes a ``KernelOperationError`` naming
-  the operation and the target, with the kernel's errno.
+  command, rmdir ...) goes through the backend's ``kernel`` (``_kernel``:
+  the one seam, production's ``KERNEL`` unless a test gives it a
+  fault-injecting one): one code path, whoever runs it. An ``OSError``
+  becomes a ``KernelOperationError`` naming the operation and the target,
+  with the kernel's errno.
 - A failed ``configure`` / ``reconfigure`` rolls the cgroup back to what it
   was before (a new cgroup is removed again), then raises the original
   error; a rollback that fails too is logged and named in the error.
-- ``apply_batch(ops)`` applies a drained batch of operations in order and
-  returns one result per operation: its value, or the exception it raised
-  (one failure never stops the others): the methods one by one.
-- An exception that is not an ``Exception`` (a simulated crash, see
+- An operation is applied through ``applier(backend)``, the one function
+  every driver (in line, a thread, a device worker process) uses: its
+  method's value, or the exception it raised (one failure never stops the
+  others); an unknown kind is its own error (``unknown_operation``).
+  ``apply_batch(ops)`` applies a batch with it, in order.
+- An exception that is not an ``Exception`` (an ``AgentCrash``, see
   ``actors.devices.testing``) is never rolled back nor caught per
   operation: nothing runs after it, as if the process had died there.
 - ``blocking = False`` marks a backend that never blocks (in memory):
@@ -38,17 +39,14 @@ import errno as errno_module
 import logging
 import os
 import re
-from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from ._errors import InvalidCgroupError, KernelOperationError
+from ._kernel import KERNEL, Kernel
 from ._policy import Policy
 from ._rules import DeviceRule
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-KernelHook = Callable[[str, str], None]
 
 
 def _show(value: object) -> str:
@@ -134,14 +132,25 @@ def unknown_operation(kind: str) -> ValueError:
     return ValueError(f"Unknown device operation {kind!r}")
 
 
-def apply_one(backend: Any, op: DeviceOperation) -> Any:
-    """Run one operation; return its value or the exception it raised."""
-    if op.kind not in OPERATION_KINDS:
-        return unknown_operation(op.kind)
-    try:
-        return getattr(backend, op.kind)(*op.args)
-    except Exception as error:
-        return error
+Applier = Callable[[str, tuple], Any]
+
+
+def applier(backend: Any) -> Applier:
+    """``apply(kind, args)``: one operation on ``backend``, its value or the
+    exception it raised (see module rules); each method looked up once."""
+    methods = {kind: getattr(backend, kind) for kind in OPERATION_KINDS}
+    get = methods.get
+
+    def apply(kind: str, args: tuple) -> Any:
+        method = get(kind)
+        if method is None:
+            return unknown_operation(kind)
+        try:
+            return method(*args)
+        except Exception as error:
+            return error
+
+    return apply
 
 
 @runtime_checkable
@@ -150,7 +159,8 @@ class DeviceBackend(Protocol):
 
     name: str
     root: str
-    kernel_hook: KernelHook | None
+    kernel: Kernel
+    """Where its syscalls go (the one seam; see module rules)."""
     blocking: bool
     """False for a backend that never blocks (in memory): applied in line."""
 
@@ -195,30 +205,24 @@ class DeviceBackend(Protocol):
 
 
 class BackendBase:
-    """Shared plumbing: the root, cgroup paths, and the one kernel-op hook."""
+    """Shared plumbing: the root, cgroup paths, the kernel seam, the applier."""
 
     name = "base"
     blocking = True
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self.kernel_hook: KernelHook | None = None
-        self.fence: Callable[[], None] | None = None
-        """Called before each operation of a batch (a device worker checks
-        that its agent is still there; see ``_worker_child``)."""
+        self.kernel: Kernel = KERNEL
+        self._applier: Applier | None = None
 
     def path(self, cgroup: str) -> str:
         return os.path.join(self.root, validate_cgroup(cgroup))
 
     def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:
-        fence = self.fence
-        if fence is None:
-            return [apply_one(self, op) for op in ops]
-        results = []
-        for op in ops:
-            fence()
-            results.append(apply_one(self, op))
-        return results
+        apply = self._applier
+        if apply is None:
+            apply = self._applier = applier(self)
+        return [apply(op.kind, op.args) for op in ops]
 
     def remove_root(self) -> bool:
         if not os.path.isdir(self.root):
@@ -226,12 +230,12 @@ class BackendBase:
         if self.list_cgroups():
             logger.warning("Device root %s still has cgroups below it; it stays", self.root)
             return False
-        self._kernel_op("rmdir", self.root, os.rmdir, self.root)
+        self.kernel.run("rmdir", self.root, os.rmdir, self.root)
         return True
 
     # -- making cgroups (the kernel backends) ------------------------------------
     def _mkdir(self, path: str) -> None:
-        self._kernel_op("mkdir", path, os.mkdir, path)
+        self.kernel.run("mkdir", path, os.mkdir, path)
 
     def _ensure_root(self) -> None:
         """mkdir the root unless it exists (another agent may make it meanwhile)."""
@@ -244,17 +248,16 @@ class BackendBase:
 
     def _create(self, path: str) -> bool:
         """mkdir ``path`` (and the root when missing); False if it already
-        exists. The common case is one plain mkdir (no stat first); errors
-        are reported as ``_kernel_op`` reports them."""
+        exists. The common case is one mkdir (no stat first)."""
         try:
-            os.mkdir(path)
+            self._mkdir(path)
             return True
-        except FileExistsError:
-            return False
-        except FileNotFoundError:
-            self._ensure_root()
-        except OSError as error:
-            self._kernel_op("mkdir", path, reraise, error)
+        except KernelOperationError as error:
+            if error.errno == errno_module.EEXIST:
+                return False
+            if error.errno != errno_module.ENOENT:
+                raise
+        self._ensure_root()
         try:
             self._mkdir(path)
         except KernelOperationError as error:
@@ -262,25 +265,6 @@ class BackendBase:
                 return False
             raise
         return True
-
-    def _kernel_op(self, op: str, target: str, fn: Callable[..., T], *args: Any) -> T:
-        """Run one kernel operation through the hook (see module rules)."""
-        try:
-            hook = self.kernel_hook
-            if hook is not None:
-                hook(op, target)
-            return fn(*args)
-        except OSError as error:
-            reason = error.strerror or os.strerror(error.errno or 0)
-            code = errno_module.errorcode.get(error.errno or 0, str(error.errno))
-            raise KernelOperationError(
-                f"Failed to {op} {target}: {reason} ({code})", error.errno
-            ) from error
-
-
-def reraise(error: OSError) -> None:
-    """Raise ``error`` (for ``_kernel_op`` to report an error already caught)."""
-    raise error
 
 
 def list_cgroup_dirs(root: str) -> list[str]:

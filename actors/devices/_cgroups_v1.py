@@ -18,15 +18,15 @@ Backend rules:
   ``a *:* rwm``.
 - A failed operation converges the cgroup back to the list it had (or
   removes the cgroup it created) and re-raises.
-- Hot path (churn): the writes of a policy to a new cgroup are planned once
-  per policy (``Policy.v1_plan``); a ``devices.list`` text that a plan
-  wrote is found by its text (``read_listing``: an update reads what its
-  prepare wrote) and any other is read line by line without building
-  rules; with no ``kernel_hook`` set,
+- One path for every operation (the kernel seam, ``_kernel``: faults are
+  injected there, never by another path). Hot path (churn): the writes of
+  a policy to a new cgroup are planned once per policy
+  (``Policy.v1_plan``); a ``devices.list`` text that a plan wrote is found
+  by its text (``read_listing``: an update reads what its prepare wrote)
+  and any other is read line by line without building rules;
   ``configure`` tries mkdir first (EEXIST: an existing cgroup) instead of a
-  stat, and writes the plan without a wrapper call per rule. The syscalls
-  and errors are the same; with a hook set every operation is reported in
-  the plain order.
+  stat; the rules to one file are written in one loop
+  (``Kernel.write_lines``), one ``write(2)`` each.
 - ``confine`` (the port's exception to "below the root") writes deny rules
   only, never ``a``: a confined cgroup such as ``user.slice`` has children
   and live sessions, which keep every other device.
@@ -39,7 +39,7 @@ import logging
 import os
 from typing import Iterable
 
-from ._backend import BackendBase, list_cgroup_dirs, reraise, validate_cgroup, validate_cgroups_root, validate_confined
+from ._backend import BackendBase, list_cgroup_dirs, validate_cgroup, validate_cgroups_root, validate_confined
 from ._errors import DeviceControlError, KernelOperationError
 from ._policy import Policy, as_policy
 from ._rules import DeviceRule, check_diff
@@ -59,9 +59,6 @@ class CgroupsV1Backend(BackendBase):
     """Device rules through the cgroups v1 devices controller (see module rules)."""
 
     name = "cgroups_v1"
-    applies_each = True
-    """Operations are independent (no batch-wide write): a device worker may
-    apply them one by one and report as it goes."""
 
     def __init__(self, hierarchy: str, cgroups_root: str = "gpu-isolator") -> None:
         if not os.path.isfile(os.path.join(hierarchy, "devices.allow")):
@@ -80,42 +77,32 @@ class CgroupsV1Backend(BackendBase):
 
     def _read_list(self, path: str) -> str:
         file = path + "/devices.list"
-        return self._kernel_op("read", file, _read_text, file)
+        return self.kernel.run("read", file, _read_text, file)
 
     def _read_table(self, path: str) -> ExceptionTable:
         return read_listing(self._read_list(path))
 
     def _write(self, path: str, writes: list[tuple[str, str]]) -> None:
-        fds: dict[str, int] = {}
-        op = self._kernel_op
-        try:
-            for name, line in writes:
-                fd = fds.get(name)
-                if fd is None:
-                    file = path + "/" + name
-                    fd = fds[name] = op("open", file, os.open, file, os.O_WRONLY | os.O_CLOEXEC)
-                op(f"write '{line}' to", path + "/" + name, os.write, fd, line.encode())
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        """The writes ``(file name, rule line)``, in order (``_write_groups``)."""
+        groups: list[tuple[str, list[bytes]]] = []
+        for name, line in writes:
+            if not groups or groups[-1][0] != name:
+                groups.append((name, []))
+            groups[-1][1].append(line.encode())
+        self._write_groups(path, groups)
 
-    def _write_groups(self, path: str, groups: tuple[tuple[str, tuple[bytes, ...]], ...]) -> None:
-        """``_write`` for a cached plan with no hook set: the same syscalls,
-        the same errors, without a wrapper call per rule."""
+    def _write_groups(self, path: str, groups: Iterable[tuple[str, Iterable[bytes]]]) -> None:
+        """Each group's lines to its file, in order: one open per file, one
+        ``write(2)`` per line (see the module's kernel rules)."""
         fds: dict[str, int] = {}
-        write = os.write
+        kernel = self.kernel
         try:
             for name, lines in groups:
-                fd = fds.get(name)
                 file = path + "/" + name
+                fd = fds.get(name)
                 if fd is None:
-                    fd = fds[name] = self._kernel_op("open", file, os.open, file, os.O_WRONLY | os.O_CLOEXEC)
-                data = b""
-                try:
-                    for data in lines:
-                        write(fd, data)
-                except OSError as error:  # reported exactly as _kernel_op does
-                    self._kernel_op(f"write '{data.decode()}' to", file, reraise, error)
+                    fd = fds[name] = kernel.run("open", file, os.open, file, os.O_WRONLY | os.O_CLOEXEC)
+                kernel.write_lines(fd, file, lines)
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -135,7 +122,7 @@ class CgroupsV1Backend(BackendBase):
     def _rollback(self, path: str, previous: ExceptionTable | None, error: Exception) -> None:
         try:
             if previous is None:
-                self._kernel_op("rmdir", path, os.rmdir, path)
+                self.kernel.run("rmdir", path, os.rmdir, path)
             else:
                 now = self._read_table(path)
                 self._write(path, plan_writes(now, previous))
@@ -150,19 +137,15 @@ class CgroupsV1Backend(BackendBase):
     ) -> Policy:
         path = self.path(cgroup)
         plan = as_policy(allow, deny).v1_plan
-        if self.kernel_hook is not None:  # every kernel operation told, in the plain order
-            current = self._read_table(path) if os.path.isdir(path) else None
-        elif self._create(path):
+        if self._create(path):
             # The common case, a new cgroup: mkdir and the writes, nothing else.
             try:
                 self._write_groups(path, plan.groups)
-            except Exception as error:
+            except Exception as error:  # not a simulated crash: nothing runs after one
                 self._rollback(path, None, error)
                 raise
             return plan.enforced
-        else:
-            current = self._read_table(path)
-        self._apply(path, current, plan.target)
+        self._apply(path, self._read_table(path), plan.target)
         return plan.enforced
 
     def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> Policy:
@@ -183,7 +166,7 @@ class CgroupsV1Backend(BackendBase):
     def remove(self, cgroup: str) -> bool:
         path = self.path(cgroup)
         try:
-            self._kernel_op("rmdir", path, os.rmdir, path)
+            self.kernel.run("rmdir", path, os.rmdir, path)
         except KernelOperationError as error:
             if error.errno == errno.ENOENT:
                 return True

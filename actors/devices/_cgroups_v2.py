@@ -20,8 +20,8 @@ Rules:
   ``BPF_F_ALLOW_MULTI``; a new policy replaces the old program in place
   (``BPF_F_REPLACE``), so there is never a moment with none or two. After
   attaching, the backend checks that exactly one own program is attached
-  (not on a cgroup the same call made with mkdir, when no ``kernel_hook``
-  is set: it had no program, so the attach that succeeded left one).
+  (not on a cgroup the same call made with mkdir: it had no program, so
+  the attach that succeeded left one).
   Programs of others on the same cgroup are left alone (the kernel runs them
   all; every one must allow).
 - A new cgroup (mkdir) gets its program attached at once; replacing the
@@ -31,8 +31,10 @@ Rules:
   cgroup's programs up one by one.
 - A failed operation restores the cgroup's previous program (or removes the
   cgroup it created), then raises. Operations are independent: each one
-  of a batch is applied on its own (a device worker may report them as it
-  goes, ``applies_each``).
+  of a batch is applied on its own (a device worker reports them as it
+  goes).
+- One path for every operation: each syscall goes through the kernel seam
+  (``_kernel``), where faults are injected, never by another path.
 - ``remove`` is ``rmdir`` alone: the kernel frees a removed cgroup's
   programs with it, while detaching first would leave a cgroup that still
   has processes (rmdir EBUSY) with no device rules.
@@ -96,9 +98,6 @@ class CgroupsV2Backend(BackendBase):
     """Device rules as eBPF programs on a cgroup2 hierarchy (see module rules)."""
 
     name = "cgroups_v2"
-    applies_each = True
-    """Operations are independent: a device worker may apply them one by one
-    and report as it goes."""
 
     def __init__(self, hierarchy: str, cgroups_root: str = "gpu-isolator", program_name: str = PROGRAM_NAME) -> None:
         if not os.path.isfile(os.path.join(hierarchy, "cgroup.controllers")):
@@ -154,7 +153,7 @@ class CgroupsV2Backend(BackendBase):
     def remove(self, cgroup: str) -> bool:
         path = self.path(cgroup)
         try:
-            self._kernel_op("rmdir", path, os.rmdir, path)
+            self.kernel.run("rmdir", path, os.rmdir, path)
         except KernelOperationError as error:
             if error.errno == errno.EBUSY:
                 logger.warning(
@@ -202,7 +201,7 @@ class CgroupsV2Backend(BackendBase):
             previous = self._attached.get(cgroup)
         repairs: list[str] = []
         created = False
-        if kind == "configure" and previous is None and self.kernel_hook is None:
+        if kind == "configure" and previous is None:
             # A new container's cgroup, the common case: mkdir first, no stat.
             created = self._create(path)
         elif not os.path.isdir(path):
@@ -241,7 +240,7 @@ class CgroupsV2Backend(BackendBase):
     def _rollback(self, path: str, created: bool, previous: Policy | None, error: Exception) -> None:
         try:
             if created:
-                self._kernel_op("rmdir", path, os.rmdir, path)
+                self.kernel.run("rmdir", path, os.rmdir, path)
             elif previous is not None:
                 self._attach(path, previous, fresh=False)
         except Exception as rollback_error:
@@ -253,7 +252,7 @@ class CgroupsV2Backend(BackendBase):
         and its program is still loaded, swap it for ``access``'s straight away;
         otherwise (or when the check after finds anything else) look every
         program up (``_attach``)."""
-        if previous is not None and self.kernel_hook is None:
+        if previous is not None:
             old = self._programs.get(previous.program[0])
             if old is not None:
                 try:
@@ -265,7 +264,7 @@ class CgroupsV2Backend(BackendBase):
 
     def _quick_replace(self, path: str, access: Policy, previous: Policy, old_fd: int) -> None:
         code, _tags = access.program
-        op = self._kernel_op
+        op = self.kernel.run
         fds = [op("open", path, os.open, path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
         try:
             cgroup_fd = fds[0]
@@ -276,8 +275,9 @@ class CgroupsV2Backend(BackendBase):
                 if not cached:
                     fds.append(prog_fd)
                 try:
-                    _bpf.prog_attach(cgroup_fd, prog_fd, _bpf.BPF_F_ALLOW_MULTI | _bpf.BPF_F_REPLACE, old_fd)
-                except OSError:  # not attached there any more (or not ours): look it up
+                    op("attach (replace) device program to", path, _bpf.prog_attach, cgroup_fd, prog_fd,
+                       _bpf.BPF_F_ALLOW_MULTI | _bpf.BPF_F_REPLACE, old_fd)
+                except KernelOperationError:  # not attached there any more (or not ours): look it up
                     raise _Recheck() from None
                 if not cached:
                     fds.remove(prog_fd)  # now owned by the cache
@@ -301,7 +301,7 @@ class CgroupsV2Backend(BackendBase):
         Returns what it had to change beyond the normal replace, in words;
         ``foreign_out`` gets the ids of the programs of others attached."""
         code, tags = access.program
-        op = self._kernel_op
+        op = self.kernel.run
         fds: list[int] = []
         repairs: list[str] = []
         cgroup_fd = op("open", path, os.open, path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -347,7 +347,7 @@ class CgroupsV2Backend(BackendBase):
                             " (attach flags %d); device control needs multi-attach." % flags
                         )
                     raise
-            if fresh and self.kernel_hook is None:
+            if fresh:
                 # A cgroup this call made (its mkdir succeeded) had no program:
                 # the attach that succeeded left exactly one, ours.
                 if not cached:
@@ -383,7 +383,7 @@ class CgroupsV2Backend(BackendBase):
 
     def _read_state(self, path: str) -> Policy | None:
         """The policy of the first program of ours on ``path`` (see module rules)."""
-        op = self._kernel_op
+        op = self.kernel.run
         fds = [op("open", path, os.open, path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
         try:
             _flags, ids = op("query device programs of", path, _bpf.prog_query, fds[0])
@@ -412,9 +412,9 @@ class CgroupsV2Backend(BackendBase):
         if hit is not None:
             self._programs.move_to_end(code)
             return hit[0], hit[1], True
-        fd = self._kernel_op("load device program for", path, _bpf.prog_load, code, self.program_name)
+        fd = self.kernel.run("load device program for", path, _bpf.prog_load, code, self.program_name)
         try:
-            prog_id = self._kernel_op("read program info for", path, _bpf.prog_info, fd).id
+            prog_id = self.kernel.run("read program info for", path, _bpf.prog_info, fd).id
         except BaseException:
             os.close(fd)
             raise
@@ -433,13 +433,13 @@ class CgroupsV2Backend(BackendBase):
     def _open_program(self, prog_id: int, fds: list[int]) -> tuple[_bpf.ProgInfo | None, int]:
         """Open an attached program by id and read its info (None if it just went away)."""
         try:
-            fd = self._kernel_op("open device program", str(prog_id), _bpf.prog_get_fd_by_id, prog_id)
+            fd = self.kernel.run("open device program", str(prog_id), _bpf.prog_get_fd_by_id, prog_id)
         except KernelOperationError as error:
             if error.errno == errno.ENOENT:
                 return None, -1
             raise
         fds.append(fd)
-        return self._kernel_op("read info of device program", str(prog_id), _bpf.prog_info, fd), fd
+        return self.kernel.run("read info of device program", str(prog_id), _bpf.prog_info, fd), fd
 
 
 def _close_programs(programs: "OrderedDict[bytes, tuple[int, int]]") -> None:

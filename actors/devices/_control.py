@@ -51,7 +51,7 @@ from ._backend import DeviceBackend, DeviceOperation, _check_relative, validate_
 from ._cgroups_v1 import CgroupsV1Backend
 from ._cgroups_v2 import CgroupsV2Backend
 from ._detect import resolve_backend
-from ._drivers import InlineDriver, ThreadDriver
+from ._drivers import Driver, InlineDriver, ThreadDriver
 from ._errors import DeviceControlError, WorkerError
 from ._lock import LOCK_TIMEOUT, WorkDirLock
 from ._memory import MemoryBackend
@@ -60,8 +60,6 @@ from ._rules import DeviceRule, check_diff
 from ._worker import WorkerDriver
 
 logger = logging.getLogger(__name__)
-
-Driver = InlineDriver | ThreadDriver | WorkerDriver
 
 _operation = tuple.__new__
 """``_operation(DeviceOperation, (kind, args))``: the NamedTuple without its

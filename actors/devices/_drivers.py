@@ -1,9 +1,10 @@
 """Drivers: how device control runs a backend's work (in line or in a thread).
 
-A driver takes each operation with ``submit(op)`` and returns a Future of
-its result. There are three: ``InlineDriver`` and ``ThreadDriver`` here,
-``WorkerDriver`` (a device worker process) in ``_worker``. Device control
-picks one when it is created and only ever calls these methods:
+A driver (``Driver``, a ``typing.Protocol``) takes each operation with
+``submit(op)`` and returns a Future of its result. There are three:
+``InlineDriver`` and ``ThreadDriver`` here, ``WorkerDriver`` (a device
+worker process) in ``_worker``. Device control picks one when it is created
+and only ever calls these methods:
 
 - ``bind(later)``: from now on ``later(fn)`` runs ``fn()`` on the device
   control actor (a coroutine it returns runs as one of its async methods).
@@ -17,6 +18,9 @@ picks one when it is created and only ever calls these methods:
   waits until nothing of it can touch the kernel any more.
 
 Rules:
+- Every driver applies an operation through the backend's one function
+  (``_backend.applier``; a batch through ``apply_batch``, which uses it), as
+  the device worker process does.
 - ``InlineDriver``: a backend that never blocks (in memory) is applied at
   once, on the actor, with no hop.
 - ``ThreadDriver``: group commit. An operation that arrives while an
@@ -29,18 +33,47 @@ Rules:
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from runtime import Executor, Future, Promise
 
-from ._backend import BackendBase, DeviceBackend, DeviceOperation, apply_one
+from ._backend import DeviceBackend, DeviceOperation, applier
 from ._lock import WorkDirLock
 
 Entry = tuple[DeviceOperation, Promise]
 
 
+class Driver(Protocol):
+    """How device control runs a backend's work (see module rules)."""
+
+    name: str
+    root: str
+    batches: int
+    """Batches handed to the backend so far (one per operation in line)."""
+
+    @property
+    def pid(self) -> int | None:
+        """The device worker process's id while one runs (None otherwise)."""
+
+    def bind(self, later: Callable[[Callable[[], Any]], Any]) -> None:
+        """From now on ``later(fn)`` runs ``fn()`` on the device control actor."""
+
+    def path(self, cgroup: str) -> str:
+        """The absolute path of ``cgroup``."""
+
+    def submit(self, op: DeviceOperation) -> Future:
+        """A Future of ``op``'s result (see module rules)."""
+
+    def stop(self, error: BaseException) -> None:
+        """Fail what is queued or in flight with ``error``; release what it holds."""
+
+    async def wait_stopped(self) -> None:
+        """Until nothing of it can touch the kernel any more."""
+
+
 def apply_batch(backend: DeviceBackend, ops: Sequence[DeviceOperation]) -> list[Any]:
-    """``backend.apply_batch(ops)``; a batch that broke gives its error to every operation."""
+    """``backend.apply_batch(ops)`` (each through its applier); a batch that
+    broke (a non-``Exception``) gives its error to every operation."""
     try:
         return backend.apply_batch(ops)
     except BaseException as error:  # noqa: BLE001 - the job broke: every caller hears it
@@ -66,8 +99,7 @@ class InlineDriver:
         self.name = backend.name
         self.root = backend.root
         self.batches = 0
-        self._one_by_one = getattr(type(backend), "apply_batch", None) is BackendBase.apply_batch
-        """Its batches are the operations one by one: one needs no batch."""
+        self._apply = applier(backend)
 
     def bind(self, later: Callable[[Callable[[], Any]], Any]) -> None:
         pass
@@ -77,14 +109,10 @@ class InlineDriver:
 
     def submit(self, op: DeviceOperation) -> Future:
         self.batches += 1
-        backend = self.backend
-        if self._one_by_one and backend.fence is None:
-            try:
-                result = apply_one(backend, op)
-            except BaseException as error:  # noqa: BLE001 - a simulated crash, as apply_batch gives it
-                result = error
-        else:
-            result = apply_batch(backend, [op])[0]
+        try:
+            result = self._apply(op.kind, op.args)
+        except BaseException as error:  # noqa: BLE001 - a simulated crash, as apply_batch gives it
+            result = error
         if isinstance(result, BaseException):
             return Future.failed(result)
         return Future.ready(result)

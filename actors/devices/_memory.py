@@ -3,9 +3,10 @@
 Rules:
 - The same semantics as the kernel backends, kept in a dict
   ``cgroup -> Policy``; for non-root use and the demo.
-- Its pretend kernel operations (``mkdir``, ``apply``, ``rmdir``) still go
-  through the hook, so faults can be injected here too (with no hook set
-  they are plain calls: no path is built for a hook nobody listens on).
+- Its pretend kernel operations (``mkdir``, ``apply``, ``rmdir``) go
+  through the kernel seam like the kernel backends' syscalls (``_kernel``:
+  one path; faults are injected there): a new cgroup is made, then its
+  policy applied, as the kernel backends do.
 - Processes never live in a memory cgroup, so ``remove`` always succeeds.
 - ``reconcile`` has nothing to drift from: it stores ``desired`` when the
   record differs and says so.
@@ -48,6 +49,7 @@ class MemoryBackend(BackendBase):
 
     def __init__(self, root: str = "memory:/gpu-isolator", shared: bool = False) -> None:
         super().__init__(root)
+        self._prefix = root.rstrip("/") + "/"
         self._shared = shared
         self._cgroups: dict[str, Policy] = _PRETEND_KERNEL.setdefault(root, {}) if shared else {}
         self._children: dict[str, int] = _PRETEND_CHILDREN.setdefault(root, {}) if shared else {}
@@ -111,20 +113,14 @@ class MemoryBackend(BackendBase):
         )
 
     def _pretend(self, op: str, cgroup: str, fn: Any, *args: Any) -> None:
-        """One pretend kernel operation, told to the hook when one is set."""
-        if self.kernel_hook is None:
-            fn(*args)
-        else:
-            self._kernel_op(op, self.path(cgroup), fn, *args)
+        """One pretend kernel operation on (validated) ``cgroup``, through the kernel seam."""
+        self.kernel.run(op, self._prefix + cgroup, fn, *args)
 
     def configure(
         self, cgroup: str, allow: Policy | Iterable[DeviceRule], deny: Iterable[DeviceRule] = ()
     ) -> Policy:
         validate_cgroup(cgroup)
         access = as_policy(allow, deny)
-        if self.kernel_hook is None:  # nothing can fail between the mkdir and the rules: one step
-            self._set(cgroup, access)
-            return access
         if cgroup not in self._cgroups:
             self._pretend("mkdir", cgroup, self._set, cgroup, Policy())
             try:

@@ -20,17 +20,16 @@ Rules:
   cannot start, while this process can still touch the kernel.
 - It builds the one backend (v1 or v2), answers ``ready`` or the error that
   building raised (a bad hierarchy) and then applies batches in the order
-  they come: one value or exception per operation. A backend with
-  ``applies_each`` (v1, v2) gets the operations one at a time and results
-  go back at least every ``SLICE`` seconds; any other applies a batch
-  whole. See ``_frames`` for the frames.
+  they come, one operation at a time, each through the same function as
+  every driver in the agent (``_backend.applier``): one value or exception
+  per operation; results go back at least every ``SLICE`` seconds. See
+  ``_frames`` for the frames.
 - Log records are collected and go back with the results.
 - It exits when the agent closes its end of the pipe (or stops reading).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -39,13 +38,12 @@ import sys
 import time
 from typing import Any
 
-from ._backend import OPERATION_KINDS, DeviceOperation, unknown_operation
+from ._backend import applier
 from ._errors import DeviceControlError
 from ._frames import FrameReader, unwire, wire, write_frame
 
 SLICE = 0.0005
-"""Seconds between result frames while an ``applies_each`` backend works
-through a batch."""
+"""Seconds between result frames while the backend works through a batch."""
 
 PR_SET_PDEATHSIG = 1
 FENCED_EXIT = 3
@@ -120,7 +118,6 @@ def main(argument: str) -> None:
     except Exception as error:
         write_frame(write_fd, ("error", error, collect.take()))
         return
-    backend.fence = functools.partial(check_parent, parent)
     try:
         write_frame(write_fd, ("ready", (backend.name, backend.root), collect.take()))
         serve(backend, read_fd, write_fd, parent, collect)
@@ -135,9 +132,7 @@ def main(argument: str) -> None:
 def serve(backend: Any, read_fd: int, write_fd: int, parent: int, collect: _Collect) -> None:
     """Apply batches until the agent closes its end (see module rules)."""
     frames = FrameReader()
-    each = bool(getattr(backend, "applies_each", False))
-    # each operation runs as ``apply_one`` runs it, its method looked up once
-    methods = {kind: getattr(backend, kind) for kind in OPERATION_KINDS} if each else {}
+    apply = applier(backend)
     clock = time.perf_counter
     while True:
         frame = frames.next()
@@ -147,24 +142,12 @@ def serve(backend: Any, read_fd: int, write_fd: int, parent: int, collect: _Coll
                 return  # the agent closed its end
             frames.feed(data)
             continue
-        check_parent(parent)
-        if not each:
-            results = backend.apply_batch([DeviceOperation(kind, tuple(unwire(args))) for kind, args in frame])
-            write_frame(write_fd, ("done", wire(results), collect.take()))
-            continue
         results = []
         sent = clock()
         last = len(frame) - 1
         for index, (kind, args) in enumerate(frame):
-            check_parent(parent)
-            method = methods.get(kind)
-            if method is None:
-                results.append(unknown_operation(kind))
-            else:
-                try:
-                    results.append(method(*unwire(args)))
-                except Exception as error:  # apply_one's rule: the operation's own error
-                    results.append(error)
+            check_parent(parent)  # fenced: nothing more once the agent is gone
+            results.append(apply(kind, unwire(args)))
             if index == last or clock() - sent >= SLICE:
                 write_frame(write_fd, ("done" if index == last else "part", wire(results), collect.take()))
                 results = []

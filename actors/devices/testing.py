@@ -1,12 +1,19 @@
 """Test doubles for device control (as ``trio.testing``): fault injection.
 
 Rules:
-- ``FaultInjectingBackend(inner, fail_at=k)`` sits in front of any backend
+- Faults enter at the kernel seam only (``_kernel``): the backend under
+  test runs its one code path, the one users run.
+  ``FaultInjectingKernel(tell)`` is a ``Kernel`` that calls ``tell(op,
+  target)`` before each kernel operation and before each rule write
+  (``write 'c 195:0 rwm' to``, the file), then makes the syscall; an
+  ``OSError`` from ``tell`` is reported as the syscall's would be.
+- ``FaultInjectingBackend(inner, fail_at=k)`` gives ``inner`` such a kernel
   and fails exactly its k-th kernel operation (1-based) with ``errno``;
   ``operations`` counts them and ``log`` lists them. ``crash_at=k`` instead
   raises ``SimulatedCrash`` before the k-th operation: nothing is rolled
   back and the rest of the batch is not applied, as if the process died
-  after operation k-1 (drop every actor, then recover).
+  after operation k-1 (drop every actor, then recover). ``detach()`` gives
+  ``inner`` production's kernel back (a "restart" without the injector).
 - Hand one to ``DeviceControl.create(backend_impl=...)``: it runs in a
   thread (or in line when its inner backend never blocks), never in a
   device worker process.
@@ -19,20 +26,49 @@ from __future__ import annotations
 
 import errno as errno_module
 import os
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from ._backend import DeviceBackend, DeviceOperation
 from ._errors import AgentCrash
+from ._kernel import KERNEL, Kernel, kernel_error, write_op
 from ._policy import Policy
 from ._rules import DeviceRule
 
-__all__ = ["FaultInjectingBackend", "SimulatedCrash"]
+__all__ = ["FaultInjectingBackend", "FaultInjectingKernel", "SimulatedCrash"]
+
+T = TypeVar("T")
 
 
 class SimulatedCrash(AgentCrash):
     """Raised by ``FaultInjectingBackend(crash_at=k)``: the agent "dies" here (see module rules)."""
 
     kind = "simulated crash"
+
+
+class FaultInjectingKernel(Kernel):
+    """The kernel seam, telling ``tell(op, target)`` before each kernel
+    operation and each rule write (see module rules)."""
+
+    __slots__ = ("_tell", "_files")
+
+    def __init__(self, tell: Callable[[str, str], None]) -> None:
+        self._tell = tell
+        self._files: dict[int, str] = {}
+        """The file each descriptor opened through ``run("open", ...)`` is on."""
+
+    def run(self, op: str, target: str, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            self._tell(op, target)
+        except OSError as error:
+            raise kernel_error(op, target, error) from error
+        result = Kernel.run(self, op, target, fn, *args)
+        if op == "open":
+            self._files[result] = target  # type: ignore[index]
+        return result
+
+    def write(self, fd: int, data: bytes) -> int:  # type: ignore[override]
+        self._tell(write_op(data), self._files.get(fd, f"descriptor {fd}"))  # an OSError: write_lines reports it
+        return os.write(fd, data)
 
 
 class FaultInjectingBackend:
@@ -60,7 +96,7 @@ class FaultInjectingBackend:
         self.operations = 0
         self.log: list[tuple[str, str]] = []
         self.injected = False
-        inner.kernel_hook = self._hook
+        inner.kernel = FaultInjectingKernel(self._hook)
 
     @property
     def name(self) -> str:
@@ -73,6 +109,10 @@ class FaultInjectingBackend:
     @property
     def blocking(self) -> bool:
         return self.inner.blocking
+
+    def detach(self) -> None:
+        """``inner`` goes back to production's kernel (no more counting or faults)."""
+        self.inner.kernel = KERNEL
 
     def arm(self, fail_at: int | None, errno: int | None = None, crash_at: int | None = None) -> None:
         """Start counting again from zero; fail the ``fail_at``-th operation

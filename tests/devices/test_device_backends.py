@@ -241,5 +241,5 @@ def test_a_simulated_crash_rolls_nothing_back() -> None:
     assert backend.injected and backend.operations == 1
     assert inner.state("c1") == Policy()  # left part-way: exists, denies all
     desired = Policy.create(*POLICY)
-    inner.kernel_hook = None  # "restarted" without the fault injector
+    backend.detach()  # "restarted" without the fault injector
     assert inner.reconcile("c1", desired) == ["memory:/gpu-isolator/c1: restored the device policy"]

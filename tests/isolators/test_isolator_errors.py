@@ -62,8 +62,7 @@ async def test_a_kernel_error_is_an_isolator_error_with_device_controls_text(bac
         _c, isolator = await node.start(fault={})
         node.fault.arm(1, errno=errno.ENOSPC)
         path = isolator.devices.path("c1")
-        operation, target = {"memory": ("mkdir", path), "cgroups_v1": ("mkdir", os.path.dirname(path)),
-                             "cgroups_v2": ("mkdir", os.path.dirname(path))}[backend]
+        operation, target = ("mkdir", path)  # every backend: the container's mkdir first (then its root if missing)
         error = await failure(isolator.prepare(ContainerID("c1"), config("gpus:1")),
                               injected(operation, target, errno.ENOSPC))
         assert isinstance(error.__cause__, KernelOperationError) and error.__cause__.errno == errno.ENOSPC
@@ -71,7 +70,7 @@ async def test_a_kernel_error_is_an_isolator_error_with_device_controls_text(bac
         node.fault.arm(None)
         await isolator.prepare(ContainerID("c1"), config("gpus:1"))
         node.fault.arm(1, errno=errno.EIO)
-        operation, target = {"memory": ("apply", path), "cgroups_v1": ("read", f"{path}/devices.list"),
+        operation, target = {"memory": ("apply", path), "cgroups_v1": ("mkdir", path),  # EEXIST: it exists
                              "cgroups_v2": ("open", path)}[backend]
         error = await failure(isolator.update(ContainerID("c1"), Resources.parse("gpus:2")),
                               injected(operation, target, errno.EIO))

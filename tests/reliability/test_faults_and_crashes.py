@@ -29,6 +29,10 @@ from tests.support.nodes import judge
 
 BACKENDS = ["memory", "cgroups_v1", "cgroups_v2"]
 ERRNOS = [errno.EIO, errno.ENOSPC, errno.EBUSY]
+ABSORBED = ("cgroups_v2", "attach (replace) device program to")
+"""The one fault a call absorbs: v2's replace of the program it attached last
+fails, so it looks the cgroup's programs up and attaches again (the kernel may
+hold another's): the call goes on and succeeds."""
 
 
 def C(name: str) -> ContainerID:
@@ -134,8 +138,14 @@ async def test_a_failed_update_keeps_the_previous_grant(
         async def check(where: str) -> None:
             assert await judge(node, {"keep": 1, "c1": start}) == before, where
 
+        async def absorbed(code: int, op: str) -> None:
+            assert (backend, op) == ABSORBED, (code, op)
+            await judge(node, {"keep": 1, "c1": target})  # done: put it back
+            await isolator.update(C("c1"), gpus(start))
+
         injected = await fail_everywhere(
-            node, lambda: isolator.update(C("c1"), gpus(target)), check, lambda: isolator.update(C("c1"), gpus(start))
+            node, lambda: isolator.update(C("c1"), gpus(target)), check, lambda: isolator.update(C("c1"), gpus(start)),
+            absorbed,
         )
         assert injected >= 3
         await isolator.update(C("c1"), gpus(target))
@@ -220,7 +230,7 @@ async def test_cleanup_with_a_process_inside_denies_then_releases_under_faults(
             await setup()
 
         async def busy(code: int, op: str) -> None:  # an injected EBUSY on rmdir is the same case
-            assert (code, op) == (errno.EBUSY, "rmdir"), (code, op)
+            assert (code, op) == (errno.EBUSY, "rmdir") or (backend, op) == ABSORBED, (code, op)
             await done()
 
         await setup()
