@@ -40,6 +40,9 @@ _PRETEND_KERNEL: dict[str, dict[str, Policy]] = {}
 _PRETEND_CHILDREN: dict[str, dict[str, int]] = {}
 """How many cgroups lie below each parent cgroup, by root (kept with the table)."""
 
+_MADE = Policy()
+"""What a cgroup holds between its mkdir and its rules (nothing restricts it)."""
+
 
 class MemoryBackend(BackendBase):
     """Device rules kept in memory (see module rules)."""
@@ -121,15 +124,18 @@ class MemoryBackend(BackendBase):
     ) -> Policy:
         validate_cgroup(cgroup)
         access = as_policy(allow, deny)
-        if cgroup not in self._cgroups:
-            self._pretend("mkdir", cgroup, self._set, cgroup, Policy())
+        cgroups = self._cgroups
+        run = self.kernel.run
+        target = self._prefix + cgroup
+        if cgroup not in cgroups:
+            run("mkdir", target, self._set, cgroup, _MADE)
             try:
-                self._pretend("apply", cgroup, self._set, cgroup, access)
+                run("apply", target, cgroups.__setitem__, cgroup, access)
             except Exception:
                 self._drop(cgroup)
                 raise
         else:
-            self._pretend("apply", cgroup, self._set, cgroup, access)
+            run("apply", target, cgroups.__setitem__, cgroup, access)
         return access
 
     def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> Policy:
