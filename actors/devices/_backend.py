@@ -42,7 +42,7 @@ import re
 from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from ._errors import InvalidCgroupError, KernelOperationError
-from ._kernel import KERNEL, Kernel
+from ._kernel import KERNEL, Kernel, kernel_error
 from ._policy import Policy
 from ._rules import DeviceRule
 
@@ -235,36 +235,25 @@ class BackendBase:
 
     # -- making cgroups (the kernel backends) ------------------------------------
     def _mkdir(self, path: str) -> None:
-        self.kernel.run("mkdir", path, os.mkdir, path)
+        """mkdir ``path``, which must not exist (EEXIST is the error it is)."""
+        if not self.kernel.mkdir(path):
+            raise kernel_error("mkdir", path, FileExistsError(errno_module.EEXIST, os.strerror(errno_module.EEXIST)))
 
     def _ensure_root(self) -> None:
         """mkdir the root unless it exists (another agent may make it meanwhile)."""
         if not os.path.isdir(self.root):
-            try:
-                self._mkdir(self.root)
-            except KernelOperationError:
-                if not os.path.isdir(self.root):
-                    raise
+            self.kernel.mkdir(self.root)
 
     def _create(self, path: str) -> bool:
         """mkdir ``path`` (and the root when missing); False if it already
         exists. The common case is one mkdir (no stat first)."""
         try:
-            self._mkdir(path)
-            return True
+            return self.kernel.mkdir(path)
         except KernelOperationError as error:
-            if error.errno == errno_module.EEXIST:
-                return False
             if error.errno != errno_module.ENOENT:
                 raise
         self._ensure_root()
-        try:
-            self._mkdir(path)
-        except KernelOperationError as error:
-            if error.errno == errno_module.EEXIST:
-                return False
-            raise
-        return True
+        return self.kernel.mkdir(path)
 
 
 def list_cgroup_dirs(root: str) -> list[str]:

@@ -6,14 +6,16 @@ Rules:
   ``run(op, target, fn, *args)`` runs ``fn(*args)``, ``op`` and ``target``
   saying what it is in words ("mkdir", the path); a run of rule writes to
   one open file is ``write_lines(fd, file, lines)``, one ``write(2)`` per
-  line through ``write``. An ``OSError`` becomes a ``KernelOperationError``
+  line through ``write``; ``mkdir(path)`` makes a directory and says
+  whether it made it (False: it existed, an answer rather than an error:
+  a configure tries mkdir first). An ``OSError`` becomes a ``KernelOperationError``
   naming the operation and the target, with the kernel's errno
   (``kernel_error``).
 - One path: the backends have no other way to the kernel and no test
   switch. Faults enter here and only here (as runc's
   ``testingSkipFinalCheck`` is its one named seam):
   ``actors.devices.testing.FaultInjectingKernel`` is a ``Kernel`` that
-  tells a hook before each operation and each rule write, so a
+  tells a hook before each operation, each mkdir and each rule write, so a
   fault-injection test runs exactly the code users run.
 - Production's ``KERNEL`` adds nothing to the syscalls: ``run`` is a call
   and a ``try``; ``write_lines`` writes its lines in one loop with no call
@@ -60,6 +62,16 @@ class Kernel:
             return fn(*args)
         except OSError as error:
             raise kernel_error(op, target, error) from error
+
+    def mkdir(self, path: str) -> bool:
+        """mkdir ``path``; False when it exists already (see the module rules)."""
+        try:
+            os.mkdir(path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as error:
+            raise kernel_error("mkdir", path, error) from error
 
     def write_lines(self, fd: int, file: str, lines: Iterable[bytes]) -> None:
         """Write each of ``lines`` to ``fd`` (open on ``file``) with its own

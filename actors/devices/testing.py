@@ -4,7 +4,7 @@ Rules:
 - Faults enter at the kernel seam only (``_kernel``): the backend under
   test runs its one code path, the one users run.
   ``FaultInjectingKernel(tell)`` is a ``Kernel`` that calls ``tell(op,
-  target)`` before each kernel operation and before each rule write
+  target)`` before each kernel operation (a mkdir too) and before each rule write
   (``write 'c 195:0 rwm' to``, the file), then makes the syscall; an
   ``OSError`` from ``tell`` is reported as the syscall's would be.
 - ``FaultInjectingBackend(inner, fail_at=k)`` gives ``inner`` such a kernel
@@ -65,6 +65,13 @@ class FaultInjectingKernel(Kernel):
         if op == "open":
             self._files[result] = target  # type: ignore[index]
         return result
+
+    def mkdir(self, path: str) -> bool:
+        try:
+            self._tell("mkdir", path)
+        except OSError as error:
+            raise kernel_error("mkdir", path, error) from error
+        return Kernel.mkdir(self, path)
 
     def write(self, fd: int, data: bytes) -> int:  # type: ignore[override]
         self._tell(write_op(data), self._files.get(fd, f"descriptor {fd}"))  # an OSError: write_lines reports it
