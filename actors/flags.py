@@ -54,7 +54,8 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["Flags", "FlagsError", "DEFAULT_ISOLATION", "DEFAULT_IGNORED_XIDS", "parse_duration"]
+__all__ = ["Flags", "FlagsError", "DEFAULT_ISOLATION", "DEFAULT_IGNORED_XIDS", "parse_duration", "DEVICE_BACKENDS",
+           "NODE_BACKENDS", "KERNEL_BACKENDS", "GPU_ALLOCATIONS", "DEVICE_WORKERS", "MIG_STRATEGIES"]
 
 DEFAULT_ISOLATION = "filesystem/linux,cgroups/devices,gpu/nvidia"
 
@@ -64,15 +65,25 @@ DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
 processing, 45 preemptive cleanup, 68 video processor exception, 109 context
 switch timeout."""
 
-DeviceBackend = Literal["auto", "cgroups_v1", "cgroups_v2", "memory"]
-GpuAllocation = Literal["topology", "lowest"]
-DeviceWorker = Literal["process", "thread"]
-MigStrategy = Literal["none", "single", "mixed"]
+# The choices of the flags, each spelled once here; device control, the
+# allocator, the simulated node, scripts, the CLI and the benchmarks use these.
+KERNEL_BACKENDS = ("cgroups_v1", "cgroups_v2")
+"""The device backends that write the kernel's cgroups (they need root)."""
+NODE_BACKENDS = ("memory", *KERNEL_BACKENDS)
+"""The device backends a node runs on: in memory (no root, nothing isolated) or the kernel's."""
+DEVICE_BACKENDS = ("auto", *sorted(NODE_BACKENDS))
+"""Every value of ``--device_backend``: ``auto`` picks one of the others for this machine."""
+GPU_ALLOCATIONS = ("topology", "lowest")
+"""Every value of ``--gpu_allocation``."""
+DEVICE_WORKERS = ("process", "thread")
+"""Every value of ``--device_worker``."""
+MIG_STRATEGIES = ("none", "single", "mixed")
+"""Every value of ``--nvidia_mig_strategy``."""
 
-_BACKENDS = ("auto", "cgroups_v1", "cgroups_v2", "memory")
-_ALLOCATIONS = ("topology", "lowest")
-_WORKERS = ("process", "thread")
-_MIG_STRATEGIES = ("none", "single", "mixed")
+DeviceBackend = Literal[DEVICE_BACKENDS]  # type: ignore[valid-type]
+GpuAllocation = Literal[GPU_ALLOCATIONS]  # type: ignore[valid-type]
+DeviceWorker = Literal[DEVICE_WORKERS]  # type: ignore[valid-type]
+MigStrategy = Literal[MIG_STRATEGIES]  # type: ignore[valid-type]
 
 
 class FlagsError(ValueError):
@@ -302,10 +313,10 @@ _INTERVALS = ("reconcile_interval",)
 _LIST_EXAMPLES = {"nvidia_gpu_devices": "0,1", "nvidia_ignored_xids": "13,31"}
 _INDEX_LISTS = tuple(_LIST_EXAMPLES)
 _CHOICES = {
-    "device_backend": _BACKENDS,
-    "gpu_allocation": _ALLOCATIONS,
-    "device_worker": _WORKERS,
-    "nvidia_mig_strategy": _MIG_STRATEGIES,
+    "device_backend": DEVICE_BACKENDS,
+    "gpu_allocation": GPU_ALLOCATIONS,
+    "device_worker": DEVICE_WORKERS,
+    "nvidia_mig_strategy": MIG_STRATEGIES,
 }
 
 

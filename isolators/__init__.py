@@ -8,7 +8,7 @@ types, the value types an agent configures it with (``Flags``,
 ``isolators.script`` adds what extends scripts (actions, the format),
 ``isolators.cdi`` the CDI and OCI renderings, ``isolators.service`` the
 isolator as a service (``serve``, ``exec``, ``status``),
-``isolators.testing`` the simulated node. The GPU identity and the
+``isolators.simulated_node`` the simulated node. The GPU identity and the
 allocator and volume handles are exported by ``actors``.
 
 Names are imported when first used (as in ``runtime`` and ``actors``): a

@@ -41,10 +41,10 @@ import traceback
 from importlib import resources as importlib_resources
 from typing import Any, Awaitable, Callable, NoReturn, Sequence
 
+from actors.flags import KERNEL_BACKENDS, NODE_BACKENDS
 from runtime import Failure, Runtime
 
 PROG = "gpu-isolator"
-BACKENDS = ("memory", "cgroups_v1", "cgroups_v2")
 _GLOBAL_OPTIONS = ("-v", "--verbose")
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
                     " Exit 0 only if every expectation held, 1 if one did not, 2 for a bad script.",
     )
     run.add_argument("script", metavar="SCRIPT", help="path to a .yaml or .json script")
-    run.add_argument("--backend", choices=BACKENDS,
+    run.add_argument("--backend", choices=NODE_BACKENDS,
                      help="device control backend (default: the script's node.backend); the cgroups"
                           " backends need root and create cgroups only under a root of their own")
     run.set_defaults(func=_cmd_run)
@@ -157,7 +157,7 @@ def _print(line: str) -> None:
 
 
 def _check_backend(backend: str) -> None:
-    if backend in ("cgroups_v1", "cgroups_v2") and os.geteuid() != 0:
+    if backend in KERNEL_BACKENDS and os.geteuid() != 0:
         raise UsageError(f"{PROG} run: error: the {backend} backend needs root; run as root or use"
                          " --backend memory")
 

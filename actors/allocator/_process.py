@@ -73,7 +73,7 @@ import msgspec
 
 from runtime import Future, MetricSet, Process, ProcessTerminated, Promise, generate_id
 
-from actors.flags import DEFAULT_IGNORED_XIDS
+from actors.flags import DEFAULT_IGNORED_XIDS, GPU_ALLOCATIONS
 from actors.gpu import Gpu
 from actors.mig import MigDevice, Unit
 from actors.nvml import HealthEvent, NodeInventory
@@ -139,8 +139,9 @@ class GpuAllocatorProcess(Process):
         unwatched: Iterable[Gpu] | None = None,
     ) -> None:
         super().__init__(generate_id("gpu-allocator"))
-        if strategy not in ("topology", "lowest"):
-            raise ValueError(f"Unknown allocation strategy {strategy!r}: expected 'topology' or 'lowest'")
+        if strategy not in GPU_ALLOCATIONS:
+            raise ValueError(f"Unknown allocation strategy {strategy!r}: expected"
+                             f" {' or '.join(repr(choice) for choice in GPU_ALLOCATIONS)}")
         self.total = frozenset(gpus)
         self.pools: dict[str, frozenset[Unit]] = (
             {name: frozenset(units) for name, units in pools.items()} if pools is not None else {"gpus": self.total}

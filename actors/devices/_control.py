@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable
 
+from actors.flags import DEVICE_WORKERS
 from runtime import Executor, Future, Process, ProcessTerminated, dispatch, generate_id, spawn, terminate, wait
 
 from . import _metrics
@@ -104,18 +105,13 @@ def _call(_process: DeviceControlProcess, fn: Callable[[], Any]) -> Any:
     return fn()
 
 
-WORKERS = ("thread", "process")
-"""Where a kernel backend runs: a thread of this process, or a device worker
-process of its own (see ``_worker``)."""
-
-
 async def _build_driver(
     executor: Executor, backend: str, hierarchy: str | None, cgroups_root: str, work_dir: str | None,
     worker: str, lock_timeout: float,
 ) -> Driver:
     validate_cgroups_root(cgroups_root)
-    if worker not in WORKERS:
-        raise DeviceControlError(f"Unknown device worker {worker!r}: expected one of {', '.join(WORKERS)}")
+    if worker not in DEVICE_WORKERS:  # a thread of this process, or a device worker process (``_worker``)
+        raise DeviceControlError(f"Unknown device worker {worker!r}: expected one of {', '.join(DEVICE_WORKERS)}")
     kind, hierarchy = await executor.run(resolve_backend, backend, hierarchy)
     if kind == "memory":
         return InlineDriver(MemoryBackend(f"memory:{hierarchy or ''}/{cgroups_root}", shared=True))

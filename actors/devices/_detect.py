@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import os
 
+from actors.flags import DEVICE_BACKENDS
+
 from ._errors import DeviceControlError
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "cgroups_v1", "cgroups_v2", "memory")
 CGROUP_MOUNT = "/sys/fs/cgroup"
 
 
@@ -57,9 +58,9 @@ def default_hierarchy(backend: str, cgroup_mount: str = CGROUP_MOUNT) -> str | N
 
 def resolve_backend(backend: str, hierarchy: str | None) -> tuple[str, str | None]:
     """``(backend, hierarchy)`` from a ``device_backend`` flag value and an optional hierarchy."""
-    if backend not in BACKENDS:
+    if backend not in DEVICE_BACKENDS:
         raise DeviceControlError(
-            f"Unknown device backend {backend!r}: expected one of {', '.join(BACKENDS)}"
+            f"Unknown device backend {backend!r}: expected one of {', '.join(DEVICE_BACKENDS)}"
         )
     if backend == "auto":
         if hierarchy is None:

@@ -1,7 +1,7 @@
 """Container churn: the isolator against the kernel's own floor.
 
 Rules of the measurement:
-- A simulated 8-GPU node (``isolators.testing.SimulatedNode``) and
+- A simulated 8-GPU node (``isolators.simulated_node.SimulatedNode``) and
   ``--workers`` concurrent workers (64). Workers 0-7 run GPU containers
   (``gpus:1``), the rest CPU-only ones (``gpus:0``). Each lifecycle is
   prepare -> usage -> update(gpus:0) -> cleanup of a fresh container id,

@@ -30,15 +30,16 @@ import sys
 import uuid
 from typing import Any, Sequence
 
-from actors.devices import DeviceRule
-from isolators.testing import SimulatedNode, backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
+from actors.devices import DeviceRule, default_hierarchy
+from actors.flags import DEVICE_WORKERS, NODE_BACKENDS
+from isolators.simulated_node import SimulatedNode, backend_unavailable, remove_cgroup_tree
 from runtime import Runtime
 
 from .floor import floor_v1, floor_v2
 from .report import Progress, format_table, peak_rss_mb, worker_peak_rss_mb
 from .workload import GPUS, ChurnRun, churn
 
-BACKENDS = ("memory", "cgroups_v1", "cgroups_v2")
+BACKENDS = NODE_BACKENDS
 ROOT_PREFIX = "gpu-isolator-bench-"
 
 
@@ -55,7 +56,7 @@ async def measure_backend(backend: str, args: argparse.Namespace, cgroups_root: 
     floors: list[ChurnRun] = []
     cached_floors: list[ChurnRun] = []
     worker_rss: list[float | None] = []
-    hierarchy = cgroup_hierarchy(backend)
+    hierarchy = default_hierarchy(backend)
     warmup = min(0.5, max(0.05, args.seconds / 10))
     for rep in range(args.repeat):
         tag = f"{backend} {rep + 1}/{args.repeat}"
@@ -147,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--backends", default=",".join(BACKENDS),
                         help="comma list of memory, cgroups_v1, cgroups_v2 (default: all; kernel ones need root)")
     parser.add_argument("--repeat", type=int, default=3, help="repetitions; the median is reported (default 3)")
-    parser.add_argument("--device-worker", choices=("process", "thread"), default="process",
+    parser.add_argument("--device-worker", choices=DEVICE_WORKERS, default="process",
                         help="where the kernel device work runs (the isolator's --device_worker; default process)")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -170,7 +171,7 @@ async def _measure_all(backends: list[str], args: argparse.Namespace, cgroups_ro
 
 
 def _remove_root(backend: str, cgroups_root: str) -> None:
-    hierarchy = cgroup_hierarchy(backend)
+    hierarchy = default_hierarchy(backend)
     if hierarchy is None or os.geteuid() != 0:
         return
     try:
@@ -191,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f" seconds={args.seconds} repeat={args.repeat}")
     cgroups_root = args.cgroups_root or ROOT_PREFIX + uuid.uuid4().hex[:12]
     for backend in backends:  # never adopt (and then remove) cgroups that are not ours
-        hierarchy = cgroup_hierarchy(backend)
+        hierarchy = default_hierarchy(backend)
         if hierarchy is not None and os.path.exists(os.path.join(hierarchy, cgroups_root)):
             parser.error(f"cgroups root {os.path.join(hierarchy, cgroups_root)} already exists:"
                          " choose another --cgroups-root")

@@ -21,12 +21,14 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from actors.flags import NODE_BACKENDS
 from actors.nvml import MAX_GPUS
 
 from . import _actions
 from ._action import ACTIONS, MAX_STEPS, Expect, ScriptError, Text, concurrent_actions, step_type
 
-BACKENDS = ("memory", "cgroups_v1", "cgroups_v2")
+BACKENDS = NODE_BACKENDS
+"""The backends a script's node may name (``actors.flags.NODE_BACKENDS``)."""
 
 CallStep = _actions.CallStep
 Step = step_type("Step", tuple(ACTIONS), Expect, "One step: exactly one action, a name and an expectation.")
@@ -39,7 +41,7 @@ class Node(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host_file: str | None = None
     driver_version: str | None = None
     control_devices: dict[str, str] | None = None
-    backend: Literal["memory", "cgroups_v1", "cgroups_v2"] = "memory"
+    backend: Literal[NODE_BACKENDS] = "memory"  # type: ignore[valid-type]
     flags: dict[str, Any] = {}
 
 

@@ -29,7 +29,7 @@ import msgspec
 from runtime import Clock
 
 from .._errors import IsolatorError
-from ..testing import SimulatedNode
+from ..simulated_node import SimulatedNode
 from ._action import ACTIONS, Mismatch, ScriptError, error_text, short, wrong_error
 from ._format import BACKENDS, Script, action_title, host_document
 from ._report import ScriptReport, StepResult, format_result

@@ -9,7 +9,7 @@ import pytest
 
 from actors.devices import MemoryBackend
 from benchmarks.churn import churn
-from isolators.testing import SimulatedNode
+from isolators.simulated_node import SimulatedNode
 from runtime import Runtime, current_runtime, snapshot
 
 LIFECYCLES = 10_000

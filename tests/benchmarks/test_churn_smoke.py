@@ -26,8 +26,10 @@ import pytest
 from benchmarks import churn
 from benchmarks.churn import run as churn_run
 from benchmarks.churn.cpu import CpuClock, CpuUse, process_cpu_seconds
-from isolators.testing import SimulatedNode, backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
+from actors.devices import default_hierarchy
+from isolators.simulated_node import SimulatedNode, backend_unavailable, remove_cgroup_tree
 from runtime import Runtime
+from actors.flags import DEVICE_WORKERS, KERNEL_BACKENDS
 
 TINY = ["--seconds", "0.05", "--repeat", "1", "--no-progress"]
 CALLS = {"prepare", "usage", "update", "cleanup"}
@@ -47,13 +49,13 @@ def run_json(capsys: Any, *args: str) -> dict:
 def kernel_backends() -> list:
     return [pytest.param(b, marks=pytest.mark.skipif(backend_unavailable(b) is not None,
                                                      reason=str(backend_unavailable(b))))
-            for b in ("cgroups_v1", "cgroups_v2")]
+            for b in KERNEL_BACKENDS]
 
 
 def fresh_root(backend: str) -> tuple[str, str]:
     """A cgroups root name of this test's own, and its path in ``backend``'s hierarchy."""
     root = f"gpu-isolator-test-churn-{uuid.uuid4().hex[:10]}"
-    return root, os.path.join(cgroup_hierarchy(backend), root)
+    return root, os.path.join(default_hierarchy(backend), root)
 
 
 class CountingIsolator:
@@ -208,7 +210,7 @@ def test_the_progress_line_rewrites_itself() -> None:
     assert quiet.getvalue() == ""
 
 
-@pytest.mark.parametrize("worker", ["process", "thread"])
+@pytest.mark.parametrize("worker", DEVICE_WORKERS)
 @pytest.mark.parametrize("backend", kernel_backends())
 def test_kernel_run_measures_the_floor_and_removes_its_root(capsys: Any, backend: str, worker: str) -> None:
     root, path = fresh_root(backend)

@@ -1,7 +1,7 @@
 """Fixtures for the CDI and engine tests.
 
 - ``busybox_rootfs`` (session): a busybox root filesystem with the probe
-  (``isolators.cdi.testing.PROBE`` at ``/bin/probe``).
+  (``tests.support.engines.PROBE`` at ``/bin/probe``).
 - ``podman`` (session): a ``PodmanEngine`` of its own with the rootfs
   imported once as ``localhost/gpu-isolator-test/busybox``; closed (every
   container, image, storage dir and cgroup removed) at the end.
@@ -20,7 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from isolators.cdi.testing import PodmanEngine, RuncEngine, build_rootfs, engine_skip_reason, make_device_nodes
+from tests.support.engines import PodmanEngine, RuncEngine, build_rootfs, engine_skip_reason, make_device_nodes
 
 GPU_NODES = {f"nvidia{i}": (195, i) for i in range(4)}
 CONTROL_NODES = {"nvidiactl": (195, 255), "nvidia-modeset": (195, 254), "nvidia-uvm": (235, 0),

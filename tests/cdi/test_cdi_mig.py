@@ -18,7 +18,7 @@ import runtime
 from actors.nvml import load_host_file
 from isolators import ContainerConfig, ContainerID, Resources, cli
 from isolators.cdi import decode_spec
-from isolators.cdi.testing import make_device_nodes, parse_probe
+from tests.support.engines import make_device_nodes, parse_probe
 from tests.support.host_facts import own_fact_args
 from tests.support.probes import ABSENT, DENIED, GRANTED, verdicts
 from tests.support.mig import HOST, MIG, caps_of, mknod_mig_nodes, write_mig_proc
@@ -169,7 +169,7 @@ async def test_engines_run_the_isolators_grant_of_one_mig_device(podman, runc, b
 
 def test_compute_instances_of_one_gpu_instance_share_its_cap_once_in_all(capsys, tmp_path) -> None:
     # tests/inventory/data/h200-mig.toml: GPU 2's GPU instance 1 holds two compute instances.
-    from isolators.testing import SimulatedNode
+    from isolators.simulated_node import SimulatedNode
 
     node = SimulatedNode(tmp_path / "node", host=REPO / "tests" / "inventory" / "data" / "h200-mig.toml").create_files()
     code = cli.main(["cdi", "generate", "--host-file", node.host_file, "--volume-dir", node.volume_dir,

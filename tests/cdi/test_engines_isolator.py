@@ -16,14 +16,11 @@ import pytest
 
 import runtime
 from isolators import ContainerConfig, ContainerID, Resources
-from isolators.cdi.testing import make_device_nodes, parse_probe
+from tests.support.containers import config
+from tests.support.engines import make_device_nodes, parse_probe
 
 from .conftest import CONTROL_NODES, GPU_NODES
 from .test_engines_static_spec import assert_sees_exactly, probe_args
-
-
-def config(gpus: int) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(f"gpus:{gpus}"))
 
 
 @pytest.mark.asyncio

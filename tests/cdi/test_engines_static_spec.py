@@ -19,7 +19,7 @@ from actors.nvml import load_host_file
 from isolators import ContainerLaunchInfo, cli
 from isolators import ContainerBindMount
 from isolators.cdi import container_grant, container_spec, encode_spec
-from isolators.cdi.testing import parse_probe
+from tests.support.engines import parse_probe
 
 from .conftest import CONTROL_NODES
 from tests.support.host_facts import own_fact_args

@@ -13,17 +13,14 @@ import msgspec
 import pytest
 
 import runtime
-from isolators import ContainerClass, ContainerConfig, ContainerID, ImageManifest, InvalidContainerID, Resources
+from isolators import ContainerClass, ContainerID, ImageManifest, InvalidContainerID, Resources
 from isolators.cdi import CONTAINER_KIND, CdiWriteError, decode_spec, validate_spec
+from tests.support.containers import config
 from tests.support.errors import isolator_failure, raises_isolator_error
 
 LABEL = {"com.nvidia.volumes.needed": "nvidia_driver"}
 OTHERS = {"nvidia.yaml": "cdiVersion: 0.5.0\n", "vendor.com-device.json": "{}",
           ".gpu-isolator-container_x.json.bak": "not ours: not a temporary name"}
-
-
-def config(gpus: str | None = None, **kwargs) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(gpus) if gpus else Resources(), **kwargs)
 
 
 @pytest.fixture

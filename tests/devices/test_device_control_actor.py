@@ -25,6 +25,7 @@ from actors.devices import (
 from actors.devices.testing import FaultInjectingBackend
 from runtime import ProcessTerminated, Runtime, collect, dispatch
 from tests.support.probes import DENIED, GRANTED
+from actors.flags import DEVICE_WORKERS
 
 R = DeviceRule.parse
 POLICY = container_policy(["c 195:255 rwm"], ["c 195:0 rw"])
@@ -205,7 +206,7 @@ async def test_termination_fails_queued_and_in_flight_calls() -> None:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("worker", ["thread", "process"])
+@pytest.mark.parametrize("worker", DEVICE_WORKERS)
 async def test_v2_start_errors_are_raised_and_no_file_is_needed(v2_sandbox, tmp_path, worker: str) -> None:
     async with Runtime():
         with pytest.raises(DeviceControlError, match="is not a cgroup2 hierarchy"):  # the backend's own error
@@ -231,7 +232,7 @@ BATCHES_FOR_FOUR = {"thread": 1, "process": 2}
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("worker", ["thread", "process"])
+@pytest.mark.parametrize("worker", DEVICE_WORKERS)
 async def test_v1_through_the_actor(v1_sandbox, device_nodes, worker: str) -> None:
     async with Runtime():
         control = await DeviceControl.create(
@@ -256,7 +257,7 @@ async def test_v1_through_the_actor(v1_sandbox, device_nodes, worker: str) -> No
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("worker", ["thread", "process"])
+@pytest.mark.parametrize("worker", DEVICE_WORKERS)
 async def test_v2_through_the_actor_survives_a_restart(v2_sandbox, device_nodes, tmp_path, worker: str) -> None:
     kwargs = dict(hierarchy=v2_sandbox.hierarchy, cgroups_root=v2_sandbox.cgroups_root, work_dir=str(tmp_path),
                   worker=worker)

@@ -67,7 +67,7 @@ def test_the_flag_and_the_argument_name_their_choices() -> None:
 @pytest.mark.asyncio
 async def test_an_unknown_worker_and_a_bad_hierarchy_fail_create(tmp_path) -> None:
     async with Runtime():
-        with pytest.raises(DeviceControlError, match=r"Unknown device worker 'fork': expected one of thread, process"):
+        with pytest.raises(DeviceControlError, match=r"Unknown device worker 'fork': expected one of process, thread"):
             await DeviceControl.create("memory", worker="fork")
         if os.geteuid() != 0:
             pytest.skip("needs root")

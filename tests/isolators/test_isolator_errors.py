@@ -19,7 +19,6 @@ import runtime
 from actors.allocator import AllocatorError
 from actors.devices import DeviceControlError, KernelOperationError
 from isolators import (
-    ContainerConfig,
     ContainerID,
     IsolatorError,
     NvidiaComponents,
@@ -28,12 +27,10 @@ from isolators import (
     Resources,
 )
 from isolators import _startup
+from tests.support.containers import config
 from tests.support.errors import injected, isolator_failure as failure
 from tests.support.nodes import judge
-
-
-def config(gpus: str, **kwargs: Any) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(gpus), **kwargs)
+from tests.support.kernel import BACKENDS
 
 
 NO_MANIFEST = "The 'ContainerConfig' for docker is missing a manifest"
@@ -55,7 +52,7 @@ async def test_allocator_exhaustion_is_an_isolator_error_with_the_allocators_tex
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("backend", ["memory", "cgroups_v1", "cgroups_v2"])
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_a_kernel_error_is_an_isolator_error_with_device_controls_text(backend: str, node_factory) -> None:
     node = node_factory(backend)
     async with runtime.Runtime():
@@ -110,7 +107,7 @@ async def test_a_device_control_that_cannot_start_fails_create_with_an_isolator_
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("backend", ["memory", "cgroups_v1", "cgroups_v2"])
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_an_undo_that_cannot_remove_the_cgroup_keeps_it_lingering_with_its_gpus(
     backend: str, node_factory
 ) -> None:

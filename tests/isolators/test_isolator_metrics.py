@@ -13,17 +13,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors import Gpu
 from actors.devices import MemoryBackend
-from isolators import ContainerConfig, ContainerID, Resources
+from isolators import ContainerID, Resources
 from runtime import Runtime, current_runtime
+from tests.support.containers import config
 from tests.support.errors import isolator_failure
 
 pytestmark = pytest.mark.asyncio
 
 PREFIXES = ("isolator/", "allocator/", "devices/")
-
-
-def config(gpus: int) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(f"gpus:{gpus}"))
 
 
 def snapshot() -> dict[str, float]:

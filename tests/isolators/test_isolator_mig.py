@@ -19,7 +19,8 @@ import pytest
 
 import runtime
 from actors.resources import Resources
-from isolators import ContainerConfig, ContainerID, ImageManifest
+from isolators import ContainerID, ImageManifest
+from tests.support.containers import config
 from tests.support.errors import injected, isolator_failure, raises_isolator_error
 from tests.support.mig import (
     EXPECTED, GPU1, HOST, MIG, expect, kernel_scenario, mknod_mig_nodes, sees, write_mig_proc,
@@ -30,10 +31,6 @@ def mig_node(node_factory, backend: str, strategy: str = "mixed", host: dict = H
     node = node_factory(backend, host=host, nvidia_mig_strategy=strategy, **extra)
     write_mig_proc(node.proc_dir, host)
     return node
-
-
-def config(resources: str, **more) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(resources), **more)
 
 
 @pytest.fixture

@@ -20,14 +20,11 @@ from isolators import (
     Resources,
 )
 from isolators._types import MS_BIND, MS_RDONLY, MS_REC
+from tests.support.containers import config
 from tests.support.errors import isolator_failure
 
 LABEL = {"com.nvidia.volumes.needed": "nvidia_driver"}
 CONTROL = [(195, 255), (235, 0), (235, 1), (195, 254)]
-
-
-def config(gpus: str | None = None, **kwargs) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(gpus) if gpus else Resources(), **kwargs)
 
 
 def rootfs_of(node, name: str = "rootfs") -> str:

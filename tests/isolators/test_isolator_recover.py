@@ -15,15 +15,12 @@ import os
 import pytest
 
 import runtime
+from tests.support.containers import config
 from tests.support.kernel import attach_program, attached_programs, detach_program
 from tests.support.nodes import judge
 from actors.devices import PROGRAM_NAME
-from isolators import ContainerConfig, ContainerID, ContainerState, Resources
+from isolators import ContainerID, ContainerState, Resources
 from tests.support.errors import isolator_failure
-
-
-def cfg(text: str) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(text))
 
 
 def states(*names: str) -> list[ContainerState]:
@@ -38,10 +35,10 @@ async def free_minors(components) -> set[int]:
 async def test_crash_and_recover_finds_the_same_gpus_held(node) -> None:
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), cfg("gpus:3"))
+        await isolator.prepare(ContainerID("a"), config("gpus:3"))
         await isolator.update(ContainerID("a"), Resources.parse("gpus:1"))       # a: [0]
-        await isolator.prepare(ContainerID("b"), cfg("gpus:2"))                  # b: [1, 2]
-        await isolator.prepare(ContainerID("c"), cfg("cpus:1"))                  # c: []
+        await isolator.prepare(ContainerID("b"), config("gpus:2"))                  # b: [1, 2]
+        await isolator.prepare(ContainerID("c"), config("cpus:1"))                  # c: []
         before = await isolator.containers()
         assert before == {"a": [0], "b": [1, 2], "c": []}
         await node.crash(components, isolator)
@@ -53,7 +50,7 @@ async def test_crash_and_recover_finds_the_same_gpus_held(node) -> None:
         assert await free_minors(components) == {3}
         assert isolator.recovery_report == []
 
-        await isolator_failure(isolator.prepare(ContainerID("d"), cfg("gpus:2")),
+        await isolator_failure(isolator.prepare(ContainerID("d"), config("gpus:2")),
                                "Requested 2 gpus but only 1 available")
         await isolator_failure(isolator.update(ContainerID("b"), Resources.parse("gpus:4")),
                                "Requested 2 gpus but only 1 available")
@@ -73,7 +70,7 @@ async def test_crash_and_recover_finds_the_same_gpus_held(node) -> None:
 async def test_recover_twice_across_two_crashes(node) -> None:
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), cfg("gpus:2"))
+        await isolator.prepare(ContainerID("a"), config("gpus:2"))
         await node.crash(components, isolator)
         components, isolator = await node.start()
         await isolator.recover(states("a"), set())
@@ -92,7 +89,7 @@ async def test_recover_skips_nested_and_warns_about_missing_cgroups(node, caplog
     caplog.set_level(logging.WARNING)
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), cfg("gpus:1"))
+        await isolator.prepare(ContainerID("a"), config("gpus:1"))
         await node.crash(components, isolator)
         components, isolator = await node.start()
         nested = ContainerState(ContainerID("child", ContainerID("a")))
@@ -109,8 +106,8 @@ async def test_recover_skips_nested_and_warns_about_missing_cgroups(node, caplog
 async def test_cgroups_nobody_named_are_recovered_as_orphans(node) -> None:
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), cfg("gpus:1"))
-        await isolator.prepare(ContainerID("b"), cfg("gpus:2"))
+        await isolator.prepare(ContainerID("a"), config("gpus:1"))
+        await isolator.prepare(ContainerID("b"), config("gpus:2"))
         await node.crash(components, isolator)
         components, isolator = await node.start()
         await isolator.recover(states("a"), set())
@@ -131,7 +128,7 @@ async def test_v1_recovers_from_devices_list(node_factory) -> None:
     node = node_factory("cgroups_v1")
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), cfg("gpus:2"))
+        await isolator.prepare(ContainerID("a"), config("gpus:2"))
         await node.crash(components, isolator)
         with open(os.path.join(node.cgroup_dir("a"), "devices.list")) as handle:
             lines = handle.read().splitlines()
@@ -154,7 +151,7 @@ async def test_v2_cgroup_without_a_program_of_ours_keeps_only_the_free_gpus(node
     node = node_factory("cgroups_v2")
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), cfg("gpus:1"))
+        await isolator.prepare(ContainerID("a"), config("gpus:1"))
         await node.crash(components, isolator)
         os.mkdir(node.cgroup_dir("ghost"))  # made by someone (a crash before its program): nothing restricts it
 
@@ -166,7 +163,7 @@ async def test_v2_cgroup_without_a_program_of_ours_keeps_only_the_free_gpus(node
         assert len(report) == 2 and "ghost" in report[0] and "it keeps GPUs [1, 2, 3]" in report[0], report
         assert report[1].endswith("ghost: attached the missing device program"), report
         await judge(node, {"a": 1, "ghost": 3})  # its program now grants exactly those
-        await isolator_failure(isolator.prepare(ContainerID("new"), cfg("gpus:1")),
+        await isolator_failure(isolator.prepare(ContainerID("new"), config("gpus:1")),
                                "Requested 1 gpus but only 0 available")
         await isolator.cleanup(ContainerID("a"))
         assert await free_minors(components) == {0}
@@ -183,8 +180,8 @@ async def test_v2_programs_not_read_back_keep_every_gpu_out_until_all_unknown_ar
     node = node_factory("cgroups_v2")
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), cfg("gpus:1"))
-        await isolator.prepare(ContainerID("b"), cfg("gpus:2"))
+        await isolator.prepare(ContainerID("a"), config("gpus:1"))
+        await isolator.prepare(ContainerID("b"), config("gpus:2"))
         await node.crash(components, isolator)
         for name in ("a", "b"):  # a program of our name that is not one we wrote
             (ours,) = attached_programs(node.cgroup_dir(name))
@@ -199,7 +196,7 @@ async def test_v2_programs_not_read_back_keep_every_gpu_out_until_all_unknown_ar
         # Either unknown container may hold any of the GPUs: none is free until both are gone.
         await isolator.cleanup(ContainerID("a"))
         assert await free_minors(components) == set()
-        await isolator_failure(isolator.prepare(ContainerID("new"), cfg("gpus:1")),
+        await isolator_failure(isolator.prepare(ContainerID("new"), config("gpus:1")),
                                "Requested 1 gpus but only 0 available")
         await isolator.cleanup(ContainerID("b"))
         assert await free_minors(components) == {0, 1, 2, 3}
@@ -215,7 +212,7 @@ async def test_v2_a_gpu_released_while_a_container_of_unknown_state_is_there_sta
     async with runtime.Runtime():
         components, isolator = await node.start()
         for name in ("a", "b", "c"):
-            await isolator.prepare(ContainerID(name), cfg("gpus:1"))  # GPUs 0, 1, 2
+            await isolator.prepare(ContainerID(name), config("gpus:1"))  # GPUs 0, 1, 2
         await node.crash(components, isolator)
         (ours,) = attached_programs(node.cgroup_dir("a"))
         detach_program(node.cgroup_dir("a"), ours)
@@ -227,7 +224,7 @@ async def test_v2_a_gpu_released_while_a_container_of_unknown_state_is_there_sta
         await isolator.cleanup(ContainerID("b"))
         assert await free_minors(components) == set()  # GPU 1 joins the quarantine: a may reach it
         assert await isolator.containers() == {"a": [0, 1, 3], "c": [2]}
-        await isolator_failure(isolator.prepare(ContainerID("new"), cfg("gpus:1")),
+        await isolator_failure(isolator.prepare(ContainerID("new"), config("gpus:1")),
                                "Requested 1 gpus but only 0 available")
         await isolator.cleanup(ContainerID("a"))
         assert await free_minors(components) == {0, 1, 3}

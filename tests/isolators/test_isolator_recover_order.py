@@ -11,12 +11,9 @@ from __future__ import annotations
 import pytest
 
 import runtime
-from isolators import ContainerConfig, ContainerID, ContainerState, IsolatorError, Resources
+from isolators import ContainerID, ContainerState, IsolatorError, Resources
+from tests.support.containers import config
 from tests.support.nodes import judge
-
-
-def cfg(text: str) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(text))
 
 
 def states(*names: str) -> list[ContainerState]:
@@ -27,7 +24,7 @@ async def crashed_with(node, **containers: int):
     """Prepare ``containers`` (name -> GPUs), crash the agent, start a fresh one."""
     components, isolator = await node.start()
     for name, gpus in containers.items():
-        await isolator.prepare(ContainerID(name), cfg(f"gpus:{gpus}"))
+        await isolator.prepare(ContainerID(name), config(f"gpus:{gpus}"))
     await node.crash(components, isolator)
     return await node.start()
 
@@ -61,8 +58,8 @@ async def test_a_prepare_issued_right_after_recover_waits_for_it(node) -> None:
     async with runtime.Runtime():
         components, isolator = await crashed_with(node, a=1, b=2)
         recovered = isolator.recover(states("a", "b"), set())
-        fresh = isolator.prepare(ContainerID("new"), cfg("gpus:1"))   # not awaited in between
-        too_many = isolator.prepare(ContainerID("more"), cfg("gpus:1"))
+        fresh = isolator.prepare(ContainerID("new"), config("gpus:1"))   # not awaited in between
+        too_many = isolator.prepare(ContainerID("more"), config("gpus:1"))
         assert await outcome(recovered) is None
         assert await outcome(fresh) is None
         error = await outcome(too_many)
@@ -77,7 +74,7 @@ async def test_a_prepare_of_an_id_being_recovered_is_refused_and_leaves_its_cgro
     async with runtime.Runtime():
         components, isolator = await crashed_with(node, a=2)
         recovered = isolator.recover(states("a"), set())
-        again = isolator.prepare(ContainerID("a"), cfg("gpus:1"))
+        again = isolator.prepare(ContainerID("a"), config("gpus:1"))
         stats = isolator.usage(ContainerID("a"))
         assert await outcome(recovered) is None
         error = await outcome(again)
@@ -99,7 +96,7 @@ async def test_calls_issued_after_recover_apply_in_order_after_it(node) -> None:
             isolator.update(ContainerID("a"), Resources.parse("gpus:3")),
             isolator.usage(ContainerID("a")),
             isolator.cleanup(ContainerID("a")),
-            isolator.prepare(ContainerID("a"), cfg("gpus:4")),
+            isolator.prepare(ContainerID("a"), config("gpus:4")),
         ]
         results = [await outcome(call) for call in calls]
         assert results[0] is None and results[1] is None and results[3] is None and results[4] is None
@@ -113,7 +110,7 @@ async def test_calls_issued_after_recover_apply_in_order_after_it(node) -> None:
 async def test_a_recovery_waits_for_the_calls_issued_before_it(node) -> None:
     async with runtime.Runtime():
         components, isolator = await node.start()
-        prepared = isolator.prepare(ContainerID("a"), cfg("gpus:2"))
+        prepared = isolator.prepare(ContainerID("a"), config("gpus:2"))
         recovered = isolator.recover(states("a"), set())  # a is being prepared: not an orphan, not recovered twice
         assert await outcome(prepared) is None and await outcome(recovered) is None
         assert await isolator.containers() == {"a": [0, 1]} and isolator.recovery_report == []

@@ -9,12 +9,9 @@ import pytest
 
 import runtime
 from actors import Gpu
-from isolators import ContainerConfig, ContainerID, ContainerLimitation, Resources
+from isolators import ContainerID, ContainerLimitation, Resources
+from tests.support.containers import config
 from tests.support.errors import isolator_failure
-
-
-def cfg(text: str) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(text))
 
 
 async def outcome(future):
@@ -33,8 +30,8 @@ def allocator_watchers(components) -> int:
 async def test_watch_resolves_when_a_gpu_of_the_container_turns_unhealthy(node) -> None:
     async with runtime.Runtime():
         components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), cfg("gpus:2"))     # [0, 1]
-        await isolator.prepare(ContainerID("b"), cfg("gpus:1"))     # [2]
+        await isolator.prepare(ContainerID("a"), config("gpus:2"))     # [0, 1]
+        await isolator.prepare(ContainerID("b"), config("gpus:1"))     # [2]
         watch_a = isolator.watch(ContainerID("a"))
         watch_b = isolator.watch(ContainerID("b"))
         await components.allocator.mark_unhealthy(Gpu(195, 3), "not anybody's")
@@ -60,7 +57,7 @@ async def test_watch_follows_updates(memory_node) -> None:
     cid = ContainerID("a")
     async with runtime.Runtime():
         components, isolator = await memory_node.start()
-        await isolator.prepare(cid, cfg("gpus:1"))                   # [0]
+        await isolator.prepare(cid, config("gpus:1"))                   # [0]
         watch = isolator.watch(cid)
         await isolator.update(cid, Resources.parse("gpus:3"))       # [0, 1, 2]
         await isolator.update(cid, Resources.parse("gpus:2"))       # [0, 1]
@@ -78,7 +75,7 @@ async def test_watch_follows_updates(memory_node) -> None:
 async def test_watch_of_an_already_unhealthy_gpu_resolves_at_once(memory_node) -> None:
     async with runtime.Runtime():
         components, isolator = await memory_node.start()
-        await isolator.prepare(ContainerID("a"), cfg("gpus:1"))
+        await isolator.prepare(ContainerID("a"), config("gpus:1"))
         await components.allocator.mark_unhealthy(Gpu(195, 0), "ECC")
         limitation = await outcome(isolator.watch(ContainerID("a")))
         assert "195:0" in limitation.message and "ECC" in limitation.message
@@ -92,7 +89,7 @@ async def test_watch_errors_and_discard(memory_node) -> None:
         await isolator_failure(isolator.watch(ContainerID("nobody")), "Unknown container")
         await isolator_failure(isolator.watch(ContainerID("n", ContainerID("a"))),
                                "Not supported for nested containers")
-        await isolator.prepare(ContainerID("a"), cfg("gpus:1"))
+        await isolator.prepare(ContainerID("a"), config("gpus:1"))
         first = isolator.watch(ContainerID("a"))
         second = isolator.watch(ContainerID("a"))
         await runtime.Clock.settle()  # let both register
@@ -111,7 +108,7 @@ async def test_cleanup_discards_watches_and_leaves_no_watcher_behind(memory_node
         components, isolator = await memory_node.start()
         watches = []
         for round_ in range(5):
-            await isolator.prepare(ContainerID("a"), cfg("gpus:2"))
+            await isolator.prepare(ContainerID("a"), config("gpus:2"))
             watches.append(isolator.watch(ContainerID("a")))
             await isolator.cleanup(ContainerID("a"))
         assert all(w.is_discarded() for w in watches)
@@ -125,7 +122,7 @@ async def test_an_nvml_event_resolves_the_watch_without_anybody_polling(memory_n
     """R-HE-4 on the simulated node: event -> health monitor -> allocator -> watch()."""
     async with runtime.Runtime():
         components, isolator = await memory_node.start()
-        await isolator.prepare(ContainerID("a"), cfg("gpus:1"))     # [0]
+        await isolator.prepare(ContainerID("a"), config("gpus:1"))     # [0]
         watch = isolator.watch(ContainerID("a"))
         simulated = components.nvml.nvml
         assert simulated.inject_xid(0, 13) == 1                     # the application's fault: ignored
@@ -134,7 +131,7 @@ async def test_an_nvml_event_resolves_the_watch_without_anybody_polling(memory_n
             limitation = await watch
         assert limitation.reason == "REASON_GPU_UNHEALTHY"
         assert limitation.message == "GPU 195:0 of container a became unhealthy: Xid 79"
-        await isolator.prepare(ContainerID("b"), cfg("gpus:1"))     # avoids the unhealthy GPU
+        await isolator.prepare(ContainerID("b"), config("gpus:1"))     # avoids the unhealthy GPU
         assert await components.allocator.allocated() == {Gpu(195, 0), Gpu(195, 1)}
         await isolator.cleanup(ContainerID("a"))
         assert Gpu(195, 0) not in await components.allocator.available()

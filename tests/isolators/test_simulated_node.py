@@ -1,4 +1,4 @@
-"""``isolators.testing``: the simulated node that tests, message scripts and
+"""``isolators.simulated_node``: the simulated node that tests, message scripts and
 the churn benchmark share, and its helpers. Kernel backends run as root with
 their hierarchy (else they skip with the reason)."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from actors.devices import MemoryBackend
 from actors.volume import DEFAULT_LD_CACHE, read_ld_cache
-from isolators import ContainerConfig, ContainerID, Flags, Resources
-from isolators.testing import (
+from isolators import ContainerID, Flags
+from isolators.simulated_node import (
     DRIVER_VERSION,
     SimulatedNode,
     backend_unavailable,
@@ -22,11 +22,8 @@ from isolators.testing import (
     remove_cgroup_tree,
 )
 from runtime import Runtime
-from tests.support.kernel import BACKENDS, hierarchy_of, skip_reason, remove_test_cgroups
-
-
-def config(gpus: int) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(f"gpus:{gpus}"))
+from tests.support.containers import config
+from tests.support.kernel import BACKENDS, KERNEL_BACKENDS, hierarchy_of, skip_reason, remove_test_cgroups
 
 
 @pytest.fixture(params=BACKENDS)
@@ -186,7 +183,7 @@ async def test_discard_removes_whatever_is_left(backend: str, made: Any) -> None
 def test_backend_unavailable_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     assert backend_unavailable("memory") is None
     assert backend_unavailable("zfs") == "unknown backend 'zfs' (expected one of memory, cgroups_v1, cgroups_v2)"
-    for backend in ("cgroups_v1", "cgroups_v2"):
+    for backend in KERNEL_BACKENDS:
         if os.geteuid() == 0 and hierarchy_of(backend) is not None:
             assert backend_unavailable(backend) is None
     monkeypatch.setattr(os, "geteuid", lambda: 1000)

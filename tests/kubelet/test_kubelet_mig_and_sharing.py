@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from actors.nvml import load_host_file
-from isolators.testing import SimulatedNode
+from isolators.simulated_node import SimulatedNode
 
 from tests.support.kubelet import FakeKubelet, PluginCommand, flag_args, plugin_directory
 

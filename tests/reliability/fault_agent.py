@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 
 from isolators import ContainerConfig, ContainerID, ContainerState, Resources
-from isolators.testing import SimulatedNode
+from isolators.simulated_node import SimulatedNode
 from runtime import Runtime
 
 HANG_BOUND = 30.0

@@ -46,7 +46,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from isolators.testing import SimulatedNode, backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
+from actors.devices import default_hierarchy
+from isolators.simulated_node import SimulatedNode, backend_unavailable, remove_cgroup_tree
 from tests.support.kernel import children, process_state, wait_gone
 from tests.support.probes import DENIED, GRANTED, DeviceProbe, mknod_nodes
 
@@ -293,7 +294,7 @@ def run(backend: str, rounds: int, seed: int, workers: int = 32, gpu_workers: in
     root_name = f"gpu-isolator-test-{os.getpid()}-faults-{uuid.uuid4().hex[:8]}"
     node = SimulatedNode(directory, backend, gpus=GPUS, cgroups_root=root_name)
     node.create_files()
-    hierarchy = cgroup_hierarchy(backend)
+    hierarchy = default_hierarchy(backend)
     judge = Judge(hierarchy, os.path.join(hierarchy, root_name), os.path.join(directory, "nodes"))
     ledger = Ledger()
     agent_log = os.path.join(directory, "agents.log")

@@ -20,27 +20,20 @@ from typing import Any
 import pytest
 
 from actors.devices import DeviceControlError
-from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
+from isolators import IsolatorError, Resources
 from runtime import Runtime
+from tests.support.containers import C, config
 from tests.support.probes import DENIED, GRANTED
 from tests.support.errors import injected as injected_text
 from tests.support.errors import raises_isolator_error
 from tests.support.nodes import judge
+from tests.support.kernel import BACKENDS, KERNEL_BACKENDS
 
-BACKENDS = ["memory", "cgroups_v1", "cgroups_v2"]
 ERRNOS = [errno.EIO, errno.ENOSPC, errno.EBUSY]
 ABSORBED = ("cgroups_v2", "attach (replace) device program to")
 """The one fault a call absorbs: v2's replace of the program it attached last
 fails, so it looks the cgroup's programs up and attaches again (the kernel may
 hold another's): the call goes on and succeeds."""
-
-
-def C(name: str) -> ContainerID:
-    return ContainerID(name)
-
-
-def config(gpus: int) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(f"gpus:{gpus}"))
 
 
 def gpus(k: int) -> Resources:
@@ -194,7 +187,7 @@ async def test_a_failed_cleanup_can_be_retried(backend: str, node_factory: Any) 
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("backend", ["cgroups_v1", "cgroups_v2"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 async def test_cleanup_with_a_process_inside_denies_then_releases_under_faults(
     backend: str, node_factory: Any, probes: Any, gpu_nodes: dict[int, str]
 ) -> None:

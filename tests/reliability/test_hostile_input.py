@@ -35,6 +35,7 @@ from runtime import Clock, Process, Runtime, dispatch, send, snapshot, spawn
 from tests.support.errors import isolator_failure, raises_isolator_error
 from tests.support.kernel import attach_program, attached_programs, detach_program, hierarchy_of, skip_reason
 from tests.support.nodes import Node, judge
+from tests.support.kernel import BACKENDS
 
 TOKEN = f"rel-hostile-{uuid.uuid4().hex[:8]}"
 
@@ -103,7 +104,7 @@ def test_a_bad_cgroups_root_is_refused_by_the_flags(root: str, tmp_path: Any) ->
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("backend", ["memory", "cgroups_v1", "cgroups_v2"])
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_a_bad_cgroups_root_writes_nothing_anywhere(backend: str, tmp_path: Any) -> None:
     """Bypassing the flags (a Flags value mutated after validation, or the device
     control built directly): refused before anything is created."""
@@ -189,7 +190,7 @@ async def test_bad_agent_resources_stop_the_start(text: str, tmp_path: Any) -> N
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("backend", ["memory", "cgroups_v1", "cgroups_v2"])
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_hostile_gpu_requests_fail_at_prepare_and_update_changing_nothing(
     backend: str, node_factory: Any
 ) -> None:

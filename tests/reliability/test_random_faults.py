@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from isolators.testing import backend_unavailable
+from isolators.simulated_node import backend_unavailable
 from tests.reliability.fault_run import run
+from tests.support.kernel import KERNEL_BACKENDS
 
 
-@pytest.mark.parametrize("backend", ["cgroups_v1", "cgroups_v2"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_random_worker_and_agent_faults_never_double_grant_hang_or_leak(backend: str) -> None:
     reason = backend_unavailable(backend)
     if reason is not None:

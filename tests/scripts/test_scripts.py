@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from actors.devices import MemoryBackend
+from actors.devices import MemoryBackend, default_hierarchy
 from isolators import load_script_file, run_script
-from isolators.testing import backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
+from isolators.simulated_node import backend_unavailable, remove_cgroup_tree
 from runtime import Runtime
+from tests.support.kernel import BACKENDS
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -27,7 +28,7 @@ SCRIPTS = sorted([*HERE.glob("*.yaml"), *HERE.glob("*.json")]) + sorted((REPO / 
 ]
 
 
-@pytest.fixture(params=["memory", "cgroups_v1", "cgroups_v2"])
+@pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     reason = backend_unavailable(request.param)
     if reason is not None:
@@ -39,7 +40,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 def cgroups_root(backend: str):
     root = f"gpu-isolator-test-scripts-{uuid.uuid4().hex[:12]}"
     yield root
-    base = cgroup_hierarchy(backend)
+    base = default_hierarchy(backend)
     if base is not None:
         remove_cgroup_tree(os.path.join(base, root))
     else:
@@ -60,7 +61,7 @@ async def test_script(path: Path, backend: str, cgroups_root: str) -> None:
     assert report.results and len(report.results) == len(script.steps)
     assert lines[-1].startswith(f"{script.name} on {backend}: ") and lines[-1].endswith("every expectation held")
     if backend != "memory":
-        assert not os.path.exists(os.path.join(cgroup_hierarchy(backend), cgroups_root)), "the run left cgroups behind"
+        assert not os.path.exists(os.path.join(default_hierarchy(backend), cgroups_root)), "the run left cgroups behind"
 
 
 @pytest.mark.asyncio
@@ -82,7 +83,7 @@ async def test_a_failing_run_still_removes_its_cgroups(backend: str, cgroups_roo
     assert (failure.line, failure.expected, failure.actual) == (4, "b holds GPUs [0]", "b holds GPUs [1]")
     assert "  FAIL   2  line 4    prepare b (gpus:1) -> other GPUs than expected" in lines
     assert lines[-1].endswith("FAILED (line 4)")
-    base = cgroup_hierarchy(backend)
+    base = default_hierarchy(backend)
     if base is not None:
         assert not os.path.exists(os.path.join(base, cgroups_root))
     else:

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from isolators.service import GpuIsolatorService
-from isolators.testing import SimulatedNode
+from isolators.simulated_node import SimulatedNode
 from runtime import Runtime, current_runtime, dispatch, terminate, wait
 
 pytestmark = pytest.mark.anyio

@@ -4,6 +4,7 @@ teardown), ``probes`` (a child that opens device nodes from inside a
 cgroup, mknod'ed nodes), ``nodes`` (a simulated node for one test and the
 kernel as judge of it), ``containers`` (container ids and configs, the
 usual two-container start, free GPUs, bounded cleanup, a test's end),
+``engines`` (podman and runc on a busybox rootfs, for the CDI tests),
 ``fake_driver`` (a fake NVIDIA driver built with
 gcc, loader caches), ``fake_nvml`` (the fake NVML library and ``NvmlProbe``,
 which runs the real pynvml against it in a child: ``nvml_probe.py``,

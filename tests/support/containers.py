@@ -2,8 +2,10 @@
 two of them, a bounded cleanup of a lingering one, and the end of a test.
 
 Rules:
-- ``C(name)`` is a top-level ``ContainerID``; ``config(gpus)`` a
-  ``ContainerConfig`` asking for ``gpus`` GPUs (``Resources.parse``).
+- ``C(name)`` is a top-level ``ContainerID``; ``config(resources, **fields)``
+  a ``ContainerConfig`` asking for ``resources``: a number of GPUs, or
+  resources text (``"gpus:1;mig-1g.18gb:1"``; none: nothing), with
+  ``fields`` (``rootfs``, ...).
 - ``two_containers(node, **flags)`` starts the node's isolator (``flags``
   go to ``node.start``), recovers nothing and prepares ``c1`` and ``c2``
   with one GPU each: GPU 0 and GPU 1 (lowest-first allocation).
@@ -33,8 +35,13 @@ def C(name: str) -> ContainerID:
     return ContainerID(name)
 
 
-def config(gpus: int) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(f"gpus:{gpus}"))
+def config(resources: int | str | None = None, **fields: Any) -> ContainerConfig:
+    """A config asking for ``resources`` (see the module rules)."""
+    if isinstance(resources, int):
+        asked = Resources.parse(f"gpus:{resources}")
+    else:
+        asked = Resources.parse(resources) if resources else Resources()
+    return ContainerConfig(resources=asked, **fields)
 
 
 async def two_containers(node: Node, **flags: Any) -> Any:

@@ -19,15 +19,15 @@ import os
 import signal
 import time
 
-from actors.devices import Policy, bpf, build_device_program, read_policy
-from isolators.testing import backend_unavailable, cgroup_hierarchy, remove_cgroup_tree
+from actors.devices import Policy, bpf, build_device_program, default_hierarchy, read_policy
+from actors.flags import KERNEL_BACKENDS
+from actors.flags import NODE_BACKENDS as BACKENDS
+from isolators.simulated_node import backend_unavailable, remove_cgroup_tree
 
-BACKENDS = ["memory", "cgroups_v1", "cgroups_v2"]
-KERNEL_BACKENDS = ["cgroups_v1", "cgroups_v2"]
 NVIDIA = 195
 
-V1_HIERARCHY = cgroup_hierarchy("cgroups_v1")
-V2_HIERARCHY = next((h for h in [cgroup_hierarchy("cgroups_v2")]
+V1_HIERARCHY = default_hierarchy("cgroups_v1")
+V2_HIERARCHY = next((h for h in [default_hierarchy("cgroups_v2")]
                      if h is not None and os.path.isfile(os.path.join(h, "cgroup.controllers"))), None)
 """The mounted cgroup2 hierarchy, None when there is none."""
 

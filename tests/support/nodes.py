@@ -1,7 +1,7 @@
 """A simulated node for one test, and the kernel as judge of it.
 
 Rules:
-- ``Node`` is ``isolators.testing.SimulatedNode`` with what tests add: its
+- ``Node`` is ``isolators.simulated_node.SimulatedNode`` with what tests add: its
   files are made at once in the test's directory, ``gpus`` GPUs with usage
   readings per GPU (``usage_host``), lowest-first allocation (tests name the
   GPUs they expect), a cgroups root ``gpu-isolator-test-<pid>-<hex>`` (or
@@ -35,7 +35,7 @@ from actors.devices import (
 )
 from actors.devices.testing import FaultInjectingBackend
 from isolators import NvidiaComponents
-from isolators.testing import DRIVER_VERSION, SimulatedNode
+from isolators.simulated_node import DRIVER_VERSION, SimulatedNode
 
 from .kernel import NVIDIA, hierarchy_of, program_infos, program_policy, remove_test_cgroups
 

@@ -48,7 +48,7 @@ from typing import Iterable, Mapping, Sequence
 
 import msgspec
 
-from ._oci import merge_oci
+from isolators.cdi import merge_oci
 
 __all__ = [
     "ENGINE_TIMEOUT", "PROBE", "ProbeReport", "PodmanEngine", "RuncEngine", "build_rootfs",
@@ -226,7 +226,7 @@ def _kill_members(directory: str) -> None:
 def remove_cgroup_trees(name: str) -> None:
     """Remove ``<hierarchy>/<name>`` and everything below it in every cgroup
     hierarchy (killing what is left inside: only the tests' containers)."""
-    from isolators.testing import remove_cgroup_tree
+    from isolators.simulated_node import remove_cgroup_tree
 
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"refusing to remove cgroup tree {name!r}")

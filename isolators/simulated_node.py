@@ -1,4 +1,4 @@
-"""A simulated node for tests, message scripts and benchmarks (beside ``runtime.testing``).
+"""The simulated node: the demo's, message scripts', tests' and benchmarks' node with no GPU.
 
 Rules:
 - ``SimulatedNode`` is a node with no GPU: a host file (a simulated NVML),
@@ -47,7 +47,7 @@ from typing import Any
 
 import aiofiles.os
 
-from actors.flags import Flags
+from actors.flags import NODE_BACKENDS, Flags
 from actors.mig.testing import write_proc_dir
 from actors.nvml import HostFileError, load_host_file
 from actors.volume.testing import write_ld_cache
@@ -59,13 +59,12 @@ from ._process import NvidiaGpuIsolatorProcess
 from ._types import ContainerID, ContainerState
 
 __all__ = [
-    "BACKENDS", "DRIVER_VERSION", "SimulatedNode", "backend_unavailable", "cgroup_hierarchy",
+    "DRIVER_VERSION", "SimulatedNode", "backend_unavailable",
     "host_document", "remove_cgroup_tree",
 ]
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("memory", "cgroups_v1", "cgroups_v2")
 DRIVER_VERSION = "550.54.15"
 _HIERARCHY_MARKER = {"cgroups_v1": "devices.allow", "cgroups_v2": "cgroup.controllers"}
 
@@ -79,15 +78,10 @@ def host_document(gpus: int = 8, driver_version: str = DRIVER_VERSION,
     return document
 
 
-def cgroup_hierarchy(backend: str) -> str | None:
-    """Where ``backend`` keeps its cgroups when no hierarchy is given (None in memory)."""
-    return default_hierarchy(backend)
-
-
 def backend_unavailable(backend: str) -> str | None:
     """Why ``backend`` cannot run on this machine; None when it can."""
-    if backend not in BACKENDS:
-        return f"unknown backend {backend!r} (expected one of {', '.join(BACKENDS)})"
+    if backend not in NODE_BACKENDS:
+        return f"unknown backend {backend!r} (expected one of {', '.join(NODE_BACKENDS)})"
     if backend == "memory":
         return None
     if os.geteuid() != 0:
@@ -147,8 +141,8 @@ class SimulatedNode:
                  gpus: int = 8, host: Mapping[str, Any] | str | os.PathLike[str] | None = None,
                  cgroups_root: str | None = None, root_prefix: str = "gpu-isolator-node-",
                  hierarchy: str | None = None, extra: Mapping[str, Any] | None = None) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"Unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+        if backend not in NODE_BACKENDS:
+            raise ValueError(f"Unknown backend {backend!r}: expected one of {', '.join(NODE_BACKENDS)}")
         self.backend = backend
         self.hierarchy = hierarchy if hierarchy is not None else default_hierarchy(backend)
         self.cgroups_root = cgroups_root or f"{root_prefix}{uuid.uuid4().hex[:12]}"
