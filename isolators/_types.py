@@ -45,34 +45,37 @@ MS_REC = 16384
 
 def validate_container_id_value(value: Any) -> str:
     """Return ``value`` if it is a valid container id, else raise InvalidContainerID."""
+    problem = _id_problem(value)
+    if problem is not None:
+        shown, why = problem
+        raise InvalidContainerID(f"Invalid container id {shown}: {why}")
+    return value
+
+
+def _id_problem(value: Any) -> tuple[str, str] | None:
+    """What is wrong with ``value`` as a container id: how it is shown and why
+    (None when nothing is)."""
     if not isinstance(value, str):
-        raise InvalidContainerID(f"Invalid container id {value!r}: expected a string")
+        return repr(value), "expected a string"
     if not value:
-        raise InvalidContainerID("Invalid container id '': it must not be empty")
+        return "''", "it must not be empty"
     if len(value) > MAX_CONTAINER_ID_LENGTH:
-        raise InvalidContainerID(
-            f"Invalid container id {value[:32]!r}...: it is {len(value)} characters long,"
-            f" the limit is {MAX_CONTAINER_ID_LENGTH}"
-        )
+        return (f"{value[:32]!r}...", f"it is {len(value)} characters long, the limit is {MAX_CONTAINER_ID_LENGTH}")
     if value in (".", ".."):
-        raise InvalidContainerID(f"Invalid container id {value!r}: '.' and '..' are not allowed")
+        return repr(value), "'.' and '..' are not allowed"
     bad = _FORBIDDEN.search(value)
     if bad is not None:
-        raise InvalidContainerID(
-            f"Invalid container id {value!r}: it contains {bad.group()!r};"
-            " '/', '\\\\', '.', spaces and control characters are not allowed"
-        )
+        return (repr(value), f"it contains {bad.group()!r}; '/', '\\\\', '.', spaces and control characters are"
+                " not allowed")
     if not value.isascii():  # it becomes a directory name: at most 255 bytes of UTF-8
         try:
             size = len(value.encode("utf-8"))
         except UnicodeEncodeError:
-            raise InvalidContainerID(f"Invalid container id {value!r}: it is not valid Unicode text") from None
+            return repr(value), "it is not valid Unicode text"
         if size > MAX_NAME_BYTES:
-            raise InvalidContainerID(
-                f"Invalid container id {value[:32]!r}...: it is {size} bytes long in UTF-8,"
-                f" a directory name holds at most {MAX_NAME_BYTES}"
-            )
-    return value
+            return (f"{value[:32]!r}...", f"it is {size} bytes long in UTF-8, a directory name holds at most"
+                    f" {MAX_NAME_BYTES}")
+    return None
 
 
 _PLAIN_ID = re.compile(r"[A-Za-z0-9_-]{1,%d}" % MAX_CONTAINER_ID_LENGTH)
@@ -140,11 +143,24 @@ class ContainerID(msgspec.Struct, frozen=True, order=True):
 
     @classmethod
     def parse(cls, text: str) -> "ContainerID":
-        """Parse ``parent.child`` (the ``str`` form) back into an id."""
+        """Parse ``parent.child`` (the ``str`` form) back into an id; an error
+        names the text as given (``'../x'``), and the part that is wrong."""
         if not isinstance(text, str) or not text:
             raise InvalidContainerID(f"Invalid container id {text!r}: it must not be empty")
+        parts = text.split(".")
+        for index, part in enumerate(parts, 1):
+            problem = _id_problem(part)
+            if problem is None:
+                continue
+            shown, why = problem
+            if len(parts) == 1:
+                raise InvalidContainerID(f"Invalid container id {shown}: {why}")
+            raise InvalidContainerID(
+                f"Invalid container id {text!r}: '.' separates the ids of a nested container (parent.child),"
+                f" and part {index} of {len(parts)} ({shown}) is not an id: {why}"
+            )
         cid: ContainerID | None = None
-        for part in text.split("."):
+        for part in parts:
             cid = cls(part, cid)
         return cid  # type: ignore[return-value]
 

@@ -26,8 +26,11 @@ a script ran and an expectation did not hold; 2 for bad arguments, a bad
 script or a node that cannot start (no NVML included): one line on stderr
 (``gpu-isolator: error: ...``), never a traceback (``--verbose`` adds one
 for unexpected errors); 130 on Ctrl-C. Every error of every command exits
-non-zero. ``main(argv)`` returns the code instead of exiting, so tests call
-it directly.
+non-zero. A reader that closes the pipe early (``gpu-isolator inspect |
+head``) ends the command quietly, as other CLIs do: no message, status 141
+(128 + SIGPIPE, what a process the signal ended reports), and nothing more
+is written to the closed pipe. ``main(argv)`` returns the code instead of
+exiting, so tests call it directly.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import traceback
 from importlib import resources as importlib_resources
@@ -291,6 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        _stdout_to_devnull()  # the interpreter's last flush must not hit the closed pipe again
+        return PIPE_CLOSED
     except UsageError as e:
         print(f"{e}", file=sys.stderr)
         return 2
@@ -303,6 +310,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: internal error: {type(e).__name__}: {_one_line(e)}"
               + ("" if verbose else " (run with --verbose for the traceback)"), file=sys.stderr)
         return 2
+
+
+PIPE_CLOSED = 128 + signal.SIGPIPE
+"""The status of a command whose reader closed the pipe (see module rules)."""
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no stdout to speak of: nothing will be flushed to it
+        pass
 
 
 def _one_line(error: BaseException) -> str:

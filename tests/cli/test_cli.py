@@ -2,7 +2,8 @@
 
 ``isolators.cli.main(argv)`` returns the exit code: 0 when every expectation
 held, 1 when one did not, 2 for bad arguments or a bad script (one line on
-stderr, never a traceback). One real subprocess checks ``python -m isolators``.
+stderr, never a traceback). Real subprocesses check ``python -m isolators``
+(and a reader that closes the pipe).
 """
 
 from __future__ import annotations
@@ -238,6 +239,19 @@ def test_an_internal_error_is_one_line(capsys: pytest.CaptureFixture[str], monke
                           "run with --verbose for the traceback")
 
 
+def test_a_bad_id_in_a_script_is_named_as_given(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``prepare: {id: "../x"}``: the error names '../x', not one of its dotted parts."""
+    script = tmp_path / "ids.yaml"
+    script.write_text('node: {gpus: 2}\nsteps:\n  - prepare: {id: "../x"}\n  - prepare: {id: "a./b"}\n')
+    code, out, err = run(capsys, "run", str(script))
+    assert code == 1, out + err
+    assert ("actual:   error: Invalid container id '../x': '.' separates the ids of a nested container"
+            " (parent.child), and part 1 of 3 ('') is not an id: it must not be empty") in out
+    assert ("actual:   error: Invalid container id 'a./b': '.' separates the ids of a nested container"
+            " (parent.child), and part 2 of 2 ('/b') is not an id: it contains '/'") in out
+    assert "Invalid container id ''" not in out
+
+
 # -- a real process -------------------------------------------------------------------
 def test_python_m_isolators(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -254,6 +268,22 @@ def test_python_m_isolators(tmp_path: Path) -> None:
         " (prepare, update, usage, cleanup, recover, create, concurrent, advance, restart, free, held,"
         " reconcile, mark_unhealthy, mark_healthy, free_mig) plus optional 'name' and 'expect'"
     )
+
+
+@pytest.mark.parametrize("argv", [["inspect", "--simulated"], ["demo"]], ids=["inspect", "demo"])
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(tmp_path: Path, argv: list[str]) -> None:
+    """``gpu-isolator inspect --simulated | head``: the reader is gone before
+    the first line is written; the command ends with no message (status 141,
+    as if SIGPIPE ended it), like other command-line tools."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader closed it: every write fails with EPIPE
+    try:
+        ended = subprocess.run([sys.executable, "-m", "isolators", *argv], cwd=tmp_path, stdout=write_end,
+                               stderr=subprocess.PIPE, text=True, timeout=60,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    finally:
+        os.close(write_end)
+    assert (ended.returncode, ended.stderr) == (141, "")
 
 
 def test_the_installed_command_outside_the_source_tree(tmp_path: Path) -> None:
