@@ -99,8 +99,11 @@ def registered_major(name: str, proc_devices: str = "/proc/devices") -> int | No
     return None
 
 
-def find_control_devices(flags: Flags, host_numbers: dict[str, str] | None) -> dict[str, DeviceRule]:
-    """R-IS-1: the control devices by number, from ``dev_dir`` or the host file.
+def find_control_devices(flags: Flags, host_numbers: dict[str, str] | None,
+                         kernel_facts: bool = True) -> dict[str, DeviceRule]:
+    """R-IS-1: the control devices by number, from ``dev_dir`` or the host file;
+    ``kernel_facts=False`` reads nothing from ``proc_dir`` (a simulated node
+    not pointed at any: only "not 195" is checked for ``nvidia-uvm``).
 
     Blocking (stat, maybe ``nvidia-modprobe``): run it through an executor."""
     dev_dir = flags.dev_dir
@@ -117,7 +120,7 @@ def find_control_devices(flags: Flags, host_numbers: dict[str, str] | None) -> d
             subprocess.run(["nvidia-modprobe", "-u", "-c", "0"], check=True, capture_output=True, timeout=30)
         except (OSError, subprocess.SubprocessError) as e:
             raise IsolatorError(f"Failed to load '{uvm}': {e}") from None
-    uvm_major = registered_major("nvidia-uvm", os.path.join(flags.proc_dir, "devices"))
+    uvm_major = registered_major("nvidia-uvm", os.path.join(flags.proc_dir, "devices")) if kernel_facts else None
     rules = {}
     for name in REQUIRED_CONTROL_DEVICES + OPTIONAL_CONTROL_DEVICES:
         path = os.path.join(dev_dir, name)

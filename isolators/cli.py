@@ -12,7 +12,9 @@ Commands:
   so on its first line.
 - ``cdi generate [--host-file F] [--dev-dir D] [--format json|yaml]
   [--output PATH]``: the node's static CDI spec (``isolators.cdi``); JSON
-  on stdout is the document alone.
+  on stdout is the document alone. A ``--host-file`` node reads no fact of
+  this machine unless asked (``--ld-cache``, ``--proc-dir``): its driver
+  volume copies no library or binary of this machine.
 - ``serve``, ``exec``, ``status``: the isolator as a service and its
   clients (``isolators.service``; SPEC section 16).
 - ``kubelet-plugin``: the Kubernetes device plugin (``isolators.kubelet``;
@@ -129,11 +131,13 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--volume-dir", metavar="DIR", default=None,
                           help="where the driver volume is built (default: the isolator's,"
                                " /var/run/gpu-isolator/volume)")
-    generate.add_argument("--proc-dir", metavar="DIR", default="/proc",
+    generate.add_argument("--proc-dir", metavar="DIR", default=None,
                           help="where the MIG capability facts are read (driver/nvidia-caps/mig-minors, devices;"
-                               " default: /proc)")
+                               " default: /proc; a --host-file node reads none unless given)")
     generate.add_argument("--ld-cache", metavar="FILE", default=None,
-                          help="the loader cache the driver libraries are found in (default: /etc/ld.so.cache)")
+                          help="the loader cache the driver libraries are found in (default: /etc/ld.so.cache;"
+                               " a --host-file node's volume copies no library or binary of this machine"
+                               " unless given)")
     generate.add_argument("--format", choices=("json", "yaml"), default=None,
                           help="json or yaml (default: from --output's extension, else json)")
     generate.add_argument("--output", metavar="PATH",
@@ -254,12 +258,14 @@ def _cmd_cdi_generate(args: argparse.Namespace) -> int:
                              f" {args.output!r} (engines read a file by its extension)")
         spec_kind = from_name
     defaults = Flags()
-    flags = Flags(host_file=args.host_file, dev_dir=args.dev_dir, proc_dir=args.proc_dir,
+    flags = Flags(host_file=args.host_file, dev_dir=args.dev_dir, proc_dir=args.proc_dir or defaults.proc_dir,
                   volume_dir=args.volume_dir or defaults.volume_dir, ld_cache=args.ld_cache or defaults.ld_cache)
+    real = args.host_file is None  # a simulated node reads no fact of this machine unless asked
 
     async def generate() -> int:
         try:
-            spec = await generate_node_spec(flags)
+            spec = await generate_node_spec(flags, loader_cache=real or args.ld_cache is not None,
+                                            kernel_facts=real or args.proc_dir is not None)
         except NvmlUnavailable as error:  # the library's hint names the flag; here it is an option
             raise Failure(f"{error.headline}; is the NVIDIA driver installed and loaded?"
                           " Without a GPU, pass --host-file FILE to describe a simulated node") from error

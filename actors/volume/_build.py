@@ -4,7 +4,9 @@ Rules:
 - The volume of driver version V is ``<volume_dir>/nvidia_V`` with ``bin/``,
   ``lib/`` (32-bit libraries) and ``lib64/`` (64-bit libraries).
 - ``bin/`` gets each of ``BINARIES`` found on the search path (PATH-style;
-  default the process's ``PATH``), copied from its real path.
+  default the process's ``PATH``; an empty one finds none), copied from its
+  real path. With ``ld_cache=None`` no loader cache is read: a node with
+  no driver libraries (a simulated one that was not pointed at any).
 - For each name in ``LIBRARIES`` (Mesos' list, from libnvidia-container),
   every ELF entry of the loader cache whose name starts with it is copied by
   its real path into ``lib/`` or ``lib64/`` according to its ELF class, and
@@ -191,7 +193,7 @@ def _safe_name(name: str) -> bool:
 def build_volume(
     volume_dir: str,
     driver_version: str,
-    ld_cache: str = DEFAULT_LD_CACHE,
+    ld_cache: str | None = DEFAULT_LD_CACHE,
     search_path: str | None = None,
 ) -> VolumeReport:
     """Create or grow the volume for ``driver_version`` (blocking; R-VO-1)."""
@@ -213,7 +215,7 @@ def build_volume(
             continue
         builder.copy(os.path.realpath(found), os.path.join("bin", binary))
 
-    entries = read_ld_cache(ld_cache)
+    entries = read_ld_cache(ld_cache) if ld_cache is not None else []
     elves: dict[str, ElfInfo] = {}
     for library in LIBRARIES:
         for entry in entries:

@@ -7,7 +7,9 @@ Rules:
   process's own single-thread ``Executor``: nothing blocks the event loop,
   and builds of the volume never overlap, even when asked for concurrently.
 - ``await NvidiaVolume.create(volume_dir, driver_version, ld_cache=...,
-  search_path=None)`` spawns the process and waits for the first build; if
+  search_path=None)`` spawns the process and waits for the first build
+  (``ld_cache=None``: no loader cache, no library; ``search_path=""``: no
+  binary -- a simulated node's volume, copying nothing of this machine); if
   the build fails, the process is terminated and the error (a
   ``VolumeError``: ``LdCacheError``, ``ElfError``, ...) is raised.
 - The handle gives ``host_path``, ``container_path`` (``/usr/local/nvidia``)
@@ -40,7 +42,7 @@ class NvidiaVolumeProcess(Process):
         self,
         volume_dir: str,
         driver_version: str,
-        ld_cache: str = DEFAULT_LD_CACHE,
+        ld_cache: str | None = DEFAULT_LD_CACHE,
         search_path: str | None = None,
     ) -> None:
         super().__init__(id=generate_id("nvidia-volume"))
@@ -77,7 +79,7 @@ class NvidiaVolume:
         cls,
         volume_dir: str,
         driver_version: str,
-        ld_cache: str = DEFAULT_LD_CACHE,
+        ld_cache: str | None = DEFAULT_LD_CACHE,
         search_path: str | None = None,
     ) -> NvidiaVolume:
         """Spawn the volume actor and build the volume (R-VO-1)."""

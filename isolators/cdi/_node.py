@@ -31,6 +31,11 @@ Rules:
   ``read_node_facts`` is that reading for a node whose inventory and
   volume a caller already has (the kubelet plugin's components);
   ``NodeFacts.spec`` renders the same spec from them.
+- A simulated node reads no fact of this machine unless asked (as
+  ``SimulatedNode`` does): ``loader_cache=False`` builds the volume from no
+  loader cache and no search path (no library or binary of this machine in
+  it), ``kernel_facts=False`` reads nothing from ``proc_dir`` (MIG devices
+  then have no capability facts: an error that names ``proc_dir``).
 """
 
 from __future__ import annotations
@@ -123,31 +128,42 @@ class NodeFacts(msgspec.Struct, frozen=True, kw_only=True):
                          volume_env=self.volume_env, caps=self.caps)
 
 
-async def read_node_facts(flags: Flags, inventory: NodeInventory, volume: NvidiaVolume) -> NodeFacts:
+async def read_node_facts(flags: Flags, inventory: NodeInventory, volume: NvidiaVolume, *,
+                          kernel_facts: bool = True) -> NodeFacts:
     """The facts of the node ``inventory`` describes: control devices from
     ``flags.dev_dir`` (or the host file's numbers), the volume's mount and
     environment, capability facts from ``flags.proc_dir`` (blocking reads on
-    a one-thread executor of their own)."""
+    a one-thread executor of their own); ``kernel_facts=False``: nothing is
+    read from ``proc_dir`` (see the module rules)."""
     from .._startup import find_control_devices  # the isolator imports this package
 
     host_numbers = dict(inventory.control_devices) if inventory.kind == "simulated" else None
-    control = await executor_run_once(find_control_devices, flags, host_numbers)
-    caps = await executor_run_once(read_mig_capabilities, flags.proc_dir) if inventory.mig_devices else None
+    control = await executor_run_once(find_control_devices, flags, host_numbers, kernel_facts)
+    caps = None
+    if inventory.mig_devices:
+        if not kernel_facts:
+            raise CdiSpecError(f"The node ({inventory.source}) has MIG devices, whose capability facts come from a"
+                               " proc dir; this simulated node reads none of this machine's: name one (proc_dir)")
+        caps = await executor_run_once(read_mig_capabilities, flags.proc_dir)
     mount = ContainerBindMount(host_path=volume.host_path, container_path=volume.container_path)
     env = volume.env(ImageManifest(env=[f"PATH={DEFAULT_PATH}"]))
     return NodeFacts(control_devices=dict(control), volume=mount, volume_env=dict(env), caps=caps)
 
 
-async def generate_node_spec(flags: Flags) -> CdiSpec:
-    """Read the node named by ``flags`` (host_file, dev_dir, volume_dir, ld_cache) into its static spec."""
+async def generate_node_spec(flags: Flags, *, loader_cache: bool = True, kernel_facts: bool = True) -> CdiSpec:
+    """Read the node named by ``flags`` (host_file, dev_dir, volume_dir, ld_cache,
+    proc_dir) into its static spec; ``loader_cache`` / ``kernel_facts``: read
+    ``ld_cache`` and the search path / ``proc_dir`` at all (see the module rules)."""
     nvml = await NvmlService.open(flags.host_file)
     try:
         inventory = await nvml.inventory()
     finally:
         await nvml.close()
-    volume = await NvidiaVolume.create(flags.volume_dir, inventory.driver_version, ld_cache=flags.ld_cache)
+    volume = await NvidiaVolume.create(flags.volume_dir, inventory.driver_version,
+                                       ld_cache=flags.ld_cache if loader_cache else None,
+                                       search_path=None if loader_cache else "")
     try:
-        facts = await read_node_facts(flags, inventory, volume)
+        facts = await read_node_facts(flags, inventory, volume, kernel_facts=kernel_facts)
     finally:
         await volume.close()
     return facts.spec(inventory, flags.dev_dir)

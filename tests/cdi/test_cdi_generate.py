@@ -67,6 +67,46 @@ def test_json_on_stdout_is_the_spec_alone(capsys, tmp_path) -> None:
         "fileMode": 438, "permissions": "rwm"}]}}
 
 
+def fake_binary_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``nvidia-smi`` of "this machine", first on PATH."""
+    bin_dir = tmp_path / "host-bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho this machine\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def test_a_host_file_node_reads_no_fact_of_this_machine_unless_asked(capsys, tmp_path, monkeypatch) -> None:
+    """No --ld-cache, no --proc-dir: the volume the spec mounts copies nothing of
+    this machine -- no library from its loader cache (the suite fails a test that
+    opens /etc/ld.so.cache or /proc/devices), no binary from its PATH."""
+    fake_binary_on_path(tmp_path, monkeypatch)
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    argv = ["cdi", "generate", "--volume-dir", str(tmp_path / "volume"), "--host-file", PCIE, "--dev-dir", str(dev)]
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    volume = tmp_path / "volume" / f"nvidia_{load_host_file(PCIE).driver_version}"
+    (mount,) = decode_spec(out.encode(), "json").container_edits.mounts
+    assert mount.host_path == str(volume)
+    assert {name: os.listdir(volume / name) for name in ("bin", "lib", "lib64")} == {"bin": [], "lib": [], "lib64": []}
+    code = cli.main([*argv, *own_fact_args(tmp_path)])  # asked: its loader cache (empty) and the search path
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert os.listdir(volume / "bin") == ["nvidia-smi"]
+
+
+def test_a_host_file_node_with_mig_devices_needs_its_proc_dir_named(capsys, tmp_path) -> None:
+    code = cli.main(["cdi", "generate", "--volume-dir", str(tmp_path / "volume"), "--host-file",
+                     str(REPO / "examples" / "h200-mig.toml"), "--dev-dir", "/dev"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert "has MIG devices, whose capability facts come from a proc dir; this simulated node reads none of" \
+           " this machine's: name one (proc_dir)" in err, err
+
+
 def test_yaml_carries_the_same_spec(capsys, tmp_path) -> None:
     _, as_json, _ = generate(capsys, tmp_path, "--host-file", DGX)
     code, as_yaml, err = generate(capsys, tmp_path, "--host-file", DGX, "--format", "yaml")
