@@ -57,18 +57,13 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
   unit: every free one is held back for them (the quarantine, shown as
   theirs), and so is every one released, until the last of them is
   cleaned up; they can only be cleaned up.
-- ``usage`` (R-IS-5): NVML readings per unit held, at once when nothing is
-  in flight on the container. ``watch`` (R-IS-9) follows the units it holds
-  now (re-armed at every update); its Futures are discarded at cleanup.
+- ``usage`` (R-IS-5) and ``watch`` (R-IS-9) answer for the units held now.
 - ``reconcile`` (R-DV-5) repairs each container's kernel state, queued
-  behind its other calls, also periodically (``flags.reconcile_interval``
-  on the runtime Clock: scheduled at initialize, cancelled at finalize; a
-  failed run keeps the schedule); units withheld for an unknown outcome and
-  cgroups that could not be removed are settled there by reading the
-  kernel back, never by a guess.
-- Metrics (``_metrics``): published at initialize, given back at finalize;
-  prepare, update, cleanup and each container's reconcile are counted and
-  timed (``measured``), gauges read the records when a snapshot is taken.
+  behind its other calls, also periodically (``flags.reconcile_interval``,
+  on the runtime Clock; a failed run keeps the schedule); withheld units and
+  cgroups that could not be removed are settled by reading the kernel back.
+- Metrics (``_metrics``): published from initialize to finalize; prepare,
+  update, cleanup and each container's reconcile are counted and timed.
 - Every log line names the container id.
 """
 
@@ -137,8 +132,7 @@ class NvidiaGpuIsolatorProcess(Process):
         self.ordering = Ordering()
         self._metrics = IsolatorMetrics()
         """Counts and timers (``_metrics``), published while the actor runs."""
-        self.repair = KernelRepair(devices, components.allocator, self.ledger, self.policies, self.catalog,
-                                   self.specs, self._metrics)
+        self.repair = KernelRepair(devices, components.allocator, self.ledger, self.policies, self.catalog)
         self.watches = HealthWatches(components.allocator, self.catalog.pool_of)
         self.usages = UsageReader(components.nvml, components.inventory, self.catalog.has_mig)
         self.records: dict[ContainerID, str] = {}
@@ -387,7 +381,7 @@ class NvidiaGpuIsolatorProcess(Process):
             if container_id in self.repair.lingering:
                 await self.repair.settle_lingering(container_id)
             else:
-                await self._cleanup_unknown(container_id)
+                await self.repair.remove_unknown(container_id)
             await self._remove_device_copies(container_id)
             return
         # Until the kernel has removed the cgroup (or, processes inside,
@@ -417,25 +411,6 @@ class NvidiaGpuIsolatorProcess(Process):
             await self._remove_device_copies(container_id)
         if logger.isEnabledFor(logging.INFO):
             logger.info("Container %s: cleaned up, released GPUs %s", container_id, minors(released.freed))
-
-    async def _cleanup_unknown(self, container_id: ContainerID) -> None:
-        """Cleanup of an id the isolator has no record of: as in Mesos, nothing
-        to do -- unless a cgroup of that name exists under the root (someone
-        else made it): it would grant every device, so it is removed, or (it
-        has processes) denied every GPU and kept as lingering, with a warning."""
-        cgroup = container_id.path()
-        if not await self.devices.exists(cgroup):
-            logger.debug("Container %s: ignoring cleanup request for unknown container", container_id)
-            return
-        if await self.devices.remove(cgroup):
-            logger.warning("Container %s: cleanup of an unknown container found its cgroup '%s' under the isolator"
-                           " root (made by someone else); removed it", container_id, cgroup)
-            return
-        await self.devices.configure(cgroup, self.policies.of(()))
-        self.repair.lingering[container_id] = "still has processes"
-        logger.warning("Container %s: cleanup of an unknown container found its cgroup '%s' under the isolator root"
-                       " (made by someone else) with processes inside; it stays, denied every GPU", container_id,
-                       cgroup)
 
     async def _remove_device_copies(self, container_id: ContainerID) -> None:
         if container_id not in self._device_dirs:
@@ -506,9 +481,31 @@ class NvidiaGpuIsolatorProcess(Process):
         runs += [self.ordering.call(cid, self.repair.reconcile_lingering, cid) for cid in self.repair.to_settle()]
         return self._all_repairs(runs)
 
+    @measured("reconcile")
     async def _reconcile_one(self, cid: ContainerID) -> list[Repair]:
+        """One container's repairs; units withheld for it go back once the kernel enforces its record."""
         cgroup = self.records.get(cid)
-        return [] if cgroup is None else await self.repair.reconcile_container(cid, cgroup)
+        if cgroup is None or self.ledger.reaching.get(cid) is Reach.UNKNOWN_STATE:
+            return []
+        lines, failed = await self.repair.enforce_record(cid, cgroup)
+        repairs = [Repair(str(cid), line) for line in lines]
+        for line in lines:
+            logger.warning("Container %s: drift repaired: %s", cid, line)
+        if failed is not None:
+            self._metrics.repairs.inc(len(repairs))
+            return repairs + [failed]
+        line = await self.specs.ensure(cid, self.ledger.held(cid))
+        if line is not None:
+            logger.warning("Container %s: drift repaired: %s", cid, line)
+            repairs.append(Repair(str(cid), line))
+        released = self.ledger.enforced(cid, self.ledger.held(cid))  # the kernel enforces the record now
+        if released.freed or released.held_back:
+            await self.repair.give_back(released)
+            units = minors(released.freed | released.held_back)
+            logger.info("Container %s: GPUs %s, held back while its kernel state was unknown, released", cid, units)
+            repairs.append(Repair(str(cid), f"released GPUs {units} held back while its kernel state was unknown"))
+        self._metrics.repairs.inc(len(repairs))
+        return repairs
 
     @staticmethod
     async def _all_repairs(runs: list[Any]) -> list[Repair]:

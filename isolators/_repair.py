@@ -2,10 +2,10 @@
 
 Rules (R-DV-5, issue 20 items 2 and 5):
 - ``reconcile`` (the isolator's verb) makes every container's kernel device
-  state match its record (``reconcile_container``, once per container,
-  behind its earlier calls, so it never races a prepare, update or cleanup
-  of it; a cleaned-up container is skipped, never recreated) and returns
-  the repairs made (empty when nothing drifted).
+  state match its record (``enforce_record``, once per container, behind
+  its earlier calls, so it never races a prepare, update or cleanup of it;
+  a cleaned-up container is skipped, never recreated) and returns the
+  repairs made (empty when nothing drifted).
 - No unit goes back to the pool on a guess; the ledger (``_ledger``) says
   why each is not free, and every release goes through it and then
   ``give_back``. Units whose grant had an unknown outcome (a device-control
@@ -29,6 +29,10 @@ Rules (R-DV-5, issue 20 items 2 and 5):
   stopped after the mkdir: v1 then allows what its parent allows, v2 has
   no program): from the failure on, every free unit is held back, and so
   is every unit released while it is there.
+- A cleanup of an id the isolator has no record of finds its cgroup under
+  the root only if someone else made it (``remove_unknown``): it would grant
+  every device, so it is removed, or (processes inside) denied every unit
+  and kept as lingering, with a warning.
 - ``KernelRepair`` is a part the isolator actor owns: it shares the actor's
   ledger and device control, and owns the lingering cgroups (``lingering``:
   id -> why it is still there). Every release the ledger decides is
@@ -46,7 +50,6 @@ from runtime import Future
 from ._catalog import UnitCatalog
 from ._grant import Policies
 from ._ledger import GpuLedger, Reach, Released
-from ._metrics import IsolatorMetrics, measured
 from ._recovery import minors
 from ._types import ContainerID, Repair
 
@@ -61,17 +64,15 @@ class KernelRepair:
     """Kernel read-backs and repairs, and the ledger's releases carried out (see the module rules)."""
 
     def __init__(self, devices: DeviceControl, allocator: Any, ledger: GpuLedger, policies: Policies,
-                 catalog: UnitCatalog, specs: Any, metrics: IsolatorMetrics) -> None:
+                 catalog: UnitCatalog) -> None:
+        self.lingering: dict[ContainerID, str] = {}
+        """Ids whose cgroup could not be removed (processes inside, a failed or
+        unknown removal), and why; what it may still reach is in the ledger."""
         self._devices = devices
         self._allocator = allocator
         self._ledger = ledger
         self._policies = policies
         self._catalog = catalog
-        self._specs = specs
-        self._metrics = metrics
-        self.lingering: dict[ContainerID, str] = {}
-        """Ids whose cgroup could not be removed (processes inside, a failed or
-        unknown removal), and why; what it may still reach is in the ledger."""
 
     # -- the ledger's decisions, carried out ------------------------------------------
     def give_back(self, released: Released) -> Future[None]:
@@ -100,33 +101,6 @@ class KernelRepair:
         return self._ledger.held_back() | self._ledger.withheld(cid)
 
     # -- containers ---------------------------------------------------------------------
-    @measured("reconcile")
-    async def reconcile_container(self, cid: ContainerID, cgroup: str) -> list[Repair]:
-        """R-DV-5 for one container (its record is ``cgroup`` and its units in
-        the ledger): the repairs made; units withheld for it go back once the
-        kernel enforces its record."""
-        if self._ledger.reaching.get(cid) is Reach.UNKNOWN_STATE:
-            return []
-        lines, failed = await self.enforce_record(cid, cgroup)
-        repairs = [Repair(str(cid), line) for line in lines]
-        for line in lines:
-            logger.warning("Container %s: drift repaired: %s", cid, line)
-        if failed is not None:
-            self._metrics.repairs.inc(len(repairs))
-            return repairs + [failed]
-        line = await self._specs.ensure(cid, self._ledger.held(cid))
-        if line is not None:
-            logger.warning("Container %s: drift repaired: %s", cid, line)
-            repairs.append(Repair(str(cid), line))
-        released = self._ledger.enforced(cid, self._ledger.held(cid))  # the kernel enforces the record now
-        if released.freed or released.held_back:
-            await self.give_back(released)
-            units = minors(released.freed | released.held_back)
-            logger.info("Container %s: GPUs %s, held back while its kernel state was unknown, released", cid, units)
-            repairs.append(Repair(str(cid), f"released GPUs {units} held back while its kernel state was unknown"))
-        self._metrics.repairs.inc(len(repairs))
-        return repairs
-
     async def enforce_record(self, cid: ContainerID, cgroup: str) -> tuple[list[str], Repair | None]:
         """Make the kernel enforce ``cid``'s record: the repairs made, and the
         repair that failed (None when none did). Drift that cannot be repaired
@@ -182,6 +156,25 @@ class KernelRepair:
                         cid, minors(withheld))
 
     # -- cgroups left behind --------------------------------------------------------------
+    async def remove_unknown(self, container_id: ContainerID) -> None:
+        """Cleanup of an id the isolator has no record of: as in Mesos, nothing
+        to do -- unless a cgroup of that name exists under the root (someone
+        else made it): it would grant every device, so it is removed, or (it
+        has processes) denied every GPU and kept as lingering, with a warning."""
+        cgroup = container_id.path()
+        if not await self._devices.exists(cgroup):
+            logger.debug("Container %s: ignoring cleanup request for unknown container", container_id)
+            return
+        if await self._devices.remove(cgroup):
+            logger.warning("Container %s: cleanup of an unknown container found its cgroup '%s' under the isolator"
+                           " root (made by someone else); removed it", container_id, cgroup)
+            return
+        await self._devices.configure(cgroup, self._policies.of(()))
+        self.lingering[container_id] = "still has processes"
+        logger.warning("Container %s: cleanup of an unknown container found its cgroup '%s' under the isolator root"
+                       " (made by someone else) with processes inside; it stays, denied every GPU", container_id,
+                       cgroup)
+
     def to_settle(self) -> list[ContainerID]:
         """The lingering cgroups that may still reach a unit, sorted."""
         return sorted(cid for cid in self.lingering if self._ledger.has(cid))
