@@ -52,21 +52,9 @@ if TYPE_CHECKING:
     from ._errors import InvalidContainerID, IsolatorError
     from ._handle import NvidiaGpuIsolator
     from ._process import NvidiaGpuIsolatorProcess
-    from ._types import (
-        ContainerBindMount,
-        ContainerClass,
-        ContainerConfig,
-        ContainerDevice,
-        ContainerGrant,
-        ContainerID,
-        ContainerLaunchInfo,
-        ContainerLimitation,
-        ContainerMountInfo,
-        ContainerState,
-        GpuStatistics,
-        Repair,
-        ResourceStatistics,
-    )
+    from ._types import ContainerBindMount, ContainerClass, ContainerConfig, ContainerDevice, ContainerGrant
+    from ._types import ContainerID, ContainerLaunchInfo, ContainerLimitation, ContainerMountInfo
+    from ._types import ContainerState, GpuStatistics, Repair, ResourceStatistics
     from .script._action import ScriptError
     from .script._format import Script
     from .script._loading import load_script, load_script_file

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
+
 from actors import NvidiaGpuAllocator, NvidiaVolume
 from actors.flags import Flags
 from actors.nvml import NodeInventory, NvmlError, NvmlService, NvmlUnavailable
@@ -31,17 +33,17 @@ from ._errors import IsolatorError
 logger = logging.getLogger(__name__)
 
 
-class NvidiaComponents:
-    """The allocator, volume and NVML service of one node."""
+class NvidiaComponents(msgspec.Struct):
+    """The allocator, volume and NVML service of one node (a holder of handles:
+    never encoded)."""
 
-    def __init__(self, flags: Flags, resources: Resources, allocator: NvidiaGpuAllocator,
-                 volume: NvidiaVolume, nvml: NvmlService, inventory: NodeInventory) -> None:
-        self.flags = flags
-        self.resources = resources
-        self.allocator = allocator
-        self.volume = volume
-        self.nvml = nvml
-        self.inventory = inventory
+    flags: Flags
+    resources: Resources
+    """The node's ``gpus`` resource (R-FL-1)."""
+    allocator: NvidiaGpuAllocator
+    volume: NvidiaVolume
+    nvml: NvmlService
+    inventory: NodeInventory
 
     @classmethod
     async def create(cls, flags: Flags) -> "NvidiaComponents":

@@ -22,15 +22,8 @@ from actors.resources import Resources
 from runtime import Future, dispatch, terminate, wait
 
 from ._process import NvidiaGpuIsolatorProcess
-from ._types import (
-    ContainerConfig,
-    ContainerID,
-    ContainerLaunchInfo,
-    ContainerLimitation,
-    ContainerState,
-    Repair,
-    ResourceStatistics,
-)
+from ._types import ContainerConfig, ContainerID, ContainerLaunchInfo, ContainerLimitation, ContainerState
+from ._types import Repair, ResourceStatistics
 
 
 class NvidiaGpuIsolator:

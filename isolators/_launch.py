@@ -47,7 +47,6 @@ from ._types import (
     ContainerID,
     ContainerLaunchInfo,
     ContainerMountInfo,
-    check_container_id,
 )
 
 
@@ -78,13 +77,7 @@ async def build_launch_info(executor: Executor, volume: NvidiaVolume, runtime_di
 
 def runtime_path(container_id: ContainerID) -> str:
     """The container's path below ``<runtime_dir>/containers`` (Mesos' layout)."""
-    check_container_id(container_id)
-    parts = []
-    cid: ContainerID | None = container_id
-    while cid is not None:
-        parts.append(cid.value)
-        cid = cid.parent
-    return "/containers/".join(reversed(parts))
+    return container_id.path("/containers/")
 
 
 def devices_directory(runtime_dir: str, container_id: ContainerID) -> str:

@@ -92,17 +92,8 @@ from ._recovering import read_recovery_plan
 from ._recovery import BROAD, UNKNOWN, minors
 from ._repair import KernelRepair
 from ._startup import probe_host
-from ._types import (
-    ContainerClass,
-    ContainerConfig,
-    ContainerID,
-    ContainerLaunchInfo,
-    ContainerLimitation,
-    ContainerState,
-    Repair,
-    ResourceStatistics,
-    check_container_id,
-)
+from ._types import ContainerClass, ContainerConfig, ContainerID, ContainerLaunchInfo, ContainerLimitation
+from ._types import ContainerState, Repair, ResourceStatistics, check_container_id
 from ._usage import UsageReader
 
 logger = logging.getLogger(__name__)

@@ -124,8 +124,9 @@ class ContainerID(msgspec.Struct, frozen=True, order=True):
             cid = cid.parent
         return cid
 
-    def path(self) -> str:
-        """Relative path of this id (``parent/child`` when nested), validated."""
+    def path(self, separator: str = "/") -> str:
+        """Relative path of this id (``parent/child`` when nested), validated;
+        ``separator`` goes between the ids (``/containers/`` in Mesos' runtime layout)."""
         check_container_id(self)
         if self.parent is None:
             return self.value
@@ -134,7 +135,7 @@ class ContainerID(msgspec.Struct, frozen=True, order=True):
         while cid is not None:
             parts.append(cid.value)
             cid = cid.parent
-        return "/".join(reversed(parts))
+        return separator.join(reversed(parts))
 
     def __str__(self) -> str:
         if self.parent is None:

@@ -44,15 +44,5 @@ if TYPE_CHECKING:
     from ._pid import PID, generate_id
     from ._process import Process
     from ._sequence import Sequence
-    from ._runtime import (
-        Runtime,
-        current_runtime,
-        defer,
-        delay,
-        dispatch,
-        send,
-        snapshot,
-        spawn,
-        terminate,
-        wait,
-    )
+    from ._runtime import Runtime, current_runtime, defer, delay, dispatch, send, snapshot, spawn, terminate
+    from ._runtime import wait

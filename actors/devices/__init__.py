@@ -49,15 +49,8 @@ if TYPE_CHECKING:
     from ._control import DeviceControl, DeviceControlProcess
     from ._detect import default_hierarchy, detect_backend, resolve_backend
     from ._device_program import build_device_program, program_instructions, read_policy
-    from ._errors import (
-        AgentCrash,
-        DeviceControlError,
-        DeviceRuleError,
-        ForeignProgramsError,
-        InvalidCgroupError,
-        KernelOperationError,
-        WorkerError,
-    )
+    from ._errors import AgentCrash, DeviceControlError, DeviceRuleError, ForeignProgramsError
+    from ._errors import InvalidCgroupError, KernelOperationError, WorkerError
     from ._memory import MemoryBackend
     from ._policy import STANDARD_CONTAINER_DEVICES, Policy, apply_diff, container_policy
     from ._rules import DeviceRule, is_granted, normalize

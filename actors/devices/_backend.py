@@ -233,7 +233,20 @@ class BackendBase:
         self.kernel.run("rmdir", self.root, os.rmdir, self.root)
         return True
 
-    # -- making cgroups (the kernel backends) ------------------------------------
+    # -- making and removing cgroups (the kernel backends) ------------------------------------
+    def _rmdir_unless_busy(self, path: str, keeping: str, log: logging.Logger) -> bool:
+        """rmdir ``path``: True once it is gone (or was already); False, with a
+        warning on ``log`` (the backend's), while processes or child cgroups keep it (EBUSY)."""
+        try:
+            self.kernel.run("rmdir", path, os.rmdir, path)
+        except KernelOperationError as error:
+            if error.errno == errno_module.EBUSY:
+                log.warning("Cgroup %s still has processes or child cgroups; keeping %s", path, keeping)
+                return False
+            if error.errno != errno_module.ENOENT:
+                raise
+        return True
+
     def _mkdir(self, path: str) -> None:
         """mkdir ``path``, which must not exist (EEXIST is the error it is)."""
         if not self.kernel.mkdir(path):

@@ -34,13 +34,12 @@ Backend rules:
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from typing import Iterable
 
 from ._backend import BackendBase, list_cgroup_dirs, validate_cgroup, validate_cgroups_root, validate_confined
-from ._errors import DeviceControlError, KernelOperationError
+from ._errors import DeviceControlError
 from ._policy import Policy, as_policy
 from ._rules import DeviceRule, check_diff
 from ._v1_emulator import (
@@ -164,20 +163,7 @@ class CgroupsV1Backend(BackendBase):
         return table_access(target)
 
     def remove(self, cgroup: str) -> bool:
-        path = self.path(cgroup)
-        try:
-            self.kernel.run("rmdir", path, os.rmdir, path)
-        except KernelOperationError as error:
-            if error.errno == errno.ENOENT:
-                return True
-            if error.errno == errno.EBUSY:
-                logger.warning(
-                    "Cgroup %s still has processes or child cgroups; keeping it (remove it once they are gone)",
-                    path,
-                )
-                return False
-            raise
-        return True
+        return self._rmdir_unless_busy(self.path(cgroup), "it (remove it once they are gone)", logger)
 
     def state(self, cgroup: str) -> Policy | None:
         path = self.path(cgroup)

@@ -151,18 +151,8 @@ class CgroupsV2Backend(BackendBase):
         return self._enforce("reconcile", cgroup, desired)
 
     def remove(self, cgroup: str) -> bool:
-        path = self.path(cgroup)
-        try:
-            self.kernel.run("rmdir", path, os.rmdir, path)
-        except KernelOperationError as error:
-            if error.errno == errno.EBUSY:
-                logger.warning(
-                    "Cgroup %s still has processes or child cgroups; keeping it and its device program",
-                    path,
-                )
-                return False
-            if error.errno != errno.ENOENT:
-                raise
+        if not self._rmdir_unless_busy(self.path(cgroup), "it and its device program", logger):
+            return False
         self._attached.pop(cgroup, None)
         return True
 

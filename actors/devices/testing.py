@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import errno as errno_module
 import os
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, TypeVar
 
-from ._backend import DeviceBackend, DeviceOperation
+from ._backend import DeviceBackend
 from ._errors import AgentCrash
 from ._kernel import KERNEL, Kernel, kernel_error, write_op
-from ._policy import Policy
-from ._rules import DeviceRule
 
 __all__ = ["FaultInjectingBackend", "FaultInjectingKernel", "SimulatedCrash"]
 
@@ -105,17 +103,12 @@ class FaultInjectingBackend:
         self.injected = False
         inner.kernel = FaultInjectingKernel(self._hook)
 
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def root(self) -> str:
-        return self.inner.root
-
-    @property
-    def blocking(self) -> bool:
-        return self.inner.blocking
+    def __getattr__(self, name: str) -> Any:
+        """Everything else is the inner backend's (its methods, ``name``,
+        ``root``, ``blocking``, ``close``): only its kernel changed."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.__dict__["inner"], name)
 
     def detach(self) -> None:
         """``inner`` goes back to production's kernel (no more counting or faults)."""
@@ -144,41 +137,3 @@ class FaultInjectingBackend:
                 self.errno,
                 f"{os.strerror(self.errno)} (injected at kernel operation #{self.operations}: {op})",
             )
-
-    def path(self, cgroup: str) -> str:
-        return self.inner.path(cgroup)
-
-    def configure(self, cgroup: str, allow: Policy | Iterable[DeviceRule], deny: Iterable[DeviceRule] = ()) -> Policy:
-        return self.inner.configure(cgroup, allow, deny)
-
-    def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> Policy:
-        return self.inner.reconfigure(cgroup, add, remove)
-
-    def remove(self, cgroup: str) -> bool:
-        return self.inner.remove(cgroup)
-
-    def state(self, cgroup: str) -> Policy | None:
-        return self.inner.state(cgroup)
-
-    def exists(self, cgroup: str) -> bool:
-        return self.inner.exists(cgroup)
-
-    def list_cgroups(self) -> list[str]:
-        return self.inner.list_cgroups()
-
-    def reconcile(self, cgroup: str, desired: Policy) -> list[str]:
-        return self.inner.reconcile(cgroup, desired)
-
-    def remove_root(self) -> bool:
-        return self.inner.remove_root()
-
-    def confine(self, path: str, access: Policy) -> list[str]:
-        return self.inner.confine(path, access)
-
-    def apply_batch(self, ops: Sequence[DeviceOperation]) -> list[Any]:
-        return self.inner.apply_batch(ops)
-
-    def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()

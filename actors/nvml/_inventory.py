@@ -90,11 +90,9 @@ class NodeInventory(msgspec.Struct, frozen=True, kw_only=True):
         return self.topology[first][second]
 
 
-class GpuUsage(msgspec.Struct, frozen=True, kw_only=True):
-    """One GPU's current readings; None where NVML cannot tell."""
+class Readings(msgspec.Struct, frozen=True, kw_only=True):
+    """A unit's current readings; None where NVML cannot tell."""
 
-    gpu: Gpu
-    index: int
     memory_used_bytes: int | None = None
     memory_total_bytes: int | None = None
     utilization_gpu_percent: int | None = None
@@ -103,18 +101,19 @@ class GpuUsage(msgspec.Struct, frozen=True, kw_only=True):
     temperature_c: int | None = None
 
 
-class MigDeviceUsage(msgspec.Struct, frozen=True, kw_only=True):
-    """One MIG device's current readings (on its MIG handle); None where NVML cannot tell."""
+class GpuUsage(Readings, frozen=True, kw_only=True):
+    """One GPU's current readings."""
+
+    gpu: Gpu
+    index: int
+
+
+class MigDeviceUsage(Readings, frozen=True, kw_only=True):
+    """One MIG device's current readings (on its MIG handle)."""
 
     device: MigDevice
     parent_index: int
     index: int
-    memory_used_bytes: int | None = None
-    memory_total_bytes: int | None = None
-    utilization_gpu_percent: int | None = None
-    utilization_memory_percent: int | None = None
-    power_mw: int | None = None
-    temperature_c: int | None = None
 
 
 def _optional(call, *args):

@@ -154,6 +154,15 @@ class _Parser:
             f"unknown magic {data[:20]!r} (expected {MAGIC_NEW.decode()!r}"
             f" or {MAGIC_OLD.decode()!r})")
 
+    def entries_end(self, start: int, nlibs: int, entry_size: int, header: str) -> int:
+        """Where ``nlibs`` entries starting at ``start`` end; a truncated file fails."""
+        end = start + nlibs * entry_size
+        if end > len(self.data):
+            raise self.fail(
+                f"truncated: {header} lists {nlibs} entries ({nlibs * entry_size} bytes) but only"
+                f" {len(self.data) - start} bytes follow it")
+        return end
+
     def parse_old(self) -> list[LdCacheEntry]:
         data = self.data
         header_size = struct.calcsize("=" + _HEADER_OLD)
@@ -163,12 +172,7 @@ class _Parser:
                 f" the file has {len(data)}")
         _, nlibs = struct.unpack_from("=" + _HEADER_OLD, data, 0)
         entry_size = struct.calcsize("=" + _ENTRY_OLD)
-        entries_end = header_size + nlibs * entry_size
-        if entries_end > len(data):
-            raise self.fail(
-                f"truncated: the old-format header lists {nlibs} entries"
-                f" ({nlibs * entry_size} bytes) but only"
-                f" {len(data) - header_size} bytes follow it")
+        entries_end = self.entries_end(header_size, nlibs, entry_size, "the old-format header")
         # Compat layout: the new format is embedded, 8-byte aligned, at the
         # start of the old string table.
         new_start = -(-entries_end // _NEW_ALIGN) * _NEW_ALIGN
@@ -203,12 +207,7 @@ class _Parser:
             order + _HEADER_NEW, data, start)
         entry_size = struct.calcsize(order + _ENTRY_NEW)
         entries_start = start + header_size
-        entries_end = entries_start + nlibs * entry_size
-        if entries_end > len(data):
-            raise self.fail(
-                f"truncated: the header lists {nlibs} entries"
-                f" ({nlibs * entry_size} bytes) but only"
-                f" {len(data) - entries_start} bytes follow it")
+        entries_end = self.entries_end(entries_start, nlibs, entry_size, "the header")
         strings_end = entries_end + len_strings
         if strings_end > len(data):
             raise self.fail(

@@ -11,41 +11,18 @@ spec (kind ``gpu-isolator/container``) and the node's static spec (kind
 into a ``config.json``.
 """
 
-from ._container import (
-    CONTAINER_KIND,
-    CONTAINER_SPEC_PREFIX,
-    bind_mount,
-    container_device_name,
-    container_qualified_name,
-    container_spec,
-    container_spec_file_name,
-    device_node,
-    spec_extras,
-)
+from ._container import CONTAINER_KIND, CONTAINER_SPEC_PREFIX, bind_mount, container_device_name
+from ._container import container_qualified_name, container_spec, container_spec_file_name, device_node
+from ._container import spec_extras
 from ._document import SpecFormat, decode_spec, encode_spec, spec_format
-from ._files import (
-    CdiWriteError,
-    apply_spec_changes,
-    ensure_spec_file,
-    is_temporary_name,
-    list_spec_files,
-    read_spec_files,
-    remove_spec_file,
-    write_spec_file,
-)
+from ._files import CdiWriteError, apply_spec_changes, ensure_spec_file, is_temporary_name, list_spec_files
+from ._files import read_spec_files, remove_spec_file, write_spec_file
 from ._grant import VISIBLE_DEVICES, container_grant
 from ._model import CdiContainerEdits, CdiDevice, CdiDeviceNode, CdiHook, CdiMount, CdiSpec
 from ._node import NODE_KIND, NodeFacts, generate_node_spec, node_spec, read_node_facts
 from ._oci import merge_oci
-from ._rules import (
-    SUPPORTED_VERSIONS,
-    CdiSpecError,
-    is_valid_device_name,
-    required_version,
-    validate_device_name,
-    validate_kind,
-    validate_spec,
-)
+from ._rules import SUPPORTED_VERSIONS, CdiSpecError, is_valid_device_name, required_version
+from ._rules import validate_device_name, validate_kind, validate_spec
 
 __all__ = [
     "CONTAINER_KIND", "CONTAINER_SPEC_PREFIX", "bind_mount", "container_device_name",

@@ -14,19 +14,8 @@ The names below are re-exported for the ``kit`` fixture that older
 reliability tests use; new tests import from the modules.
 """
 
-from .kernel import (
-    BACKENDS,
-    KERNEL_BACKENDS,
-    NVIDIA,
-    SEEN_PROGRAMS,
-    V1_HIERARCHY,
-    V2_HIERARCHY,
-    available_backends,
-    hierarchy_of,
-    members,
-    remove_test_cgroups,
-    skip_reason,
-)
+from .kernel import BACKENDS, KERNEL_BACKENDS, NVIDIA, SEEN_PROGRAMS, V1_HIERARCHY, V2_HIERARCHY
+from .kernel import available_backends, hierarchy_of, members, remove_test_cgroups, skip_reason
 from .nodes import Node, judge, usage_host
 from .probes import DeviceProbe
 
