@@ -184,45 +184,38 @@ class DeviceControl:
     def _submit(self, kind: str, *args: Any) -> Future:
         return self._process.submit(_operation(DeviceOperation, (kind, args)))
 
+    def _checked(self, kind: str, cgroup: str, arguments: Callable[[], tuple] | None = None) -> Future:
+        """``kind`` on ``cgroup``, checked before anything is queued: a bad cgroup
+        (or what ``arguments()`` refuses) fails the Future."""
+        try:
+            return self._submit(kind, validate_cgroup(cgroup), *(arguments() if arguments is not None else ()))
+        except DeviceControlError as error:
+            return Future.failed(error)
+
     def configure(
         self, cgroup: str, allow: Policy | Iterable[DeviceRule | str], deny: Iterable[DeviceRule | str] = ()
     ) -> Future[Policy]:
         """Create ``cgroup`` if missing and make its policy ``(allow, deny)``, or
         the ``Policy`` given; the policy the kernel enforces."""
-        try:
-            return self._submit("configure", validate_cgroup(cgroup), as_policy(allow, deny))
-        except DeviceControlError as error:
-            return Future.failed(error)
+        return self._checked("configure", cgroup, lambda: (as_policy(allow, deny),))
 
     def reconfigure(
         self, cgroup: str, add: Iterable[DeviceRule | str] = (), remove: Iterable[DeviceRule | str] = ()
     ) -> Future[Policy]:
         """Grant ``add`` and revoke ``remove`` (exact rules); the new policy."""
-        try:
-            return self._submit("reconfigure", validate_cgroup(cgroup), *check_diff(add, remove))
-        except DeviceControlError as error:
-            return Future.failed(error)
+        return self._checked("reconfigure", cgroup, lambda: check_diff(add, remove))
 
     def remove(self, cgroup: str) -> Future[bool]:
         """Delete ``cgroup``; False (with a warning) while processes remain in it."""
-        try:
-            return self._submit("remove", validate_cgroup(cgroup))
-        except DeviceControlError as error:
-            return Future.failed(error)
+        return self._checked("remove", cgroup)
 
     def state(self, cgroup: str) -> Future[Policy | None]:
         """The cgroup's policy (v1: read from the kernel), None when unknown."""
-        try:
-            return self._submit("state", validate_cgroup(cgroup))
-        except DeviceControlError as error:
-            return Future.failed(error)
+        return self._checked("state", cgroup)
 
     def exists(self, cgroup: str) -> Future[bool]:
         """Whether the cgroup exists."""
-        try:
-            return self._submit("exists", validate_cgroup(cgroup))
-        except DeviceControlError as error:
-            return Future.failed(error)
+        return self._checked("exists", cgroup)
 
     def list_cgroups(self) -> Future[list[str]]:
         """Every cgroup below the root (relative paths, sorted)."""
@@ -233,10 +226,7 @@ class DeviceControl:
     ) -> Future[list[str]]:
         """Repair drift: make the kernel enforce ``(allow, deny)`` (or the
         ``Policy`` given); the repairs, in words."""
-        try:
-            return self._submit("reconcile", validate_cgroup(cgroup), as_policy(allow, deny))
-        except DeviceControlError as error:
-            return Future.failed(error)
+        return self._checked("reconcile", cgroup, lambda: (as_policy(allow, deny),))
 
     def confine(self, path: str, deny: Iterable[DeviceRule | str]) -> Future[list[str]]:
         """Deny ``deny`` to the existing cgroup ``path`` -- named from the

@@ -222,26 +222,21 @@ class SimulatedNvml(Nvml):
 
     def power_mw(self, handle: int) -> int:
         self._whole_gpu_only("nvmlDeviceGetPowerUsage", handle)
-        function = "nvmlDeviceGetPowerUsage"
-        gpu = self._gpu(function, handle)
-        if gpu.power_mw is None:
-            raise NvmlError.of(function, NVML_ERROR_NOT_SUPPORTED)
-        return gpu.power_mw
+        return self._optional_fact("nvmlDeviceGetPowerUsage", handle, "power_mw")
 
     def temperature_c(self, handle: int) -> int:
         self._whole_gpu_only("nvmlDeviceGetTemperature", handle)
-        function = "nvmlDeviceGetTemperature"
-        gpu = self._gpu(function, handle)
-        if gpu.temperature_c is None:
-            raise NvmlError.of(function, NVML_ERROR_NOT_SUPPORTED)
-        return gpu.temperature_c
+        return self._optional_fact("nvmlDeviceGetTemperature", handle, "temperature_c")
 
     def numa_node(self, handle: int) -> int:
-        function = "nvmlDeviceGetNumaNodeId"
-        gpu = self._gpu(function, handle)
-        if gpu.numa_node is None:
+        return self._optional_fact("nvmlDeviceGetNumaNodeId", handle, "numa_node")
+
+    def _optional_fact(self, function: str, handle: int, field: str) -> int:
+        """A GPU's fact the host file may leave out: NOT_SUPPORTED then, as NVML says."""
+        value = getattr(self._gpu(function, handle), field)
+        if value is None:
             raise NvmlError.of(function, NVML_ERROR_NOT_SUPPORTED)
-        return gpu.numa_node
+        return value
 
     def mig_mode(self, handle: int) -> bool:
         return self._gpu("nvmlDeviceGetMigMode", handle).mig

@@ -18,16 +18,8 @@ import textwrap
 
 import pytest
 
-from isolators.cdi import (
-    CONTAINER_SPEC_PREFIX,
-    CdiWriteError,
-    apply_spec_changes,
-    ensure_spec_file,
-    list_spec_files,
-    read_spec_files,
-    remove_spec_file,
-    write_spec_file,
-)
+from isolators.cdi import CONTAINER_SPEC_PREFIX, CdiWriteError, apply_spec_changes, ensure_spec_file
+from isolators.cdi import list_spec_files, read_spec_files, remove_spec_file, write_spec_file
 
 NAME = CONTAINER_SPEC_PREFIX + "c1.json"
 

@@ -15,25 +15,10 @@ import pytest
 import yaml
 
 from isolators import ContainerID
-from isolators.cdi import (
-    CONTAINER_KIND,
-    CdiContainerEdits,
-    CdiDevice,
-    CdiDeviceNode,
-    CdiHook,
-    CdiMount,
-    CdiSpec,
-    CdiSpecError,
-    container_device_name,
-    container_qualified_name,
-    container_spec_file_name,
-    decode_spec,
-    encode_spec,
-    required_version,
-    validate_device_name,
-    validate_kind,
-    validate_spec,
-)
+from isolators.cdi import CONTAINER_KIND, CdiContainerEdits, CdiDevice, CdiDeviceNode, CdiHook, CdiMount
+from isolators.cdi import CdiSpec, CdiSpecError, container_device_name, container_qualified_name
+from isolators.cdi import container_spec_file_name, decode_spec, encode_spec, required_version
+from isolators.cdi import validate_device_name, validate_kind, validate_spec
 
 NODE = CdiDeviceNode(path="/dev/nvidia0", type="c", major=195, minor=0, permissions="rwm")
 

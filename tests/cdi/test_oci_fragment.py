@@ -11,16 +11,8 @@ import pytest
 from actors import Gpu
 from actors.devices import DeviceRule
 from isolators import ContainerID, ContainerLaunchInfo
-from isolators.cdi import (
-    CONTAINER_KIND,
-    container_device_name,
-    container_grant,
-    container_spec,
-    encode_spec,
-    merge_oci,
-    spec_extras,
-    validate_spec,
-)
+from isolators.cdi import CONTAINER_KIND, container_device_name, container_grant, container_spec, encode_spec
+from isolators.cdi import merge_oci, spec_extras, validate_spec
 from isolators import ContainerBindMount
 
 UUIDS = {Gpu.nvidia(i): f"GPU-{i:04d}" for i in range(4)}

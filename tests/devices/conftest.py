@@ -22,15 +22,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.support.kernel import (
-    V1_HIERARCHY,
-    V2_HIERARCHY,
-    attached_programs,
-    program_infos,
-    remove_test_cgroups,
-    skip_reason,
-    wait_until_freed,
-)
+from tests.support.kernel import V1_HIERARCHY, V2_HIERARCHY, attached_programs, program_infos
+from tests.support.kernel import remove_test_cgroups, skip_reason, wait_until_freed
 from tests.support.probes import DeviceNodes, DeviceProbe, mknod_nodes
 
 CHAR_NODES = [(195, 0), (195, 1), (195, 2), (195, 3), (195, 255), (240, 0), (240, 1)]

@@ -13,19 +13,10 @@ from hypothesis import given, settings, strategies as st
 
 from actors.devices import Policy, CgroupsV1Backend, CgroupsV2Backend, DeviceRule, DeviceRuleError
 from tests.support.probes import DENIED, GRANTED
+from tests.support.rules import every_rule, exact
 
-MAJORS = [None, 195, 240]
-MINORS = [None, 0, 1, 255]
-ACCESSES = ["r", "w", "m", "rw", "rm", "wm", "rwm"]
-ALLOW = [
-    DeviceRule(t, major, minor, access)
-    for t in ("a", "b", "c")
-    for major in MAJORS
-    for minor in MINORS
-    for access in ACCESSES
-    if t != "a" or (major is None and minor is None)
-]
-DENY = [rule for rule in ALLOW if not rule.has_wildcard]
+ALLOW = every_rule([None, 195, 240], [None, 0, 1, 255])
+DENY = exact(ALLOW)
 OPEN_MODES = [(os.O_RDONLY, "r"), (os.O_WRONLY, "w"), (os.O_RDWR, "rw")]
 MKNOD_DEVICES = [("c", 195, 0), ("c", 240, 9), ("b", 240, 1), ("b", 195, 255)]
 

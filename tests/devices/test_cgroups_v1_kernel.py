@@ -10,12 +10,7 @@ import os
 
 import pytest
 
-from actors.devices import (
-    CgroupsV1Backend,
-    DeviceRule,
-    KernelOperationError,
-    container_policy,
-)
+from actors.devices import CgroupsV1Backend, DeviceRule, KernelOperationError, container_policy
 from actors.devices.testing import FaultInjectingBackend
 from tests.support.probes import DENIED, GRANTED
 

@@ -12,19 +12,9 @@ from typing import Any
 
 import pytest
 
-from actors.devices import (
-    PROGRAM_NAME,
-    Policy,
-    CgroupsV2Backend,
-    DeviceControlError,
-    ForeignProgramsError,
-    DeviceOperation,
-    DeviceRule,
-    KernelOperationError,
-    apply_diff,
-    build_device_program,
-    container_policy,
-)
+from actors.devices import PROGRAM_NAME, Policy, CgroupsV2Backend, DeviceControlError, ForeignProgramsError
+from actors.devices import DeviceOperation, DeviceRule, KernelOperationError, apply_diff, build_device_program
+from actors.devices import container_policy
 from actors.devices.testing import FaultInjectingBackend
 from actors.devices import _bpf
 from actors.devices._cgroups_v2 import ALLOW_ALL

@@ -9,21 +9,9 @@ import os
 
 import pytest
 
-from actors.devices import (
-    Policy,
-    DeviceControlError,
-    DeviceOperation,
-    DeviceRule,
-    DeviceRuleError,
-    InvalidCgroupError,
-    KernelOperationError,
-    MemoryBackend,
-    container_policy,
-    detect_backend,
-    resolve_backend,
-    validate_cgroup,
-    validate_cgroups_root,
-)
+from actors.devices import Policy, DeviceControlError, DeviceOperation, DeviceRule, DeviceRuleError
+from actors.devices import InvalidCgroupError, KernelOperationError, MemoryBackend, container_policy
+from actors.devices import detect_backend, resolve_backend, validate_cgroup, validate_cgroups_root
 from actors.devices.testing import FaultInjectingBackend
 from actors.devices._v1_emulator import parse_devices_list, plan_writes, table_access, v1_exceptions
 

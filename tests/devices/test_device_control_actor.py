@@ -10,18 +10,9 @@ from typing import Any, Sequence
 
 import pytest
 
-from actors.devices import (
-    Policy,
-    DeviceControl,
-    DeviceControlError,
-    DeviceOperation,
-    DeviceRule,
-    DeviceRuleError,
-    InvalidCgroupError,
-    KernelOperationError,
-    MemoryBackend,
-    container_policy,
-)
+from actors.devices import Policy, DeviceControl, DeviceControlError, DeviceOperation, DeviceRule
+from actors.devices import DeviceRuleError, InvalidCgroupError, KernelOperationError, MemoryBackend
+from actors.devices import container_policy
 from actors.devices.testing import FaultInjectingBackend
 from runtime import ProcessTerminated, Runtime, collect, dispatch
 from tests.support.probes import DENIED, GRANTED

@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from actors.devices import Policy, DeviceRule, build_device_program, container_policy, program_instructions
 from actors.devices import _device_program as dp
 from actors.devices._bpf import program_tags
+from tests.support.rules import ACCESSES, every_rule, exact
 
 ACCESS = {"m": dp.ACC_MKNOD, "r": dp.ACC_READ, "w": dp.ACC_WRITE}
 
@@ -99,19 +100,8 @@ def test_tags_match_the_kernel_hash_of_the_instructions() -> None:
     assert len(program_tags(program)) == 2 and all(len(tag) == 8 for tag in program_tags(program))
 
 
-TYPES = ["a", "b", "c"]
-MAJORS = [None, 0, 1, 195, 196]
-MINORS = [None, 0, 1, 2, 3, 5, 255]
-ACCESSES = ["r", "w", "m", "rw", "rm", "wm", "rwm"]
-ALLOW = [
-    DeviceRule(t, maj, mi, acc)
-    for t in TYPES
-    for maj in MAJORS
-    for mi in MINORS
-    for acc in ACCESSES
-    if t != "a" or (maj is None and mi is None)
-]
-DENY = [rule for rule in ALLOW if not rule.has_wildcard]
+ALLOW = every_rule([None, 0, 1, 195, 196], [None, 0, 1, 2, 3, 5, 255])
+DENY = exact(ALLOW)
 QUERY_DEVICES = list(itertools.product(("b", "c"), (0, 1, 195, 196, 7), (0, 1, 2, 3, 4, 5, 255, 9)))
 
 

@@ -8,17 +8,10 @@ import msgspec
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from actors.devices import (
-    STANDARD_CONTAINER_DEVICES,
-    Policy,
-    DeviceRule,
-    DeviceRuleError,
-    apply_diff,
-    container_policy,
-    is_granted,
-    normalize,
-)
+from actors.devices import STANDARD_CONTAINER_DEVICES, Policy, DeviceRule, DeviceRuleError, apply_diff
+from actors.devices import container_policy, is_granted, normalize
 from actors.devices._rules import check_diff
+from tests.support.rules import ACCESSES, every_rule, exact
 
 R = DeviceRule.parse
 
@@ -122,19 +115,8 @@ def test_normalize_drops_encompassed_rules_only() -> None:
 
 
 # Small domain for exhaustive checks.
-TYPES = ["a", "b", "c"]
-MAJORS = [None, 1, 195]
-MINORS = [None, 0, 3]
-ACCESSES = ["r", "w", "m", "rw", "rm", "wm", "rwm"]
-ALL_RULES = [
-    DeviceRule(t, maj, mi, acc)
-    for t in TYPES
-    for maj in MAJORS
-    for mi in MINORS
-    for acc in ACCESSES
-    if t != "a" or (maj is None and mi is None)
-]
-EXACT_RULES = [r for r in ALL_RULES if not r.has_wildcard]
+ALL_RULES = every_rule([None, 1, 195], [None, 0, 3])
+EXACT_RULES = exact(ALL_RULES)
 QUERIES = [
     (t, maj, mi, acc) for t in ("b", "c") for maj in (1, 2, 195) for mi in (0, 3, 4) for acc in ACCESSES
 ]

@@ -23,14 +23,8 @@ import anyio
 import pytest
 
 from isolators import Flags, FlagsError
-from actors.devices import (
-    Policy,
-    DeviceControl,
-    DeviceOperation,
-    DeviceControlError,
-    DeviceRule,
-    container_policy,
-)
+from actors.devices import Policy, DeviceControl, DeviceOperation, DeviceControlError, DeviceRule
+from actors.devices import container_policy
 from actors.devices import WorkerError, _frames, _worker, _worker_process
 from runtime import Runtime, collect
 from tests.support.probes import DENIED, GRANTED

@@ -6,28 +6,11 @@ import pytest
 
 from actors.gpu import Gpu
 from actors.nvml.testing import nvml_library_missing
-from actors.nvml import (
-    DEFAULT_CONTROL_DEVICES,
-    EMBEDDED_HOST_FILE,
-    TOPOLOGY_HOSTBRIDGE,
-    TOPOLOGY_INTERNAL,
-    TOPOLOGY_NODE,
-    TOPOLOGY_SINGLE,
-    TOPOLOGY_SYSTEM,
-    HostFileError,
-    NvmlError,
-    NvmlNotSupported,
-    NvmlUnavailable,
-    SimulatedNvml,
-    embedded_simulated_node,
-    embedded_host_spec,
-    load_host_file,
-    nvml_available,
-    open_nvml,
-    parse_host_file,
-    read_inventory,
-    read_usage,
-)
+from actors.nvml import DEFAULT_CONTROL_DEVICES, EMBEDDED_HOST_FILE, TOPOLOGY_HOSTBRIDGE, TOPOLOGY_INTERNAL
+from actors.nvml import TOPOLOGY_NODE, TOPOLOGY_SINGLE, TOPOLOGY_SYSTEM, HostFileError, NvmlError
+from actors.nvml import NvmlNotSupported, NvmlUnavailable, SimulatedNvml, embedded_simulated_node
+from actors.nvml import embedded_host_spec, load_host_file, nvml_available, open_nvml, parse_host_file
+from actors.nvml import read_inventory, read_usage
 
 
 def inventory_of(text: str, name: str = "node.toml"):

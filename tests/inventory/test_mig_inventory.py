@@ -13,15 +13,8 @@ import pytest
 
 from actors.gpu import Gpu
 from actors.mig import MigDevice
-from actors.nvml import (
-    HostFileError,
-    NvmlError,
-    NvmlNotSupported,
-    SimulatedNvml,
-    load_host_file,
-    read_inventory,
-    read_usage,
-)
+from actors.nvml import HostFileError, NvmlError, NvmlNotSupported, SimulatedNvml, load_host_file
+from actors.nvml import read_inventory, read_usage
 
 from .test_fake_nvml_bindings import simulated  # the simulated node as the probe reports the bindings
 

@@ -10,16 +10,8 @@ from hypothesis import strategies as st
 from actors.allocator import NVLINK_WEIGHT, PairScores, allocate_best, pair_score
 from actors.allocator import _topology
 from actors.gpu import Gpu
-from actors.nvml import (
-    TOPOLOGY_HOSTBRIDGE,
-    TOPOLOGY_INTERNAL,
-    TOPOLOGY_MULTIPLE,
-    TOPOLOGY_NODE,
-    TOPOLOGY_SINGLE,
-    TOPOLOGY_SYSTEM,
-    SimulatedNvml,
-    read_inventory,
-)
+from actors.nvml import TOPOLOGY_HOSTBRIDGE, TOPOLOGY_INTERNAL, TOPOLOGY_MULTIPLE, TOPOLOGY_NODE
+from actors.nvml import TOPOLOGY_SINGLE, TOPOLOGY_SYSTEM, SimulatedNvml, read_inventory
 
 
 def g(*minors: int) -> list[Gpu]:

@@ -18,14 +18,8 @@ import pytest
 import runtime
 from actors.allocator import AllocatorError
 from actors.devices import DeviceControlError, KernelOperationError
-from isolators import (
-    ContainerID,
-    IsolatorError,
-    NvidiaComponents,
-    NvidiaGpuIsolatorProcess,
-    Repair,
-    Resources,
-)
+from isolators import ContainerID, IsolatorError, NvidiaComponents, NvidiaGpuIsolatorProcess, Repair
+from isolators import Resources
 from isolators import _startup
 from tests.support.containers import config
 from tests.support.errors import injected, isolator_failure as failure

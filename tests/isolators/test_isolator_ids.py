@@ -10,15 +10,8 @@ import msgspec
 import pytest
 
 import runtime
-from isolators import (
-    ContainerConfig,
-    ContainerID,
-    ContainerState,
-    ImageManifest,
-    InvalidContainerID,
-    IsolatorError,
-    Resources,
-)
+from isolators import ContainerConfig, ContainerID, ContainerState, ImageManifest, InvalidContainerID
+from isolators import IsolatorError, Resources
 from tests.support.errors import isolator_failure
 
 HOSTILE = ["..", ".", "a/b", "x" * 300, "x" * 243, "a\nb", "a\x00b", "\x7f", "", "a b", "a\\b", "a.b",

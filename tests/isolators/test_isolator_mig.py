@@ -22,9 +22,8 @@ from actors.resources import Resources
 from isolators import ContainerID, ImageManifest
 from tests.support.containers import config
 from tests.support.errors import injected, isolator_failure, raises_isolator_error
-from tests.support.mig import (
-    EXPECTED, GPU1, HOST, MIG, expect, kernel_scenario, mknod_mig_nodes, sees, write_mig_proc,
-)
+from tests.support.mig import EXPECTED, GPU1, HOST, MIG, expect, kernel_scenario, mknod_mig_nodes, sees
+from tests.support.mig import write_mig_proc
 
 
 def mig_node(node_factory, backend: str, strategy: str = "mixed", host: dict = HOST, **extra):

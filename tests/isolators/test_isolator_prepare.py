@@ -11,14 +11,8 @@ import stat
 import pytest
 
 import runtime
-from isolators import (
-    ContainerClass,
-    ContainerConfig,
-    ContainerID,
-    ContainerLaunchInfo,
-    ImageManifest,
-    Resources,
-)
+from isolators import ContainerClass, ContainerConfig, ContainerID, ContainerLaunchInfo, ImageManifest
+from isolators import Resources
 from isolators._types import MS_BIND, MS_RDONLY, MS_REC
 from tests.support.containers import config
 from tests.support.errors import isolator_failure

@@ -14,13 +14,8 @@ import pytest
 from actors.devices import MemoryBackend
 from actors.volume import DEFAULT_LD_CACHE, read_ld_cache
 from isolators import ContainerID, Flags
-from isolators.simulated_node import (
-    DRIVER_VERSION,
-    SimulatedNode,
-    backend_unavailable,
-    host_document,
-    remove_cgroup_tree,
-)
+from isolators.simulated_node import DRIVER_VERSION, SimulatedNode, backend_unavailable, host_document
+from isolators.simulated_node import remove_cgroup_tree
 from runtime import Runtime
 from tests.support.containers import config
 from tests.support.kernel import BACKENDS, KERNEL_BACKENDS, hierarchy_of, skip_reason, remove_test_cgroups

@@ -6,19 +6,9 @@ import msgspec
 import pytest
 
 from actors.gpu import Gpu
-from actors.mig import (
-    MigDevice,
-    as_unit,
-    format_units,
-    gpu_instance_profile,
-    is_unit,
-    parse_profile,
-    profile_from_attributes,
-    profile_memory_mib,
-    profile_of_resource,
-    resource_of_profile,
-    unit_sort_key,
-)
+from actors.mig import MigDevice, as_unit, format_units, gpu_instance_profile, is_unit, parse_profile
+from actors.mig import profile_from_attributes, profile_memory_mib, profile_of_resource, resource_of_profile
+from actors.mig import unit_sort_key
 
 
 def test_a_mig_device_is_its_parent_and_instance_ids():

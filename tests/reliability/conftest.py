@@ -25,15 +25,8 @@ import pytest
 
 import tests.support as support
 from actors.devices import MemoryBackend
-from tests.support.kernel import (
-    SEEN_PROGRAMS,
-    V1_HIERARCHY,
-    V2_HIERARCHY,
-    bpf_fds,
-    children,
-    remove_test_cgroups,
-    wait_until_freed,
-)
+from tests.support.kernel import SEEN_PROGRAMS, V1_HIERARCHY, V2_HIERARCHY, bpf_fds, children
+from tests.support.kernel import remove_test_cgroups, wait_until_freed
 from tests.support.probes import mknod_nodes
 
 SESSION_PREFIX = f"gpu-isolator-test-rel{os.getpid()}-"

@@ -18,19 +18,8 @@ import pytest
 
 from actors.devices import PROGRAM_NAME, CgroupsV1Backend, CgroupsV2Backend, DeviceControl, InvalidCgroupError, bpf
 from actors.nvml import HostFileError
-from isolators import (
-    ContainerConfig,
-    ContainerID,
-    ContainerState,
-    Flags,
-    FlagsError,
-    NvidiaComponents,
-    NvidiaGpuIsolatorProcess,
-    Resources,
-    ResourcesError,
-    ScriptError,
-    load_script,
-)
+from isolators import ContainerConfig, ContainerID, ContainerState, Flags, FlagsError, NvidiaComponents
+from isolators import NvidiaGpuIsolatorProcess, Resources, ResourcesError, ScriptError, load_script
 from runtime import Clock, Process, Runtime, dispatch, send, snapshot, spawn
 from tests.support.errors import isolator_failure, raises_isolator_error
 from tests.support.kernel import attach_program, attached_programs, detach_program, hierarchy_of, skip_reason

@@ -9,20 +9,8 @@ from typing import Any
 import anyio
 import pytest
 
-from runtime import (
-    PID,
-    Clock,
-    Process,
-    ProcessTerminated,
-    Promise,
-    Runtime,
-    defer,
-    delay,
-    dispatch,
-    spawn,
-    terminate,
-    wait,
-)
+from runtime import PID, Clock, Process, ProcessTerminated, Promise, Runtime, defer, delay, dispatch, spawn
+from runtime import terminate, wait
 
 pytestmark = pytest.mark.anyio
 

@@ -10,21 +10,8 @@ from typing import Any
 import anyio
 import pytest
 
-from runtime import (
-    PID,
-    Clock,
-    Discarded,
-    Future,
-    Process,
-    ProcessTerminated,
-    Promise,
-    Runtime,
-    dispatch,
-    snapshot,
-    spawn,
-    terminate,
-    wait,
-)
+from runtime import PID, Clock, Discarded, Future, Process, ProcessTerminated, Promise, Runtime, dispatch
+from runtime import snapshot, spawn, terminate, wait
 
 pytestmark = pytest.mark.anyio
 

@@ -7,14 +7,7 @@ from typing import Any
 import pytest
 
 from runtime import PID, Clock, Failure, Process, Runtime, dispatch, send, spawn
-from runtime.testing import (
-    Dispatched,
-    Messaged,
-    drop_dispatch,
-    drop_message,
-    expect_dispatch,
-    expect_message,
-)
+from runtime.testing import Dispatched, Messaged, drop_dispatch, drop_message, expect_dispatch, expect_message
 
 pytestmark = pytest.mark.asyncio
 

@@ -3,39 +3,18 @@
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import anyio
 import pytest
 
-from runtime import (
-    PID,
-    Clock,
-    Failure,
-    Process,
-    ProcessTerminated,
-    Runtime,
-    dispatch,
-    spawn,
-    terminate,
-    wait,
-)
+from runtime import PID, Clock, Failure, ProcessTerminated, Runtime, dispatch, spawn, terminate, wait
+
+from tests.support.processes import LogProcess
 
 pytestmark = pytest.mark.anyio
 
 
-class Recorder(Process):
-    def __init__(self, id: str | None = None) -> None:
-        super().__init__(id=id)
-        self.log: list[Any] = []
-
-    def finalize(self) -> None:
-        self.log.append("finalize")
-
-    def record(self, value: Any) -> Any:
-        self.log.append(value)
-        return value
-
+class Recorder(LogProcess):
     def stop_self(self, inject: bool) -> None:
         self.log.append("stop_self")
         terminate(self.pid, inject=inject)

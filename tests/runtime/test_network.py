@@ -15,18 +15,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime import (
-    PID,
-    Failure,
-    Process,
-    Response,
-    Runtime,
-    dispatch,
-    send,
-    spawn,
-    terminate,
-    wait,
-)
+from runtime import PID, Failure, Process, Response, Runtime, dispatch, send, spawn, terminate, wait
 from runtime.testing import expect_dispatch
 
 pytestmark = pytest.mark.anyio

@@ -2,45 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import anyio
 import pytest
 
-from runtime import (
-    PID,
-    Clock,
-    Process,
-    ProcessTerminated,
-    Runtime,
-    dispatch,
-    spawn,
-    terminate,
-    wait,
-)
+from runtime import PID, Clock, ProcessTerminated, Runtime, dispatch, spawn, terminate, wait
+
+from tests.support.processes import LogProcess
 
 pytestmark = pytest.mark.anyio
 
 
-class Recorder(Process):
+class Recorder(LogProcess):
     """Logs its hooks and events."""
-
-    def __init__(self, id: str | None = None) -> None:
-        super().__init__(id=id)
-        self.log: list[Any] = []
 
     def initialize(self) -> None:
         self.log.append("initialize")
 
-    def finalize(self) -> None:
-        self.log.append("finalize")
-
     def exited(self, pid: PID) -> None:
         self.log.append(("exited", pid))
-
-    def record(self, value: Any) -> Any:
-        self.log.append(value)
-        return value
 
     def link_to(self, pid: PID) -> None:
         self.link(pid)

@@ -8,18 +8,8 @@ from typing import Any
 
 import pytest
 
-from runtime import (
-    Clock,
-    Process,
-    ProcessTerminated,
-    Runtime,
-    current_runtime,
-    dispatch,
-    snapshot,
-    spawn,
-    terminate,
-    wait,
-)
+from runtime import Clock, Process, ProcessTerminated, Runtime, current_runtime, dispatch, snapshot, spawn
+from runtime import terminate, wait
 
 pytestmark = pytest.mark.asyncio
 

@@ -11,20 +11,8 @@ from typing import Any
 import anyio
 import pytest
 
-from runtime import (
-    Discarded,
-    Failure,
-    Future,
-    Process,
-    ProcessTerminated,
-    Promise,
-    Runtime,
-    Sequence,
-    dispatch,
-    spawn,
-    terminate,
-    wait,
-)
+from runtime import Discarded, Failure, Future, Process, ProcessTerminated, Promise, Runtime, Sequence
+from runtime import dispatch, spawn, terminate, wait
 
 
 # -- pure: no runtime, Futures completed by hand ----------------------------------

@@ -25,14 +25,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from actors.devices import (
-    PROGRAM_NAME,
-    Policy,
-    CgroupsV1Backend,
-    CgroupsV2Backend,
-    DeviceControl,
-    MemoryBackend,
-)
+from actors.devices import PROGRAM_NAME, Policy, CgroupsV1Backend, CgroupsV2Backend, DeviceControl
+from actors.devices import MemoryBackend
 from actors.devices.testing import FaultInjectingBackend
 from isolators import NvidiaComponents
 from isolators.simulated_node import DRIVER_VERSION, SimulatedNode

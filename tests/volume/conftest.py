@@ -11,14 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.fake_driver import (
-    FakeDriver,
-    build_fake_driver,
-    have_tool,
-    new_cache_bytes,
-    old_cache_bytes,
-    unmount_all_under,
-)
+from tests.support.fake_driver import FakeDriver, build_fake_driver, have_tool, new_cache_bytes
+from tests.support.fake_driver import old_cache_bytes, unmount_all_under
 
 
 @pytest.fixture(scope="session")
