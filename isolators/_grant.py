@@ -1,10 +1,10 @@
 """What a container is granted: its GPU count and its device policy.
 
 Rules (Mesos ``NvidiaGpuIsolatorProcess::_update``, R-IS-3/4):
-- ``requested_gpus(resources)``: the whole number of GPUs asked for (0 when
-  absent); a fractional value, a range or a set is refused with Mesos' "The
-  'gpus' resource must be an unsigned integer". ``requested_count(resources,
-  name)`` is the same for any unit resource (``mig-1g.18gb``, R-MG-3).
+- ``requested_count(resources, name)``: the whole number of ``name`` units
+  asked for (``gpus``, ``mig-1g.18gb``, R-MG-3; 0 when absent); a fractional
+  value, a range or a set is refused with Mesos' "The 'gpus' resource must
+  be an unsigned integer".
 - ``gpu_rule(gpu)``: the rule that grants one GPU, ``c 195:<minor> rwm``.
 - ``Policies(control_devices).of(gpus)``: a container's whole device policy
   for the GPUs it holds -- deny all; the standard container devices, the
@@ -28,11 +28,6 @@ from runtime import Future, Promise
 
 from ._errors import IsolatorError
 from ._types import ContainerID
-
-
-def requested_gpus(resources: Resources) -> int:
-    """The whole number of GPUs ``resources`` asks for (0 when absent)."""
-    return requested_count(resources, "gpus")
 
 
 def requested_count(resources: Resources, name: str) -> int:

@@ -140,11 +140,6 @@ def parse_devices_list(text: str) -> ExceptionTable:
     return table
 
 
-def table_rules(table: ExceptionTable) -> list[DeviceRule]:
-    """The table as rules, in order."""
-    return [DeviceRule(kind, major, minor, access) for (kind, major, minor), access in table.items()]
-
-
 def table_access(table: ExceptionTable) -> Policy:
     """What the kernel enforces for this exception list, as a policy (found
     by its text: lists repeat from cgroup to cgroup)."""
