@@ -173,9 +173,10 @@ class UnitCatalog:
 
     def fits(self, units: Iterable[Unit], resources: Resources) -> bool:
         """Whether ``units`` are exactly what ``resources`` ask for (an update with nothing to do)."""
+        scalars = resources.scalars
+        if self._one_pool and not resources.others and (not scalars or (len(scalars) == 1 and GPUS in scalars)):
+            return requested_count(resources, GPUS) == len(units)  # type: ignore[arg-type]  # the hot path
         demand = self.demand(resources)
-        if self._one_pool:  # every unit counts under gpus, the only resource demanded
-            return demand[GPUS] == len(units)  # type: ignore[arg-type]
         held = self.held(units)
         return all(held.get(name, 0) == count for name, count in demand.items()) and all(
             name in demand for name in held)

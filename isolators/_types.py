@@ -45,6 +45,8 @@ MS_REC = 16384
 
 def validate_container_id_value(value: Any) -> str:
     """Return ``value`` if it is a valid container id, else raise InvalidContainerID."""
+    if type(value) is str and _PLAIN_ID.fullmatch(value):  # the common case, in one match
+        return value
     problem = _id_problem(value)
     if problem is not None:
         shown, why = problem

@@ -10,8 +10,9 @@ Rules:
   recovery); otherwise in arrival order, behind them (the isolator's
   ``Ordering``).
 - ``UsageReader.read(units)``: one executor job per usage
-  (``NvmlService.usages``); a container holding nothing is answered with
-  no job at all; an NVML failure is an ``IsolatorError`` with NVML's text.
+  (``NvmlService.usages``); an NVML failure is an ``IsolatorError`` with
+  NVML's text. A container holding nothing is answered at once by the
+  isolator, with no job at all.
 - A part the isolator actor owns.
 """
 
@@ -37,14 +38,9 @@ class UsageReader:
         self._inventory = inventory
         self._has_mig = has_mig
 
-    def read(self, units: Iterable[Unit]) -> Any:
-        """The container's statistics: at once when it holds nothing, else a coroutine."""
+    async def read(self, units: Iterable[Unit]) -> ResourceStatistics:
+        """The statistics of a container holding ``units`` (at least one)."""
         units = sorted(units)
-        if not units:
-            return ResourceStatistics(timestamp=time.time(), gpus_allocated=0)
-        return self._read(units)
-
-    async def _read(self, units: list[Unit]) -> ResourceStatistics:
         try:
             readings = await self._nvml.usages(units)
         except Exception as error:

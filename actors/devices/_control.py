@@ -197,7 +197,10 @@ class DeviceControl:
     ) -> Future[Policy]:
         """Create ``cgroup`` if missing and make its policy ``(allow, deny)``, or
         the ``Policy`` given; the policy the kernel enforces."""
-        return self._checked("configure", cgroup, lambda: (as_policy(allow, deny),))
+        try:  # the hot path (every prepare), checked in line
+            return self._submit("configure", validate_cgroup(cgroup), as_policy(allow, deny))
+        except DeviceControlError as error:
+            return Future.failed(error)
 
     def reconfigure(
         self, cgroup: str, add: Iterable[DeviceRule | str] = (), remove: Iterable[DeviceRule | str] = ()
@@ -207,7 +210,10 @@ class DeviceControl:
 
     def remove(self, cgroup: str) -> Future[bool]:
         """Delete ``cgroup``; False (with a warning) while processes remain in it."""
-        return self._checked("remove", cgroup)
+        try:  # the hot path (every cleanup), checked in line
+            return self._submit("remove", validate_cgroup(cgroup))
+        except DeviceControlError as error:
+            return Future.failed(error)
 
     def state(self, cgroup: str) -> Future[Policy | None]:
         """The cgroup's policy (v1: read from the kernel), None when unknown."""

@@ -128,7 +128,9 @@ class MemoryBackend(BackendBase):
         run = self.kernel.run
         target = self._prefix + cgroup
         if cgroup not in cgroups:
-            run("mkdir", target, self._set, cgroup, _MADE)
+            run("mkdir", target, cgroups.__setitem__, cgroup, _MADE)
+            if "/" in cgroup:
+                self._count(cgroup, 1)
             try:
                 run("apply", target, cgroups.__setitem__, cgroup, access)
             except Exception:
