@@ -19,6 +19,9 @@ Rules:
   its own) created in that directory by descriptor, and renamed there;
   the records are read ``O_NOFOLLOW`` too. Temporary files a crash left
   are removed when the records are loaded.
+- A container belongs to the uid that asked for it when it runs a
+  command (an exec container); one without a command, as an agent
+  prepares it or as found at start, is root's (``owner``).
 - ``recovered_records`` matches the records with what the isolator
   recovered from the kernel: records of vanished cgroups are dropped, a
   cgroup without a record gets one (``recovered``: released only by a
@@ -76,6 +79,11 @@ class ContainerRecord(msgspec.Struct, kw_only=True):
     @property
     def is_exec(self) -> bool:
         return self.command is not None
+
+    @property
+    def owner(self) -> int | None:
+        """Whose container it is: an exec container its caller's uid, any other root's (0)."""
+        return self.uid if self.is_exec else 0
 
     def view(self, gpus: list[int], uuids: list[str | None], mig_devices: list[str] | None = None,
              mig_uuids: list[str | None] | None = None) -> ContainerView:

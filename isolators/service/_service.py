@@ -124,6 +124,11 @@ REQUESTS: dict[str, type] = {"prepare": Prepare, "update": Update, "usage": Usag
                              "state": StateRequest}
 
 
+def withdrawn_exit(container_id: str, signo: int) -> Exited:
+    """What the exec client is told of a request its signal ``signo`` withdrew: nothing ran."""
+    return Exited(container_id=container_id, status=128 + signo, signal=signo, withdrawn=True)
+
+
 class UserLimits(msgspec.Struct, frozen=True, kw_only=True):
     """What one uid may hold and queue (root and agents are not limited)."""
 
@@ -330,15 +335,17 @@ class GpuIsolatorService(Process):
         pending.close_fds()
         logger.info("Container %s: withdrawn by signal %d before its command started", pending.body.container_id,
                     signo)
-        (channel or pending.sender).send("exited", Exited(container_id=pending.body.container_id, status=128 + signo,
-                                                          signal=signo, withdrawn=True))
+        (channel or pending.sender).send("exited", withdrawn_exit(pending.body.container_id, signo))
 
     def disconnected(self, connection: Any) -> None:
         """A user's connection closed: its waiting requests go (see module rules)."""
-        for pending in self._line.drop_sender(connection):
+        self._drop(connection, f"its client ({connection.caller.describe()})")
+
+    def _drop(self, sender: Any, who: str) -> None:
+        """``sender`` went away: its requests not answered yet go, unanswered."""
+        for pending in self._line.drop_sender(sender):
             pending.close_fds()
-            logger.info("Container %s: its client (%s) went away while it waited; request dropped",
-                        pending.body.container_id, connection.caller.describe())
+            logger.info("Container %s: %s went away while it waited; request dropped", pending.body.container_id, who)
 
     # -- messages from agents (TCP, credential checked by admit) --------------------------
     def _on_prepare(self, sender: PID | None, body: Prepare) -> None:
@@ -359,10 +366,7 @@ class GpuIsolatorService(Process):
             await self._cleanup(_Agent(self, sender), body)
 
     def exited(self, pid: PID) -> None:
-        for pending in self._line.drop_sender(_Agent(self, pid)):
-            pending.close_fds()
-            logger.info("Container %s: its agent %s went away while it waited; request dropped",
-                        pending.body.container_id, pid)
+        self._drop(_Agent(self, pid), f"its agent {pid}")
 
     # -- prepare --------------------------------------------------------------------------
     def _prepare(self, channel: Any, body: Prepare, fds: tuple[int, ...]) -> None:
@@ -427,7 +431,7 @@ class GpuIsolatorService(Process):
             return None
         held_by = await self.isolator.containers()
         held = sum(len(units) for name, units in held_by.items()
-                   if (record := self.records.get(name)) is not None and record.uid == pending.uid and record.is_exec)
+                   if (record := self.records.get(name)) is not None and record.owner == pending.uid)
         wanted = sum(pending.demand.values())
         if held + wanted <= limit:
             return None
@@ -544,8 +548,7 @@ class GpuIsolatorService(Process):
             return
         if pending.withdrawn is not None:  # a signal read while the connection was handed on
             try:
-                os.write(conn_fd, encode("exited", msgspec.json.encode(Exited(
-                    container_id=name, status=128 + pending.withdrawn, signal=pending.withdrawn, withdrawn=True))))
+                os.write(conn_fd, encode("exited", msgspec.json.encode(withdrawn_exit(name, pending.withdrawn))))
             except OSError:
                 pass
             os.close(conn_fd)
@@ -584,11 +587,19 @@ class GpuIsolatorService(Process):
 
     # -- the owner check ---------------------------------------------------------------
     def _owner(self, name: str) -> int | None:
-        """Whose container ``name`` is: its exec caller's uid, else root's (see module rules)."""
+        """Whose container ``name`` is (``ContainerRecord.owner``); None when the service holds none."""
         record = self.records.get(name)
-        if record is None:
-            return None
-        return record.uid if record.is_exec else 0
+        return record.owner if record is not None else None
+
+    def _touchable(self, caller: Caller, verb: str, name: str) -> ContainerID:
+        """The id of a container ``caller`` may ``verb``: its own, or any for
+        root and agents (one the service holds no record of only for them)."""
+        cid = container_id(name)
+        if name in self.records:
+            self._authorize(caller, verb, name, self._owner(name))
+        elif not caller.privileged:
+            raise ServiceError("Unknown container")
+        return cid
 
     def _authorize(self, caller: Caller, verb: str, name: str, owner: int | None) -> None:
         try:
@@ -603,11 +614,7 @@ class GpuIsolatorService(Process):
     async def _update(self, channel: Any, body: Update) -> None:
         name = body.container_id
         try:
-            cid = container_id(name)
-            if name in self.records:
-                self._authorize(channel.caller, "update", name, self._owner(name))
-            elif not channel.caller.privileged:
-                raise ServiceError("Unknown container")
+            cid = self._touchable(channel.caller, "update", name)
             record = self.records.get(name)
             if record is not None and record.is_exec:
                 raise ServiceError(f"Container {name} runs a command of 'gpu-isolator exec': its GPUs cannot change"
@@ -624,11 +631,7 @@ class GpuIsolatorService(Process):
     async def _usage(self, channel: Any, body: Usage) -> None:
         name = body.container_id
         try:
-            cid = container_id(name)
-            if name in self.records:
-                self._authorize(channel.caller, "usage", name, self._owner(name))
-            elif not channel.caller.privileged:
-                raise ServiceError("Unknown container")
+            cid = self._touchable(channel.caller, "usage", name)
             statistics = await self.isolator.usage(cid)
         except (ServiceError, IsolatorError, ValueError) as error:
             channel.send("statistics", Statistics(request=body.request, container_id=name, error=str(error)))
@@ -760,7 +763,7 @@ class GpuIsolatorService(Process):
             minors = [unit for unit in held[name] if isinstance(unit, int)]
             migs = [unit for unit in held[name] if not isinstance(unit, int)]
             record = self.records.get(name) or ContainerRecord(container_id=name, uid=0, user="root")
-            owner = record.uid if record.is_exec else 0
+            owner = record.owner
             if everything or owner == caller.uid:
                 holders.update(dict.fromkeys(migs, name))
                 containers[name] = record.view(minors, [self.units.uuid(m) for m in minors], migs,
