@@ -48,9 +48,8 @@ Rules (SPEC R-SV-1, R-SC-1..8):
   client gets ``exited`` (``withdrawn``, 128 + N) and nothing runs; one
   forwarded later reaches the command (through its supervisor). Other containers are cleaned up
   only by ``cleanup`` (Mesos' semantics).
-- Reading (R-SC-5): ``state(caller)`` shows the caller's own containers
-  and waiting requests whole, other users' only as counts per user
-  (``ServiceState.others``); root and agents see everything.
+- Reading: ``state(caller)`` is the state as ``caller`` may read it
+  (``_state``).
 - Deny by default (R-SC-8): every cgroup given with ``--confine`` gets
   every GPU and MIG node denied (``DeviceControl.confine``) before the
   service serves (failing that, it does not start), and again on every
@@ -81,7 +80,6 @@ from typing import Any
 
 import msgspec
 
-from actors import Gpu
 from actors.devices import DeviceRule
 from actors.flags import Flags
 from actors.mig import resource_of_profile
@@ -110,10 +108,10 @@ from ._messages import (
     Update,
     Updated,
     Usage,
-    UserShare,
     visible_devices_env,
 )
 from ._records import ContainerRecord, RecordsFile, records_file, recovered_records
+from ._state import state_for
 from ._units import NodeUnits
 
 __all__ = ["GpuIsolatorService", "UserLimits"]
@@ -753,46 +751,9 @@ class GpuIsolatorService(Process):
         return Response.json(await self.state(Caller.agent("tcp")))
 
     async def state(self, caller: Caller | None = None) -> ServiceState:
-        """The state as ``caller`` may read it (None: everything; see module rules)."""
-        everything = caller is None or caller.privileged
+        """The state as ``caller`` may read it (None: everything; ``_state``)."""
         held = await self.isolator.containers()
         available = await self.allocator.available()
         unhealthy = await self.allocator.unhealthy()
-        containers, holders, users, others = {}, {}, {}, {}
-        for name in sorted(held):
-            minors = [unit for unit in held[name] if isinstance(unit, int)]
-            migs = [unit for unit in held[name] if not isinstance(unit, int)]
-            record = self.records.get(name) or ContainerRecord(container_id=name, uid=0, user="root")
-            owner = record.owner
-            if everything or owner == caller.uid:
-                holders.update(dict.fromkeys(migs, name))
-                containers[name] = record.view(minors, [self.units.uuid(m) for m in minors], migs,
-                                               [self.units.uuid(m) for m in migs])
-            else:
-                share = others.setdefault(record.user or str(owner), UserShare())
-                share.gpus += len(minors)
-                share.mig_devices += len(migs)
-            users.update(dict.fromkeys(migs, record.user or str(owner)))
-        waiting = []
-        for pending in self._line.waiting():
-            if everything or pending.uid == caller.uid:
-                waiting.append(pending.view())
-            else:
-                others.setdefault(pending.user or str(pending.uid), UserShare()).waiting += 1
-        mig_views = self.units.mig_views(holders, unhealthy)
-        for view in mig_views:
-            view.user = users.get(view.device)
-        return ServiceState(
-            containers=containers,
-            free=sorted(g.minor for g in available if isinstance(g, Gpu)),
-            unhealthy={str(g.minor): reason for g, reason in sorted(unhealthy.items()) if isinstance(g, Gpu)},
-            waiting=waiting,
-            total=sorted(g.minor for g in self.units.whole),
-            backend=self.backend,
-            address=str(self.pid),
-            mig_strategy=self.units.strategy,
-            mig_devices=mig_views,
-            mig_mode=self.units.mig_mode,
-            others=others,
-            socket=self.socket,
-        )
+        return state_for(caller, held, available, unhealthy, self.records, self._line.waiting(), self.units,
+                         backend=self.backend, address=str(self.pid), socket=self.socket)
