@@ -50,15 +50,10 @@ Rules (SPEC R-SV-1, R-SC-1..8):
   only by ``cleanup`` (Mesos' semantics).
 - Reading: ``state(caller)`` is the state as ``caller`` may read it
   (``_state``).
-- Deny by default (R-SC-8): every cgroup given with ``--confine`` gets
-  every GPU and MIG node denied (``DeviceControl.confine``) before the
-  service serves (failing that, it does not start), and again on every
-  tick.
-- ``create`` recovers before the process serves: records are loaded, the
-  isolator recovers the containers they name (and finds the others under
-  the cgroups root: kept as ``recovered``, root's, released only by
-  ``cleanup``), records whose cgroup is gone are dropped, and exec
-  containers are released once empty.
+- ``create`` recovers before the process serves (``_recovery``: its
+  records and the kernel), then denies every GPU to the ``--confine``
+  cgroups (``_confine``, R-SC-8; failing that, it does not start); the
+  tick confines them again.
 - ``GET /gpu-isolator/state`` (TCP, with the credential): the whole state.
 - Metrics, published in ``initialize`` and given back in ``finalize``:
   gauges ``service/containers``, ``service/waiting``,
@@ -80,14 +75,13 @@ from typing import Any
 
 import msgspec
 
-from actors.devices import DeviceRule
 from actors.flags import Flags
 from actors.mig import resource_of_profile
 from actors.resources import Resources
 from runtime import PID, Executor, MetricSet, Process, Response, current_runtime, delay, dispatch, spawn
 
 from .._errors import IsolatorError
-from .._types import ContainerConfig, ContainerID, ContainerState
+from .._types import ContainerConfig, ContainerID
 from . import _host
 from ._caller import Caller, ServiceError, authorize, container_id, may_prepare
 from ._demand import GPUS, demand_of, mig_counts, resources_text
@@ -110,7 +104,9 @@ from ._messages import (
     Usage,
     visible_devices_env,
 )
-from ._records import ContainerRecord, RecordsFile, records_file, recovered_records
+from ._confine import Confinement
+from ._records import ContainerRecord, RecordsFile
+from ._recovery import recover
 from ._state import state_for
 from ._units import NodeUnits
 
@@ -177,8 +173,7 @@ class GpuIsolatorService(Process):
         self.credential = credential
         self.confine = tuple(confine)
         self.socket = socket
-        self._confine_rules: list[DeviceRule] = []
-        self._confine_errors: dict[str, str] = {}
+        self.confinement = Confinement(self.devices, self.confine)
         self._host = Executor(2, name="gpu-isolator-service")
         self._writer = Executor(1, name="gpu-isolator-records")
         self._line = WaitingLine()
@@ -202,32 +197,10 @@ class GpuIsolatorService(Process):
     @classmethod
     async def create(cls, flags: Flags, components: Any, isolator: Any, poll_interval: float = 1.0,
                      **options: Any) -> "GpuIsolatorService":
-        """Recover (see module rules), confine, then spawn the service process."""
-        records_io = RecordsFile(records_file(flags.work_dir), isolator.devices.root)
-        reader = Executor(1, name="gpu-isolator-records")
-        try:
-            loaded = await reader.run(records_io.load)
-        finally:
-            reader.shutdown(wait=False)
-        states, named = [], {}
-        for record in loaded:
-            try:
-                cid = ContainerID(record.container_id)
-            except ValueError as error:
-                logger.warning("Record of container %r dropped: %s", record.container_id, error)
-                continue
-            states.append(ContainerState(cid))
-            named[record.container_id] = record
-        await isolator.recover(states, set())
-        known = await isolator.containers()
-        records = recovered_records(named, known)
+        """Recover (``_recovery``), confine (``_confine``), then spawn the service process."""
+        records, records_io = await recover(flags, isolator)
         service = cls(flags, components, isolator, records, records_io, poll_interval, **options)
-        if service.confine:
-            service._confine_rules = [DeviceRule(r.type, r.major, r.minor, "rwm") for r in isolator.unit_rules()]
-            for path in service.confine:  # before anyone is served; a cgroup that cannot be confined stops it
-                await service.devices.confine(path, service._confine_rules)
-                logger.info("Confined %s: every GPU and MIG node denied to it and below (%d rule(s))", path,
-                            len(service._confine_rules))
+        await service.confinement.deny(isolator.unit_rules)
         spawn(service)
         return service
 
@@ -693,24 +666,10 @@ class GpuIsolatorService(Process):
             await self._poll()
             if self._line.head() is not None:
                 self._kick()  # health may have changed
-            if self.confine:
-                await self._confine()
+            await self.confinement.again()
         finally:
             if not self._stopping:
                 self._timer = delay(self.poll_interval, self.pid, GpuIsolatorService._tick)
-
-    async def _confine(self) -> None:
-        """Deny every GPU to the ``--confine`` cgroups again (a repair is logged)."""
-        for path in self.confine:
-            try:
-                repairs = await self.devices.confine(path, self._confine_rules)
-            except Exception as error:
-                if self._confine_errors.get(path) != str(error):
-                    self._confine_errors[path] = str(error)
-                    logger.error("Cannot confine %s: %s; its processes may reach GPUs", path, error)
-                continue
-            if self._confine_errors.pop(path, None) is not None or (repairs and self.backend == "cgroups_v2"):
-                logger.warning("Confined %s again: %s", path, "; ".join(repairs) or "every GPU denied")
 
     async def _poll(self) -> None:
         """Release every exec container whose cgroup holds no process (one executor job)."""
