@@ -16,6 +16,9 @@ Rules (first come, first served):
   never answered twice. ``close()`` hands back every one still pending.
   An exec request holds its client's stdio descriptors (``fds``) until
   it is answered, dropped or started (``close_fds``).
+- A request's ``sender`` is a ``Channel``: who asked (``caller``) and
+  where its answers go -- a user's connection (``_front_door``) or an
+  agent, answered to its PID.
 - Pure: no I/O, no runtime; the service does the waiting and the talking.
 """
 
@@ -24,16 +27,31 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._demand import GPUS, demand_of, describe, mig_counts
 from ._messages import Prepare, WaitingView
 
-__all__ = ["GRANT", "QUEUE", "PendingPrepare", "WaitingLine", "fits"]
+if TYPE_CHECKING:
+    from ._caller import Caller
+
+__all__ = ["GRANT", "QUEUE", "Channel", "PendingPrepare", "WaitingLine", "fits"]
 
 GRANT = "grant"
 QUEUE = "queue"
+
+
+class Channel(Protocol):
+    """Where a request came from, and where its answers go (see module rules)."""
+
+    caller: Caller
+
+    def send(self, verb: str, body: Any) -> None:
+        """Answer ``verb`` with ``body``."""
+
+    def detach(self) -> Awaitable[int | None]:
+        """Hand the connection on: a duplicate of its descriptor (None: it is gone)."""
 
 
 class PendingPrepare:
@@ -41,7 +59,7 @@ class PendingPrepare:
 
     __slots__ = ("sender", "body", "demand", "since", "uid", "user", "cancelled", "fds", "withdrawn")
 
-    def __init__(self, sender: Any, body: Prepare, demand: dict[str, int] | None = None) -> None:
+    def __init__(self, sender: Channel, body: Prepare, demand: dict[str, int] | None = None) -> None:
         self.sender = sender
         self.body = body
         self.demand = demand if demand is not None else demand_of(body.gpus)

@@ -2,9 +2,8 @@
 
 Rules (SPEC R-SV-1, R-SC-1..8):
 - One process, id ``gpu-isolator``, in front of an isolator handle. It
-  holds what the kernel cannot tell (``ContainerRecord``: command, owner,
-  the command's process and supervisor), checkpointed in its work dir
-  before and after every change; the isolator holds the GPUs.
+  holds what the kernel cannot tell (``ContainerRecord``s, checkpointed
+  by ``_checkpoint``); the isolator holds the GPUs.
 - Callers: users on the unix socket (``_front_door``; the kernel names
   them, ``_caller``), whose requests arrive as ``request(connection,
   frame)`` and are answered on the connection; agents on TCP, whose
@@ -30,24 +29,14 @@ Rules (SPEC R-SV-1, R-SC-1..8):
   behind it is served before it; while anybody waits, a request that does
   not wait is refused. The line is tried again after every release and on
   every tick.
-- Exec containers (a ``prepare`` with a ``command``, unix socket only;
-  refused on the in-memory backend, which enforces nothing): once the
-  GPUs are granted the caller gets ``prepared``, the connection and the
-  caller's stdio go to the command's supervisor (``_launcher``,
-  ``_supervisor``), which starts the command inside the cgroup as the
-  caller and talks to the client from then on. The container lives while
-  processes remain in its cgroup: it is released once the cgroup is empty
-  -- seen when its supervisor (a child of the service) exits, and on
-  every tick (after a restart, when the service is no longer its
-  parent). ``cleanup`` of an exec container by its owner marks it
-  ``releasing`` (released once empty); ``update`` is refused while it
-  runs.
+- Exec containers (a ``prepare`` with a ``command``) live as
+  ``_exec_containers`` says: handed to the command's supervisor, released
+  once their cgroup is empty; ``update`` of one is refused while it runs.
 - A connection that closes takes its waiting requests with it; a TCP
   agent that goes away (R-NW-3) likewise. A ``signal`` the exec client
-  forwards before its connection is handed on withdraws its request: the
-  client gets ``exited`` (``withdrawn``, 128 + N) and nothing runs; one
-  forwarded later reaches the command (through its supervisor). Other containers are cleaned up
-  only by ``cleanup`` (Mesos' semantics).
+  forwards before its connection is handed on withdraws its request
+  (``_exec_containers``). Other containers are cleaned up only by
+  ``cleanup`` (Mesos' semantics).
 - Reading: ``state(caller)`` is the state as ``caller`` may read it
   (``_state``).
 - ``create`` recovers before the process serves (``_recovery``: its
@@ -78,20 +67,17 @@ import msgspec
 from actors.flags import Flags
 from actors.mig import resource_of_profile
 from actors.resources import Resources
-from runtime import PID, Executor, MetricSet, Process, Response, current_runtime, delay, dispatch, spawn
+from runtime import PID, MetricSet, Process, Response, current_runtime, delay, dispatch, spawn
 
 from .._errors import IsolatorError
 from .._types import ContainerConfig, ContainerID
-from . import _host
 from ._caller import Caller, ServiceError, authorize, container_id, may_prepare
 from ._demand import GPUS, demand_of, mig_counts, resources_text
-from ._frames import encode
-from ._launcher import LaunchSpec, launch
+from ._exec_containers import ExecContainers
 from ._line import GRANT, QUEUE, PendingPrepare, WaitingLine, fits
 from ._messages import (
     CleanedUp,
     Cleanup,
-    Exited,
     Prepare,
     Prepared,
     Queued,
@@ -104,6 +90,7 @@ from ._messages import (
     Usage,
     visible_devices_env,
 )
+from ._checkpoint import Checkpoint
 from ._confine import Confinement
 from ._records import ContainerRecord, RecordsFile
 from ._recovery import recover
@@ -116,11 +103,6 @@ logger = logging.getLogger(__name__)
 
 REQUESTS: dict[str, type] = {"prepare": Prepare, "update": Update, "usage": Usage, "cleanup": Cleanup,
                              "state": StateRequest}
-
-
-def withdrawn_exit(container_id: str, signo: int) -> Exited:
-    """What the exec client is told of a request its signal ``signo`` withdrew: nothing ran."""
-    return Exited(container_id=container_id, status=128 + signo, signal=signo, withdrawn=True)
 
 
 class UserLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -167,31 +149,42 @@ class GpuIsolatorService(Process):
         self.devices = isolator.devices
         self.backend: str = self.devices.backend_name
         self.records = records
-        self._records_io = records_io
         self.poll_interval = poll_interval
         self.limits = limits or UserLimits()
         self.credential = credential
         self.confine = tuple(confine)
         self.socket = socket
         self.confinement = Confinement(self.devices, self.confine)
-        self._host = Executor(2, name="gpu-isolator-service")
-        self._writer = Executor(1, name="gpu-isolator-records")
+        self.checkpoint = Checkpoint(records, records_io, self)
+        self.execs = ExecContainers(isolator, records, self.checkpoint, cgroups_root=flags.cgroups_root,
+                                    socket=socket, freed=self._kick)
         self._line = WaitingLine()
-        self._launching: set[str] = set()
-        self._granting: dict[Any, PendingPrepare] = {}
-        """Exec requests being granted, by connection (a signal then withdraws them)."""
-        self._supervisors: dict[str, Any] = {}
         self._pumping = False
-        self._polling = False
         self._timer: Any = None
         self._stopping = False
         self.units = NodeUnits(self.allocator.pools(), components.inventory, flags.nvidia_mig_strategy)
-        self.started = 0
-        self.released_when_empty = 0
         self.refused_by_owner = 0
         self.refused_by_limit = 0
         self.unauthorized = 0
         self._metrics: MetricSet | None = None
+
+    @property
+    def started(self) -> int:
+        """Commands started in exec containers (``service/exec_started``)."""
+        return self.execs.started
+
+    @started.setter
+    def started(self, count: int) -> None:
+        self.execs.started = count
+
+    @property
+    def released_when_empty(self) -> int:
+        """Exec containers released once empty (``service/released_when_empty``)."""
+        return self.execs.released_when_empty
+
+    @released_when_empty.setter
+    def released_when_empty(self, count: int) -> None:
+        self.execs.released_when_empty = count
 
     # -- construction and recovery -------------------------------------------------
     @classmethod
@@ -227,7 +220,7 @@ class GpuIsolatorService(Process):
                         read=lambda: self.refused_by_limit)
         metrics.counter("service/unauthorized", "TCP requests refused without the bearer credential (401)",
                         read=lambda: self.unauthorized)
-        self._save()  # what recovery kept (records of vanished cgroups are gone from the file too)
+        self.checkpoint.save()  # what recovery kept (records of vanished cgroups are gone from the file too)
         self._timer = delay(self.poll_interval, self.pid, GpuIsolatorService._tick)
 
     def finalize(self) -> None:
@@ -240,8 +233,8 @@ class GpuIsolatorService(Process):
             self._timer = None
         for pending in self._line.close():
             self._answer(pending, "the gpu-isolator service is stopping; ask again once it runs")
-        self._host.shutdown(wait=False)
-        self._writer.shutdown(wait=False)  # a write in its thread still finishes
+        self.execs.close()
+        self.checkpoint.close()
 
     # -- who may ask (TCP) -----------------------------------------------------------
     def _authenticate(self, request: Any) -> Response | None:
@@ -252,22 +245,6 @@ class GpuIsolatorService(Process):
         from ..credential import BearerCredential
 
         return BearerCredential.unauthorized()
-
-    # -- records ------------------------------------------------------------------------
-    def _save(self) -> Any:
-        """Checkpoint every record: encoded now, written in order by one
-        thread; a Future of whether the write succeeded (a failure is logged)."""
-        data = self._records_io.encode(list(self.records.values()))
-        return dispatch(self.pid, GpuIsolatorService._write, data)
-
-    async def _write(self, data: bytes) -> bool:
-        try:
-            await self._writer.run(self._records_io.write, data)
-        except Exception as error:
-            logger.error("Cannot write the service's records %s: %s; a restart may forget which containers"
-                         " run exec commands", self._records_io.path, error)
-            return False
-        return True
 
     # -- requests on the unix socket -----------------------------------------------------
     async def request(self, connection: Any, frame: Any) -> None:
@@ -297,16 +274,8 @@ class GpuIsolatorService(Process):
             connection.refuse(f"a 'signal' request without a signal number 1 to 64: {signo!r}")
             return
         for pending in self._line.drop_sender(connection):
-            self._withdraw(pending, signo)
-        granting = self._granting.get(connection)
-        if granting is not None and granting.withdrawn is None:
-            granting.withdrawn = signo  # _grant sees it before it starts the command
-
-    def _withdraw(self, pending: PendingPrepare, signo: int, channel: Any = None) -> None:
-        pending.close_fds()
-        logger.info("Container %s: withdrawn by signal %d before its command started", pending.body.container_id,
-                    signo)
-        (channel or pending.sender).send("exited", withdrawn_exit(pending.body.container_id, signo))
+            self.execs.withdraw(pending, signo)
+        self.execs.signalled(connection, signo)
 
     def disconnected(self, connection: Any) -> None:
         """A user's connection closed: its waiting requests go (see module rules)."""
@@ -359,24 +328,7 @@ class GpuIsolatorService(Process):
     def _check_new(self, body: Prepare, fds: tuple[int, ...]) -> dict[str, int]:
         """What a new prepare asks for, per resource, once checked (see module rules)."""
         cid = container_id(body.container_id)
-        if body.command is not None:
-            if self.backend == "memory":
-                raise ServiceError(
-                    "this gpu-isolator service runs the in-memory device backend, which enforces nothing: exec"
-                    " needs cgroups (serve with --device_backend=cgroups_v1 or cgroups_v2, as root)")
-            if not body.command or not all(isinstance(word, str) and "\0" not in word for word in body.command) \
-                    or not body.command[0]:
-                raise ServiceError(f"Container {cid}: the command is empty")
-            if body.cwd is None or not body.cwd.startswith("/") or "\0" in body.cwd:
-                raise ServiceError(f"Container {cid}: the command needs the absolute directory it starts in (cwd)")
-            if any("\0" in key or "=" in key or not key or "\0" in value for key, value in (body.env or {}).items()):
-                raise ServiceError(f"Container {cid}: an environment variable with '=' or NUL in its name or NUL in"
-                                   " its value")
-            if len(fds) != 3:
-                raise ServiceError(f"Container {cid}: the command's stdin, stdout and stderr come with the request"
-                                   f" (3 descriptors; got {len(fds)})")
-        elif fds:
-            raise ServiceError("descriptors come only with a command")
+        self.execs.check(cid, body, fds)
         demand = demand_of(body.gpus, body.mig)
         refusal = self.units.refusal(demand)
         if refusal is not None:
@@ -468,88 +420,46 @@ class GpuIsolatorService(Process):
         record = ContainerRecord(container_id=name, command=body.command, client=pending.sender.caller.peer,
                                  uid=pending.uid, user=pending.user, since=time.time())
         self.records[name] = record
-        if record.is_exec:
-            self._launching.add(name)  # not released as "empty" before its supervisor is in
-            self._granting[pending.sender] = pending
         try:
-            if not await self._save():
-                del self.records[name]
-                self._answer(pending, f"Container {name}: cannot record it in {self._records_io.path} (see the"
-                                      " service's log); nothing was prepared")
-                return
-            try:
-                await self.isolator.prepare(ContainerID(name),
-                                            ContainerConfig(resources=Resources.parse(resources_text(pending.demand))))
-            except Exception as error:
-                if self.records.get(name) is record:
-                    del self.records[name]
-                    await self._save()
-                logger.info("Container %s: prepare refused: %s", name, error)
-                self._answer(pending, str(error))
-                return
-            if self.records.get(name) is not record:  # cleaned up while it was prepared
-                self._answer(pending, f"Container {name} was cleaned up before it was prepared")
-                return
-            gpus = self.units.granted((await self.isolator.containers()).get(name, []))
-            uuids = [gpu.uuid or "" for gpu in gpus]
-            env = visible_devices_env(uuids)
-            logger.info("Container %s: prepared with GPUs %s for %s%s", name, [g.mig_device or g.minor for g in gpus],
-                        pending.sender.caller.describe(), f" to run {body.command}" if body.command else "")
-            if pending.withdrawn is not None:
-                self._withdraw(pending, pending.withdrawn)
-                await self._release(record, "withdrawn before its command started")
-                return
-            pending.sender.send("prepared", Prepared(request=body.request, container_id=name, gpus=gpus, env=env))
-            if record.is_exec:
-                await self._start(record, pending, env)
+            with self.execs.granting(record, pending):
+                await self._prepare_granted(record, pending)
         finally:
-            self._launching.discard(name)
-            if self._granting.get(pending.sender) is pending:
-                del self._granting[pending.sender]
             pending.close_fds()
 
-    async def _start(self, record: ContainerRecord, pending: PendingPrepare, env: dict[str, str]) -> None:
-        """Hand the command to its supervisor (see module rules)."""
+    async def _prepare_granted(self, record: ContainerRecord, pending: PendingPrepare) -> None:
+        """Record the container, have the isolator prepare it, answer, and
+        hand an exec container's command on."""
+        body = pending.body
         name = record.container_id
-        caller: Caller = pending.sender.caller
-        conn_fd = await pending.sender.detach() if not pending.cancelled else None
-        if conn_fd is None:
-            logger.info("Container %s: its client went away before the command started", name)
-            await self._release(record, "its client went away before the command started")
+        if not await self.checkpoint.save():
+            del self.records[name]
+            self._answer(pending, f"Container {name}: cannot record it in {self.checkpoint.file.path} (see the"
+                                  " service's log); nothing was prepared")
             return
-        if pending.withdrawn is not None:  # a signal read while the connection was handed on
-            try:
-                os.write(conn_fd, encode("exited", msgspec.json.encode(withdrawn_exit(name, pending.withdrawn))))
-            except OSError:
-                pass
-            os.close(conn_fd)
-            pending.close_fds()
-            await self._release(record, "withdrawn before its command started")
-            return
-        cgroup = self.devices.path(name)
-        spec = LaunchSpec(
-            container_id=name, argv=list(record.command or []), env={**(pending.body.env or {}), **env},
-            cwd=pending.body.cwd or "/", uid=caller.uid, gid=caller.gid, groups=list(caller.groups),
-            procs=[os.path.join(cgroup, "cgroup.procs")],
-            controller="devices" if self.backend == "cgroups_v1" else "",
-            suffix=f"/{self.flags.cgroups_root}/{name}", cgroup=cgroup, socket=self.socket)
         try:
-            launched = await self._host.run(launch, spec, conn_fd, pending.fds)
-        finally:
-            os.close(conn_fd)
-        if launched.popen is not None:
-            self._supervisors[name] = launched.popen  # reaped by _poll
-        if launched.pid is None:
-            logger.warning("Container %s: its command did not start: %s", name, launched.error)
-            record.releasing = True
-            await self._save()
+            await self.isolator.prepare(ContainerID(name),
+                                        ContainerConfig(resources=Resources.parse(resources_text(pending.demand))))
+        except Exception as error:
+            if self.records.get(name) is record:
+                del self.records[name]
+                await self.checkpoint.save()
+            logger.info("Container %s: prepare refused: %s", name, error)
+            self._answer(pending, str(error))
             return
-        record.pid = launched.pid
-        record.supervisor = launched.popen.pid
-        self.started += 1
-        await self._save()
-        logger.info("Container %s: %s runs as process %d (uid %d) in %s", name, record.command, launched.pid,
-                    caller.uid, cgroup)
+        if self.records.get(name) is not record:  # cleaned up while it was prepared
+            self._answer(pending, f"Container {name} was cleaned up before it was prepared")
+            return
+        gpus = self.units.granted((await self.isolator.containers()).get(name, []))
+        uuids = [gpu.uuid or "" for gpu in gpus]
+        env = visible_devices_env(uuids)
+        logger.info("Container %s: prepared with GPUs %s for %s%s", name, [g.mig_device or g.minor for g in gpus],
+                    pending.sender.caller.describe(), f" to run {body.command}" if body.command else "")
+        if pending.withdrawn is not None:
+            await self.execs.withdrawn(record, pending)
+            return
+        pending.sender.send("prepared", Prepared(request=body.request, container_id=name, gpus=gpus, env=env))
+        if record.is_exec:
+            await self.execs.start(record, pending, env)
 
     def _answer(self, pending: PendingPrepare, error: str) -> None:
         pending.close_fds()
@@ -627,21 +537,13 @@ class GpuIsolatorService(Process):
                 self._authorize(caller, "cleanup", name, self._owner(name))
                 record = self.records[name]
                 if record.is_exec:
-                    if not record.releasing:
-                        record.releasing = True
-                        await self._save()
-                    pids = (await self._host.run(_host.cgroup_pids, [self.devices.path(name)]))[0]
-                    count = sum(pid != record.supervisor for pid in pids)  # the command's, not its supervisor
-                    if not pids and name not in self._launching:
-                        await self._release(record, f"cleanup by {caller.describe()}")
-                    else:
-                        reply.released, reply.processes = False, count
-                        logger.info("Container %s: %d process(es) still inside; its GPUs go when they exit",
-                                    name, count)
+                    left = await self.execs.cleanup(record, caller)
+                    if left is not None:
+                        reply.released, reply.processes = False, left
                 else:
                     await self.isolator.cleanup(cid)
                     if self.records.pop(name, None) is not None:
-                        await self._save()
+                        await self.checkpoint.save()
                     logger.info("Container %s: cleaned up by %s", name, caller.describe())
                     self._kick()
             elif caller.privileged:  # idempotent, as in Mesos; nothing of anyone's is touched otherwise
@@ -650,58 +552,16 @@ class GpuIsolatorService(Process):
             reply = CleanedUp(request=body.request, container_id=name, error=str(error), released=False)
         channel.send("cleaned_up", reply)
 
-    async def _release(self, record: ContainerRecord, why: str) -> None:
-        name = record.container_id
-        await self.isolator.cleanup(ContainerID(name))
-        if self.records.get(name) is record:
-            del self.records[name]
-            await self._save()
-            self.released_when_empty += 1
-            logger.info("Container %s: released its GPUs (%s; no process left in it)", name, why)
-        self._kick()
-
     async def _tick(self) -> None:
         self._timer = None
         try:
-            await self._poll()
+            await self.execs.poll()
             if self._line.head() is not None:
                 self._kick()  # health may have changed
             await self.confinement.again()
         finally:
             if not self._stopping:
                 self._timer = delay(self.poll_interval, self.pid, GpuIsolatorService._tick)
-
-    async def _poll(self) -> None:
-        """Release every exec container whose cgroup holds no process (one executor job)."""
-        if self._polling:
-            return
-        for name, popen in list(self._supervisors.items()):
-            if popen.poll() is not None:  # reaped
-                del self._supervisors[name]
-        polled = [record for record in self.records.values()
-                  if (record.is_exec or record.releasing) and record.container_id not in self._launching]
-        if not polled:
-            return
-        self._polling = True
-        try:
-            found = await self._host.run(_host.cgroup_pids, [self.devices.path(r.container_id) for r in polled])
-            changed = False
-            for record, pids in zip(polled, found):
-                if self.records.get(record.container_id) is not record:
-                    continue
-                if not pids:
-                    try:
-                        await self._release(record, "its command ended" if record.pid else "nothing runs in it")
-                    except Exception as error:  # the next tick tries again
-                        logger.error("Container %s: release failed: %s", record.container_id, error)
-                elif not record.releasing and record.supervisor is not None and record.supervisor not in pids:
-                    record.releasing = changed = True  # its command ended, leaving processes behind
-                    logger.info("Container %s: its command ended; %d process(es) it left keep its GPUs until"
-                                " they exit", record.container_id, len(pids))
-            if changed:
-                await self._save()
-        finally:
-            self._polling = False
 
     # -- the state ------------------------------------------------------------------
     async def _state_route(self, request: Any) -> Any:
