@@ -1,10 +1,13 @@
 """The isolator as a service (SPEC sections 16 and 19): ``serve``, ``exec``, ``status``.
 
 - ``_service``: ``GpuIsolatorService``, the process in front of an
-  isolator (requests, the waiting line, the owner check and per-user
-  limits, exec containers released once empty, the state each caller may
-  read, ``--confine``), recovering from its records (``_records``) and
-  the kernel.
+  isolator: it answers the verbs, decides the owner check, and owns its
+  parts -- ``_admission`` (prepares admitted in order, the waiting line,
+  per-user limits, the grant), ``_exec_containers`` (commands handed to
+  their supervisor, released once empty), ``_checkpoint`` (its records,
+  ``_records``, written in order) and ``_confine`` (``--confine``);
+  ``_recovery``: what it recovers at start from its records and the
+  kernel; ``_state``: the state each caller may read.
 - ``_front_door``: the unix socket users reach it through (who is asking
   comes from the kernel: ``_caller``), framed as ``_frames`` says;
   ``_caller``: who is asking and what they may touch, decided in one
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING
 from runtime._lazy import lazy_exports
 
 _EXPORTS = {
+    "._admission": ("UserLimits",),
     "._caller": ("Caller", "ServiceError", "authorize"),
     "._client": ("DEFAULT_SOCKET", "LostService", "Refused", "SocketClient", "socket_path"),
     "._exec": ("exec_command",),
@@ -39,7 +43,7 @@ _EXPORTS = {
                    "Statistics", "Update", "Updated", "Usage", "UserShare", "WaitingView", "visible_devices_env"),
     "._records": ("ContainerRecord", "RecordsError", "RecordsFile", "records_file"),
     "._serve": ("ServeOptions", "serve", "service_flags"),
-    "._service": ("GpuIsolatorService", "UserLimits"),
+    "._service": ("GpuIsolatorService",),
     "._status": ("fetch_state", "render_state"),
     "._trust": ("UntrustedPath", "check_trusted_dir"),
 }
@@ -48,6 +52,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
 
 
 if TYPE_CHECKING:
+    from ._admission import UserLimits
     from ._caller import Caller, ServiceError, authorize
     from ._client import DEFAULT_SOCKET, LostService, Refused, SocketClient, socket_path
     from ._exec import exec_command
@@ -55,6 +60,6 @@ if TYPE_CHECKING:
     from ._messages import *  # noqa: F403 -- its __all__, the names _EXPORTS lists for it
     from ._records import ContainerRecord, RecordsError, RecordsFile, records_file
     from ._serve import ServeOptions, serve, service_flags
-    from ._service import GpuIsolatorService, UserLimits
+    from ._service import GpuIsolatorService
     from ._status import fetch_state, render_state
     from ._trust import UntrustedPath, check_trusted_dir

@@ -1,9 +1,14 @@
 """GpuIsolatorService: the isolator as a process users and agents can reach, who may do what.
 
 Rules (SPEC R-SV-1, R-SC-1..8):
-- One process, id ``gpu-isolator``, in front of an isolator handle. It
-  holds what the kernel cannot tell (``ContainerRecord``s, checkpointed
-  by ``_checkpoint``); the isolator holds the GPUs.
+- One process, id ``gpu-isolator``, in front of an isolator handle: the
+  actor that answers the verbs. It owns the parts that do the work:
+  ``Admission`` (prepares, the waiting line, per-user limits, the grant),
+  ``ExecContainers`` (commands handed to their supervisor, released once
+  empty), ``Checkpoint`` (the ``ContainerRecord``s -- what the kernel
+  cannot tell -- written in order) and ``Confinement`` (``--confine``);
+  it recovers with ``_recovery`` and is read through ``_state``. The
+  isolator holds the GPUs.
 - Callers: users on the unix socket (``_front_door``; the kernel names
   them, ``_caller``), whose requests arrive as ``request(connection,
   frame)`` and are answered on the connection; agents on TCP, whose
@@ -13,45 +18,40 @@ Rules (SPEC R-SV-1, R-SC-1..8):
   text (Mesos' wording, e.g. "Requested 2 gpus but only 1 available") or
   the service's.
 - Who may do what is decided by ``_caller.authorize`` on every verb
-  naming a container, and by ``may_prepare`` for new ones: a user
-  touches only containers their uid asked for ("Container 'ID' belongs
-  to another user", nothing changed); containers without a command are
-  root's. Limits per uid (root and agents are not limited), each refused
-  with a clear line and counted: ``max_waiting_per_user`` requests in
-  line, ``max_gpus_per_user`` units held (whole GPUs and MIG devices;
-  checked when a request arrives and again when it is granted).
-- A request asks for ``gpus`` and, under ``--nvidia_mig_strategy=mixed``,
-  MIG devices by profile (``_demand``); one the node can never meet is
-  refused at once, waiting or not (``NodeUnits.refusal``).
-- Prepares are admitted one at a time, in arrival order (one pump), so a
-  queue decision never races an allocation. First come, first served: a
-  waiting request is served once enough GPUs are free for it, and nobody
-  behind it is served before it; while anybody waits, a request that does
-  not wait is refused. The line is tried again after every release and on
-  every tick.
-- Exec containers (a ``prepare`` with a ``command``) live as
-  ``_exec_containers`` says: handed to the command's supervisor, released
-  once their cgroup is empty; ``update`` of one is refused while it runs.
+  naming a container (counted: ``refused_by_owner``), and by
+  ``may_prepare`` for new ones (``_admission``): a user touches only
+  containers their uid asked for ("Container 'ID' belongs to another
+  user", nothing changed); containers without a command are root's
+  (``ContainerRecord.owner``). ``update`` and ``usage`` of a container
+  the service holds no record of are refused to users ("Unknown
+  container"); root and agents reach the isolator with it.
+- ``update`` of an exec container is refused while it runs; an update
+  tries the line again (a shrink frees GPUs), as every release does.
+  ``cleanup`` cancels a container's waiting request, releases an exec
+  container once empty (``ExecContainers.cleanup``), or has the isolator
+  clean up any other one (idempotent for root and agents, as in Mesos).
 - A connection that closes takes its waiting requests with it; a TCP
-  agent that goes away (R-NW-3) likewise. A ``signal`` the exec client
-  forwards before its connection is handed on withdraws its request
-  (``_exec_containers``). Other containers are cleaned up only by
-  ``cleanup`` (Mesos' semantics).
+  agent that goes away (R-NW-3) likewise (``Admission.drop``). A
+  ``signal`` the exec client forwards before its connection is handed on
+  withdraws its request (``_exec_containers``). Other containers are
+  cleaned up only by ``cleanup`` (Mesos' semantics).
 - Reading: ``state(caller)`` is the state as ``caller`` may read it
-  (``_state``).
+  (``_state``); ``GET /gpu-isolator/state`` (TCP, with the credential):
+  the whole state.
 - ``create`` recovers before the process serves (``_recovery``: its
   records and the kernel), then denies every GPU to the ``--confine``
-  cgroups (``_confine``, R-SC-8; failing that, it does not start); the
-  tick confines them again.
-- ``GET /gpu-isolator/state`` (TCP, with the credential): the whole state.
+  cgroups (``_confine``, R-SC-8; failing that, it does not start). Once
+  it runs it writes what recovery kept. Every tick (``poll_interval``)
+  releases the exec containers found empty, tries the line again (health
+  may have changed) and confines the ``--confine`` cgroups again.
 - Metrics, published in ``initialize`` and given back in ``finalize``:
   gauges ``service/containers``, ``service/waiting``,
   ``service/releasing``; counters ``service/exec_started``,
   ``service/released_when_empty``, ``service/refused_by_owner``,
   ``service/refused_by_limit`` and ``service/unauthorized`` (401s).
 - Termination (SIGTERM to ``serve``) touches no container: waiting
-  requests are told the service stops; records, the kernel and the
-  supervisors keep the rest for the next start.
+  requests are told the service stops (``Admission.close``); records,
+  the kernel and the supervisors keep the rest for the next start.
 - Every log line names the container id.
 """
 
@@ -59,28 +59,26 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 import msgspec
 
 from actors.flags import Flags
-from actors.mig import resource_of_profile
 from actors.resources import Resources
-from runtime import PID, MetricSet, Process, Response, current_runtime, delay, dispatch, spawn
+from runtime import PID, MetricSet, Process, Response, current_runtime, delay, spawn
 
 from .._errors import IsolatorError
-from .._types import ContainerConfig, ContainerID
-from ._caller import Caller, ServiceError, authorize, container_id, may_prepare
-from ._demand import GPUS, demand_of, mig_counts, resources_text
+from .._types import ContainerID
+from ._admission import Admission, UserLimits
+from ._caller import Caller, ServiceError, authorize, container_id
+from ._checkpoint import Checkpoint
+from ._confine import Confinement
+from ._demand import demand_of, resources_text
 from ._exec_containers import ExecContainers
-from ._line import GRANT, QUEUE, PendingPrepare, WaitingLine, fits
 from ._messages import (
     CleanedUp,
     Cleanup,
     Prepare,
-    Prepared,
-    Queued,
     SERVICE_ID,
     ServiceState,
     StateRequest,
@@ -88,10 +86,7 @@ from ._messages import (
     Update,
     Updated,
     Usage,
-    visible_devices_env,
 )
-from ._checkpoint import Checkpoint
-from ._confine import Confinement
 from ._records import ContainerRecord, RecordsFile
 from ._recovery import recover
 from ._state import state_for
@@ -105,11 +100,10 @@ REQUESTS: dict[str, type] = {"prepare": Prepare, "update": Update, "usage": Usag
                              "state": StateRequest}
 
 
-class UserLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """What one uid may hold and queue (root and agents are not limited)."""
-
-    max_gpus_per_user: int | None = None
-    max_waiting_per_user: int = 16
+def _counted(part: str, name: str, doc: str) -> property:
+    """A counter a part keeps, read and set as the service's own attribute."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, count: setattr(getattr(self, part), name, count), doc=doc)
 
 
 class _Agent:
@@ -154,37 +148,24 @@ class GpuIsolatorService(Process):
         self.credential = credential
         self.confine = tuple(confine)
         self.socket = socket
+        self.units = NodeUnits(self.allocator.pools(), components.inventory, flags.nvidia_mig_strategy)
         self.confinement = Confinement(self.devices, self.confine)
         self.checkpoint = Checkpoint(records, records_io, self)
         self.execs = ExecContainers(isolator, records, self.checkpoint, cgroups_root=flags.cgroups_root,
                                     socket=socket, freed=self._kick)
-        self._line = WaitingLine()
-        self._pumping = False
+        self.admission = Admission(isolator, self.allocator, self.units, records, self.checkpoint, self.execs,
+                                   self.limits, self)
         self._timer: Any = None
         self._stopping = False
-        self.units = NodeUnits(self.allocator.pools(), components.inventory, flags.nvidia_mig_strategy)
         self.refused_by_owner = 0
-        self.refused_by_limit = 0
         self.unauthorized = 0
         self._metrics: MetricSet | None = None
 
-    @property
-    def started(self) -> int:
-        """Commands started in exec containers (``service/exec_started``)."""
-        return self.execs.started
-
-    @started.setter
-    def started(self, count: int) -> None:
-        self.execs.started = count
-
-    @property
-    def released_when_empty(self) -> int:
-        """Exec containers released once empty (``service/released_when_empty``)."""
-        return self.execs.released_when_empty
-
-    @released_when_empty.setter
-    def released_when_empty(self, count: int) -> None:
-        self.execs.released_when_empty = count
+    started = _counted("execs", "started", "Commands started in exec containers (``service/exec_started``).")
+    released_when_empty = _counted("execs", "released_when_empty",
+                                   "Exec containers released once empty (``service/released_when_empty``).")
+    refused_by_limit = _counted("admission", "refused_by_limit",
+                                "Requests refused by a per-user limit (``service/refused_by_limit``).")
 
     # -- construction and recovery -------------------------------------------------
     @classmethod
@@ -208,7 +189,8 @@ class GpuIsolatorService(Process):
         self.admit(self._authenticate)
         metrics = self._metrics = MetricSet(current_runtime().metrics)
         metrics.gauge("service/containers", lambda: len(self.records), "containers the service holds")
-        metrics.gauge("service/waiting", lambda: len(self._line.waiting()), "prepare requests waiting in line for GPUs")
+        metrics.gauge("service/waiting", lambda: len(self.admission.line.waiting()),
+                      "prepare requests waiting in line for GPUs")
         metrics.gauge("service/releasing", lambda: sum(r.releasing for r in self.records.values()),
                       "exec containers released once their last process exits")
         metrics.counter("service/exec_started", "commands started in exec containers", read=lambda: self.started)
@@ -231,8 +213,7 @@ class GpuIsolatorService(Process):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for pending in self._line.close():
-            self._answer(pending, "the gpu-isolator service is stopping; ask again once it runs")
+        self.admission.close("the gpu-isolator service is stopping; ask again once it runs")
         self.execs.close()
         self.checkpoint.close()
 
@@ -260,7 +241,7 @@ class GpuIsolatorService(Process):
             connection.refuse(f"a {frame.verb!r} request that does not decode: {error}")
             return
         if frame.verb == "prepare":
-            self._prepare(connection, body, frame.fds)
+            self.admission.arrive(connection, body, frame.fds)
         elif frame.verb == "state":
             connection.send("state", await self.state(connection.caller))
         else:
@@ -273,25 +254,19 @@ class GpuIsolatorService(Process):
         if not isinstance(signo, int) or not 0 < signo < 65:
             connection.refuse(f"a 'signal' request without a signal number 1 to 64: {signo!r}")
             return
-        for pending in self._line.drop_sender(connection):
+        for pending in self.admission.line.drop_sender(connection):
             self.execs.withdraw(pending, signo)
         self.execs.signalled(connection, signo)
 
     def disconnected(self, connection: Any) -> None:
         """A user's connection closed: its waiting requests go (see module rules)."""
-        self._drop(connection, f"its client ({connection.caller.describe()})")
-
-    def _drop(self, sender: Any, who: str) -> None:
-        """``sender`` went away: its requests not answered yet go, unanswered."""
-        for pending in self._line.drop_sender(sender):
-            pending.close_fds()
-            logger.info("Container %s: %s went away while it waited; request dropped", pending.body.container_id, who)
+        self.admission.drop(connection, f"its client ({connection.caller.describe()})")
 
     # -- messages from agents (TCP, credential checked by admit) --------------------------
     def _on_prepare(self, sender: PID | None, body: Prepare) -> None:
         if sender is not None:
             self.link(sender)
-            self._prepare(_Agent(self, sender), body, ())
+            self.admission.arrive(_Agent(self, sender), body, ())
 
     async def _on_update(self, sender: PID | None, body: Update) -> None:
         if sender is not None:
@@ -306,165 +281,7 @@ class GpuIsolatorService(Process):
             await self._cleanup(_Agent(self, sender), body)
 
     def exited(self, pid: PID) -> None:
-        self._drop(_Agent(self, pid), f"its agent {pid}")
-
-    # -- prepare --------------------------------------------------------------------------
-    def _prepare(self, channel: Any, body: Prepare, fds: tuple[int, ...]) -> None:
-        caller: Caller = channel.caller
-        pending = PendingPrepare(channel, body)
-        pending.uid, pending.user = caller.uid, caller.user
-        try:
-            may_prepare(caller, body.command)
-            pending.demand = self._check_new(body, fds)
-            self._check_waiting(caller, body)
-        except (ServiceError, ValueError) as error:
-            pending.fds = fds
-            self._answer(pending, str(error))
-            return
-        pending.fds = fds
-        self._line.arrive(pending)
-        self._kick()
-
-    def _check_new(self, body: Prepare, fds: tuple[int, ...]) -> dict[str, int]:
-        """What a new prepare asks for, per resource, once checked (see module rules)."""
-        cid = container_id(body.container_id)
-        self.execs.check(cid, body, fds)
-        demand = demand_of(body.gpus, body.mig)
-        refusal = self.units.refusal(demand)
-        if refusal is not None:
-            raise ServiceError(refusal)
-        if str(cid) in self.records or self._line.holds(str(cid)):
-            raise ServiceError("Container has already been prepared")
-        return demand
-
-    def _check_waiting(self, caller: Caller, body: Prepare) -> None:
-        limit = self.limits.max_waiting_per_user
-        if not body.wait or caller.privileged:
-            return
-        waiting = sum(1 for pending in self._line.pending() if pending.uid == caller.uid and pending.body.wait)
-        if waiting >= limit:
-            self.refused_by_limit += 1
-            raise ServiceError(f"User '{caller.user}' has {waiting} requests waiting for GPUs already"
-                               f" (--max_waiting_per_user={limit}): wait for them, or cancel one")
-
-    async def _check_held(self, pending: PendingPrepare) -> str | None:
-        """Why granting ``pending`` would take its user over ``--max_gpus_per_user`` (None: it would not)."""
-        limit = self.limits.max_gpus_per_user
-        if limit is None or pending.uid in (None, 0):
-            return None
-        held_by = await self.isolator.containers()
-        held = sum(len(units) for name, units in held_by.items()
-                   if (record := self.records.get(name)) is not None and record.owner == pending.uid)
-        wanted = sum(pending.demand.values())
-        if held + wanted <= limit:
-            return None
-        self.refused_by_limit += 1
-        return (f"User '{pending.user}' holds {held} GPU(s); {wanted} more would exceed --max_gpus_per_user={limit}")
-
-    def _kick(self) -> None:
-        if not self._pumping and not self._stopping:
-            self._pumping = True
-            dispatch(self.pid, GpuIsolatorService._pump)
-
-    async def _pump(self) -> None:
-        try:
-            while not self._stopping:
-                arriving = self._line.next_arrival()
-                if arriving is not None:
-                    await self._admit(arriving)
-                    continue
-                head = self._line.head()
-                if head is not None and fits(head.demand, await self._free()) and head is self._line.head():
-                    await self._grant(self._line.pop_head())
-                    continue
-                break
-        finally:
-            self._pumping = False
-
-    async def _free(self) -> dict[str, int]:
-        """Free units per resource."""
-        return self.units.free(await self.allocator.available())
-
-    async def _admit(self, pending: PendingPrepare) -> None:
-        body = pending.body
-        over = await self._check_held(pending)
-        if pending.cancelled:
-            return
-        if over is not None:
-            self._answer(pending, over)
-            return
-        free = await self._free()
-        if pending.cancelled:  # cancelled, or its client went away, meanwhile
-            return
-        decision = self._line.admission(pending.demand, body.wait, free)
-        if decision == GRANT:
-            await self._grant(pending)
-        elif decision == QUEUE:
-            position = self._line.enqueue(pending)
-            logger.info("Container %s: waiting in line (position %d) for %d GPU(s)", body.container_id, position,
-                        body.gpus)
-            mig = mig_counts(pending.demand)
-            pending.sender.send("queued", Queued(
-                request=body.request, container_id=body.container_id, position=position, gpus=body.gpus,
-                free=free.get(GPUS, 0), mig=mig, mig_free={p: free.get(resource_of_profile(p), 0) for p in mig}))
-        else:
-            self._answer(pending, decision)
-
-    async def _grant(self, pending: PendingPrepare) -> None:
-        body = pending.body
-        name = body.container_id
-        over = await self._check_held(pending)
-        if over is not None:
-            self._answer(pending, over)
-            return
-        record = ContainerRecord(container_id=name, command=body.command, client=pending.sender.caller.peer,
-                                 uid=pending.uid, user=pending.user, since=time.time())
-        self.records[name] = record
-        try:
-            with self.execs.granting(record, pending):
-                await self._prepare_granted(record, pending)
-        finally:
-            pending.close_fds()
-
-    async def _prepare_granted(self, record: ContainerRecord, pending: PendingPrepare) -> None:
-        """Record the container, have the isolator prepare it, answer, and
-        hand an exec container's command on."""
-        body = pending.body
-        name = record.container_id
-        if not await self.checkpoint.save():
-            del self.records[name]
-            self._answer(pending, f"Container {name}: cannot record it in {self.checkpoint.file.path} (see the"
-                                  " service's log); nothing was prepared")
-            return
-        try:
-            await self.isolator.prepare(ContainerID(name),
-                                        ContainerConfig(resources=Resources.parse(resources_text(pending.demand))))
-        except Exception as error:
-            if self.records.get(name) is record:
-                del self.records[name]
-                await self.checkpoint.save()
-            logger.info("Container %s: prepare refused: %s", name, error)
-            self._answer(pending, str(error))
-            return
-        if self.records.get(name) is not record:  # cleaned up while it was prepared
-            self._answer(pending, f"Container {name} was cleaned up before it was prepared")
-            return
-        gpus = self.units.granted((await self.isolator.containers()).get(name, []))
-        uuids = [gpu.uuid or "" for gpu in gpus]
-        env = visible_devices_env(uuids)
-        logger.info("Container %s: prepared with GPUs %s for %s%s", name, [g.mig_device or g.minor for g in gpus],
-                    pending.sender.caller.describe(), f" to run {body.command}" if body.command else "")
-        if pending.withdrawn is not None:
-            await self.execs.withdrawn(record, pending)
-            return
-        pending.sender.send("prepared", Prepared(request=body.request, container_id=name, gpus=gpus, env=env))
-        if record.is_exec:
-            await self.execs.start(record, pending, env)
-
-    def _answer(self, pending: PendingPrepare, error: str) -> None:
-        pending.close_fds()
-        body = pending.body
-        pending.sender.send("prepared", Prepared(request=body.request, container_id=body.container_id, error=error))
+        self.admission.drop(_Agent(self, pid), f"its agent {pid}")
 
     # -- the owner check ---------------------------------------------------------------
     def _owner(self, name: str) -> int | None:
@@ -519,19 +336,18 @@ class GpuIsolatorService(Process):
             return
         channel.send("statistics", Statistics(request=body.request, container_id=name, statistics=statistics))
 
-    # -- cleanup and release -------------------------------------------------------------------
+    # -- cleanup -------------------------------------------------------------------
     async def _cleanup(self, channel: Any, body: Cleanup) -> None:
         name = body.container_id
         caller: Caller = channel.caller
         reply = CleanedUp(request=body.request, container_id=name)
         try:
             cid = container_id(name)
-            waiting = [p for p in self._line.pending() if p.body.container_id == name]
+            waiting = [p for p in self.admission.line.pending() if p.body.container_id == name]
             if waiting:
                 for pending in waiting:
                     self._authorize(caller, "cancelling a waiting request", name, pending.uid)
-                for pending in self._line.cancel(name):
-                    self._answer(pending, f"Container {name}: cancelled by a cleanup while it waited for GPUs")
+                self.admission.cancel(name, f"Container {name}: cancelled by a cleanup while it waited for GPUs")
                 logger.info("Container %s: waiting request cancelled by %s", name, caller.describe())
             elif name in self.records:
                 self._authorize(caller, "cleanup", name, self._owner(name))
@@ -552,11 +368,15 @@ class GpuIsolatorService(Process):
             reply = CleanedUp(request=body.request, container_id=name, error=str(error), released=False)
         channel.send("cleaned_up", reply)
 
+    def _kick(self) -> None:
+        """Try the line again: GPUs were freed (``Admission.kick``)."""
+        self.admission.kick()
+
     async def _tick(self) -> None:
         self._timer = None
         try:
             await self.execs.poll()
-            if self._line.head() is not None:
+            if self.admission.line.head() is not None:
                 self._kick()  # health may have changed
             await self.confinement.again()
         finally:
@@ -574,5 +394,5 @@ class GpuIsolatorService(Process):
         held = await self.isolator.containers()
         available = await self.allocator.available()
         unhealthy = await self.allocator.unhealthy()
-        return state_for(caller, held, available, unhealthy, self.records, self._line.waiting(), self.units,
+        return state_for(caller, held, available, unhealthy, self.records, self.admission.line.waiting(), self.units,
                          backend=self.backend, address=str(self.pid), socket=self.socket)
