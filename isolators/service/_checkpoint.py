@@ -13,7 +13,11 @@ Rules:
   commands), never raised.
 - The write runs as an event of the service (``actor``), so a save may be
   made where nothing can be awaited (``initialize``).
-- ``close()`` at finalize: a write already in its thread still finishes.
+- Nothing saved is lost when the service stops: ``close()`` (awaited at
+  finalize) writes the newest records saved whose write has not landed
+  -- its event dropped by the termination, or its job still queued --
+  after any write already in its thread, then stops the writer. (Every
+  save holds every record, so the newest is all that must land.)
 """
 
 from __future__ import annotations
@@ -37,13 +41,22 @@ class Checkpoint:
         self.file = file
         self._actor = actor
         self._writer = Executor(1, name="gpu-isolator-records")
+        self._unwritten: bytes | None = None
+        """The newest records saved, until a write of them has landed."""
 
     def save(self) -> Future[bool]:
         """Checkpoint every record (see module rules)."""
-        data = self.file.encode(list(self.records.values()))
+        data = self._unwritten = self.file.encode(list(self.records.values()))
         return defer(self._actor.pid, self._write)(data)
 
     async def _write(self, data: bytes) -> bool:
+        if not await self._land(data):
+            return False
+        if self._unwritten is data:
+            self._unwritten = None
+        return True
+
+    async def _land(self, data: bytes) -> bool:
         try:
             await self._writer.run(self.file.write, data)
         except Exception as error:
@@ -52,5 +65,11 @@ class Checkpoint:
             return False
         return True
 
-    def close(self) -> None:
-        self._writer.shutdown(wait=False)  # a write in its thread still finishes
+    async def close(self) -> None:
+        """At finalize: the newest records land, then the writer stops (see module rules)."""
+        data, self._unwritten = self._unwritten, None
+        try:
+            if data is not None:
+                await self._land(data)
+        finally:
+            self._writer.shutdown(wait=False)

@@ -205,7 +205,7 @@ class GpuIsolatorService(Process):
         self.checkpoint.save()  # what recovery kept (records of vanished cgroups are gone from the file too)
         self._timer = delay(self.poll_interval, self.pid, GpuIsolatorService._tick)
 
-    def finalize(self) -> None:
+    async def finalize(self) -> None:
         self._stopping = True
         if self._metrics is not None:
             self._metrics.close()
@@ -215,7 +215,7 @@ class GpuIsolatorService(Process):
             self._timer = None
         self.admission.close("the gpu-isolator service is stopping; ask again once it runs")
         self.execs.close()
-        self.checkpoint.close()
+        await self.checkpoint.close()  # what was saved and not yet written lands
 
     # -- who may ask (TCP) -----------------------------------------------------------
     def _authenticate(self, request: Any) -> Response | None:
