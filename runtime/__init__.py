@@ -20,7 +20,7 @@ from ._lazy import lazy_exports
 _EXPORTS = {
     "._clock": ("Clock", "Timer"),
     "._errors": ("Discarded", "Failure", "ProcessTerminated"),
-    "._executor": ("Executor",),
+    "._executor": ("Executor", "executor_jobs"),
     "._future": ("Future", "Promise", "await_all", "collect"),
     "._http": ("Limits", "Request", "Response"),
     "._metrics": ("Counter", "Gauge", "Metrics", "MetricSet", "MetricTimer"),
@@ -37,7 +37,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
 if TYPE_CHECKING:
     from ._clock import Clock, Timer
     from ._errors import Discarded, Failure, ProcessTerminated
-    from ._executor import Executor
+    from ._executor import Executor, executor_jobs
     from ._future import Future, Promise, await_all, collect
     from ._http import Limits, Request, Response
     from ._metrics import Counter, Gauge, Metrics, MetricSet, MetricTimer

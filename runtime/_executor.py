@@ -15,6 +15,8 @@ Rules:
   otherwise keep every settle from returning.
 - Batch work: one ``run`` per container operation or per drained mailbox,
   never one per line written.
+- ``executor_jobs()`` counts the jobs started so far, across all executors
+  (each one a hop the awaiting task waits on: benchmarks count them).
 """
 
 from __future__ import annotations
@@ -27,11 +29,17 @@ from typing import Any, Callable, TypeVar
 T = TypeVar("T")
 
 _in_flight = [0]
+_started = [0]
 
 
 def in_flight() -> int:
     """How many executor jobs are running now, across all executors."""
     return _in_flight[0]
+
+
+def executor_jobs() -> int:
+    """How many executor jobs were started so far, across all executors."""
+    return _started[0]
 
 
 class Executor:
@@ -54,6 +62,7 @@ class Executor:
         loop = asyncio._get_running_loop()
         counted = 0 if self.background else 1
         _in_flight[0] += counted
+        _started[0] += 1
         try:
             if loop is not None:
                 pool = self._pool

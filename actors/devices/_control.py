@@ -259,6 +259,12 @@ class DeviceControl:
         return self._process.driver.batches
 
     @property
+    def worker_batches(self) -> int:
+        """Batches sent to a device worker process so far: each one a round
+        trip the event loop waits on (0 in line or in a thread)."""
+        return self._process.driver.worker_batches
+
+    @property
     def operations(self) -> int:
         """Operations submitted so far."""
         return self._process.operations

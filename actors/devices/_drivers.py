@@ -10,8 +10,9 @@ and only ever calls these methods:
   control actor (a coroutine it returns runs as one of its async methods).
 - ``submit(op) -> Future``: one value or one exception per operation; one
   failure fails no other caller; operations apply in the order submitted.
-- ``path(cgroup)``, ``name``, ``root``, ``batches``, ``pid`` (of a worker
-  process; None here).
+- ``path(cgroup)``, ``name``, ``root``, ``batches``, ``worker_batches``
+  (batches sent to a device worker process: each a round trip the event
+  loop waits on; 0 here), ``pid`` (of a worker process; None here).
 - ``stop(error)``: fail what is queued or in flight with ``error`` (work
   already in a thread still finishes there; its effects stand but are not
   reported) and release what the driver holds. ``await wait_stopped()``
@@ -50,6 +51,8 @@ class Driver(Protocol):
     root: str
     batches: int
     """Batches handed to the backend so far (one per operation in line)."""
+    worker_batches: int
+    """Batches sent to a device worker process so far (0 in line or in a thread)."""
 
     @property
     def pid(self) -> int | None:
@@ -93,6 +96,7 @@ class InlineDriver:
     """Applies each operation at once, on the actor (see module rules)."""
 
     pid = None
+    worker_batches = 0
 
     def __init__(self, backend: DeviceBackend) -> None:
         self.backend = backend
@@ -130,6 +134,7 @@ class ThreadDriver:
     """Group commit into one executor job at a time (see module rules)."""
 
     pid = None
+    worker_batches = 0
 
     def __init__(self, backend: DeviceBackend, executor: Executor, lock: WorkDirLock | None = None) -> None:
         self.backend = backend

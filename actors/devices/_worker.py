@@ -132,6 +132,11 @@ class WorkerDriver:
         return driver
 
     @property
+    def worker_batches(self) -> int:
+        """Every batch goes to a child: each one a round trip."""
+        return self.batches
+
+    @property
     def pid(self) -> int | None:
         """The running child's process id (None between children)."""
         child = self._child

@@ -51,11 +51,12 @@ Run: ``python -m benchmarks.churn [--workers 64] [--seconds 5] [--repeat 3]
 
 from .cpu import CpuClock, CpuUse, process_cpu_seconds
 from .floor import floor_v1, floor_v2
+from .hops import HopCounter, Hops, census
 from .report import Progress, format_table, peak_rss_mb, worker_peak_rss_mb
 from .run import ROOT_PREFIX, main, measure_backend, summary_row
 from .workload import CALLS, GPUS, ChurnRun, churn
 
 __all__ = [
-    "CpuClock", "CpuUse", "process_cpu_seconds", "floor_v1", "floor_v2", "Progress", "format_table", "peak_rss_mb", "worker_peak_rss_mb",
+    "CpuClock", "CpuUse", "process_cpu_seconds", "floor_v1", "floor_v2", "HopCounter", "Hops", "census", "Progress", "format_table", "peak_rss_mb", "worker_peak_rss_mb",
     "ROOT_PREFIX", "main", "measure_backend", "summary_row", "CALLS", "GPUS", "ChurnRun", "churn",
 ]

@@ -8,7 +8,11 @@ Rules:
   each call, peak RSS), then the CPU each lifecycle cost (µs: the event
   loop, the other threads, the device worker process, and the floor's),
   the worker's peak RSS, the cached v2 floor and failed lifecycles where
-  there are any; a skipped backend says why.
+  there are any, and the hops (``hops``): per lifecycle in the timed run,
+  and each call's of a ``gpus:1`` and a ``gpus:0`` lifecycle one at a time
+  (``prepare 1 (worker 1)``: one hop, a round trip to the device worker;
+  ``executor``: jobs in an executor thread; ``thread``: other threads'
+  wake-ups); a skipped backend says why.
 - ``peak_rss_mb()``: this process's high-water mark; ``worker_peak_rss_mb()``:
   the largest high-water mark among this process's children (the device
   worker; None when there is none).
@@ -100,6 +104,9 @@ def format_table(rows: list[dict[str, Any]], workers: int, device_worker: str = 
         cpu = _cpu_line(row)
         if cpu:
             lines.append(f"{'':<11} {cpu}")
+        hops = _hops_line(row)
+        if hops:
+            lines.append(f"{'':<11} {hops}")
         if row.get("worker_peak_rss_mb") is not None:
             lines.append(f"{'':<11} device worker process: peak RSS {row['worker_peak_rss_mb']:.1f} MiB")
         if "floor_cached_per_s" in row:
@@ -125,3 +132,22 @@ def _cpu_line(row: dict[str, Any]) -> str:
     if row.get("floor_cached_cpu_us_per_lifecycle") is not None:
         floors.append(f"cached floor {row['floor_cached_cpu_us_per_lifecycle']:,.1f}")
     return text + ("; " + ", ".join(floors) if floors else "")
+
+
+_SOURCES = (("worker_round_trips", "worker"), ("executor_jobs", "executor"), ("other_thread_wakeups", "thread"))
+
+
+def _hops_line(row: dict[str, Any]) -> str:
+    """``hops per lifecycle 3.00; one at a time, gpus:1: prepare 1 (worker 1), usage 0, ...``"""
+    if "hops_per_lifecycle" not in row:
+        return ""
+    text = f"hops per lifecycle {row['hops_per_lifecycle']:.2f}"
+    kinds = []
+    for kind, calls in (row.get("hops_per_verb") or {}).items():
+        cells = []
+        for call in CALLS:
+            figures = calls[call]
+            sources = ", ".join(f"{name} {figures[key]:g}" for key, name in _SOURCES if figures[key])
+            cells.append(f"{call} {figures['hops']:g}" + (f" ({sources})" if sources else ""))
+        kinds.append(f"{kind}: " + ", ".join(cells))
+    return text + ("; one at a time, " + "; ".join(kinds) if kinds else "")

@@ -9,9 +9,16 @@ Rules:
   returns 0 (130 on Ctrl-C).
 - Whatever happens, the cgroups root is removed from every chosen kernel
   hierarchy at the end.
+- ``--workers`` is a comma list of worker counts (default ``64,1``: the
+  busy node, and one container at a time); each count is a table of its
+  own, one row a backend, and each row says its ``workers``.
 - ``measure_backend`` runs ``--repeat`` repetitions, each in a fresh
   runtime on a fresh ``SimulatedNode``: the floor(s) right before a
-  warm-up and the timed isolator churn; the row holds the medians.
+  warm-up, the hop census (``hops.census``: a ``gpus:1`` and a ``gpus:0``
+  lifecycle's hops per call, one lifecycle at a time) and the timed
+  isolator churn, with hops counted (``hops_per_lifecycle``); the row holds
+  the medians, and the census of the median repetition
+  (``hops_per_verb``).
 - CPU per lifecycle (``cpu_us_per_lifecycle``: the event loop, the other
   threads, the device worker process; ``floor_cpu_us_per_lifecycle`` and
   ``floor_cached_cpu_us_per_lifecycle``) is the median of each figure over
@@ -36,11 +43,14 @@ from isolators.simulated_node import SimulatedNode, backend_unavailable, remove_
 from runtime import Runtime
 
 from .floor import floor_v1, floor_v2
+from .hops import HopCounter, census
 from .report import Progress, format_table, peak_rss_mb, worker_peak_rss_mb
 from .workload import GPUS, ChurnRun, churn
 
 BACKENDS = NODE_BACKENDS
 ROOT_PREFIX = "gpu-isolator-bench-"
+DEFAULT_WORKERS = (64, 1)
+CENSUS_LIFECYCLES = 20
 
 
 def _control_rules(node: SimulatedNode) -> list[DeviceRule]:
@@ -50,8 +60,11 @@ def _control_rules(node: SimulatedNode) -> list[DeviceRule]:
 
 
 async def measure_backend(backend: str, args: argparse.Namespace, cgroups_root: str,
-                          progress: Progress) -> dict[str, Any]:
-    """``--repeat`` repetitions of (floor, isolator) on one backend; the summary row."""
+                          progress: Progress, workers: int | None = None) -> dict[str, Any]:
+    """``--repeat`` repetitions of (floor, isolator) on one backend with
+    ``workers`` workers (default: the first of ``args.workers``); the summary row."""
+    if workers is None:
+        workers = args.workers[0] if isinstance(args.workers, list) else args.workers
     runs: list[ChurnRun] = []
     floors: list[ChurnRun] = []
     cached_floors: list[ChurnRun] = []
@@ -59,7 +72,7 @@ async def measure_backend(backend: str, args: argparse.Namespace, cgroups_root: 
     hierarchy = default_hierarchy(backend)
     warmup = min(0.5, max(0.05, args.seconds / 10))
     for rep in range(args.repeat):
-        tag = f"{backend} {rep + 1}/{args.repeat}"
+        tag = f"{backend} {workers}w {rep + 1}/{args.repeat}"
         async with Runtime():
             node = SimulatedNode(backend=backend, gpus=GPUS, cgroups_root=cgroups_root,
                                  extra={"device_worker": args.device_worker})
@@ -67,18 +80,25 @@ async def measure_backend(backend: str, args: argparse.Namespace, cgroups_root: 
                 if hierarchy is not None:
                     control = _control_rules(node)
                     floor = floor_v1 if backend == "cgroups_v1" else floor_v2
-                    floors.append(floor(hierarchy, cgroups_root, control, args.workers, args.seconds,
+                    floors.append(floor(hierarchy, cgroups_root, control, workers, args.seconds,
                                         lambda f, n: progress.show(f"{tag} floor", f, n)))
                     if backend == "cgroups_v2":
                         cached_floors.append(floor_v2(
-                            hierarchy, cgroups_root, control, args.workers, args.seconds,
+                            hierarchy, cgroups_root, control, workers, args.seconds,
                             lambda f, n: progress.show(f"{tag} floor (programs cached)", f, n), cached=True))
-                await churn(node.isolator, args.workers, seconds=warmup, prefix="w")
-                runs.append(await churn(node.isolator, args.workers, seconds=args.seconds,
-                                        progress=lambda f, n: progress.show(f"{tag} isolator", f, n)))
+                await churn(node.isolator, workers, seconds=warmup, prefix="w")
+                with HopCounter(node.isolator.devices) as hops:
+                    progress.show(f"{tag} hop census", 0.0, 0, force=True)
+                    per_verb = {f"gpus:{gpus}": await census(node.isolator, hops, gpus, CENSUS_LIFECYCLES)
+                                for gpus in (1, 0)}
+                    run = await churn(node.isolator, workers, seconds=args.seconds, hops=hops,
+                                      progress=lambda f, n: progress.show(f"{tag} isolator", f, n))
+                run.hops_per_verb = per_verb
+                runs.append(run)
                 worker_rss.append(worker_peak_rss_mb())
     progress.clear()
-    return summary_row(backend, runs, floors, cached_floors, worker_rss)
+    row = summary_row(backend, runs, floors, cached_floors, worker_rss)
+    return {"backend": row.pop("backend"), "workers": workers, **row}
 
 
 def summary_row(backend: str, runs: list[ChurnRun], floors: list[ChurnRun], cached_floors: list[ChurnRun],
@@ -102,6 +122,11 @@ def summary_row(backend: str, runs: list[ChurnRun], floors: list[ChurnRun], cach
         "errors": sum(len(run.errors) for run in runs),
     }
     row["cpu_us_per_lifecycle"] = _median_cpu(runs)
+    counted = [run.hops_per_lifecycle() for run in runs if run.hops is not None]
+    if counted:
+        row["hops_per_lifecycle"] = round(statistics.median(counted), 2)
+    if middle.hops_per_verb is not None:
+        row["hops_per_verb"] = middle.hops_per_verb
     errors = [e for run in runs for e in run.errors]
     if errors:
         row["first_error"] = errors[0]
@@ -142,9 +167,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks.churn",
         description="Concurrent container churn through the GPU isolator, against the raw-kernel floor.",
     )
-    parser.add_argument("--workers", type=int, default=64, help="concurrent workers (default 64; 0-7 use a GPU)")
-    parser.add_argument("--seconds", type=float, default=5.0,
-                        help="seconds per backend per repetition, for the isolator and for the floor (default 5)")
+    parser.add_argument("--workers", type=_counts, default=list(DEFAULT_WORKERS),
+                        help="concurrent workers, a comma list: one table each (default 64,1; workers 0-7 use a GPU)")
+    parser.add_argument("--seconds", type=float, default=2.0,
+                        help="seconds per backend per repetition, for the isolator and for the floor (default 2)")
     parser.add_argument("--backends", default=",".join(BACKENDS),
                         help="comma list of memory, cgroups_v1, cgroups_v2 (default: all; kernel ones need root)")
     parser.add_argument("--repeat", type=int, default=3, help="repetitions; the median is reported (default 3)")
@@ -158,15 +184,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _counts(text: str) -> list[int]:
+    """``--workers``: ``64,1`` -> [64, 1] (each must be a number; checked >= 1 in ``main``)."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()] or [0]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected worker counts like 64,1, got {text!r}") from None
+
+
 async def _measure_all(backends: list[str], args: argparse.Namespace, cgroups_root: str,
                        progress: Progress) -> list[dict[str, Any]]:
     rows = []
-    for backend in backends:
-        reason = backend_unavailable(backend)
-        if reason is not None:
-            rows.append({"backend": backend, "skipped": reason})
-            continue
-        rows.append(await measure_backend(backend, args, cgroups_root, progress))
+    for workers in args.workers:
+        for backend in backends:
+            reason = backend_unavailable(backend)
+            if reason is not None:
+                rows.append({"backend": backend, "workers": workers, "skipped": reason})
+                continue
+            rows.append(await measure_backend(backend, args, cgroups_root, progress, workers))
     return rows
 
 
@@ -187,8 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
         parser.error(f"unknown backend(s) {unknown or args.backends!r}: choose from {', '.join(BACKENDS)}")
-    if args.workers < 1 or args.seconds <= 0 or args.repeat < 1:
-        parser.error(f"need --workers >= 1, --seconds > 0 and --repeat >= 1, got workers={args.workers}"
+    if min(args.workers) < 1 or args.seconds <= 0 or args.repeat < 1:
+        shown = ",".join(map(str, args.workers))
+        parser.error(f"need --workers >= 1, --seconds > 0 and --repeat >= 1, got workers={shown}"
                      f" seconds={args.seconds} repeat={args.repeat}")
     cgroups_root = args.cgroups_root or ROOT_PREFIX + uuid.uuid4().hex[:12]
     for backend in backends:  # never adopt (and then remove) cgroups that are not ours
@@ -208,11 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for backend in backends:  # whatever an interruption or error left behind
             _remove_root(backend, cgroups_root)
     if not args.json_only:
-        print(format_table(rows, args.workers, args.device_worker))
+        print("\n\n".join(format_table([row for row in rows if row["workers"] == workers], workers,
+                                         args.device_worker) for workers in args.workers))
     print(json.dumps({
         "benchmark": "container_churn",
-        "workers": args.workers,
-        "gpu_workers": min(GPUS, args.workers),
+        "workers": args.workers[0],
+        "gpu_workers": min(GPUS, args.workers[0]),
+        "worker_counts": args.workers,
         "seconds": args.seconds,
         "repeat": args.repeat,
         "device_worker": args.device_worker,

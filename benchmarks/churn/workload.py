@@ -13,7 +13,9 @@ Rules:
 - ``ChurnRun.cpu`` is the CPU time the run cost (``cpu.CpuUse``: the event
   loop's thread, this process's other threads, the device worker process),
   read right before the first lifecycle and after the last;
-  ``cpu_us_per_lifecycle()`` divides it by the lifecycles completed.
+  ``cpu_us_per_lifecycle()`` divides it by the lifecycles completed. With a
+  ``hops.HopCounter`` installed, ``ChurnRun.hops`` is the run's hops the
+  same way (``hops_per_lifecycle()``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ class ChurnRun:
         self.device_batches = 0
         self.device_operations = 0
         self.cpu: CpuUse | None = None
+        self.hops: Any = None
+        """The run's ``hops.Hops`` when a counter was given."""
+        self.hops_per_verb: dict[str, Any] | None = None
+        """Per kind of lifecycle, each call's hops one at a time (``hops.census``)."""
 
     @property
     def per_second(self) -> float:
@@ -57,6 +63,12 @@ class ChurnRun:
         worker = self.cpu.worker
         return {"loop": round(self.cpu.loop * per, 1), "other_threads": round(self.cpu.other_threads * per, 1),
                 "device_worker": round(worker * per, 1) if worker is not None else None}
+
+    def hops_per_lifecycle(self) -> float | None:
+        """Hops (see ``hops``) per lifecycle completed; None when not counted."""
+        if self.hops is None or not self.lifecycles:
+            return None
+        return round(self.hops.hops / self.lifecycles, 2)
 
     def percentiles_us(self) -> dict[str, dict[str, float]]:
         result = {}
@@ -80,6 +92,7 @@ async def churn(
     gpu_workers: int = GPUS,
     progress: Callable[[float, int], None] | None = None,
     prefix: str = "c",
+    hops: Any = None,
 ) -> ChurnRun:
     """Run ``workers`` concurrent lifecycle loops (see module rules)."""
     if (seconds is None) == (lifecycles is None):
@@ -92,6 +105,7 @@ async def churn(
     started = [0]
     devices = isolator.devices
     worker_pid = getattr(devices, "worker_pid", None)
+    hops_start = hops.read() if hops is not None else None
     cpu_start = CpuClock.read(worker_pid)
     start = clock()
     deadline = start + seconds if seconds is not None else None
@@ -151,6 +165,8 @@ async def churn(
             reporter.cancel()
     run.elapsed = clock() - start
     run.cpu = CpuClock.read(getattr(devices, "worker_pid", None)).since(cpu_start)
+    if hops is not None:
+        run.hops = hops.read().since(hops_start)
     run.device_batches = getattr(devices, "batches", 0) - batches0
     run.device_operations = getattr(devices, "operations", 0) - operations0
     return run

@@ -9,6 +9,7 @@ afterwards -- also when the run is interrupted."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -28,15 +29,17 @@ from benchmarks.churn import run as churn_run
 from benchmarks.churn.cpu import CpuClock, CpuUse, process_cpu_seconds
 from actors.devices import default_hierarchy
 from isolators.simulated_node import SimulatedNode, backend_unavailable, remove_cgroup_tree
-from runtime import Runtime
+from runtime import Executor, Runtime
 from actors.flags import DEVICE_WORKERS, KERNEL_BACKENDS
 
 TINY = ["--seconds", "0.05", "--repeat", "1", "--no-progress"]
 CALLS = {"prepare", "usage", "update", "cleanup"}
 JSON_FIELDS = {"benchmark", "workers", "gpu_workers", "seconds", "repeat", "device_worker", "python", "kernel",
-               "cpus", "peak_rss_mb_before", "results"}
+               "cpus", "peak_rss_mb_before", "results", "worker_counts"}
 ROW_FIELDS = {"backend", "lifecycles_per_s", "runs_per_s", "latency_us", "peak_rss_mb", "worker_peak_rss_mb",
-              "lifecycles", "gpu_lifecycles", "device_ops_per_batch", "errors", "cpu_us_per_lifecycle"}
+              "lifecycles", "gpu_lifecycles", "device_ops_per_batch", "errors", "cpu_us_per_lifecycle",
+              "workers", "hops_per_lifecycle", "hops_per_verb"}
+HOP_FIELDS = {"hops", "executor_jobs", "worker_round_trips", "other_thread_wakeups"}
 
 
 def run_json(capsys: Any, *args: str) -> dict:
@@ -141,6 +144,18 @@ def test_memory_run_reports_every_figure(capsys: Any) -> None:
     cpu = row["cpu_us_per_lifecycle"]
     assert set(cpu) == {"loop", "other_threads", "device_worker"}
     assert cpu["loop"] > 0 and cpu["other_threads"] >= 0 and cpu["device_worker"] is None  # in memory: in line
+    assert row["workers"] == 10 and report["worker_counts"] == [10]
+    assert row["hops_per_lifecycle"] >= 0
+    assert set(row["hops_per_verb"]) == {"gpus:1", "gpus:0"}
+    for calls in row["hops_per_verb"].values():
+        assert set(calls) == CALLS
+        for figures in calls.values():
+            assert set(figures) == HOP_FIELDS
+            assert figures["hops"] == pytest.approx(
+                figures["executor_jobs"] + figures["worker_round_trips"] + figures["other_thread_wakeups"])
+    # in memory nothing goes to a device worker, and a container without GPUs wakes the loop from nowhere
+    assert all(f["worker_round_trips"] == 0 for calls in row["hops_per_verb"].values() for f in calls.values())
+    assert all(f["hops"] == 0 for f in row["hops_per_verb"]["gpus:0"].values())
 
 
 def test_cpu_readings_count_this_thread_this_process_and_a_child() -> None:
@@ -186,8 +201,44 @@ def test_table_then_json_and_the_median_of_repeats(capsys: Any) -> None:
     assert len(row["runs_per_s"]) == 3 and sorted(row["runs_per_s"])[1] == row["lifecycles_per_s"]
 
 
+def test_each_worker_count_is_a_table_of_its_own(capsys: Any) -> None:
+    assert churn_run.DEFAULT_WORKERS == (64, 1)  # the busy node, and one container at a time
+    assert churn.main([*TINY, "--backends", "memory", "--workers", "3,1"]) == 0
+    text = capsys.readouterr().out.strip()
+    tables, json_line = text.rsplit("\n", 1)
+    first, second = tables.split("\n\n")
+    assert first.splitlines()[0].startswith("container churn, 3 workers (3 with gpus:1)")
+    assert second.splitlines()[0].startswith("container churn, 1 workers (1 with gpus:1)")
+    report = json.loads(json_line)
+    assert (report["workers"], report["worker_counts"]) == (3, [3, 1])
+    assert [(row["backend"], row["workers"]) for row in report["results"]] == [("memory", 3), ("memory", 1)]
+    assert second.splitlines()[5].split()[:3] == ["hops", "per", "lifecycle"]  # under the CPU line
+
+
+@pytest.mark.asyncio
+async def test_hops_are_executor_jobs_worker_batches_and_other_threads() -> None:
+    class Devices:
+        worker_batches = 0
+
+    devices = Devices()
+    loop = asyncio.get_running_loop()
+    with churn.HopCounter(devices) as counter:
+        before = counter.read()
+        await Executor(1, name="hop-test").run(int)  # one job: its completion wakes the loop
+        woken = asyncio.Event()
+        thread = threading.Thread(target=lambda: loop.call_soon_threadsafe(woken.set))
+        thread.start()
+        await woken.wait()
+        thread.join()
+        devices.worker_batches += 2  # two round trips to a device worker process
+        figures = counter.read().since(before).per(1)
+    assert figures == {"hops": 4.0, "executor_jobs": 1.0, "worker_round_trips": 2.0, "other_thread_wakeups": 1.0}
+    assert "call_soon_threadsafe" not in vars(loop)  # uninstalled: the loop's own method again
+
+
 def test_bad_arguments_are_refused(capsys: Any) -> None:
-    for args in (["--backends", "zfs"], ["--workers", "0"], ["--seconds", "0"], ["--repeat", "0"]):
+    for args in (["--backends", "zfs"], ["--workers", "0"], ["--workers", "2,0"], ["--seconds", "0"],
+                 ["--repeat", "0"]):
         with pytest.raises(SystemExit) as exit_:
             churn.main(args)
         assert exit_.value.code == 2
@@ -234,6 +285,12 @@ def test_kernel_run_measures_the_floor_and_removes_its_root(capsys: Any, backend
             assert cpu["device_worker"] > 0
         else:
             assert cpu["device_worker"] is None and cpu["other_threads"] > 0  # the device thread
+        # one hand-off per verb that has kernel work (prepare, shrinking update, cleanup), none for the rest
+        if worker == "process":
+            expected = {"gpus:1": {"prepare": 1, "usage": 0, "update": 1, "cleanup": 1},
+                        "gpus:0": {"prepare": 1, "usage": 0, "update": 0, "cleanup": 1}}
+            assert {kind: {call: figures["worker_round_trips"] for call, figures in calls.items()}
+                    for kind, calls in row["hops_per_verb"].items()} == expected
         if backend == "cgroups_v2":
             assert row["ratio_cached"] == pytest.approx(row["lifecycles_per_s"] / row["floor_cached_per_s"],
                                                         abs=2e-3)
