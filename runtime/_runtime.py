@@ -33,11 +33,15 @@ Rules (libprocess's process manager, scoped):
   the short path (no filter lookup); with one set, every one is matched.
 - A process's drain is scheduled once when it gets work while idle. On
   asyncio's own event loops (``asyncio.BaseEventLoop``, not in debug mode)
-  that is one ``asyncio.Handle`` per process, made at spawn and appended
-  to the loop's ready queue (what ``call_soon`` does, without a new Handle
-  and a context copy each time); its events run in a context of the
-  process's own, copied from the spawner's. Elsewhere (trio, other loops,
-  asyncio's debug mode) ``call_soon``.
+  it joins the runtime's run queue, and one ``asyncio.Handle`` (the pump,
+  appended to the loop's ready queue when the run queue stops being empty)
+  runs the drains queued, in order, those they wake included, up to
+  ``PUMP_LIMIT`` drains a loop turn (then the loop's other callbacks and
+  tasks go first): a dispatch from one process to another costs no loop
+  turn of its own, as libprocess' workers take the next runnable process.
+  A process's events run in a context of its own, copied from the
+  spawner's. Elsewhere (trio, other loops, asyncio's debug mode)
+  ``call_soon`` schedules each drain.
 - ``Runtime(listen="host:port")`` puts it on the network (``_network``):
   PIDs carry ``address``; a PID without one names a local process. Without
   ``listen`` local paths pay nothing for it, and a remote PID is an error.
@@ -84,6 +88,9 @@ logger = logging.getLogger(__name__)
 
 _current: "Runtime | None" = None
 
+PUMP_LIMIT = 256
+"""Drains the pump runs in one loop turn at most (see the module rules)."""
+
 
 def current_runtime() -> "Runtime":
     """The runtime of the enclosing ``async with Runtime():`` scope."""
@@ -106,6 +113,9 @@ class Runtime:
         self._filters: list[Any] = []
         self._call_soon: Callable[..., Any] | None = None
         self._ready: deque | None = None  # the asyncio loop's ready queue (see ``_waker``)
+        self._runnable: deque = deque()  # (context.run, drain) of each process woken, in order (the pump's)
+        self._pump_queued = False
+        self._pump_handle: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._backend = ""
         self._previous: Runtime | None = None
@@ -125,6 +135,7 @@ class Runtime:
             ready = getattr(loop, "_ready", None)
             if isinstance(loop, asyncio.BaseEventLoop) and type(ready) is deque and not loop.get_debug():
                 self._ready = ready  # (in debug mode call_soon's checks stay)
+                self._pump_handle = asyncio.Handle(self._pump, (), loop, contextvars.copy_context())
         else:
             self._loop = None
             self._backend = "trio"
@@ -212,9 +223,44 @@ class Runtime:
     def _waker(self, proc: Process) -> Callable[[], None]:
         """What schedules ``proc``'s drain (see the module rules)."""
         if self._ready is not None:
-            handle = asyncio.Handle(proc._drain, (), self._loop, contextvars.copy_context())
-            return functools.partial(self._ready.append, handle)
+            entry = (contextvars.copy_context().run, proc._drain)
+            queue = self._runnable.append
+            ready = self._ready.append
+            handle = self._pump_handle
+
+            def wake() -> None:
+                queue(entry)
+                if not self._pump_queued:
+                    self._pump_queued = True
+                    ready(handle)
+
+            return wake
         return functools.partial(self._call_soon, proc._drain)
+
+    def _pump(self) -> None:
+        """Run the queued drains, those they wake included, up to ``PUMP_LIMIT``
+        (a drain that raises is reported as the loop reports a callback's error)."""
+        runnable = self._runnable
+        popleft = runnable.popleft
+        left = PUMP_LIMIT
+        try:
+            while runnable and left:
+                left -= 1
+                run, drain = popleft()
+                try:
+                    run(drain)
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - as asyncio's Handle does
+                    self._loop.call_exception_handler({
+                        "message": f"Exception in the drain of {getattr(drain, '__self__', drain)!r}",
+                        "exception": exc,
+                    })
+        finally:
+            if runnable:
+                self._ready.append(self._pump_handle)  # the rest next turn, after the loop's others
+            else:
+                self._pump_queued = False
 
     def _enqueue(self, proc: Process, fn: Any, args: tuple, kwargs: dict | None, future: Future | None) -> None:
         proc._mailbox.append((fn, args, kwargs, future))
