@@ -22,8 +22,10 @@ Backend rules:
   injected there, never by another path). Hot path (churn): the writes of
   a policy to a new cgroup are planned once per policy
   (``Policy.v1_plan``); a ``devices.list`` text that a plan wrote is found
-  by its text (``read_listing``: an update reads what its prepare wrote)
-  and any other is read line by line without building rules;
+  by its text (``listed_policy``: an update reads what its prepare wrote),
+  and the writes from one plan's list to another's are worked out once per
+  pair (``transition``); any other list is read line by line without
+  building rules;
   ``configure`` tries mkdir first (EEXIST: an existing cgroup) instead of a
   stat; the rules to one file are written in one loop
   (``Kernel.write_lines``), one ``write(2)`` each.
@@ -47,9 +49,11 @@ from ._v1_emulator import (
     ExceptionTable,
     apply_rules,
     listed_access,
+    listed_policy,
     plan_writes,
     read_listing,
     table_access,
+    transition,
 )
 
 logger = logging.getLogger(__name__)
@@ -135,7 +139,8 @@ class CgroupsV1Backend(BackendBase):
         self, cgroup: str, allow: Policy | Iterable[DeviceRule], deny: Iterable[DeviceRule] = ()
     ) -> Policy:
         path = self.path(cgroup)
-        plan = as_policy(allow, deny).v1_plan
+        policy = as_policy(allow, deny)
+        plan = policy.v1_plan
         if self._create(path):
             # The common case, a new cgroup: mkdir and the writes, nothing else.
             try:
@@ -144,7 +149,17 @@ class CgroupsV1Backend(BackendBase):
                 self._rollback(path, None, error)
                 raise
             return plan.enforced
-        self._apply(path, self._read_table(path), plan.target)
+        text = self._read_list(path)
+        source = listed_policy(text)
+        if source is None:  # a list no plan of ours wrote: the difference, worked out
+            self._apply(path, read_listing(text), plan.target)
+            return plan.enforced
+        # An update: the list one of our plans wrote, to another plan's (its writes known).
+        try:
+            self._write_groups(path, transition(source, policy))
+        except Exception as error:
+            self._rollback(path, source.v1_plan.target, error)
+            raise
         return plan.enforced
 
     def reconfigure(self, cgroup: str, add: Iterable[DeviceRule], remove: Iterable[DeviceRule]) -> Policy:

@@ -164,6 +164,22 @@ def plan_writes(current: ExceptionTable | None, target: ExceptionTable) -> list[
     return writes
 
 
+Groups = tuple[tuple[str, tuple[bytes, ...]], ...]
+"""Writes as runs of ``(file, lines)``, in order."""
+
+TRANSITIONS = 64
+"""Transitions a plan keeps (``transition``), at most: sources beyond are computed again."""
+
+
+def _groups(writes: list[tuple[str, str]]) -> Groups:
+    groups: list[tuple[str, list[bytes]]] = []
+    for name, text_line in writes:
+        if not groups or groups[-1][0] != name:
+            groups.append((name, []))
+        groups[-1][1].append(text_line.encode())
+    return tuple((name, tuple(lines)) for name, lines in groups)
+
+
 class V1Plan(NamedTuple):
     """How a policy is written to a new cgroup (computed once per policy:
     ``Policy.v1_plan``)."""
@@ -176,23 +192,41 @@ class V1Plan(NamedTuple):
     """The writes from nothing as runs of ``(file, lines)``, in order."""
     enforced: Policy
     """What the kernel then enforces, as a policy."""
+    transitions: dict
+    """Source policy -> the writes from its plan's list to this one (``transition``)."""
 
 
 def fresh_plan(access: Policy) -> V1Plan:
     """The ``V1Plan`` of ``access`` (see ``V1Plan``)."""
     target = v1_exceptions(access)
-    groups: list[tuple[str, list[bytes]]] = []
-    for name, text_line in plan_writes(None, target):
-        if not groups or groups[-1][0] != name:
-            groups.append((name, []))
-        groups[-1][1].append(text_line.encode())
+    groups = _groups(plan_writes(None, target))
     if not access.deny and all(rule.type != "a" for rule in access.allow):
         enforced = access  # the kernel holds exactly these rules
     else:
         enforced = table_access(target)
     listing = "".join(line(key, bits) + "\n" for key, bits in target.items())
     intern(("devices.list", listing), access)  # reading it back finds this plan (read_listing)
-    return V1Plan(target, listing, tuple((name, tuple(lines)) for name, lines in groups), enforced)
+    return V1Plan(target, listing, groups, enforced, {})
+
+
+def listed_policy(text: str) -> Policy | None:
+    """The policy whose plan lists exactly ``text`` (``devices.list`` after it
+    was written to a new cgroup), None when no known plan does."""
+    return interned(("devices.list", text))
+
+
+def transition(source: Policy, target: Policy) -> Groups:
+    """The writes that turn a cgroup listing ``source``'s plan into one listing
+    ``target``'s (``plan_writes``: allows first): computed once per pair and
+    kept on the target's plan (at most ``TRANSITIONS`` sources)."""
+    plan = target.v1_plan
+    groups = plan.transitions.get(source)
+    if groups is None:
+        groups = _groups(plan_writes(source.v1_plan.target, plan.target))
+        if len(plan.transitions) >= TRANSITIONS:
+            plan.transitions.clear()
+        plan.transitions[source] = groups
+    return groups
 
 
 def listed_access(text: str) -> Policy:
