@@ -230,3 +230,35 @@ def test_what_devices_list_reads_after_a_configure_is_the_plans_listing(v1_sandb
         assert backend.state(f"c{len(minors)}") == policy
     for name in ("c0", "c1", "c2"):
         assert backend.remove(name) is True
+
+
+def test_an_update_writes_the_transition_between_two_plans_once_worked_out(v1_sandbox) -> None:
+    """configure of a cgroup that lists another plan writes the writes from
+    that plan's list to this one's (the tables' difference, worked out once
+    per pair), and a fault at any of them puts the old list back."""
+    from actors.devices import Policy
+    from actors.devices._v1_emulator import plan_writes, transition
+
+    one = Policy.container(["c 195:255 rwm"], ["c 195:0 rwm", "c 195:1 rwm"])
+    other = Policy.container(["c 195:255 rwm"], ["c 195:1 rwm", "c 195:2 rwm"])
+    expected = [(name, line.encode()) for name, line in plan_writes(one.v1_plan.target, other.v1_plan.target)]
+    groups = transition(one, other)
+    assert [(name, line) for name, lines in groups for line in lines] == expected
+    assert transition(one, other) is groups  # worked out once
+    plain = CgroupsV1Backend(v1_sandbox.hierarchy, v1_sandbox.cgroups_root)
+    plain.configure("c1", one)
+    listed = devices_list(v1_sandbox, "c1")
+    counting = FaultInjectingBackend(plain)
+    counting.configure("c1", one)  # the same list again: mkdir (EEXIST) and the read, nothing written
+    assert [op for op, _ in counting.log] == ["mkdir", "read"]
+    counting.detach()
+    total = 6  # mkdir (EEXIST), read devices.list, open + allow 195:2, open + deny 195:0
+    for k in range(1, total + 1):
+        backend = FaultInjectingBackend(plain, fail_at=k, errno=errno.EIO)
+        with pytest.raises(KernelOperationError, match=f"injected at kernel operation #{k}"):
+            backend.configure("c1", other)
+        assert devices_list(v1_sandbox, "c1") == listed, f"fault at operation {k} changed the list"
+        backend.detach()
+    assert plain.configure("c1", other) == other
+    assert sorted(devices_list(v1_sandbox, "c1")) == sorted(other.v1_plan.listing.splitlines())
+    assert plain.remove("c1") is True
