@@ -38,6 +38,10 @@ Rules:
   are logged and change nothing; ``nvidia_health_wait`` is how long one
   ``nvmlEventSetWait_v2`` waits (at most 60 seconds; a duration on the
   command line): how soon NVML is shut down after the components close.
+- ``nvidia_usage_max_age`` (seconds, a duration on the command line; default
+  1, NVML's own longest sample period for utilisation; 0: never) is how
+  old the NVML readings a ``usage`` answers with may be: readings taken
+  that recently are answered at once, with no NVML call (R-IS-5).
 - Validation runs on every construction (``__post_init__``), so a Flags
   value that exists is a valid one.
 """
@@ -173,6 +177,9 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Xids that are the application's fault: logged, the GPU is kept (R-HE-3)."""
     nvidia_health_wait: float = 5.0
     """Seconds one ``nvmlEventSetWait_v2`` waits for health events."""
+    nvidia_usage_max_age: float = 1.0
+    """Seconds old the NVML readings a ``usage`` answers with may be (0: read
+    NVML for every usage)."""
     device_worker: DeviceWorker = "process"
     """Where the kernel device work runs: ``process`` (a device worker process
     of its own, overlapping the event loop) or ``thread`` (a thread here)."""
@@ -211,6 +218,12 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 60:
             raise FlagsError(
                 f"Invalid '--nvidia_health_wait' {wait!r}: expected seconds, more than 0 and at most 60"
+            )
+        age = self.nvidia_usage_max_age
+        if isinstance(age, bool) or not isinstance(age, (int, float)) or not 0 <= age <= 3600:
+            raise FlagsError(
+                f"Invalid '--nvidia_usage_max_age' {age!r}: expected seconds, from 0 (read NVML for every"
+                " usage) to 3600"
             )
         for name in _INTERVALS:
             interval = getattr(self, name)
@@ -360,7 +373,7 @@ def _coerce(name: str, value: Any) -> Any:
                 )
             indices.append(int(token))
         return indices
-    if name == "nvidia_health_wait":
+    if name in ("nvidia_health_wait", "nvidia_usage_max_age"):
         try:
             return parse_duration(text)
         except ValueError as exc:

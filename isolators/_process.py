@@ -57,7 +57,9 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
   unit: every free one is held back for them (the quarantine, shown as
   theirs), and so is every one released, until the last of them is
   cleaned up; they can only be cleaned up.
-- ``usage`` (R-IS-5) and ``watch`` (R-IS-9) answer for the units held now.
+- ``usage`` (R-IS-5) and ``watch`` (R-IS-9) answer for the units held now;
+  usage from readings at most ``flags.nvidia_usage_max_age`` old at once
+  (``_usage``), else after one NVML read.
 - ``reconcile`` (R-DV-5) repairs each container's kernel state, queued
   behind its other calls, also periodically (``flags.reconcile_interval``,
   on the runtime Clock; a failed run keeps the schedule); withheld units and
@@ -126,7 +128,8 @@ class NvidiaGpuIsolatorProcess(Process):
         """Counts and timers (``_metrics``), published while the actor runs."""
         self.repair = KernelRepair(devices, components.allocator, self.ledger, self.policies, self.catalog)
         self.watches = HealthWatches(components.allocator, self.catalog.pool_of)
-        self.usages = UsageReader(components.nvml, components.inventory, self.catalog.has_mig)
+        self.usages = UsageReader(components.nvml, components.inventory, self.catalog.has_mig,
+                                  flags.nvidia_usage_max_age)
         self.records: dict[ContainerID, str] = {}
         """Each top-level container the isolator knows, and its cgroup (its
         units are in the ledger)."""

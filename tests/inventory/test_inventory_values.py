@@ -132,6 +132,9 @@ def test_flags_from_args_take_dashes_or_underscores():
     assert flags.cgroups_root == "mesos/gpu"
     assert Flags.from_args(["--reconcile_interval=500ms"]).reconcile_interval == 0.5
     assert parse_duration("2mins") == 120.0
+    assert Flags().nvidia_usage_max_age == 1.0  # NVML's own longest utilisation sample
+    assert Flags.from_args(["--nvidia_usage_max_age=250ms"]).nvidia_usage_max_age == 0.25
+    assert Flags.from_args(["--nvidia_usage_max_age=0"]).nvidia_usage_max_age == 0.0  # read every time
 
 
 @pytest.mark.parametrize(
@@ -149,6 +152,8 @@ def test_flags_from_args_take_dashes_or_underscores():
         (["--reconcile_interval=soon"], "Failed to load flag 'reconcile_interval': Invalid duration 'soon'"),
         (["--reconcile_interval=0"], "Invalid '--reconcile_interval' 0.0"),
         (["--resources"], "Failed to load flag 'resources': missing value"),
+        (["--nvidia_usage_max_age=2hrs"], "Invalid '--nvidia_usage_max_age' 7200.0: expected seconds, from 0"),
+        (["--nvidia_usage_max_age=soon"], "Failed to load flag 'nvidia_usage_max_age': Invalid duration 'soon'"),
     ],
 )
 def test_bad_flags_are_clear_errors(args, message):

@@ -141,3 +141,48 @@ async def test_usage_leaves_out_what_nvml_does_not_report(memory_node) -> None:
         assert stat.memory_total_bytes == 16384 * MIB and stat.memory_used_bytes == 0
         assert stat.power_milliwatts is None and stat.temperature_celsius is None
         await isolator.cleanup(ContainerID("c1"))
+
+
+async def utilization(isolator, cid: str) -> int:
+    (stat,) = (await isolator.usage(ContainerID(cid))).gpus
+    return stat.utilization_gpu_percent
+
+
+@pytest.mark.asyncio
+async def test_usage_answers_from_readings_younger_than_the_bound_with_no_executor_job(memory_node) -> None:
+    async with runtime.Runtime():
+        runtime.Clock.pause()
+        components, isolator = await memory_node.start({"nvidia_usage_max_age": 0.5})
+        simulated = components.nvml.nvml
+        await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=gpus("gpus:1")))
+        await isolator.prepare(ContainerID("c2"), ContainerConfig(resources=gpus("gpus:1")))
+        first = await isolator.usage(ContainerID("c1"))
+        assert first.gpus[0].utilization_gpu_percent == 10
+        simulated.set_usage(0, utilization_gpu=77)
+        jobs = runtime.executor_jobs()
+        runtime.Clock.advance(0.5)  # as old as the bound allows: the readings taken then answer
+        again = await isolator.usage(ContainerID("c1"))
+        assert runtime.executor_jobs() == jobs  # no NVML call, no hop
+        assert again.gpus == first.gpus and again.timestamp == first.timestamp
+        assert again.gpus[0] is not first.gpus[0]  # a copy each answer
+        assert await utilization(isolator, "c2") == 11  # never read: read now
+        assert runtime.executor_jobs() == jobs + 1
+        runtime.Clock.advance(0.01)  # older than the bound: read again
+        assert await utilization(isolator, "c1") == 77
+        assert runtime.executor_jobs() == jobs + 2
+        for cid in ("c1", "c2"):
+            await isolator.cleanup(ContainerID(cid))
+
+
+@pytest.mark.asyncio
+async def test_usage_with_no_age_allowed_reads_nvml_every_time(memory_node) -> None:
+    async with runtime.Runtime():
+        runtime.Clock.pause()
+        components, isolator = await memory_node.start({"nvidia_usage_max_age": "0"})
+        await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=gpus("gpus:1")))
+        assert await utilization(isolator, "c1") == 10
+        components.nvml.nvml.set_usage(0, utilization_gpu=55)
+        jobs = runtime.executor_jobs()
+        assert await utilization(isolator, "c1") == 55
+        assert runtime.executor_jobs() == jobs + 1
+        await isolator.cleanup(ContainerID("c1"))
