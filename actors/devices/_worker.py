@@ -19,9 +19,11 @@ Rules:
   and reaped by a thread of its own (``_worker_process``); waiting for its
   exit is an executor job too, bounded.
 - One child at a time, and one reader of its frames: the coroutine that
-  started it reads its ready frame and then every result frame, in order,
-  until the child goes. Nothing is sent to a child before its ready frame
-  was read.
+  started it reads its ready frame; then every result frame is handled, in
+  order, as it arrives (``WorkerProcess.listen``: in the pipe's reader
+  callback, so a caller's Future completes in the loop turn that read its
+  answer), until the child goes. Nothing is sent to a child before its
+  ready frame was read.
 - ``submit(op)`` queues an operation. An idle child gets it at once; while
   the child works, what arrives is sent as one batch per drain (at most
   ``WINDOW`` batches in the child, at most ``MAX_WORKER_BATCH`` operations
@@ -149,8 +151,7 @@ class WorkerDriver:
         """Run on the actor from now on: ``later(fn)`` calls ``fn()`` there."""
         self._later = later
         if self._child is not None:
-            child = self._child
-            later(lambda: self._serve(child))
+            self._listen(self._child)
 
     # -- submitting -------------------------------------------------------------
     def submit(self, op: DeviceOperation) -> Future:
@@ -256,37 +257,45 @@ class WorkerDriver:
             child.close()
             return
         self._child = child
+        self._listen(child)
         self._pump(child)
-        await self._serve(child)
 
-    async def _serve(self, child: WorkerProcess) -> None:
-        """The one reader of ``child``'s results, oldest batch first, until it goes."""
-        try:
-            while True:
-                tag, wired, records = await child.next_frame()
-                _relay(records)
-                results = unwire(wired)
-                if not child.sent:
-                    raise WorkerError(f"Device worker process {child.pid} sent results for no batch")
-                self._quick_deaths = 0  # it answered
-                child.answered = True
-                batch = child.sent[0]
-                part = batch.entries[child.told : child.told + len(results)]
-                if tag == "done":
-                    child.sent.popleft()
-                    child.told = 0
-                else:
-                    child.told += len(results)
-                if self._queue and child.ready and len(child.sent) < WINDOW:
-                    self._pump(child)  # the child goes on while the callers are told
-                resolve(part, results)
-        except Exception as error:
-            if not isinstance(error, ChildGone):  # a frame this agent cannot read: the child is broken
-                logger.error("Device worker process %d sent what this agent cannot read (%s); stopping it",
-                             child.pid, error)
-                child.kill()
-            if self._stopped is None:
-                await self._lost(child)
+    def _listen(self, child: WorkerProcess) -> None:
+        """From now on ``child``'s results are handled as they arrive (``_answered``)."""
+        child.listen(lambda frame: self._answered(child, frame), lambda error: self._ended(child, error))
+        if child._loop is None:  # trio: a task reads the pipe
+            self._later(child.read_frames)
+
+    def _answered(self, child: WorkerProcess, frame: Any) -> None:
+        """One result frame of ``child``, for its oldest batch (raising: the child is broken)."""
+        tag, wired, records = frame
+        if records:
+            _relay(records)
+        results = unwire(wired)
+        if not child.sent:
+            raise WorkerError(f"Device worker process {child.pid} sent results for no batch")
+        self._quick_deaths = 0  # it answered
+        child.answered = True
+        batch = child.sent[0]
+        told = child.told
+        part = batch.entries[told : told + len(results)] if told or tag != "done" else batch.entries
+        if tag == "done":
+            child.sent.popleft()
+            child.told = 0
+        else:
+            child.told += len(results)
+        if self._queue and child.ready and len(child.sent) < WINDOW:
+            self._pump(child)  # the child goes on while the callers are told
+        resolve(part, results)
+
+    def _ended(self, child: WorkerProcess, error: BaseException) -> None:
+        """``child``'s pipe ended, or a frame of it could not be handled."""
+        if not isinstance(error, ChildGone):  # a frame this agent cannot read: the child is broken
+            logger.error("Device worker process %d sent what this agent cannot read (%s); stopping it",
+                         child.pid, error)
+            child.kill()
+        if self._stopped is None:
+            self._later(lambda: self._lost(child))
 
     async def _lost(self, child: WorkerProcess) -> None:
         """``child`` went away: fail what reached it, keep what did not (see module rules)."""

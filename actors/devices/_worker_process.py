@@ -11,13 +11,29 @@ Rules:
   ``WorkerError`` saying so.
 - ``WorkerProcess`` holds one child's pipes. Reading: ``next_frame()`` gives
   its frames in order (asyncio: one reader callback for the child's life;
-  trio: ``wait_readable``); ``ChildGone`` once none is to come. Writing:
+  trio: ``wait_readable``); ``ChildGone`` once none is to come. Once its
+  reader calls ``listen(on_frame, on_end)`` (after the ready frame), every
+  frame goes to ``on_frame(frame)`` as it arrives, in order, from the
+  reader callback itself (asyncio: no task and no extra loop turn between
+  the child's answer and its callers; trio: ``read_frames()``, run as a
+  task, does the reading), and the end once to ``on_end(error)``:
+  ``ChildGone`` at the end of its pipe, or the error that a frame raised
+  (one that cannot be read, or that ``on_frame`` refused). Writing:
   ``send(entries)`` frames a batch and writes what the pipe takes now,
   never blocking; the rest waits in an outbox that ``flush()`` writes as
   the child reads. It counts the bytes made and the bytes the pipe took, so
   ``reached(batch)`` tells whether any byte of a batch got to the child.
+- While a batch is in the child, for up to ``AWAKE`` seconds after it was
+  sent, the event loop is kept from sleeping (asyncio: a callback that
+  queues itself again each turn, so the loop polls its descriptors
+  without waiting): the child's answer is then read as it comes, and the
+  child's ``write(2)`` wakes no sleeping CPU. Nothing waits on the loop
+  meanwhile: every other callback and descriptor is served each turn.
+  Only where this process may run on two CPUs or more (on one, the loop
+  would keep the child from its answer).
 - ``close()`` closes the pipes (the child exits after the operation it
-  applies) and wakes whatever waits on them.
+  applies) and wakes whatever waits on them; a listener is dropped without
+  being told (whoever closes knows).
 """
 
 from __future__ import annotations
@@ -28,8 +44,9 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from runtime import Promise
 
@@ -42,6 +59,12 @@ from ._worker_child import BOOT, FENCED_EXIT
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 Entry = tuple[DeviceOperation, Promise]
+
+AWAKE = 0.0005
+"""Seconds the event loop is kept from sleeping while a batch is in the child
+(see the module rules)."""
+
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class ChildGone(Exception):
@@ -143,6 +166,10 @@ class WorkerProcess:
         self.timed_out = False
         self._waiter: Promise | None = None
         self._write_waiter: Promise | None = None
+        self._awake = False
+        self._awake_until = 0.0
+        self._on_frame: Callable[[Any], None] | None = None
+        self._on_end: Callable[[BaseException], None] | None = None
         self._loop = asyncio._get_running_loop()
         if self._loop is not None:  # one reader callback for the child's life
             self._loop.add_reader(read_fd, self._on_readable)
@@ -163,9 +190,61 @@ class WorkerProcess:
             pass
         except OSError:
             self._end()
+        if self._on_frame is not None:
+            self._deliver()
+            return
         waiter, self._waiter = self._waiter, None
         if waiter is not None:
             waiter.set_value(None)
+
+    def listen(self, on_frame: Callable[[Any], None], on_end: Callable[[BaseException], None]) -> None:
+        """From now on each frame goes to ``on_frame`` as it arrives, and the
+        end to ``on_end`` (see module rules); frames already read go now."""
+        self._on_frame, self._on_end = on_frame, on_end
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand every whole frame read so far to the listener; then the end, if it came."""
+        try:
+            while self._on_frame is not None:
+                frame = self.frames.next()
+                if frame is None:
+                    break
+                self._on_frame(frame)
+        except Exception as error:  # a frame this agent cannot read, or one its listener refused
+            self._finish(error)
+            return
+        if self.eof:
+            self._finish(ChildGone())
+
+    def _finish(self, error: BaseException) -> None:
+        on_end = self._on_end
+        self._on_frame = self._on_end = None
+        if on_end is not None:
+            on_end(error)
+
+    async def read_frames(self) -> None:
+        """trio: read the pipe for the listener until the end (see ``listen``)."""
+        import trio
+
+        while self._on_frame is not None and not self.closed and not self.eof:
+            try:
+                data = os.read(self.read_fd, 1 << 20)
+            except BlockingIOError:
+                try:
+                    await trio.lowlevel.wait_readable(self.read_fd)
+                except trio.ClosedResourceError:
+                    break
+                continue
+            except OSError:
+                data = b""
+            if data:
+                self.frames.feed(data)
+            else:
+                self.eof = True
+            self._deliver()
+        if not self.closed:
+            self._finish(ChildGone())
 
     def _end(self) -> None:
         self.eof = True
@@ -219,10 +298,22 @@ class WorkerProcess:
         except OSError:
             raise ChildGone() from None
         self.written += written
+        if self._loop is not None and _CPUS > 1:
+            self._awake_until = time.perf_counter() + AWAKE
+            if not self._awake:
+                self._awake = True
+                self._loop.call_soon(self._keep_awake)
         if written < len(data):
             self.outbox += memoryview(data)[written:]
             return False
         return True
+
+    def _keep_awake(self) -> None:
+        """One loop turn more without sleeping, while a batch waits for its answer (see module rules)."""
+        if self.sent and not self.closed and time.perf_counter() < self._awake_until:
+            self._loop.call_soon(self._keep_awake)
+        else:
+            self._awake = False
 
     async def flush(self) -> None:
         """Write the outbox as the child reads (``ChildGone`` if it goes)."""
@@ -273,6 +364,7 @@ class WorkerProcess:
         if self.closed:
             return
         self.closed = True
+        self._on_frame = self._on_end = None
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.remove_reader(self.read_fd)
