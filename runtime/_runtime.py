@@ -31,17 +31,12 @@ Rules (libprocess's process manager, scoped):
   queued (a message to another runtime too); the newest matching filter
   wins and matches once. With no filter set, a local dispatch or send takes
   the short path (no filter lookup); with one set, every one is matched.
-- A process's drain is scheduled once when it gets work while idle. On
-  asyncio's own event loops (``asyncio.BaseEventLoop``, not in debug mode)
-  it joins the runtime's run queue, and one ``asyncio.Handle`` (the pump,
-  appended to the loop's ready queue when the run queue stops being empty)
-  runs the drains queued, in order, those they wake included, up to
-  ``PUMP_LIMIT`` drains a loop turn (then the loop's other callbacks and
-  tasks go first): a dispatch from one process to another costs no loop
-  turn of its own, as libprocess' workers take the next runnable process.
+- A process's drain is scheduled once when it gets work while idle: on
+  asyncio's own loops through the runtime's run queue (``_run_queue``: a
+  dispatch from one process to another costs no loop turn of its own),
+  elsewhere (trio, other loops, asyncio's debug mode) with ``call_soon``.
   A process's events run in a context of its own, copied from the
-  spawner's. Elsewhere (trio, other loops, asyncio's debug mode)
-  ``call_soon`` schedules each drain.
+  spawner's.
 - ``Runtime(listen="host:port")`` puts it on the network (``_network``):
   PIDs carry ``address``; a PID without one names a local process. Without
   ``listen`` local paths pay nothing for it, and a remote PID is an error.
@@ -51,10 +46,8 @@ Rules (libprocess's process manager, scoped):
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import logging
-from collections import deque
 from typing import Any, Callable
 
 import anyio
@@ -68,6 +61,7 @@ from ._http import Limits
 from ._metrics import Metrics
 from ._network import Network
 from ._pid import PID
+from ._run_queue import RunQueue
 from ._tasks import _async_failed, _Continuation, _Detached, _name, _TrioHandle, _TrioSoon
 from ._process import (
     DROPPED,
@@ -87,10 +81,6 @@ from ._process import (
 logger = logging.getLogger(__name__)
 
 _current: "Runtime | None" = None
-
-PUMP_LIMIT = 256
-"""Drains the pump runs in one loop turn at most (see the module rules)."""
-
 
 def current_runtime() -> "Runtime":
     """The runtime of the enclosing ``async with Runtime():`` scope."""
@@ -112,10 +102,7 @@ class Runtime:
         self._processes: dict[PID, Process] = {}
         self._filters: list[Any] = []
         self._call_soon: Callable[..., Any] | None = None
-        self._ready: deque | None = None  # the asyncio loop's ready queue (see ``_waker``)
-        self._runnable: deque = deque()  # (context.run, drain) of each process woken, in order (the pump's)
-        self._pump_queued = False
-        self._pump_handle: asyncio.Handle | None = None
+        self._run_queue: RunQueue | None = None  # on asyncio's own loops (see ``_waker``)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._backend = ""
         self._previous: Runtime | None = None
@@ -132,10 +119,7 @@ class Runtime:
             self._backend = "asyncio"
             self._call_soon = loop.call_soon
             self._loop = loop
-            ready = getattr(loop, "_ready", None)
-            if isinstance(loop, asyncio.BaseEventLoop) and type(ready) is deque and not loop.get_debug():
-                self._ready = ready  # (in debug mode call_soon's checks stay)
-                self._pump_handle = asyncio.Handle(self._pump, (), loop, contextvars.copy_context())
+            self._run_queue = RunQueue.on(loop)
         else:
             self._loop = None
             self._backend = "trio"
@@ -222,45 +206,9 @@ class Runtime:
 
     def _waker(self, proc: Process) -> Callable[[], None]:
         """What schedules ``proc``'s drain (see the module rules)."""
-        if self._ready is not None:
-            entry = (contextvars.copy_context().run, proc._drain)
-            queue = self._runnable.append
-            ready = self._ready.append
-            handle = self._pump_handle
-
-            def wake() -> None:
-                queue(entry)
-                if not self._pump_queued:
-                    self._pump_queued = True
-                    ready(handle)
-
-            return wake
+        if self._run_queue is not None:
+            return self._run_queue.waker(proc._drain)
         return functools.partial(self._call_soon, proc._drain)
-
-    def _pump(self) -> None:
-        """Run the queued drains, those they wake included, up to ``PUMP_LIMIT``
-        (a drain that raises is reported as the loop reports a callback's error)."""
-        runnable = self._runnable
-        popleft = runnable.popleft
-        left = PUMP_LIMIT
-        try:
-            while runnable and left:
-                left -= 1
-                run, drain = popleft()
-                try:
-                    run(drain)
-                except (SystemExit, KeyboardInterrupt):
-                    raise
-                except BaseException as exc:  # noqa: BLE001 - as asyncio's Handle does
-                    self._loop.call_exception_handler({
-                        "message": f"Exception in the drain of {getattr(drain, '__self__', drain)!r}",
-                        "exception": exc,
-                    })
-        finally:
-            if runnable:
-                self._ready.append(self._pump_handle)  # the rest next turn, after the loop's others
-            else:
-                self._pump_queued = False
 
     def _enqueue(self, proc: Process, fn: Any, args: tuple, kwargs: dict | None, future: Future | None) -> None:
         proc._mailbox.append((fn, args, kwargs, future))

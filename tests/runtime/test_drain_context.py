@@ -46,7 +46,7 @@ async def test_in_debug_mode_the_loops_call_soon_schedules_and_events_still_run(
     try:
         async with asyncio.timeout(10):
             async with Runtime() as rt:
-                assert rt._ready is None  # call_soon, with its thread checks
+                assert rt._run_queue is None  # call_soon, with its thread checks
                 pid = spawn(Reader())
                 assert await dispatch(pid, Reader.read) == "none"
     finally:
