@@ -225,19 +225,10 @@ class WorkerProcess:
 
     async def read_frames(self) -> None:
         """trio: read the pipe for the listener until the end (see ``listen``)."""
-        import trio
-
         while self._on_frame is not None and not self.closed and not self.eof:
-            try:
-                data = os.read(self.read_fd, 1 << 20)
-            except BlockingIOError:
-                try:
-                    await trio.lowlevel.wait_readable(self.read_fd)
-                except trio.ClosedResourceError:
-                    break
-                continue
-            except OSError:
-                data = b""
+            data = await self._read_trio()
+            if data is None:
+                break
             if data:
                 self.frames.feed(data)
             else:
@@ -263,22 +254,28 @@ class WorkerProcess:
                 self._waiter = Promise()
                 await self._waiter.future
                 continue
-            try:
-                data = os.read(self.read_fd, 1 << 20)
-            except BlockingIOError:
-                import trio
+            data = await self._read_trio()
+            if not data:  # closed here (None), or the end of its pipe (b"")
+                if data is not None:
+                    self.eof = True
+                raise ChildGone()
+            self.frames.feed(data)
 
+    async def _read_trio(self) -> bytes | None:
+        """trio: the child's next bytes once there are some; b"" at the end
+        of its pipe (or when it broke), None once it was closed here."""
+        import trio
+
+        while True:
+            try:
+                return os.read(self.read_fd, 1 << 20)
+            except BlockingIOError:
                 try:
                     await trio.lowlevel.wait_readable(self.read_fd)
                 except trio.ClosedResourceError:
-                    raise ChildGone() from None
-                continue
+                    return None
             except OSError:
-                raise ChildGone() from None
-            if not data:
-                self.eof = True
-                raise ChildGone()
-            self.frames.feed(data)
+                return b""
 
     # -- writing ----------------------------------------------------------------
     def send(self, entries: list[Entry]) -> bool:

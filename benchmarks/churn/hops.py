@@ -91,22 +91,13 @@ async def census(isolator: Any, counter: HopCounter, gpus: int, lifecycles: int 
     no_gpus = Resources.parse("gpus:0")
     totals = {call: Hops(0, 0, 0) for call in CALLS}
 
-    def add(call: str, before: Hops) -> None:
-        step = counter.read().since(before)
-        totals[call] = Hops(*(a + b for a, b in zip(totals[call], step)))
-
     for n in range(lifecycles):
         cid = ContainerID(f"{prefix}{gpus}-{n}")
-        before = counter.read()
-        await isolator.prepare(cid, config)
-        add("prepare", before)
-        before = counter.read()
-        await isolator.usage(cid)
-        add("usage", before)
-        before = counter.read()
-        await isolator.update(cid, no_gpus)
-        add("update", before)
-        before = counter.read()
-        await isolator.cleanup(cid)
-        add("cleanup", before)
+        calls = {"prepare": lambda: isolator.prepare(cid, config), "usage": lambda: isolator.usage(cid),
+                 "update": lambda: isolator.update(cid, no_gpus), "cleanup": lambda: isolator.cleanup(cid)}
+        for call in CALLS:
+            before = counter.read()
+            await calls[call]()
+            step = counter.read().since(before)
+            totals[call] = Hops(*(a + b for a, b in zip(totals[call], step)))
     return {call: totals[call].per(lifecycles) for call in CALLS}
