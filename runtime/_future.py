@@ -20,9 +20,14 @@ Rules (libprocess ``process/future.hpp``):
 - A Future is awaitable under asyncio and trio. Awaiting a READY Future returns
   the value without suspending; FAILED raises the original exception;
   DISCARDED raises ``Discarded``. Cancelling the awaiting task does not discard
-  the Future. Under asyncio, awaiting a PENDING Future first gives the loop
-  one turn (a dispatch to a free process is usually done by then) and only
-  then parks the task on a plain loop future. Inside an async method that its
+  the Future. Under asyncio with the runtime's run queue (``_run_queue``),
+  the first task awaiting a PENDING Future waits on the queue's
+  ``TaskWait`` and the Future's completion resumes it from the run queue,
+  in order with the drains and with no loop turn of its own; a second
+  awaiter, and every awaiter where there is no run queue (asyncio's debug
+  mode, other loops), first gives the loop one turn (a dispatch to a free
+  process is usually done by then) and only then parks on a plain loop
+  future. Inside an async method that its
   process steps itself (asyncio), awaiting a PENDING Future suspends the
   method instead, and the process resumes it (a mailbox event) once the
   Future completes. While an asyncio ``Runtime`` is
@@ -37,6 +42,7 @@ import logging
 from typing import Any, Callable, Generic, Iterable, TypeVar
 
 from ._errors import Discarded
+from ._run_queue import TaskWait
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,9 @@ _get_running_loop = asyncio._get_running_loop  # None under trio; ~0.2 µs a cal
 # ``loop.create_future`` of the current asyncio Runtime's loop, set by
 # Runtime (bind_loop) so that awaiting skips the running-loop lookup.
 _create_waiter: Callable[[], asyncio.Future] | None = None
+# ``RunQueue.task_wait`` of the current asyncio Runtime's run queue (None
+# without one): what a task awaiting a pending Future waits on.
+_task_wait: Callable[["Future[Any]"], Any] | None = None
 
 
 _parking = [False]
@@ -68,10 +77,12 @@ class _Park:
         self.future = future
 
 
-def bind_loop(loop: asyncio.AbstractEventLoop | None) -> None:
-    """Awaits use ``loop`` (the current runtime's) without looking it up."""
-    global _create_waiter
+def bind_loop(loop: asyncio.AbstractEventLoop | None, run_queue: Any = None) -> None:
+    """Awaits use ``loop`` (the current runtime's) without looking it up,
+    and its ``run_queue`` (``_run_queue.RunQueue``) when it has one."""
+    global _create_waiter, _task_wait
     _create_waiter = loop.create_future if loop is not None else None
+    _task_wait = run_queue.task_wait if run_queue is not None else None
 
 
 class Future(Generic[T]):
@@ -164,7 +175,9 @@ class Future(Generic[T]):
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
-            if state is READY and not waiter.done():
+            if type(waiter) is TaskWait:
+                waiter.wake()
+            elif state is READY and not waiter.done():
                 waiter.set_result(value)
             else:
                 _wake(waiter, state, value)
@@ -294,6 +307,12 @@ class Future(Generic[T]):
                 # the method through its mailbox once the Future completes.
                 yield _Park(self)
             else:
+                if _task_wait is not None and self._waiter is None:
+                    # asyncio with the runtime's run queue: the task waits on a
+                    # TaskWait; this Future's completion resumes it from the
+                    # run queue (no loop turn, no Handle).
+                    yield _task_wait(self)
+                    return self._outcome()
                 if _create_waiter is None and _get_running_loop() is None:  # trio
                     return (yield from self._wait_generic().__await__())
                 # asyncio: first give the loop one turn (a bare yield). A
@@ -312,11 +331,17 @@ class Future(Generic[T]):
                     else:  # a second awaiter
                         self.on_any(lambda f: _wake(waiter, f._state, f._value))
                     return (yield from waiter)
+        return self._outcome()
+
+    def _outcome(self) -> T:
+        """What awaiting this completed Future gives: its value, or raises."""
         if self._state is READY:
             return self._value
         if self._state is FAILED:
             raise self._value
-        raise Discarded("Future was discarded")
+        if self._state is DISCARDED:
+            raise Discarded("Future was discarded")
+        raise RuntimeError("a pending Future's awaiter was resumed before it completed")
 
     async def _wait_generic(self) -> Any:
         # trio: park the task until _complete reschedules it (a cancelled

@@ -74,6 +74,7 @@ import msgspec
 from ._errors import ProcessTerminated
 from ._future import FAILED, PENDING, READY, Future
 from ._pid import PID, generate_id
+from ._run_queue import TaskWait
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -324,7 +325,9 @@ class Process:
                     waiter = future._waiter
                     if waiter is not None:
                         future._waiter = None
-                        if not waiter.done():
+                        if type(waiter) is TaskWait:
+                            waiter.wake()
+                        elif not waiter.done():
                             waiter.set_result(result)
                 else:
                     complete(future, result)

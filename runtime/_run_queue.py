@@ -20,6 +20,18 @@ Rules (libprocess' run queue, on asyncio's own loops):
 - A drain that raises is reported as the loop reports a callback's error
   (``call_exception_handler``) and the pump goes on; ``SystemExit`` and
   ``KeyboardInterrupt`` leave it, as they leave a Handle.
+- An asyncio task awaiting a pending runtime Future waits on a
+  ``TaskWait`` (``task_wait``): a Future-compatible object the task
+  registers its wake-up on (``add_done_callback``), as it does on a loop
+  future. When the runtime Future completes, ``wake`` puts the task's
+  wake-up in this queue, so the pump resumes the task in order with the
+  drains, with no ``call_soon``, no Handle and no loop turn of its own
+  (libprocess resumes a waiter in the completing worker's turn).
+- A cancelled task is not left waiting: ``TaskWait.cancel`` (what
+  ``Task.cancel`` calls) unhooks it from the Future, which stays pending
+  for its other awaiters and its producer, and resumes the task with
+  ``CancelledError``; once the wake-up is queued, ``cancel`` answers False
+  and the task cancels itself at that wake-up, as on a done loop future.
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 PUMP_LIMIT = 256
 """Drains the pump runs in one loop turn at most (see the module rules)."""
@@ -36,14 +48,18 @@ PUMP_LIMIT = 256
 class RunQueue:
     """The drains woken on one asyncio loop, and the pump that runs them."""
 
-    __slots__ = ("_loop", "_ready", "_runnable", "_queued", "_handle")
+    __slots__ = ("_loop", "_ready", "_runnable", "_queued", "_handle", "_done")
 
     def __init__(self, loop: asyncio.BaseEventLoop, ready: deque) -> None:
         self._loop = loop
         self._ready = ready
-        self._runnable: deque = deque()  # (context.run, drain) of each process woken, in order
+        # (context.run, drain) of each process woken, (None, TaskWait) of each
+        # task resumed, in order
+        self._runnable: deque = deque()
         self._queued = False
         self._handle = asyncio.Handle(self._pump, (), loop, contextvars.copy_context())
+        self._done = loop.create_future()  # what a resumed task's wake-up reads: done, no value
+        self._done.set_result(None)
 
     @classmethod
     def on(cls, loop: asyncio.AbstractEventLoop) -> "RunQueue | None":
@@ -68,6 +84,13 @@ class RunQueue:
 
         return wake
 
+    def task_wait(self, future: Any) -> "TaskWait":
+        """What an asyncio task awaiting ``future`` (pending, with no other
+        awaiter) yields; ``future`` wakes it (``TaskWait.wake``)."""
+        wait = TaskWait(self, future)
+        future._waiter = wait
+        return wait
+
     def _pump(self) -> None:
         """Run the queued drains, those they wake included, up to ``PUMP_LIMIT``."""
         runnable = self._runnable
@@ -78,7 +101,14 @@ class RunQueue:
                 left -= 1
                 run, drain = popleft()
                 try:
-                    run(drain)
+                    if run is None:  # a task's wake-up (drain is its TaskWait)
+                        context = drain._context
+                        if context is not None:
+                            context.run(drain._wakeup, drain._outcome)
+                        elif drain._wakeup is not None:
+                            drain._wakeup(drain._outcome)
+                    else:
+                        run(drain)
                 except (SystemExit, KeyboardInterrupt):
                     raise
                 except BaseException as exc:  # noqa: BLE001 - as asyncio's Handle does
@@ -91,3 +121,53 @@ class RunQueue:
                 self._ready.append(self._handle)  # the rest next turn, after the loop's others
             else:
                 self._queued = False
+
+
+class TaskWait:
+    """What an asyncio task awaiting a pending runtime Future waits on (see
+    the module rules): the task's side of asyncio's Future protocol
+    (``_asyncio_future_blocking``, ``_loop``, ``add_done_callback``,
+    ``cancel``), resumed through the run queue."""
+
+    __slots__ = ("_asyncio_future_blocking", "_loop", "_queue", "_wakeup", "_context", "_outcome", "_future")
+
+    def __init__(self, queue: RunQueue, future: Any) -> None:
+        self._asyncio_future_blocking = True  # the task waits on it (asyncio's mark)
+        self._loop = queue._loop
+        self._queue = queue
+        self._future = future  # None once the wake-up is queued
+        self._wakeup: Callable[[Any], Any] | None = None
+        self._context: contextvars.Context | None = None
+        self._outcome: asyncio.Future = queue._done
+
+    def add_done_callback(self, fn: Callable[[Any], Any], *, context: contextvars.Context | None = None) -> None:
+        """The task registers its wake-up (once, when it starts waiting)."""
+        self._wakeup = fn
+        self._context = context
+
+    def wake(self) -> None:
+        """The Future completed: queue the task's wake-up (once)."""
+        if self._future is not None:
+            self._future = None
+            queue = self._queue
+            queue._runnable.append((None, self))
+            if not queue._queued:
+                queue._queued = True
+                queue._ready.append(queue._handle)
+
+    def cancel(self, msg: Any = None) -> bool:
+        """The task is cancelled: unhook it and resume it with CancelledError;
+        False once its wake-up is queued (see the module rules)."""
+        future = self._future
+        if future is None:
+            return False
+        if future._waiter is self:
+            future._waiter = None
+        cancelled = self._loop.create_future()
+        cancelled.cancel(msg)
+        self._outcome = cancelled
+        self.wake()
+        return True
+
+    def __repr__(self) -> str:
+        return f"<TaskWait on {self._future!r}>"

@@ -129,7 +129,7 @@ class Runtime:
         if self._backend == "trio":
             self._task_group.start_soon(soon.run)
         self._previous, _current = _current, self
-        _future.bind_loop(self._loop)
+        _future.bind_loop(self._loop, self._run_queue)
         _clock._state.wakeup = self._wake_timers
         self._timer_wake = anyio.Event()
         self._task_group.start_soon(self._timer_loop)
@@ -160,7 +160,7 @@ class Runtime:
             self._task_group.cancel_scope.cancel()
             await self._task_group.__aexit__(None, None, None)
             _current = self._previous
-            _future.bind_loop(_current._loop if _current is not None else None)
+            _future.bind_loop(*((_current._loop, _current._run_queue) if _current is not None else (None,)))
             _clock._state.reset()
             if _current is not None:
                 _clock._state.wakeup = _current._wake_timers
