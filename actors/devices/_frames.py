@@ -35,6 +35,13 @@ MAX_FRAME = 64 << 20
 """Frames larger than this are refused (a broken peer, not a batch)."""
 
 
+READ_SIZE = 1 << 16
+"""Bytes asked of one ``read(2)`` of a worker pipe: what a pipe holds by
+default. CPython's ``os.read(fd, n)`` allocates ``n`` bytes and shrinks
+them to what came: for 1 MiB that costs ~12 µs a read on these machines,
+for 64 KiB ~0.6 µs (a round trip reads twice, once on each side)."""
+
+
 POLICY = "\0policy"
 """Marks a policy's text in a frame."""
 

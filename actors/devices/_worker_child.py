@@ -48,7 +48,7 @@ from typing import Any
 
 from ._backend import applier
 from ._errors import DeviceControlError
-from ._frames import FrameReader, unwire, wire, write_frame
+from ._frames import READ_SIZE, FrameReader, unwire, wire, write_frame
 
 SLICE = 0.0005
 """Seconds between result frames while the backend works through a batch."""
@@ -153,7 +153,7 @@ def _reader(read_fd: int, poll_s: float) -> Any:
         deadline = 0.0
         while True:
             try:
-                return read(read_fd, 1 << 20)
+                return read(read_fd, READ_SIZE)
             except BlockingIOError:
                 pass
             now = clock()

@@ -52,7 +52,7 @@ from runtime import Promise
 
 from ._backend import DeviceOperation
 from ._errors import WorkerError
-from ._frames import FrameReader, encode, wire
+from ._frames import READ_SIZE, FrameReader, encode, wire
 from ._lock import WorkDirLock
 from ._worker_child import BOOT, FENCED_EXIT
 
@@ -179,12 +179,12 @@ class WorkerProcess:
         """asyncio: take what the child wrote; wake the reader."""
         try:
             while True:
-                data = os.read(self.read_fd, 1 << 20)
+                data = os.read(self.read_fd, READ_SIZE)
                 if not data:
                     self._end()
                     break
                 self.frames.feed(data)
-                if len(data) < 1 << 20:
+                if len(data) < READ_SIZE:
                     break
         except BlockingIOError:
             pass
@@ -268,7 +268,7 @@ class WorkerProcess:
 
         while True:
             try:
-                return os.read(self.read_fd, 1 << 20)
+                return os.read(self.read_fd, READ_SIZE)
             except BlockingIOError:
                 try:
                     await trio.lowlevel.wait_readable(self.read_fd)
