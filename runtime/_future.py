@@ -57,9 +57,9 @@ _get_running_loop = asyncio._get_running_loop  # None under trio; ~0.2 µs a cal
 # ``loop.create_future`` of the current asyncio Runtime's loop, set by
 # Runtime (bind_loop) so that awaiting skips the running-loop lookup.
 _create_waiter: Callable[[], asyncio.Future] | None = None
-# ``RunQueue.task_wait`` of the current asyncio Runtime's run queue (None
-# without one): what a task awaiting a pending Future waits on.
-_task_wait: Callable[["Future[Any]"], Any] | None = None
+# The current asyncio Runtime's run queue (None without one): it resumes a
+# task awaiting a pending Future (``TaskWait``).
+_run_queue: Any = None
 
 
 _parking = [False]
@@ -80,9 +80,9 @@ class _Park:
 def bind_loop(loop: asyncio.AbstractEventLoop | None, run_queue: Any = None) -> None:
     """Awaits use ``loop`` (the current runtime's) without looking it up,
     and its ``run_queue`` (``_run_queue.RunQueue``) when it has one."""
-    global _create_waiter, _task_wait
+    global _create_waiter, _run_queue
     _create_waiter = loop.create_future if loop is not None else None
-    _task_wait = run_queue.task_wait if run_queue is not None else None
+    _run_queue = run_queue
 
 
 class Future(Generic[T]):
@@ -307,11 +307,12 @@ class Future(Generic[T]):
                 # the method through its mailbox once the Future completes.
                 yield _Park(self)
             else:
-                if _task_wait is not None and self._waiter is None:
+                if _run_queue is not None and self._waiter is None:
                     # asyncio with the runtime's run queue: the task waits on a
                     # TaskWait; this Future's completion resumes it from the
                     # run queue (no loop turn, no Handle).
-                    yield _task_wait(self)
+                    wait = self._waiter = TaskWait(_run_queue, self)
+                    yield wait
                     return self._outcome()
                 if _create_waiter is None and _get_running_loop() is None:  # trio
                     return (yield from self._wait_generic().__await__())

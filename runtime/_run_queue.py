@@ -21,7 +21,7 @@ Rules (libprocess' run queue, on asyncio's own loops):
   (``call_exception_handler``) and the pump goes on; ``SystemExit`` and
   ``KeyboardInterrupt`` leave it, as they leave a Handle.
 - An asyncio task awaiting a pending runtime Future waits on a
-  ``TaskWait`` (``task_wait``): a Future-compatible object the task
+  ``TaskWait``: a Future-compatible object the task
   registers its wake-up on (``add_done_callback``), as it does on a loop
   future. When the runtime Future completes, ``wake`` puts the task's
   wake-up in this queue, so the pump resumes the task in order with the
@@ -84,13 +84,6 @@ class RunQueue:
 
         return wake
 
-    def task_wait(self, future: Any) -> "TaskWait":
-        """What an asyncio task awaiting ``future`` (pending, with no other
-        awaiter) yields; ``future`` wakes it (``TaskWait.wake``)."""
-        wait = TaskWait(self, future)
-        future._waiter = wait
-        return wait
-
     def _pump(self) -> None:
         """Run the queued drains, those they wake included, up to ``PUMP_LIMIT``."""
         runnable = self._runnable
@@ -102,11 +95,7 @@ class RunQueue:
                 run, drain = popleft()
                 try:
                     if run is None:  # a task's wake-up (drain is its TaskWait)
-                        context = drain._context
-                        if context is not None:
-                            context.run(drain._wakeup, drain._outcome)
-                        elif drain._wakeup is not None:
-                            drain._wakeup(drain._outcome)
+                        drain._context.run(drain._wakeup, drain._outcome)
                     else:
                         run(drain)
                 except (SystemExit, KeyboardInterrupt):
@@ -141,13 +130,15 @@ class TaskWait:
         self._outcome: asyncio.Future = queue._done
 
     def add_done_callback(self, fn: Callable[[Any], Any], *, context: contextvars.Context | None = None) -> None:
-        """The task registers its wake-up (once, when it starts waiting)."""
+        """The task registers its wake-up (once, when it starts waiting), run
+        in ``context`` (a copy of the current one without it, as asyncio's)."""
         self._wakeup = fn
-        self._context = context
+        self._context = context if context is not None else contextvars.copy_context()
 
     def wake(self) -> None:
-        """The Future completed: queue the task's wake-up (once)."""
-        if self._future is not None:
+        """The Future completed: queue the task's wake-up (once; none before
+        a task registered one)."""
+        if self._future is not None and self._wakeup is not None:
             self._future = None
             queue = self._queue
             queue._runnable.append((None, self))

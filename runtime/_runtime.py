@@ -160,7 +160,10 @@ class Runtime:
             self._task_group.cancel_scope.cancel()
             await self._task_group.__aexit__(None, None, None)
             _current = self._previous
-            _future.bind_loop(*((_current._loop, _current._run_queue) if _current is not None else (None,)))
+            if _current is not None:
+                _future.bind_loop(_current._loop, _current._run_queue)
+            else:
+                _future.bind_loop(None)
             _clock._state.reset()
             if _current is not None:
                 _clock._state.wakeup = _current._wake_timers
