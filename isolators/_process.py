@@ -72,7 +72,6 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from actors.devices import DeviceControl, DeviceRule
@@ -552,10 +551,7 @@ class NvidiaGpuIsolatorProcess(Process):
     def _usage_now(self, container_id: ContainerID) -> Any:
         if container_id not in self.records:
             raise IsolatorError("Unknown container")
-        units = self.ledger.shown(container_id)
-        if units:
-            return self.usages.read(units)
-        return ResourceStatistics(timestamp=time.time(), gpus_allocated=0)  # holding nothing: no NVML job
+        return self.usages.read(self.ledger.shown(container_id))
 
     def watch(self, container_id: ContainerID) -> Any:
         """R-IS-9: a Future of a ContainerLimitation, raised when one of the

@@ -57,9 +57,12 @@ class UsageReader:
         """NVML reads made (executor jobs) so far."""
 
     def read(self, units: Iterable[Unit]) -> Any:
-        """The statistics of a container holding ``units`` (at least one): a
-        ``ResourceStatistics`` when recent readings answer, else an awaitable of one."""
+        """The statistics of a container holding ``units``: a
+        ``ResourceStatistics`` when recent readings answer (or it holds
+        nothing: no NVML job), else an awaitable of one."""
         units = sorted(units)
+        if not units:
+            return ResourceStatistics(timestamp=time.time(), gpus_allocated=0)
         kept = self._kept
         if self.max_age > 0:
             oldest = Clock.now() - self.max_age

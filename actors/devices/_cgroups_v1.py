@@ -48,6 +48,7 @@ from ._v1_emulator import (
     ALLOW_ALL,
     ExceptionTable,
     apply_rules,
+    group_writes,
     listed_access,
     listed_policy,
     plan_writes,
@@ -87,12 +88,7 @@ class CgroupsV1Backend(BackendBase):
 
     def _write(self, path: str, writes: list[tuple[str, str]]) -> None:
         """The writes ``(file name, rule line)``, in order (``_write_groups``)."""
-        groups: list[tuple[str, list[bytes]]] = []
-        for name, line in writes:
-            if not groups or groups[-1][0] != name:
-                groups.append((name, []))
-            groups[-1][1].append(line.encode())
-        self._write_groups(path, groups)
+        self._write_groups(path, group_writes(writes))
 
     def _write_groups(self, path: str, groups: Iterable[tuple[str, Iterable[bytes]]]) -> None:
         """Each group's lines to its file, in order: one open per file, one

@@ -171,7 +171,8 @@ TRANSITIONS = 64
 """Transitions a plan keeps (``transition``), at most: sources beyond are computed again."""
 
 
-def _groups(writes: list[tuple[str, str]]) -> Groups:
+def group_writes(writes: list[tuple[str, str]]) -> Groups:
+    """``plan_writes``' ``(file name, rule line)`` pairs as runs of lines to one file, in order."""
     groups: list[tuple[str, list[bytes]]] = []
     for name, text_line in writes:
         if not groups or groups[-1][0] != name:
@@ -199,7 +200,7 @@ class V1Plan(NamedTuple):
 def fresh_plan(access: Policy) -> V1Plan:
     """The ``V1Plan`` of ``access`` (see ``V1Plan``)."""
     target = v1_exceptions(access)
-    groups = _groups(plan_writes(None, target))
+    groups = group_writes(plan_writes(None, target))
     if not access.deny and all(rule.type != "a" for rule in access.allow):
         enforced = access  # the kernel holds exactly these rules
     else:
@@ -222,7 +223,7 @@ def transition(source: Policy, target: Policy) -> Groups:
     plan = target.v1_plan
     groups = plan.transitions.get(source)
     if groups is None:
-        groups = _groups(plan_writes(source.v1_plan.target, plan.target))
+        groups = group_writes(plan_writes(source.v1_plan.target, plan.target))
         if len(plan.transitions) >= TRANSITIONS:
             plan.transitions.clear()
         plan.transitions[source] = groups
