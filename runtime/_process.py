@@ -173,7 +173,9 @@ class Process:
         self._explicit_id = id is not None
         self._mailbox: deque = deque()
         self._scheduled = False
-        self._wake: Callable[[], None] | None = None  # schedules the drain (set at spawn: ``Runtime._waker``)
+        # the runtime's scheduler, called with this process when it gets work
+        # while idle (set at spawn: ``Runtime._schedule``; it holds no process)
+        self._wake: Callable[["Process"], None] | None = None
         self._held = False  # an async initialize is suspended, holding the mailbox
         self._state = RUNNING
         self._runtime: "Runtime | None" = None
@@ -188,6 +190,7 @@ class Process:
     # What most processes never get, shared empty until one does (a live
     # actor costs less memory): linked processes, HTTP routes.
     _linkers: "set[PID] | frozenset[PID]" = frozenset()
+    _context: Any = None  # the context its drain runs in on a run queue (set at spawn)
     _routes: "dict[str, tuple[Callable, str]] | types.MappingProxyType" = types.MappingProxyType({})
 
     # -- hooks ------------------------------------------------------------

@@ -6,12 +6,16 @@ Rules (libprocess' run queue, on asyncio's own loops):
   queue, not in debug mode (there ``call_soon``'s checks stay); otherwise
   None, and the runtime schedules each drain with ``call_soon`` (trio,
   other loops, debug mode).
-- ``waker(drain)`` is what a process calls when it gets work while idle:
-  its drain joins the queue, run in a context of the process's own (copied
-  from the spawner's at spawn), and one ``asyncio.Handle``, the pump, is
-  appended to the loop's ready queue when the run queue stops being empty
-  (what ``call_soon`` does, without a new Handle and a context copy each
-  time).
+- ``schedule(process)`` is what a process calls when it gets work while
+  idle: the process joins the queue, its drain run in its context
+  (``process._context``, copied from the spawner's at spawn), and one
+  ``asyncio.Handle``, the pump, is appended to the loop's ready queue when
+  the run queue stops being empty (what ``call_soon`` does, without a new
+  Handle and a context copy each time).
+- Nothing here holds a process once its drain has run: ``schedule`` is one
+  function for the whole runtime (no closure per process, so no reference
+  cycle through the process; a terminated process is freed by reference
+  counting alone), and the queue holds a process only while it is queued.
 - The pump runs the drains queued, in order, those they wake included, up
   to ``PUMP_LIMIT`` drains a loop turn; the rest go next turn, after the
   loop's other callbacks and tasks. So a dispatch from one process to
@@ -53,8 +57,7 @@ class RunQueue:
     def __init__(self, loop: asyncio.BaseEventLoop, ready: deque) -> None:
         self._loop = loop
         self._ready = ready
-        # (context.run, drain) of each process woken, (None, TaskWait) of each
-        # task resumed, in order
+        # each process woken and the TaskWait of each task resumed, in order
         self._runnable: deque = deque()
         self._queued = False
         self._handle = asyncio.Handle(self._pump, (), loop, contextvars.copy_context())
@@ -69,20 +72,20 @@ class RunQueue:
             return cls(loop, ready)
         return None
 
-    def waker(self, drain: Callable[[], None]) -> Callable[[], None]:
-        """What a process calls to have ``drain`` run (in a copy of the current context)."""
-        entry = (contextvars.copy_context().run, drain)
+    def scheduler(self) -> Callable[[Any], None]:
+        """The function a process calls, with itself, to have its drain run
+        (one for the runtime: see the module rules)."""
         queue = self._runnable.append
         ready = self._ready.append
         handle = self._handle
 
-        def wake() -> None:
-            queue(entry)
+        def schedule(process: Any) -> None:
+            queue(process)
             if not self._queued:
                 self._queued = True
                 ready(handle)
 
-        return wake
+        return schedule
 
     def _pump(self) -> None:
         """Run the queued drains, those they wake included, up to ``PUMP_LIMIT``."""
@@ -92,17 +95,17 @@ class RunQueue:
         try:
             while runnable and left:
                 left -= 1
-                run, drain = popleft()
+                item = popleft()
                 try:
-                    if run is None:  # a task's wake-up (drain is its TaskWait)
-                        drain._context.run(drain._wakeup, drain._outcome)
-                    else:
-                        run(drain)
+                    if type(item) is TaskWait:  # a task's wake-up
+                        item._context.run(item._wakeup, item._outcome)
+                    else:  # a process
+                        item._context.run(item._drain)
                 except (SystemExit, KeyboardInterrupt):
                     raise
                 except BaseException as exc:  # noqa: BLE001 - as asyncio's Handle does
                     self._loop.call_exception_handler({
-                        "message": f"Exception in the drain of {getattr(drain, '__self__', drain)!r}",
+                        "message": f"Exception in the drain of {item!r}",
                         "exception": exc,
                     })
         finally:
@@ -141,7 +144,7 @@ class TaskWait:
         if self._future is not None and self._wakeup is not None:
             self._future = None
             queue = self._queue
-            queue._runnable.append((None, self))
+            queue._runnable.append(self)
             if not queue._queued:
                 queue._queued = True
                 queue._ready.append(queue._handle)

@@ -46,7 +46,7 @@ Rules (libprocess's process manager, scoped):
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextvars
 import logging
 from typing import Any, Callable
 
@@ -102,7 +102,10 @@ class Runtime:
         self._processes: dict[PID, Process] = {}
         self._filters: list[Any] = []
         self._call_soon: Callable[..., Any] | None = None
-        self._run_queue: RunQueue | None = None  # on asyncio's own loops (see ``_waker``)
+        self._run_queue: RunQueue | None = None  # on asyncio's own loops
+        # what a process calls with itself when it gets work while idle: one
+        # function for the runtime, holding no process (see ``_run_queue``)
+        self._schedule: Callable[[Process], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._backend = ""
         self._previous: Runtime | None = None
@@ -120,10 +123,12 @@ class Runtime:
             self._call_soon = loop.call_soon
             self._loop = loop
             self._run_queue = RunQueue.on(loop)
+            self._schedule = self._run_queue.scheduler() if self._run_queue is not None else _call_soon_drain(loop.call_soon)
         else:
             self._loop = None
             self._backend = "trio"
             self._call_soon = soon = _TrioSoon()
+            self._schedule = _call_soon_drain(soon)
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         if self._backend == "trio":
@@ -200,24 +205,20 @@ class Runtime:
             raise Failure(f"A process with id {pid} is already running: give each live process a unique id")
         process._pid = pid
         process._runtime = self
-        process._wake = self._waker(process)
+        process._wake = wake = self._schedule
+        if self._run_queue is not None:
+            process._context = contextvars.copy_context()
         self._processes[pid] = process
         process._mailbox.appendleft((_initialize_event, (), None, None))
         process._scheduled = True
-        process._wake()
+        wake(process)
         return pid
-
-    def _waker(self, proc: Process) -> Callable[[], None]:
-        """What schedules ``proc``'s drain (see the module rules)."""
-        if self._run_queue is not None:
-            return self._run_queue.waker(proc._drain)
-        return functools.partial(self._call_soon, proc._drain)
 
     def _enqueue(self, proc: Process, fn: Any, args: tuple, kwargs: dict | None, future: Future | None) -> None:
         proc._mailbox.append((fn, args, kwargs, future))
         if not proc._scheduled:
             proc._scheduled = True
-            proc._wake()
+            proc._wake(proc)
 
     def dispatch(self, pid: PID, method: Callable[..., Any], args: tuple, kwargs: dict) -> Future:
         proc = self._processes.get(pid)
@@ -231,7 +232,7 @@ class Runtime:
         proc._mailbox.append((method, args, kwargs, future))
         if not proc._scheduled:
             proc._scheduled = True
-            proc._wake()
+            proc._wake(proc)
         return future
 
     def terminate(self, pid: PID, inject: bool = True) -> None:
@@ -252,7 +253,7 @@ class Runtime:
             proc._mailbox.append(event)
         if not proc._scheduled:
             proc._scheduled = True
-            proc._wake()
+            proc._wake(proc)
 
     def wait(self, pid: PID) -> Future[None]:
         """READY once ``pid`` has finalized; at once when it is unknown."""
@@ -272,7 +273,7 @@ class Runtime:
             proc._mailbox.append((_message_event, name, body, from_))
             if not proc._scheduled:
                 proc._scheduled = True
-                proc._wake()
+                proc._wake(proc)
             return
         if proc is None:
             if self._remote(to, "send to"):
@@ -288,7 +289,7 @@ class Runtime:
         proc._mailbox.append((_message_event, name, body, from_))
         if not proc._scheduled:
             proc._scheduled = True
-            proc._wake()
+            proc._wake(proc)
 
     def _count_dropped(self, n: int) -> None:
         """``n`` messages dropped (their process is not running): counted in
@@ -348,7 +349,7 @@ class Runtime:
                 complete(future, stop.value)
             return
         except (KeyboardInterrupt, SystemExit):
-            proc._wake()  # the rest of the mailbox still runs
+            proc._wake(proc)  # the rest of the mailbox still runs
             raise
         except BaseException as e:  # noqa: BLE001 - every Future completes
             _async_failed(proc, coro, future, e)
@@ -367,7 +368,7 @@ class Runtime:
             coro.close()
             return
         if not hold:
-            proc._wake()
+            proc._wake(proc)
         key = handle if handle is not None else asyncio.current_task()
         try:
             if handle is None:
@@ -409,7 +410,7 @@ class Runtime:
         if hold:
             proc._held = False
             if proc._state is not TERMINATED:
-                proc._wake()
+                proc._wake(proc)
 
     def _cancel_task(self, handle: Any) -> None:
         if type(handle) is _CoroutineType:  # parked by ``_step``: cancel it now
@@ -473,6 +474,15 @@ class Runtime:
         return list(self._processes)
 
 
+def _call_soon_drain(call_soon: Callable[..., Any]) -> Callable[[Process], None]:
+    """The scheduler where there is no run queue: ``call_soon`` the drain."""
+
+    def schedule(proc: Process) -> None:
+        call_soon(proc._drain)
+
+    return schedule
+
+
 def _resumer(rt: Runtime, proc: Process, coro: Any) -> Callable[[Future], None]:
     """The callback that queues the resumption of a parked async method."""
 
@@ -519,7 +529,7 @@ def dispatch(pid: PID, method: Callable[..., Any], *args: Any, **kwargs: Any) ->
         proc._mailbox.append((method, args, kwargs, future))
         if not proc._scheduled:
             proc._scheduled = True
-            proc._wake()
+            proc._wake(proc)
         return future
     return rt.dispatch(pid, method, args, kwargs)
 

@@ -169,6 +169,7 @@ class _TrioSoon:
                     fn()
                 except Exception:
                     logger.exception("Runtime callback %r raised", fn)
+            fn = None  # hold no drain (and so no process) while parked
             if queue:  # more came meanwhile: let other tasks run first
                 await lowlevel.checkpoint()
 
