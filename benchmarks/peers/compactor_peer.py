@@ -20,7 +20,7 @@ import itertools
 import logging
 from typing import Any
 
-from .contender import Contender, check_told
+from .contender import Contender, bursts, check_told, turn
 
 
 def _classes() -> tuple[type, type]:
@@ -107,11 +107,14 @@ class CompactorContender(Contender):
         for process in processes:
             self._context.terminate(process.pid)
 
-    async def tells(self, m: int) -> None:
+    async def tells(self, m: int, burst: int = 0) -> None:
         send = self._caller.send
         to = self._echo.pid
-        for _ in range(m):
-            send(to, "tell", b"")
+        parts = bursts(m, burst)
+        for part in parts:
+            for _ in part:
+                send(to, "tell", b"")
+            await turn(parts)
         await self._call(to)  # handled after every tell before it
         told, self._echo.seen = self._echo.seen, 0
         check_told(self, told, m)

@@ -12,9 +12,11 @@ Rules:
   ``callers(n, width)``: ``width`` concurrent callers sharing ``n`` round
   trips (each doing ``n // width``). ``fan_out(k)``: ``k`` fresh actors
   are spawned and each called once (``live``), then all are stopped and
-  awaited (``release``). ``tells(m)``: ``m`` fire-and-forget messages to
-  one actor, then one call to ``received`` to sync; a count other than
-  ``m`` is an error (``check_told``), never a figure.
+  awaited (``release``). ``tells(m, burst)``: ``m`` fire-and-forget
+  messages to one actor, in bursts of ``burst`` with a loop turn after
+  each (``bursts``; 0: all at once), then one call to ``received`` to
+  sync; a count other than ``m`` is an error (``check_told``), never a
+  figure.
 - A contender that has ``live`` gets a peak-RSS-per-live-actor figure
   (``memory``), whether or not it runs the fan-out.
 - ``missing()`` says why a contender cannot run here (a module not
@@ -92,8 +94,23 @@ class Contender:
     async def fan_out(self, k: int) -> None:
         await self.release(await self.live(k))
 
-    async def tells(self, m: int) -> None:
+    async def tells(self, m: int, burst: int = 0) -> None:
         raise NotImplementedError
+
+
+def bursts(m: int, burst: int) -> list[range]:
+    """The indices of ``m`` tells in bursts of ``burst`` (0, or ``m`` or
+    more: one burst); a contender's ``tells`` sends each burst, then
+    ``await turn(parts)``."""
+    step = burst if 0 < burst < m else max(m, 1)
+    return [range(i, min(m, i + step)) for i in range(0, m, step)]
+
+
+async def turn(parts: list[range]) -> None:
+    """Between bursts, one loop turn (the actor drains what came); none
+    when all the tells are one burst."""
+    if len(parts) > 1:
+        await asyncio.sleep(0)
 
 
 def check_told(contender: Contender, told: Any, m: int) -> None:

@@ -2,7 +2,8 @@
 
 Rules:
 - ``lineup()`` builds one of each: the runtime first (the others' ratios
-  are to it), the Queue actor, the peer frameworks, then the reported-only
+  are to it), the Queue actors (calling a method per message, and the
+  leanest one, handling a tell inline), the peer frameworks, then the reported-only
   variants (the runtime's dispatch as a tell, xoscar's ``LocalActorRef``),
   which live in the runtime and the pool their owners started.
 - ``pick(contenders, keys)`` keeps the ones named (the runtime always:
@@ -15,14 +16,14 @@ from .compactor_peer import CompactorContender
 from .contender import Contender
 from .ours import DispatchTells, RuntimeContender
 from .pykka_peer import PykkaContender
-from .queue_actor import QueueContender
+from .queue_actor import QueueContender, QueueInlineContender
 from .thespian_peer import ThespianContender
 from .xoscar_peer import XoscarContender, XoscarLocalContender
 
 
 def lineup() -> list[Contender]:
     xoscar = XoscarContender()
-    return [RuntimeContender(), QueueContender(), PykkaContender(), xoscar, ThespianContender(),
+    return [RuntimeContender(), QueueContender(), QueueInlineContender(), PykkaContender(), xoscar, ThespianContender(),
             CompactorContender(), DispatchTells(), XoscarLocalContender(xoscar)]
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from runtime import PID, Runtime, collect, dispatch, send, spawn, terminate, wait
 
 from ..dispatch import Echo, runtime_calls
-from .contender import Contender, check_told
+from .contender import Contender, bursts, check_told, turn
 
 
 class Counter(Echo):
@@ -68,10 +68,13 @@ class RuntimeContender(Contender):
             terminate(pid)
         await collect([wait(pid) for pid in pids])
 
-    async def tells(self, m: int) -> None:
+    async def tells(self, m: int, burst: int = 0) -> None:
         pid = self._pid
-        for i in range(m):
-            send(pid, "tell", i)
+        parts = bursts(m, burst)
+        for part in parts:
+            for i in part:
+                send(pid, "tell", i)
+            await turn(parts)
         check_told(self, await dispatch(pid, Counter.received), m)
 
 
@@ -86,9 +89,12 @@ class DispatchTells(Contender):
     async def start(self) -> None:  # in the runtime ``RuntimeContender`` started
         self._pid = spawn(Counter())
 
-    async def tells(self, m: int) -> None:
+    async def tells(self, m: int, burst: int = 0) -> None:
         pid = self._pid
         tell = Counter.tell
-        for i in range(m):
-            dispatch(pid, tell, i)
+        parts = bursts(m, burst)
+        for part in parts:
+            for i in part:
+                dispatch(pid, tell, i)
+            await turn(parts)
         check_told(self, await dispatch(pid, Counter.received), m)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from .contender import ECHO, RECEIVED, TELL, Contender, check_told
+from .contender import Contender, ECHO, RECEIVED, TELL, bursts, check_told, turn
 
 
 def _actor_class() -> type:
@@ -77,8 +77,11 @@ class PykkaContender(Contender):
     async def release(self, refs: list[Any]) -> None:
         self._pykka.get_all([ref.stop(block=False) for ref in refs])
 
-    async def tells(self, m: int) -> None:
+    async def tells(self, m: int, burst: int = 0) -> None:
         tell = self._ref.tell
-        for i in range(m):
-            tell((TELL, i))
+        parts = bursts(m, burst)
+        for part in parts:
+            for i in part:
+                tell((TELL, i))
+            await turn(parts)
         check_told(self, self._ref.ask((RECEIVED, None)), m)

@@ -11,6 +11,11 @@ Rules:
   caller awaits it; ``tell(method, argument)`` puts it without one (as
   ``send`` does). Each side pays one plain call per message for its API,
   nothing more. Stopping an actor: the end message, then awaiting its task.
+- The inline variant (``QueueInlineContender``, tells only) is the leanest
+  queue actor: its serving task counts a tell itself (no method call per
+  tell) and takes what is already queued with ``get_nowait`` (no
+  coroutine per message); the sender puts ``(None, argument, None)``
+  with ``put_nowait`` straight from its loop.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from .contender import Contender, check_told
+from .contender import Contender, bursts, check_told, turn
 
 _END = (None, None, None)
 
@@ -56,16 +61,36 @@ async def serve(queue: asyncio.Queue) -> None:
             future.set_result(result)
 
 
+async def serve_inline(queue: asyncio.Queue, handler: Handler) -> None:
+    """The leanest queue actor's loop (see the module rules)."""
+    get, get_nowait, qsize = queue.get, queue.get_nowait, queue.qsize
+    while True:
+        method, argument, future = await get()
+        while True:
+            if future is None:
+                if method is None and argument is None:
+                    return
+                handler.seen += 1  # a tell, handled here
+            else:
+                future.set_result(method(argument))
+            if not qsize():
+                break
+            method, argument, future = get_nowait()
+
+
 class QueueActor:
     """One actor: its queue, its task and its handler."""
 
     __slots__ = ("queue", "task", "handler", "_put", "_create_future")
 
-    def __init__(self) -> None:
+    def __init__(self, loop_of: Any = None) -> None:
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.task = loop.create_task(serve(self.queue))
         self.handler = Handler()
+        if loop_of is None:
+            self.task = loop.create_task(serve(self.queue))
+        else:
+            self.task = loop.create_task(loop_of(self.queue, self.handler))
         self._put = self.queue.put_nowait
         self._create_future = loop.create_future
 
@@ -108,10 +133,34 @@ class QueueContender(Contender):
             actor.queue.put_nowait(_END)
         await asyncio.gather(*(actor.task for actor in actors))
 
-    async def tells(self, m: int) -> None:
+    async def tells(self, m: int, burst: int = 0) -> None:
         actor = self._actor
         tell = actor.tell
         method = actor.handler.tell
-        for i in range(m):
-            tell(method, i)
+        parts = bursts(m, burst)
+        for part in parts:
+            for i in part:
+                tell(method, i)
+            await turn(parts)
+        check_told(self, await actor.call(actor.handler.received), m)
+
+
+class QueueInlineContender(QueueContender):
+    """The leanest queue actor, for the tells (see the module rules)."""
+
+    key = "queue_inline"
+    label = "asyncio.Queue actor, tells inline"
+    workloads = ("tells",)
+
+    async def start(self) -> None:
+        self._actor = QueueActor(serve_inline)
+
+    async def tells(self, m: int, burst: int = 0) -> None:
+        actor = self._actor
+        put = actor.queue.put_nowait
+        parts = bursts(m, burst)
+        for part in parts:
+            for i in part:
+                put((None, i, None))
+            await turn(parts)
         check_told(self, await actor.call(actor.handler.received), m)

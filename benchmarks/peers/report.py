@@ -19,7 +19,8 @@ from .measure import Counts
 
 HEADINGS = {"sequential": "sequential/s", "callers": "{width} callers/s", "fan_out": "fan-out actors/s",
             "tells": "tells/s"}
-NAMES = {"sequential": "sequential", "callers": "{width} callers", "fan_out": "fan-out", "tells": "tells"}
+NAMES = {"sequential": "sequential", "callers": "{width} callers", "fan_out": "fan-out", "tells": "tells",
+         "fan_out_slowest": "fan-out slowest batch ÷ median"}
 
 
 def _cell(row: dict[str, Any] | None, key: str) -> tuple[str, str]:
@@ -37,7 +38,8 @@ def format_table(contenders: list[Contender], summary: dict[str, dict[str, Any]]
         f"Actor frameworks side by side: one process (asyncio), interleaved round robin, "
         f"medians of {counts.rounds} rounds; ratio = runtime / contender",
         f"{counts.n:,} round trips a run ({counts.width} callers share them in the callers run), "
-        f"fan-out of {counts.actors:,} actors, {counts.tells:,} tells; load average {load_text}",
+        f"fan-out of {counts.actors:,} actors {counts.batches} times in a row (collector on), {counts.tells:,} tells"
+        + (f" in bursts of {counts.burst:,}" if counts.burst else "") + f"; load average {load_text}",
         "",
     ]
     measured = [c for c in contenders if c.key in summary]
@@ -64,14 +66,23 @@ def format_table(contenders: list[Contender], summary: dict[str, dict[str, Any]]
             row = summary[c.key].get(w)
             line += f"  {row['cpu_us_per_op']:>12.2f}" if row is not None else f"  {'':>12}"
         lines.append(line)
+    batch_rows = [(c, summary[c.key]["fan_out"]["batches"]) for c in measured
+                  if "batches" in summary[c.key].get("fan_out", {})]
+    if batch_rows:
+        lines += ["", "Fan-out batches (actors/s of each batch run back to back, over the rounds)"]
+        for c, b in batch_rows:
+            lines.append(f"  {c.title():<{width}}  median {b['median']:>10,}  slowest {b['slowest']:>10,}"
+                         f"  slowest ÷ median {b['slowest_to_median']:.2f}")
     if bar_rows:
         titles = {c.key: c.title() for c in contenders}
         lines += ["", "Bars (the runtime's ratio, median of the rounds)"]
-        for row in bar_rows:
-            name = NAMES[row["workload"]].format(width=counts.width)
+        names = [NAMES[row["workload"]].format(width=counts.width) for row in bar_rows]
+        name_width = max(len(n) for n in names)
+        for row, name in zip(bar_rows, names):
             ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "?"
             verdict = "met" if row["met"] else "NOT MET"
-            lines.append(f"  {name:<12} vs {titles[row['against']]:<{width}} {ratio:>6} >= {row['need']:.1f}  {verdict}")
+            against = "" if row["against"] == "runtime" else f"vs {titles[row['against']]}"
+            lines.append(f"  {name:<{name_width}} {against:<{width + 3}} {ratio:>6} >= {row['need']:.1f}  {verdict}")
     notes = {k: v for k, v in memory.items() if isinstance(v, str)}
     if missing or notes:
         lines.append("")

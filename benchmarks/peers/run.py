@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=None, help=f"round trips a run (default {DEFAULT.n:,})")
     parser.add_argument("--callers", type=int, default=DEFAULT.width, help=f"concurrent callers (default {DEFAULT.width})")
     parser.add_argument("--actors", type=int, default=DEFAULT.actors, help=f"fan-out actors (default {DEFAULT.actors:,})")
+    parser.add_argument("--batches", type=int, default=DEFAULT.batches,
+                        help=f"fan-out batches run back to back, each timed (default {DEFAULT.batches})")
     parser.add_argument("--tells", type=int, default=None, help=f"tells a run (default {DEFAULT.tells:,})")
+    parser.add_argument("--tell-burst", type=int, default=DEFAULT.burst,
+                        help="tells sent before each loop turn (default 0: all of them at once)")
     parser.add_argument("--memory-actors", type=int, default=2_000,
                         help="live actors for the RSS figure (default 2,000; 0: no memory figures)")
     parser.add_argument("--only", default=None,
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     base = QUICK if args.quick else DEFAULT
     counts = Counts(args.n if args.n is not None else base.n, args.callers, args.actors,
                     args.tells if args.tells is not None else base.tells,
-                    args.repeat if args.repeat is not None else base.rounds)
+                    args.repeat if args.repeat is not None else base.rounds, args.batches, args.tell_burst)
     everyone = lineup()
     keys = None
     if args.only is not None:
@@ -71,9 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown contender(s) {', '.join(sorted(unknown))}: choose from "
                          + ", ".join(c.key for c in everyone))
     if counts.n < counts.width or counts.width < 1 or counts.actors < 1 or counts.tells < 1 or counts.rounds < 1 \
-            or args.memory_actors < 0:
-        parser.error(f"need --n >= --callers >= 1, --actors, --tells and --repeat >= 1 and --memory-actors >= 0, got "
-                     f"n={counts.n} callers={counts.width} actors={counts.actors} tells={counts.tells} "
+            or counts.batches < 1 or counts.burst < 0 or args.memory_actors < 0:
+        parser.error(f"need --n >= --callers >= 1, --actors, --batches, --tells and --repeat >= 1 and --tell-burst, "
+                     f"--memory-actors >= 0, got n={counts.n} callers={counts.width} actors={counts.actors} "
+                     f"batches={counts.batches} tells={counts.tells} tell-burst={counts.burst} "
                      f"repeat={counts.rounds} memory-actors={args.memory_actors}")
     chosen = pick(everyone, keys)
     missing = {c.key: why for c in chosen if (why := c.missing()) is not None}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .contender import ECHO, RECEIVED, TELL, Contender, check_told
+from .contender import Contender, ECHO, RECEIVED, TELL, bursts, check_told, turn
 
 TIMEOUT = 30.0  # seconds an ask may take before it counts as lost
 
@@ -82,9 +82,12 @@ class ThespianContender(Contender):
         for address in addresses:
             self._system.tell(address, self._exit())
 
-    async def tells(self, m: int) -> None:
+    async def tells(self, m: int, burst: int = 0) -> None:
         tell = self._system.tell
         address = self._address
-        for i in range(m):
-            tell(address, (TELL, i))
+        parts = bursts(m, burst)
+        for part in parts:
+            for i in part:
+                tell(address, (TELL, i))
+            await turn(parts)
         check_told(self, self._ask(address, (RECEIVED, None)), m)

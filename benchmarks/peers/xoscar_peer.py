@@ -20,7 +20,7 @@ import asyncio
 import itertools
 from typing import Any
 
-from .contender import Contender, check_told
+from .contender import Contender, bursts, check_told, turn
 
 _ids = itertools.count()
 
@@ -79,10 +79,13 @@ class XoscarContender(Contender):
     async def release(self, refs: list[Any]) -> None:
         await asyncio.gather(*(self._xo.destroy_actor(ref) for ref in refs))
 
-    async def tells(self, m: int) -> None:
+    async def tells(self, m: int, burst: int = 0) -> None:
         tell = self._ref.tell.tell
-        for i in range(m):
-            await tell(i)
+        parts = bursts(m, burst)
+        for part in parts:
+            for i in part:
+                await tell(i)
+            await turn(parts)
         check_told(self, await self._ref.received(), m)
 
 
@@ -110,8 +113,11 @@ class XoscarLocalContender(Contender):
         for i in range(n):
             await echo(i)
 
-    async def tells(self, m: int) -> None:
+    async def tells(self, m: int, burst: int = 0) -> None:
         tell = self._ref.tell.tell
-        for i in range(m):
-            await tell(i)
+        parts = bursts(m, burst)
+        for part in parts:
+            for i in part:
+                await tell(i)
+            await turn(parts)
         check_told(self, await self._ref.received(), m)

@@ -32,7 +32,8 @@ def run_json(capsys: Any, *args: str) -> dict:
 def test_the_runtime_against_the_queue_actor_reports_medians_ratios_bars_and_memory(capsys: Any) -> None:
     result = run_json(capsys, "--only", "queue", "--memory-actors", "50")
     assert result["benchmark"] == "peers"
-    assert result["counts"] == {"n": 200, "width": 10, "actors": 20, "tells": 300, "rounds": 3}
+    assert result["counts"] == {"n": 200, "width": 10, "actors": 20, "tells": 300, "rounds": 3, "batches": 5,
+                                "burst": 0}
     assert len(result["load_average"]) == 3 and result["python"]
     assert set(result["contenders"]) == {"runtime", "queue"}
     ours = result["contenders"]["runtime"]["workloads"]
@@ -46,8 +47,16 @@ def test_the_runtime_against_the_queue_actor_reports_medians_ratios_bars_and_mem
         assert ours[workload]["ratio"] == 1.0
         expected = statistics.median(ours[workload]["runs"]) / statistics.median(theirs[workload]["runs"])
         assert theirs[workload]["ratio"] == pytest.approx(expected, rel=0.01)
-    bars = {row["workload"]: row for row in result["bars"]}
-    assert set(bars) == WORKLOADS and all(row["against"] == "queue" for row in result["bars"])
+    for row in (ours["fan_out"], theirs["fan_out"]):  # 5 batches a run, 3 runs: each batch's rate
+        batches = row["batches"]
+        assert 0 < batches["slowest"] <= batches["median"]
+        assert batches["slowest_to_median"] == pytest.approx(batches["slowest"] / batches["median"], rel=0.01)
+    slowest = [row for row in result["bars"] if row["workload"] == "fan_out_slowest"]
+    assert slowest == [{"against": "runtime", "workload": "fan_out_slowest", "need": 0.5,
+                        "ratio": ours["fan_out"]["batches"]["slowest_to_median"],
+                        "met": ours["fan_out"]["batches"]["slowest_to_median"] >= 0.5}]
+    bars = {row["workload"]: row for row in result["bars"] if row["against"] == "queue"}
+    assert set(bars) == WORKLOADS and len(result["bars"]) == len(WORKLOADS) + 1
     for workload, row in bars.items():
         assert row["need"] == QUEUE_BARS[workload]
         assert row["ratio"] == theirs[workload]["ratio"]
@@ -67,6 +76,22 @@ def test_the_table_names_each_contender_the_bars_and_the_load_average(capsys: An
     for name in ("sequential", "10 callers", "fan-out", "tells"):
         assert f"  {name}" in table and "vs asyncio.Queue actor" in table
     assert json.loads(json_line)["benchmark"] == "peers"
+
+
+def test_tells_in_bursts_reach_the_actor_and_the_inline_queue_actor_is_held_to_the_tells_bar(capsys: Any) -> None:
+    result = run_json(capsys, "--repeat", "1", "--only", "queue_inline", "--memory-actors", "0", "--tell-burst", "7")
+    assert result["counts"]["burst"] == 7
+    assert set(result["contenders"]["queue_inline"]["workloads"]) == {"tells"}
+    rows = [row for row in result["bars"] if row["against"] == "queue_inline"]
+    assert [row["workload"] for row in rows] == ["tells"] and rows[0]["need"] == QUEUE_BARS["tells"]
+    assert rows[0]["met"] == (rows[0]["ratio"] >= 1.0)
+
+
+def test_bursts_split_the_tells_and_zero_is_one_burst() -> None:
+    from benchmarks.peers.contender import bursts
+
+    assert bursts(10, 0) == [range(0, 10)] and bursts(10, 10) == [range(0, 10)] and bursts(10, 50) == [range(0, 10)]
+    assert bursts(10, 4) == [range(0, 4), range(4, 8), range(8, 10)]
 
 
 def test_a_framework_that_is_not_installed_is_reported_and_left_out(capsys: Any, monkeypatch: Any) -> None:
