@@ -23,6 +23,12 @@ Commands:
   (``python -m benchmarks.churn`` from a checkout), not in the installed
   package.
 
+An installation the running user cannot read (a checkout or venv under a
+0700 home, run by another user) is named as such when one of this
+project's own modules fails to import: which path that user cannot read,
+and that the installation must be readable by the user running it (exit
+2), never an "internal error".
+
 Exit codes: 0 when every expectation held (or the command succeeded); 1 when
 a script ran and an expectation did not hold; 2 for bad arguments, a bad
 script or a node that cannot start (no NVML included): one line on stderr
@@ -310,6 +316,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (Failure, ValueError, OSError) as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except ImportError as e:
+        unreadable = _unreadable_installation(e)
+        if unreadable is None:
+            raise
+        print(f"{PROG}: error: {unreadable}", file=sys.stderr)
+        return 2
     except Exception as e:  # a bug: still one line, the traceback with --verbose
         if verbose:
             traceback.print_exc()
@@ -329,6 +341,55 @@ def _stdout_to_devnull() -> None:
         os.close(devnull)
     except (OSError, ValueError):  # no stdout to speak of: nothing will be flushed to it
         pass
+
+
+OWN_PACKAGES = ("runtime", "actors", "isolators")
+
+
+def _unreadable_installation(error: ImportError) -> str | None:
+    """What to say when one of this project's modules failed to import
+    because the running user cannot read the installation (None: another
+    cause, a bug to report as one)."""
+    name = error.name or ""
+    if name.split(".")[0] not in OWN_PACKAGES:
+        return None
+    parts = name.split(".")
+    for depth in range(len(parts) - 1, 0, -1):  # the deepest package already imported
+        package = sys.modules.get(".".join(parts[:depth]))
+        if package is not None and getattr(package, "__path__", None):
+            break
+    else:
+        return None
+    directory = os.path.abspath(list(package.__path__)[0])
+    blocked = _first_unreadable(directory)
+    if blocked is None:
+        return None
+    try:
+        import pwd
+
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except (ImportError, KeyError):
+        user = str(os.getuid())
+    try:
+        info = os.stat(blocked)
+        whose = f" (mode {info.st_mode & 0o7777:04o}, owner uid {info.st_uid})"
+    except OSError:
+        whose = ""
+    return (f"cannot import {name}: this installation ({directory}) is not readable by user {user} "
+            f"(uid {os.getuid()}): {blocked}{whose} is in the way. The installation must be readable by the user "
+            f"running {PROG}: install it where that user can read it (e.g. a venv under /opt), or run it as "
+            f"its owner")
+
+
+def _first_unreadable(directory: str) -> str | None:
+    """The first path from / down to ``directory`` this process may not
+    traverse (or, for ``directory`` itself, list); None when all may be."""
+    path = os.sep
+    for part in [p for p in directory.split(os.sep) if p]:
+        if not os.access(path, os.X_OK):
+            return path
+        path = os.path.join(path, part)
+    return None if os.access(path, os.R_OK | os.X_OK) else path
 
 
 def _one_line(error: BaseException) -> str:

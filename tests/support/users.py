@@ -18,6 +18,21 @@ Rules:
   the user started would be, and runs. From there on the kernel knows it
   as the user's process, nothing else: ``SO_PEERCRED``,
   ``/proc/<pid>/status``, signals and ptrace all say so.
+- What such a process imports of this project comes from a read-only
+  copy every user can read (``readable_copy()``: ``runtime``, ``actors``,
+  ``isolators`` and ``tests.support``, byte-compiled, in a root-owned
+  0755 directory under /tmp made once per test session and removed at
+  its end), never from the checkout: a checkout may live where only its
+  owner can enter (a clone under ``/root``, mode 0700 on Debian), and the
+  program imports parts of itself lazily after the drop (a command's
+  module when the parser is built). A copy rather than a skip: the
+  shared box is the most security-relevant behaviour there is, and a
+  root user's clone in their home is the common case on a server, so it
+  must be tested there too. The interpreter, its standard library and
+  the venv's packages are not copied (about 1.4 GB here): the root-started
+  interpreter imports what the program needs of them before the drop, as
+  it always did. ``popen(..., root=DIR)`` imports from ``DIR`` instead
+  (a test of what an unreadable installation does).
 - ``user.cli(*args)`` is ``gpu-isolator ARGS`` as that user.
 - ``public_dir(prefix)``: a directory every user may traverse (mode 0755,
   under ``/tmp``), for the sockets, device nodes and programs such users
@@ -26,6 +41,8 @@ Rules:
 
 from __future__ import annotations
 
+import atexit
+import compileall
 import contextlib
 import grp
 import os
@@ -45,6 +62,8 @@ ROOT = Path(__file__).resolve().parents[2]
 _AS_USER = r"""
 import ctypes, importlib, os, sys
 sys.path.insert(0, sys.argv.pop(1))  # this project (tests.support modules are imported from it)
+# an editable install's finder would import this project from its checkout, ahead of sys.path
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
 import json, socket, signal, select, secrets, threading, errno, struct, array, shlex, time, argparse, encodings.idna
 import msgspec
 import isolators.cli
@@ -61,6 +80,34 @@ ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: as a process the user
 sys.argv = [module, *sys.argv[6:]]
 sys.exit(main(sys.argv[1:]))
 """
+
+
+COPIED = ("runtime", "actors", "isolators", "tests/__init__.py", "tests/support")
+_copy: str | None = None
+
+
+def readable_copy() -> str:
+    """A read-only copy of this project that every user can read (see the
+    module rules), made on first use and removed when the session ends."""
+    global _copy
+    if _copy is None:
+        directory = tempfile.mkdtemp(prefix="gpu-isolator-test-copy-", dir="/tmp")
+        atexit.register(shutil.rmtree, directory, True)
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+        for name in COPIED:
+            source, target = ROOT / name, os.path.join(directory, name)
+            if source.is_dir():
+                shutil.copytree(source, target, ignore=ignore)
+            else:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copy2(source, target)
+        compileall.compile_dir(directory, quiet=1)  # as root: the users' imports read bytecode, write none
+        for path, dirs, files in os.walk(directory):
+            os.chmod(path, 0o755 if path == directory else 0o555)
+            for file in files:
+                os.chmod(os.path.join(path, file), 0o444)
+        _copy = directory
+    return _copy
 
 
 def _skip_unless_able() -> None:
@@ -92,12 +139,14 @@ class ThrowawayUser:
         subprocess.run(["gpasswd", "-a", self.name, group], check=True, capture_output=True)
 
     def popen(self, module: str, *args: str, cwd: str | os.PathLike[str] = "/", cgroup: str | None = None,
-              **popen: Any) -> subprocess.Popen:
+              root: str | os.PathLike[str] | None = None, **popen: Any) -> subprocess.Popen:
         """``module.main(args)`` as this user (see module rules); ``cgroup``:
-        a ``cgroup.procs`` file to join first, as the user's session."""
+        a ``cgroup.procs`` file to join first, as the user's session;
+        ``root``: where this project is imported from (default: the
+        readable copy)."""
         groups = ",".join(str(g) for g in self.groups)
-        return subprocess.Popen([sys.executable, "-c", _AS_USER, str(ROOT), str(self.uid), str(self.gid), groups,
-                                 cgroup or "-", module, *args], cwd=cwd, **popen)
+        return subprocess.Popen([sys.executable, "-c", _AS_USER, str(root or readable_copy()), str(self.uid),
+                                 str(self.gid), groups, cgroup or "-", module, *args], cwd=cwd, **popen)
 
     def cli(self, *args: str, **popen: Any) -> subprocess.Popen:
         """``gpu-isolator ARGS`` as this user."""
