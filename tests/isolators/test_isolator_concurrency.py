@@ -10,11 +10,8 @@ import pytest
 
 import runtime
 from isolators import ContainerConfig, ContainerID, Resources
+from tests.support.containers import config
 from tests.support.errors import assert_isolator_error
-
-
-def one_gpu() -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse("gpus:1"))
 
 
 async def settle(futures):
@@ -28,7 +25,7 @@ async def test_fifty_simultaneous_prepares_on_four_gpus(node) -> None:
     async with runtime.Runtime():
         components, isolator = await node.start()
         ids = [ContainerID(f"c{i}") for i in range(50)]
-        outcomes = await settle([isolator.prepare(cid, one_gpu()) for cid in ids])
+        outcomes = await settle([isolator.prepare(cid, config(1)) for cid in ids])
         winners = [cid.value for cid, out in zip(ids, outcomes) if not isinstance(out, BaseException)]
         losers = [out for out in outcomes if isinstance(out, BaseException)]
         assert len(winners) == 4 and len(losers) == 46
@@ -52,11 +49,11 @@ async def test_prepare_and_cleanup_of_one_id_racing(node) -> None:
         components, isolator = await node.start()
         futures = []
         for i in range(20):
-            config = ContainerConfig(resources=Resources.parse(f"gpus:{1 + i % 4}"))
+            asked = config(f"gpus:{1 + i % 4}")
             if i % 2:
-                futures += [isolator.cleanup(cid), isolator.prepare(cid, config), isolator.cleanup(cid)]
+                futures += [isolator.cleanup(cid), isolator.prepare(cid, asked), isolator.cleanup(cid)]
             else:
-                futures += [isolator.prepare(cid, config), isolator.update(cid, Resources.parse("gpus:2")),
+                futures += [isolator.prepare(cid, asked), isolator.update(cid, Resources.parse("gpus:2")),
                             isolator.cleanup(cid)]
         outcomes = await settle(futures)
         assert not [o for o in outcomes if isinstance(o, BaseException)]
@@ -74,7 +71,7 @@ async def test_racing_over_several_ids_leaks_nothing(memory_node) -> None:
         for round_ in range(10):
             for n in range(6):
                 cid = ContainerID(f"c{n}")
-                futures.append(isolator.prepare(cid, ContainerConfig(resources=Resources.parse(f"gpus:{n % 3}"))))
+                futures.append(isolator.prepare(cid, config(f"gpus:{n % 3}")))
                 futures.append(isolator.update(cid, Resources.parse(f"gpus:{(n + round_) % 3}")))
                 futures.append(isolator.usage(cid))
                 futures.append(isolator.cleanup(cid))
@@ -95,17 +92,17 @@ async def test_calls_for_one_id_apply_in_arrival_order(node) -> None:
         futures = [
             isolator.update(cid, Resources.parse("gpus:1")),          # before prepare: unknown
             isolator.usage(cid),                                      # before prepare: unknown
-            isolator.prepare(cid, one_gpu()),
+            isolator.prepare(cid, config(1)),
             isolator.usage(cid),                                      # 1 GPU
             isolator.update(cid, Resources.parse("gpus:3")),
             isolator.usage(cid),                                      # 3 GPUs
-            isolator.prepare(cid, one_gpu()),                         # already prepared
+            isolator.prepare(cid, config(1)),                         # already prepared
             isolator.update(cid, Resources.parse("gpus:2")),
             isolator.containers(),
             isolator.usage(cid),                                      # 2 GPUs
             isolator.cleanup(cid),
             isolator.usage(cid),                                      # unknown again
-            isolator.prepare(cid, ContainerConfig(resources=Resources.parse("gpus:4"))),
+            isolator.prepare(cid, config("gpus:4")),
             isolator.usage(cid),                                      # 4 GPUs
         ]
         out = await settle(futures)
@@ -131,7 +128,7 @@ async def test_different_containers_do_not_wait_for_each_other(memory_node) -> N
     """A call on one id is not queued behind a pending call on another."""
     async with runtime.Runtime():
         components, isolator = await memory_node.start()
-        await isolator.prepare(ContainerID("a"), one_gpu())
+        await isolator.prepare(ContainerID("a"), config(1))
         # Hold the allocator: a's update waits on it; b's usage must still answer.
         gate = runtime.Promise()
         original = components.allocator.allocate_resources

@@ -30,8 +30,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
+from isolators import ContainerID, IsolatorError, Resources
 from runtime import Runtime
+from tests.support.containers import config
 from tests.support.errors import assert_isolator_error
 from tests.support.kernel import skip_reason
 from tests.support.nodes import judge
@@ -58,10 +59,6 @@ operation = st.one_of(
     st.tuples(st.just("cleanup"), ids, st.just(0)),
     st.tuples(st.just("reconcile"), st.just(""), st.just(0)),
 )
-
-
-def config(gpus: int) -> ContainerConfig:
-    return ContainerConfig(resources=Resources.parse(f"cpus:1;gpus:{gpus}"))
 
 
 class IsolatorMachine(RuleBasedStateMachine):
@@ -137,7 +134,7 @@ class IsolatorMachine(RuleBasedStateMachine):
     def dispatch(self, kind: str, cid: str, k: int) -> Any:
         isolator, container = self.node.isolator, ContainerID(cid)
         if kind == "prepare":
-            return isolator.prepare(container, config(k))
+            return isolator.prepare(container, config(f"cpus:1;gpus:{k}"))
         if kind == "update":
             return isolator.update(container, Resources.parse(f"gpus:{k}"))
         if kind == "usage":
