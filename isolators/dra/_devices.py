@@ -22,7 +22,8 @@ Rules (SPEC section 21):
   parent's island. A ``matchAttribute: gpu.isolator.dev/nvlinkIsland``
   constraint keeps a claim's devices on one island.
 - Capacity ``memory`` in MiB (``<n>Mi``).
-- ``by_name`` / ``by_uuid`` / ``uuids`` find devices and units. Pure: no I/O.
+- ``by_name`` / ``by_uuid`` / ``by_unit`` / ``uuids`` / ``unit_of_uuid`` find devices
+  and units. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -168,3 +169,8 @@ class DraCatalog:
                 f"The node ({inventory.source}) has nothing to publish: no GPU and no MIG device is managed"
                 " (check --resources, --nvidia_gpu_devices and --nvidia_mig_strategy)")
         return cls(devices)
+
+    def unit_of_uuid(self, uuid: str) -> Unit | None:
+        """The unit with this GPU or MIG UUID (None: not published here; the operator's route)."""
+        device = self.by_uuid.get(uuid)
+        return device.unit if device is not None else None

@@ -16,7 +16,7 @@ Rules:
   deletes one; ``slices(node)`` returns the stored slices.
 - ``delay_s`` makes every answer that late (a slow server); ``fail(n,
   code)`` answers the next n requests with that status; ``close()`` is a
-  server that is down (connections refused).
+  server that is down (open connections cut, new ones refused).
 - ``requests`` records every request as ``(seq, method, path, query,
   summary)``; ``transcript(since)`` renders them one per line;
   ``wait_for(predicate)`` waits (bounded, on a condition notified by every
@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import socket
 import threading
 import time
 import uuid
@@ -70,6 +71,7 @@ class FakeApiServer:
         self._versions = itertools.count(1)
         self._changed = threading.Condition()
         self._server: ThreadingHTTPServer | None = None
+        self._connections: set[socket.socket] = set()
         self.address = ""
 
     # -- the server ---------------------------------------------------------------------
@@ -82,10 +84,18 @@ class FakeApiServer:
         return self
 
     def close(self) -> None:
+        """Down: no new connection is accepted and the open ones are cut."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        with self._changed:
+            connections, self._connections = list(self._connections), set()
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def kubeconfig(self, path: str | Path) -> Path:
         path = Path(path)
@@ -250,6 +260,16 @@ def _handler(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
 
         def log_message(self, format: str, *args: Any) -> None:  # quiet: the records are the log
             pass
+
+        def setup(self) -> None:
+            super().setup()
+            with api._changed:
+                api._connections.add(self.connection)
+
+        def finish(self) -> None:
+            with api._changed:
+                api._connections.discard(self.connection)
+            super().finish()
 
         def _serve(self) -> None:
             url = urlsplit(self.path)

@@ -1,0 +1,51 @@
+"""``gpu-isolator dra-plugin``'s options: bad ones exit 2 with one line; other commands load no gRPC or client."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from isolators.cli import main
+
+from tests.support.services import ROOT
+
+DGX8 = Path(__file__).resolve().parents[1] / "inventory" / "data" / "dgx8-nvlink.toml"
+
+
+@pytest.mark.parametrize("args, error", [
+    ([], "gpu-isolator dra-plugin: error: no node name: pass --node_name=NAME or set NODE_NAME"),
+    (["--node_name=n", "--driver_name=GPU_Driver"], "--driver_name: Invalid driver name 'GPU_Driver': expected a DNS"
+                                                    " subdomain of at most 63 characters"),
+    (["--node_name=n", "--credential=/x"], "--credential needs --listen HOST:PORT"),
+    (["--node_name=n", "--api_timeout=0"], "--api_timeout must be > 0, got 0.0"),
+])
+def test_bad_options_exit_2_naming_them(args: list[str], error: str, capsys: pytest.CaptureFixture,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    assert main(["dra-plugin", *args]) == 2
+    assert error in capsys.readouterr().err
+
+
+def test_a_malformed_kubeconfig_exits_2_with_the_reason_and_serves_nothing(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("clusters: [\n")
+    registry = tmp_path / "registry"
+    done = subprocess.run([sys.executable, "-m", "isolators", "dra-plugin", "--node_name=n",
+                           f"--kubeconfig={kubeconfig}", f"--host_file={DGX8}", f"--plugins_registry_dir={registry}",
+                           f"--plugins_dir={tmp_path}/plugins", f"--work_dir={tmp_path}/work"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"gpu-isolator: error: Cannot use the kubeconfig '{kubeconfig}': not a valid kubeconfig (ParserError:")
+    assert done.stdout == "" and not registry.exists()
+
+
+def test_other_commands_load_neither_grpc_nor_the_kubernetes_client() -> None:
+    code = ("import sys; from isolators.cli import _parser; _parser();"
+            " print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'lightkube', 'httpx2', 'google')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=True)
+    assert done.stdout.strip() == "[]"
