@@ -25,7 +25,6 @@ Rules (issue 37; SPEC section 21):
 from __future__ import annotations
 
 import logging
-import os
 import signal
 from typing import Callable
 

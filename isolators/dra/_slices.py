@@ -107,8 +107,6 @@ class SlicePublisher:
 
     async def publish(self, unhealthy: Mapping[Unit, str]) -> bool:
         """Make the API server hold the current slice; True when it wrote one."""
-        from lightkube.resources.resource_v1 import ResourceSlice
-
         try:
             if self.published is None:
                 return await self._first(unhealthy)
