@@ -108,6 +108,16 @@ def test_it_registers_with_the_plugin_watcher_serving_both_dra_versions(dra: Dep
     assert dra.plugin.metrics()["dra_registrations_total"] == 2
 
 
+def test_a_registration_socket_that_disappears_is_served_again(dra: Deployment) -> None:
+    kubelet = dra.ready()
+    socket = dra.sockets / "registry" / f"{DRIVER}-reg.sock"
+    socket.unlink()  # what a kubelet restart does to its plugins_registry
+    dra.plugin.wait_log(f"registration of {DRIVER}: the socket {socket} vanished or was replaced: serving it again")
+    dra.plugin.wait_log(f"registration of {DRIVER}: serving on {socket}", count=2)
+    assert kubelet.register()["name"] == DRIVER  # the plugin watcher finds it anew
+    dra.plugin.wait_log(f"The kubelet registered driver {DRIVER}", count=3)
+
+
 def test_it_publishes_one_pool_of_this_node_and_deletes_the_stale_slice(dra: Deployment) -> None:
     dra.api.wait_for(lambda api: [s for s in api.slices(NODE) if s["metadata"]["name"] == SLICE]
                      and len(api.slices(NODE)) == 1, "the stale slice replaced by the driver's")
