@@ -8,25 +8,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors import NvidiaGpuAllocator
-from actors.allocator import managed_units
-from actors.flags import Flags
-from actors.nvml import SimulatedNvml, read_inventory
 from isolators.dra import (ClaimPlan, ClaimRef, DraCatalog, PlannedDevice, PreparedClaims, check_driver_name,
                            render_slice)
 from isolators.dra._devices import product_family, semver
 from isolators.dra._prepared import CheckpointError, PreparedClaim, read_checkpoint, write_checkpoint
 from isolators.kubelet import PluginSetupError
 
+from tests.support.dra_kubelet import catalog_of
+
 DATA = Path(__file__).resolve().parents[1] / "inventory" / "data"
 
 
 def catalog(node: str, **flags: object) -> DraCatalog:
-    values = Flags(host_file=str(DATA / node), **flags)
-    nvml = SimulatedNvml.from_file(str(DATA / node))
-    nvml.init()
-    inventory = read_inventory(nvml)
-    return DraCatalog.build(managed_units(values, NvidiaGpuAllocator.resources(values), inventory), inventory)
+    return catalog_of(DATA / node, **flags)
 
 
 def test_mixed_mig_devices_are_published_by_minor_gpu_and_compute_instance() -> None:

@@ -18,6 +18,8 @@ Rules:
 - ``DraPluginCommand(args, directory)`` is ``python -m isolators
   dra-plugin ARGS`` (``tests.support.kubelet.PluginCommand``'s process
   handling: first line, log, metrics, HTTP).
+- ``catalog_of(host_file, **flags)`` is the ``DraCatalog`` the driver would
+  publish for a host file's node (in this process, no actor).
 """
 
 from __future__ import annotations
@@ -44,6 +46,21 @@ WAIT = 20.0
 
 def _as_dict(message: Any) -> dict:
     return MessageToDict(message, preserving_proto_field_name=True)
+
+
+def catalog_of(host_file: str | os.PathLike[str], **flags: Any) -> Any:
+    """The devices the driver publishes for ``host_file`` under ``flags``."""
+    from actors import NvidiaGpuAllocator
+    from actors.allocator import managed_units
+    from actors.flags import Flags
+    from actors.nvml import SimulatedNvml, read_inventory
+    from isolators.dra import DraCatalog
+
+    values = Flags(host_file=str(host_file), **flags)
+    nvml = SimulatedNvml.from_file(str(host_file))
+    nvml.init()
+    inventory = read_inventory(nvml)
+    return DraCatalog.build(managed_units(values, NvidiaGpuAllocator.resources(values), inventory), inventory)
 
 
 class DraPluginCommand(PluginCommand):
