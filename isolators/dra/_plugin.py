@@ -16,13 +16,20 @@ Rules (issue 37 items 3-5; SPEC section 21):
   (``plan_claim``); a device unhealthy now is refused unless the result
   has admin access; a device prepared for another claim is refused unless
   sharing allows it (``PreparedClaims.conflicts``; reserved meanwhile, so
-  concurrent prepares cannot both take it). Then, in one executor job, a
-  CDI spec per claim is written (``render_claim_spec``) and the checkpoint
-  after it; only then is the claim answered. A failed write answers each
-  of those claims with the error, removes their specs and prepares nothing.
-- ``unprepare(uids)``: the checkpoint without them is written, then their
-  spec files removed (one job); a uid never prepared (or already
-  unprepared) succeeds: idempotent.
+  concurrent prepares cannot both take it). Then the claim is committed
+  and only then answered.
+- A commit writes a CDI spec per new claim (``render_claim_spec``), then
+  the checkpoint of every claim prepared after it, then removes the specs
+  of unprepared claims: one executor job. Commits are queued and run one
+  at a time; a commit takes every change queued meanwhile (group commit:
+  100 concurrent prepares cost a few jobs, not 100), and the checkpoint it
+  writes is the table after all of them, so no claim answered prepared is
+  missing from it. The table changes only once its commit landed; a
+  failed write answers each claim of that commit with the error (specs
+  just written removed: nothing prepared, nothing lost).
+- ``unprepare(uids)``: a commit without them; their devices stay held
+  until it landed. A uid never prepared (or already unprepared) succeeds:
+  idempotent.
 - ``create`` (restart): the checkpoint is read first (a malformed one stops
   the start); spec files of prepared claims are rewritten when missing or
   different, spec files of this driver's prefix no claim holds (a crash
@@ -81,18 +88,16 @@ def _restore(spec_dir: str, prefix: str, wanted: dict[str, bytes], checkpoint: s
     return [name for name, _ in writes], removals
 
 
-def _prepare_files(spec_dir: str, writes: list[tuple[str, bytes]], checkpoint: str, data: bytes) -> None:
-    """Write the claims' specs, then the checkpoint naming them (blocking); undo the specs on failure."""
+def _commit_files(spec_dir: str, writes: list[tuple[str, bytes]], checkpoint: str, data: bytes,
+                  removals: list[str]) -> None:
+    """One commit (blocking): the new claims' specs, then the checkpoint, then the gone claims' specs.
+    A failed checkpoint write removes the specs just written."""
     apply_spec_changes(spec_dir, writes, [])
     try:
         write_checkpoint(checkpoint, data)
     except CheckpointError:
         apply_spec_changes(spec_dir, [], [name for name, _ in writes])
         raise
-
-
-def _unprepare_files(spec_dir: str, removals: list[str], checkpoint: str, data: bytes) -> None:
-    write_checkpoint(checkpoint, data)
     apply_spec_changes(spec_dir, [], removals)
 
 
@@ -118,6 +123,8 @@ class DraPluginProcess(Process):
         self.executor = Executor(1, name="dra-plugin")
         """Blocking file work: claim specs, the checkpoint."""
         self._metrics: MetricSet | None = None
+        self._queue: list[tuple[list[PreparedClaim], list[PreparedClaim], asyncio.Future]] = []
+        self._committing = False
 
     @classmethod
     async def create(cls, catalog: DraCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, client: Any, *,
@@ -231,22 +238,54 @@ class DraPluginProcess(Process):
             PreparedDevice(request=d.request, pool=d.pool, device=d.device, admin_access=d.admin_access,
                            share_id=d.share_id, cdi_device_ids=[claim_device_id(self.driver, plan.ref.uid, d.device)])
             for d in plan.devices]) for plan in plans]
-        writes = [(claim_spec_file(self.driver, c.ref.uid), self._spec(c.ref.uid, c.devices)) for c in claims]
-        data = self.table.encode(claims)
         try:
-            await self.executor.run(_prepare_files, self.spec_dir, writes, self.checkpoint, data)
+            await self._commit(claims, [])
         except (CdiWriteError, CheckpointError) as error:
-            for plan in plans:
-                self.table.release(plan.ref.uid)
             return {plan.ref.uid: self._refused(ClaimRefused(f"{plan.ref}: {error}; nothing was prepared"))
                     for plan in plans}
         answers = {}
         for claim in claims:
-            self.table.add(claim)
             self.prepares += 1
             logger.info("Prepared %s: %s", claim.ref, ", ".join(i for d in claim.devices for i in d.cdi_device_ids))
             answers[claim.ref.uid] = ClaimAnswer(devices=claim.devices)
         return answers
+
+    async def _commit(self, adds: list[PreparedClaim], removes: list[PreparedClaim]) -> None:
+        """Make the files and the table hold ``adds`` and not ``removes`` (see module rules): queued, and
+        written by whichever call finds no commit running, with every change queued meanwhile (one job)."""
+        done = asyncio.get_running_loop().create_future()
+        self._queue.append((adds, removes, done))
+        if not self._committing:
+            self._committing = True
+            try:
+                while self._queue:
+                    batch, self._queue = self._queue, []
+                    added = [claim for adds, _, _ in batch for claim in adds]
+                    removed = [claim for _, removes, _ in batch for claim in removes]
+                    after = dict(self.table.claims)
+                    for claim in removed:
+                        after.pop(claim.ref.uid, None)
+                    after.update((claim.ref.uid, claim) for claim in added)
+                    writes = [(claim_spec_file(self.driver, c.ref.uid), self._spec(c.ref.uid, c.devices)) for c in added]
+                    removals = [claim_spec_file(self.driver, c.ref.uid) for c in removed]
+                    try:
+                        await self.executor.run(_commit_files, self.spec_dir, writes, self.checkpoint,
+                                                PreparedClaims(list(after.values())).encode(), removals)
+                    except (CdiWriteError, CheckpointError) as error:
+                        for claim in added:
+                            self.table.release(claim.ref.uid)
+                        for _, _, future in batch:
+                            future.set_exception(error)
+                        continue
+                    for claim in removed:
+                        self.table.remove(claim.ref.uid)
+                    for claim in added:
+                        self.table.add(claim)
+                    for _, _, future in batch:
+                        future.set_result(None)
+            finally:
+                self._committing = False
+        await done
 
     async def unprepare(self, refs: list[ClaimRef]) -> dict[str, str]:
         """uid -> error ("" when done) for every claim (see module rules)."""
@@ -258,22 +297,18 @@ class DraPluginProcess(Process):
             except ClaimRefused as refused:
                 answers[ref.uid] = str(refused).replace("nothing was prepared", "nothing was unprepared")
                 continue
-            claim = self.table.remove(ref.uid)
+            claim = self.table.claims.get(ref.uid)
             if claim is not None:
                 gone.append(claim)
             answers[ref.uid] = ""
         if gone:
-            removals = [claim_spec_file(self.driver, c.ref.uid) for c in gone]
             try:
-                await self.executor.run(_unprepare_files, self.spec_dir, removals, self.checkpoint,
-                                        self.table.encode())
+                await self._commit([], gone)
             except (CdiWriteError, CheckpointError) as error:
                 for claim in gone:
-                    self.table.add(claim)
                     answers[claim.ref.uid] = f"{claim.ref}: {error}; it stays prepared"
                 return answers
             for claim in gone:
                 self.unprepares += 1
                 logger.info("Unprepared %s", claim.ref)
         return answers
-

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -226,6 +227,21 @@ def test_a_device_prepared_for_one_claim_is_refused_for_another_unless_shared(dr
                                                                                             x, y)}
     assert "devices" in kubelet.prepare([second])[second[2]]  # free again
     kubelet.unprepare([second])
+
+
+def test_concurrent_prepares_all_reach_the_checkpoint_and_never_share_an_exclusive_device(dra: Deployment) -> None:
+    kubelet = dra.ready()
+    shared = [new_claim(dra, [f"gpu-{4 + i % 3}"], share_id=f"s{i}") for i in range(12)]
+    rivals = [new_claim(dra, ["gpu-7"]) for _ in range(4)]
+    with ThreadPoolExecutor(len(shared) + len(rivals)) as pool:
+        answers = list(pool.map(lambda ref: kubelet.prepare([ref])[ref[2]], shared + rivals))
+    assert all("devices" in answer for answer in answers[:len(shared)])
+    assert sorted("devices" in answer for answer in answers[len(shared):]) == [False, False, False, True]
+    winner = next(ref for ref, answer in zip(rivals, answers[len(shared):]) if "devices" in answer)
+    assert set(dra.prepared_uids()) >= {ref[2] for ref in shared + [winner]}  # every answered claim checkpointed
+    assert not set(dra.prepared_uids()) & {ref[2] for ref in rivals if ref != winner}
+    kubelet.unprepare(shared + rivals)
+    assert not set(dra.prepared_uids()) & {ref[2] for ref in shared + rivals}
 
 
 def test_unprepare_removes_what_the_claim_prepared_and_is_idempotent(dra: Deployment) -> None:
