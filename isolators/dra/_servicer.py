@@ -20,7 +20,6 @@ Rules (issue 37 items 2, 3 and 5):
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any, AsyncIterator
@@ -30,6 +29,7 @@ import grpc
 from actors import NvidiaGpuAllocator
 from runtime import PID, dispatch
 
+from ..kubelet._health_watch import health_snapshots
 from ._api import DRA_VERSIONS, health, health_rpc, registration, registration_rpc
 from ._claims import ClaimRef
 from ._devices import DraCatalog
@@ -121,16 +121,8 @@ class HealthServicer(health_rpc.DRAResourceHealthServicer):
         self.allocator = allocator
 
     async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        generation = None
         sent = None
-        while True:
-            future = self.allocator.health_since(generation)
-            try:
-                snapshot = await future
-            except asyncio.CancelledError:
-                future.discard()
-                raise
-            generation = snapshot.generation
+        async for snapshot in health_snapshots(self.allocator):
             unhealthy = {unit: why for unit, why in snapshot.unhealthy.items() if unit in self.catalog.by_unit}
             if unhealthy != sent:
                 sent = unhealthy

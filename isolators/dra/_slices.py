@@ -160,27 +160,20 @@ class SlicePublisher:
 async def keep_published(publisher: SlicePublisher, allocator: Any, *, retry_max_s: float = 8.0,
                          published: Any = None) -> None:
     """Publish now, then after every health change, until cancelled (``published``: called after each
-    write). A failed publish is logged and tried again (1 s doubling to ``retry_max_s``) with the newest
-    health; the loop itself never ends on the API server's account."""
+    write). A failed publish is logged and tried again (1 s doubling to ``retry_max_s``); the loop itself
+    never ends on the API server's account, and the next change it sees is the newest."""
     import anyio
 
-    generation = None
-    backoff = 1.0
-    while True:
-        future = allocator.health_since(generation)
-        try:
-            snapshot = await future
-        except BaseException:
-            future.discard()
-            raise
-        try:
-            if await publisher.publish(snapshot.unhealthy) and published is not None:
-                published()
-        except SlicePublishError as error:
-            logger.warning("%s; trying again in %gs", error, backoff)
-            await anyio.sleep(backoff)
-            backoff = min(retry_max_s, backoff * 2)
-            generation = None
-            continue
+    from ..kubelet._health_watch import health_snapshots
+
+    async for snapshot in health_snapshots(allocator):
         backoff = 1.0
-        generation = snapshot.generation
+        while True:
+            try:
+                if await publisher.publish(snapshot.unhealthy) and published is not None:
+                    published()
+                break
+            except SlicePublishError as error:
+                logger.warning("%s; trying again in %gs", error, backoff)
+                await anyio.sleep(backoff)
+                backoff = min(retry_max_s, backoff * 2)

@@ -3,7 +3,7 @@
 Rules:
 - ``generate(output_root)`` runs ``grpcio-tools``' protoc (the version
   pinned in ``pyproject.toml``'s test extra) on every file of ``PROTOS``
-  with the repository as its include root (``SOURCE_ROOT``, as the kubelet
+  with the repository as its include root (``compile_proto`` of the kubelet
   device plugin's ``_proto/generate.py``), so the modules import by their
   package path (``isolators.dra._proto.dra_v1_pb2``); it writes each
   proto's ``_pb2.py``, ``_pb2.pyi`` and ``_pb2_grpc.py`` under
@@ -18,13 +18,11 @@ Rules:
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import sys
 from pathlib import Path
 
-from isolators.kubelet._proto.generate import SOURCE_ROOT
+from isolators.kubelet._proto.generate import SOURCE_ROOT, compile_proto
 
 __all__ = ["PROTOS", "GENERATED", "SOURCE_ROOT", "generate"]
 
@@ -36,19 +34,9 @@ GENERATED = tuple(proto[:-len(".proto")] + suffix for proto in PROTOS
 
 def generate(output_root: str | os.PathLike[str]) -> list[Path]:
     """Compile every .proto under ``output_root`` (see the module rules)."""
-    from grpc_tools import protoc  # the developer's tool, not the driver's dependency
-
-    output_root = Path(output_root)
-    output_root.mkdir(parents=True, exist_ok=True)
     for proto in PROTOS:
-        args = ["grpc_tools.protoc", f"-I{SOURCE_ROOT}", f"--python_out={output_root}",
-                f"--pyi_out={output_root}", f"--grpc_python_out={output_root}", str(SOURCE_ROOT / proto)]
-        captured = io.StringIO()
-        with contextlib.redirect_stderr(captured):
-            code = protoc.main(args)
-        if code != 0:
-            raise RuntimeError(f"protoc failed on {proto} ({code}): {captured.getvalue().strip()}")
-    return [output_root / name for name in GENERATED]
+        compile_proto(proto, output_root)
+    return [Path(output_root) / name for name in GENERATED]
 
 
 if __name__ == "__main__":  # pragma: no cover - a developer's command
