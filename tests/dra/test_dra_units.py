@@ -137,3 +137,22 @@ def test_the_checkpoint_round_trips_and_a_malformed_one_is_refused(tmp_path: Pat
     path.write_text("{not json")
     with pytest.raises(CheckpointError, match=f"The prepared-claims checkpoint {path} is malformed"):
         read_checkpoint(str(path))
+
+
+def test_a_mig_claims_spec_holds_its_parent_and_its_two_capability_nodes() -> None:
+    import msgspec
+
+    from actors.mig import read_mig_capabilities
+    from isolators.cdi import NodeFacts
+    from isolators.dra import render_claim_spec
+
+    published = catalog("h200-mig.toml", nvidia_mig_strategy="mixed")
+    proc = Path(__file__).resolve().parents[2] / "examples" / "h200-mig-proc"
+    facts = NodeFacts(control_devices={}, volume=None, volume_env={}, caps=read_mig_capabilities(str(proc)))
+    units = [(name, published.by_name[name].unit) for name in ("mig-0-3-0", "gpu-1")]
+    spec = msgspec.json.decode(render_claim_spec("gpu.isolator.dev", "u-1", units, published.uuids, facts, "/dev"))
+    assert [(d["name"], [n["path"] for n in d["containerEdits"]["deviceNodes"]]) for d in spec["devices"]] == [
+        ("u-1-mig-0-3-0", ["/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap30", "/dev/nvidia-caps/nvidia-cap31"]),
+        ("u-1-gpu-1", ["/dev/nvidia1"])]
+    assert spec["containerEdits"]["env"] == [
+        "NVIDIA_VISIBLE_DEVICES=" + ",".join(published.uuids[unit] for _, unit in sorted(units, key=lambda u: u[1]))]
