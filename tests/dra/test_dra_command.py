@@ -49,3 +49,24 @@ def test_other_commands_load_neither_grpc_nor_the_kubernetes_client() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_a_malformed_checkpoint_stops_the_start_naming_it(tmp_path: Path) -> None:
+    from tests.support.kube_api import FakeApiServer
+
+    checkpoint = tmp_path / "work" / "dra" / "gpu.isolator.dev" / "prepared-claims.json"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_text('{"version": 1, "claims": [{"ref": 3}]}')
+    api = FakeApiServer().start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "isolators", "dra-plugin", "--node_name=n",
+                               f"--kubeconfig={api.kubeconfig(tmp_path / 'kubeconfig')}", f"--host_file={DGX8}",
+                               f"--plugins_registry_dir={tmp_path}/registry", f"--plugins_dir={tmp_path}/plugins",
+                               f"--work_dir={tmp_path}/work", f"--volume_dir={tmp_path}/volume",
+                               f"--cdi_spec_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        api.close()
+    assert done.returncode == 2, done.stderr
+    assert (f"gpu-isolator: error: The prepared-claims checkpoint {checkpoint} is malformed (Expected `object`, got"
+            " `int`") in done.stderr
+    assert not (tmp_path / "registry").exists() and api.requests == []  # nothing served, nothing published

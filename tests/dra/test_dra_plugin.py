@@ -267,6 +267,9 @@ def test_a_slow_api_server_fails_that_claim_and_nothing_else(dra: Deployment) ->
     dra.api.delay_s = 1.5  # over --api_timeout=1
     try:
         answer = kubelet.prepare([ref])
+        # The server answers late, to a client gone; wait for that, so it touches no later test's request.
+        dra.api.wait_for(lambda api: any(r[2].endswith(f"/resourceclaims/{ref[1]}") for r in api.requests),
+                         "the slow answer")
     finally:
         dra.api.delay_s = 0.0
     assert answer == {ref[2]: {"error": f"claim team/{ref[1]} (uid {ref[2]}): cannot be read: the API server"
@@ -287,10 +290,13 @@ def test_a_restarted_driver_republishes_at_once_and_keeps_its_claims_even_with_t
     assert not (dra.sockets / "registry" / f"{DRIVER}-reg.sock").exists()  # its own sockets removed
     (dra.cdi / f"{DRIVER}-claim_{kept[2]}.json").unlink()  # lost meanwhile: restored at start
     (dra.cdi / f"{DRIVER}-claim_orphan.json").write_text("{}")  # a crash's leftover: removed at start
+    dra.api.fail(1, 503)  # its first request: the API server is unavailable a moment
     dra.plugin = DraPluginCommand(dra.args, dra.base)
     dra.plugin.start()
     dra.api.wait_for(lambda api: api.slices(NODE)[0]["spec"]["pool"]["generation"] == generation + 1,
                      "the restarted driver's republish")
+    assert (f"Cannot publish ResourceSlice {SLICE}: the API server answered 503 ServiceUnavailable: the fake API"
+            " server was told to fail; trying again in 1s") in dra.plugin.log()
     assert f"{DRIVER}-claim_{kept[2]}.json" in dra.specs() and f"{DRIVER}-claim_orphan.json" not in dra.specs()
     kubelet.register()
     dra.api.close()  # the API server is down from here
