@@ -70,3 +70,14 @@ def test_a_malformed_checkpoint_stops_the_start_naming_it(tmp_path: Path) -> Non
     assert (f"gpu-isolator: error: The prepared-claims checkpoint {checkpoint} is malformed (Expected `object`, got"
             " `int`") in done.stderr
     assert not (tmp_path / "registry").exists() and api.requests == []  # nothing served, nothing published
+
+
+def test_the_pinned_options_are_there_with_their_documented_defaults(capsys: pytest.CaptureFixture) -> None:
+    assert main(["dra-plugin", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for option in ("--driver_name NAME", "--plugins_registry_dir DIR", "--plugins_dir DIR", "--node_name NAME",
+                   "--kubeconfig FILE", "--listen HOST:PORT", "--credential FILE", "--flags FILE"):
+        assert option in text, option
+    for default in ("default gpu.isolator.dev", "default /var/lib/kubelet/plugins_registry",
+                    "default /var/lib/kubelet/plugins)", "default $NODE_NAME", "in-cluster"):
+        assert default in text, default
