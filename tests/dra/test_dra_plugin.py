@@ -103,10 +103,14 @@ def test_it_registers_with_the_plugin_watcher_serving_both_dra_versions(dra: Dep
     assert info == {"type": "DRAPlugin", "name": DRIVER, "endpoint": endpoint,
                     "supported_versions": ["v1.DRAPlugin", "v1beta1.DRAPlugin"]}
     assert (dra.sockets / "registry" / f"{DRIVER}-reg.sock").exists()
-    assert [m[2] for m in dra.kubelet.messages[:3]] == ["GetInfo", "GetInfo", "NotifyRegistrationStatus"]
+    assert [m[2] for m in dra.kubelet.messages[:6]] == ["GetInfo", "GetInfo", "NotifyRegistrationStatus"] * 2
     assert dra.kubelet.messages[2][3] == {"plugin_registered": True}
     dra.plugin.wait_log(f"The kubelet registered driver {DRIVER}", count=2)
     assert dra.plugin.metrics()["dra_registrations_total"] == 2
+    dra.kubelet.register(refuse="plugin gpu.isolator.dev already registered by another process")
+    dra.plugin.wait_log(f"The kubelet refused to register driver {DRIVER}: plugin gpu.isolator.dev already"
+                        " registered by another process")
+    assert dra.plugin.metrics()["dra_registrations_total"] == 2  # a refusal is logged, not counted
 
 
 def test_a_registration_socket_that_disappears_is_served_again(dra: Deployment) -> None:

@@ -110,7 +110,7 @@ class FakeDraKubelet:
                 raise AssertionError(f"no *-reg.sock in {self.registry_dir} within {timeout}s")
             time.sleep(0.05)
 
-    def register(self, timeout: float = WAIT) -> dict:
+    def register(self, timeout: float = WAIT, refuse: str | None = None) -> dict:
         socket = self.find_socket(timeout)
         with grpc.insecure_channel(unix_target(str(socket))) as channel:
             stub = registration_rpc.RegistrationStub(channel)
@@ -130,10 +130,13 @@ class FakeDraKubelet:
                     probe.close()
                 except grpc.FutureTimeoutError:
                     error = f"cannot dial the DRA endpoint {info.endpoint}"
+            error = error or refuse or ""
             status = registration.RegistrationStatus(plugin_registered=not error, error=error)
             self.record(KUBELET_TO_PLUGIN, "NotifyRegistrationStatus", status)
             stub.NotifyRegistrationStatus(status, timeout=WAIT)
         self.info = _as_dict(info)
+        if refuse is not None:
+            return self.info
         if error:
             raise AssertionError(f"the kubelet refused the registration: {error}")
         if self._channel is not None:
