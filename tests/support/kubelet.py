@@ -32,9 +32,10 @@ Rules:
   removed afterwards; ``write_credential(path)`` a root-owned 0600 secret
   file (the secret is returned).
 - ``PluginCommand(args, env)`` runs ``python -m isolators kubelet-plugin
-  ARGS`` with stderr in a log file; ``start()`` waits (bounded) for its
-  first stdout line (``offering ...``; the metrics address when it
-  listens); ``wait_log(text)`` waits (bounded) for a log line;
+  ARGS`` (``COMMAND``; a subclass names another, as the DRA driver's
+  ``tests.support.dra_kubelet.DraPluginCommand``) with stderr in a log
+  file; ``start()`` waits (bounded) for its first stdout line (holding
+  ``READY``: ``offering ...``; the metrics address when it listens); ``wait_log(text)`` waits (bounded) for a log line;
   ``stop(signal)`` sends it and returns the exit status, killing after a
   bound; ``close()`` kills what is left.
 """
