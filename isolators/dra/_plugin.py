@@ -33,7 +33,9 @@ Rules (issue 37 items 3-5; SPEC section 21):
 - ``create`` (restart): the checkpoint is read first (a malformed one stops
   the start); spec files of prepared claims are rewritten when missing or
   different, spec files of this driver's prefix no claim holds (a crash
-  between the two writes) are removed.
+  between the two writes) are removed. A prepared claim holding a device
+  this node no longer publishes (a GPU gone, MIG reconfigured) stays
+  prepared with its spec left as it is, logged, until it is unprepared.
 - ``registered(ok, error)`` records what the kubelet's plugin watcher said.
 - Metrics: counters ``dra/prepares`` (claims prepared, repeats included),
   ``dra/unprepares``, ``dra/prepare_failures`` (claims refused);
@@ -79,11 +81,11 @@ class ClaimAnswer(msgspec.Struct, frozen=True, kw_only=True):
     error: str = ""
 
 
-def _restore(spec_dir: str, prefix: str, wanted: dict[str, bytes], checkpoint: str) -> tuple[list[str], list[str]]:
-    """At start: rewrite missing or changed claim specs, remove orphans (blocking; one job)."""
+def _restore(spec_dir: str, prefix: str, wanted: dict[str, bytes], kept: set[str]) -> tuple[list[str], list[str]]:
+    """At start: rewrite missing or changed claim specs, remove orphans, leave ``kept`` (blocking; one job)."""
     present = read_spec_files(spec_dir, prefix)
     writes = [(name, data) for name, data in wanted.items() if present.get(name) != data]
-    removals = [name for name in list_spec_files(spec_dir, prefix) if name not in wanted]
+    removals = [name for name in list_spec_files(spec_dir, prefix) if name not in wanted and name not in kept]
     apply_spec_changes(spec_dir, writes, removals)
     return [name for name, _ in writes], removals
 
@@ -136,9 +138,17 @@ class DraPluginProcess(Process):
             prepared = await executor.run(read_checkpoint, checkpoint)
             plugin = cls(catalog, allocator, facts, client, driver=driver, node=node, spec_dir=spec_dir,
                          dev_dir=dev_dir, checkpoint=checkpoint, prepared=prepared, credential=credential)
-            wanted = {claim_spec_file(driver, claim.ref.uid): plugin._spec(claim.ref.uid, claim.devices)
-                      for claim in prepared}
-            written, removed = await executor.run(_restore, spec_dir, claim_spec_prefix(driver), wanted, checkpoint)
+            wanted, kept = {}, set()
+            for claim in prepared:
+                name = claim_spec_file(driver, claim.ref.uid)
+                gone = [d.device for d in claim.devices if d.device not in catalog.by_name]
+                if gone:
+                    kept.add(name)
+                    logger.warning("Prepared %s holds %s, which this node no longer publishes: its spec is left as"
+                                   " it is until the kubelet unprepares it", claim.ref, ", ".join(gone))
+                else:
+                    wanted[name] = plugin._spec(claim.ref.uid, claim.devices)
+            written, removed = await executor.run(_restore, spec_dir, claim_spec_prefix(driver), wanted, kept)
         finally:
             executor.shutdown(wait=False)
         if prepared or written or removed:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +83,41 @@ def test_the_pinned_options_are_there_with_their_documented_defaults(capsys: pyt
     for default in ("default gpu.isolator.dev", "default /var/lib/kubelet/plugins_registry",
                     "default /var/lib/kubelet/plugins)", "default $NODE_NAME", "in-cluster"):
         assert default in text, default
+
+
+def test_a_checkpointed_claim_on_a_device_gone_stays_prepared_until_unprepared(tmp_path: Path) -> None:
+    from tests.support.dra_kubelet import DraPluginCommand, FakeDraKubelet
+    from tests.support.kube_api import FakeApiServer
+    from tests.support.kubelet import plugin_directory
+
+    uid = "0c9e4b7a-8d21-4f55-b7a3-2b1d6c0e9f10"
+    ids = [f"gpu.isolator.dev/claim={uid}-gpu-9"]
+    checkpoint = tmp_path / "work" / "dra" / "gpu.isolator.dev" / "prepared-claims.json"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_text(json.dumps({"version": 1, "claims": [{"ref": {"namespace": "ns", "name": "old", "uid": uid},
+                                      "devices": [{"request": "r", "pool": "n", "device": "gpu-9",
+                                                   "cdi_device_ids": ids}]}]}))
+    cdi = tmp_path / "cdi"
+    cdi.mkdir()
+    (cdi / f"gpu.isolator.dev-claim_{uid}.json").write_text("{}")  # its spec, from before
+    api = FakeApiServer().start()
+    with plugin_directory() as sockets:
+        plugin = DraPluginCommand([
+            "--node_name=n", f"--kubeconfig={api.kubeconfig(tmp_path / 'kubeconfig')}", f"--host_file={DGX8}",
+            f"--plugins_registry_dir={sockets}/registry", f"--plugins_dir={sockets}/plugins",
+            f"--work_dir={tmp_path}/work", f"--volume_dir={tmp_path}/volume", f"--cdi_spec_dir={cdi}"], tmp_path)
+        kubelet = FakeDraKubelet(sockets / "registry")
+        try:
+            plugin.start()
+            assert (f"Prepared claim ns/old (uid {uid}) holds gpu-9, which this node no longer publishes: its spec is"
+                    " left as it is until the kubelet unprepares it") in plugin.log()
+            kubelet.register()
+            answer = kubelet.prepare([("ns", "old", uid)])[uid]
+            assert [d["cdi_device_ids"] for d in answer["devices"]] == [ids]
+            assert os.listdir(cdi) == [f"gpu.isolator.dev-claim_{uid}.json"]
+            assert kubelet.unprepare([("ns", "old", uid)]) == {uid: {}}
+            assert os.listdir(cdi) == []
+        finally:
+            kubelet.close()
+            plugin.close()
+            api.close()
