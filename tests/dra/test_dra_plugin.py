@@ -265,6 +265,25 @@ def test_unprepare_removes_what_the_claim_prepared_and_is_idempotent(dra: Deploy
     assert min(metrics["dra_prepares_total"], metrics["dra_unprepares_total"], metrics["dra_prepare_failures_total"]) >= 1
 
 
+def test_a_spec_that_cannot_be_written_fails_its_claim_and_prepares_nothing(dra: Deployment) -> None:
+    kubelet = dra.ready()
+    ref = new_claim(dra, ["gpu-5"])
+    before = dra.checkpoint.read_bytes()
+    aside = dra.cdi.with_name("cdi-aside")
+    dra.cdi.rename(aside)  # the CDI dir is gone a moment
+    try:
+        answer = kubelet.prepare([ref])
+    finally:
+        aside.rename(dra.cdi)
+    assert answer == {ref[2]: {"error": f"claim team/{ref[1]} (uid {ref[2]}): Failed to write CDI spec"
+                                        f" '{dra.cdi}/{DRIVER}-claim_{ref[2]}.json': the CDI spec directory"
+                                        f" '{dra.cdi}' does not exist (create it first; container engines read"
+                                        " /etc/cdi and /var/run/cdi); nothing was prepared"}}
+    assert dra.checkpoint.read_bytes() == before and ref[2] not in "".join(dra.specs())
+    assert "devices" in kubelet.prepare([ref])[ref[2]]  # its device was not kept: prepared once the dir is back
+    kubelet.unprepare([ref])
+
+
 def test_a_slow_api_server_fails_that_claim_and_nothing_else(dra: Deployment) -> None:
     kubelet = dra.ready()
     ref = new_claim(dra, ["gpu-2"])
