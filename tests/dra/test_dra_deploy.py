@@ -80,3 +80,15 @@ def test_the_claim_template_asks_two_gpus_on_one_nvlink_island_of_this_driver() 
 def test_the_attributes_the_manifests_use_are_published(attribute: str) -> None:
     published = catalog_of(Path(__file__).resolve().parents[1] / "inventory" / "data" / "dgx8-nvlink.toml")
     assert all(attribute in device.attributes for device in published.devices)
+
+
+def test_the_readme_shows_every_manifest_unchanged() -> None:
+    import re
+
+    import yaml
+
+    readme = (DEPLOY.parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Kubernetes: the DRA driver"):readme.index("## Commands")]
+    blocks = [list(yaml.safe_load_all(text)) for text in re.findall(r"```yaml\n(.*?)```", section, re.S)]
+    for manifest in sorted(DEPLOY.glob("*.yaml")):
+        assert list(yaml.safe_load_all(manifest.read_text())) in blocks, f"README does not show {manifest.name}"
