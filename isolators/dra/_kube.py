@@ -5,8 +5,9 @@ Rules:
   kubeconfig file when given (its current context), else the pod's
   service account (in-cluster: ``KUBERNETES_SERVICE_HOST`` and the token
   under ``/var/run/secrets/kubernetes.io/serviceaccount``). A file that is
-  missing, not YAML, or lacks a current context or its cluster, and an in-cluster start outside a pod, are one
-  ``DraSetupError`` naming the file and what is wrong (the command exits 2);
+  missing, not YAML, or lacks a current context or its cluster, and an
+  in-cluster start outside a pod, are one ``DraSetupError`` naming the
+  file and what is wrong, on one line (the command exits 2);
   nothing is contacted before the config is known good.
 - Every request is bounded by ``timeout_s`` (connect, read, write), so an
   API server that is down or slow fails one claim, not the driver.

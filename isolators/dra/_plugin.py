@@ -276,7 +276,8 @@ class DraPluginProcess(Process):
                     for claim in removed:
                         after.pop(claim.ref.uid, None)
                     after.update((claim.ref.uid, claim) for claim in added)
-                    writes = [(claim_spec_file(self.driver, c.ref.uid), self._spec(c.ref.uid, c.devices)) for c in added]
+                    writes = [(claim_spec_file(self.driver, c.ref.uid), self._spec(c.ref.uid, c.devices))
+                              for c in added]
                     removals = [claim_spec_file(self.driver, c.ref.uid) for c in removed]
                     try:
                         await self.executor.run(_commit_files, self.spec_dir, writes, self.checkpoint,

@@ -37,7 +37,8 @@ from runtime import Failure
 from ._devices import DraCatalog
 from ._kube import api_failure
 
-__all__ = ["SlicePublisher", "SlicePublishError", "keep_published", "render_slice", "slice_name", "taint_key", "TAINT_EFFECT"]
+__all__ = ["SlicePublisher", "SlicePublishError", "keep_published", "render_slice", "slice_name", "taint_key",
+           "TAINT_EFFECT"]
 
 logger = logging.getLogger(__name__)
 

@@ -46,8 +46,9 @@ def test_an_unhealthy_gpu_is_tainted_and_refused_then_recovers(fake_nvml_lib: Pa
     with plugin_directory() as sockets:
         plugin = DraPluginCommand([
             *options, f"--work_dir={tmp_path / 'work'}", f"--plugins_registry_dir={sockets}/registry",
-            f"--plugins_dir={sockets}/plugins", f"--node_name={NODE}", f"--kubeconfig={api.kubeconfig(tmp_path / 'kc')}",
-            "--listen=127.0.0.1:0", f"--credential={tmp_path / 'credential'}", "--poll_interval=0.2"], tmp_path, env=env)
+            f"--plugins_dir={sockets}/plugins", f"--node_name={NODE}",
+            f"--kubeconfig={api.kubeconfig(tmp_path / 'kc')}", "--listen=127.0.0.1:0",
+            f"--credential={tmp_path / 'credential'}", "--poll_interval=0.2"], tmp_path, env=env)
         kubelet = FakeDraKubelet(sockets / "registry")
         try:
             plugin.start()

@@ -262,7 +262,8 @@ def test_unprepare_removes_what_the_claim_prepared_and_is_idempotent(dra: Deploy
     assert bad == {"../../etc": {"error": "claim team/x: uid '../../etc' is not a Kubernetes UID; nothing was"
                                           " unprepared"}}
     metrics = dra.plugin.metrics()
-    assert min(metrics["dra_prepares_total"], metrics["dra_unprepares_total"], metrics["dra_prepare_failures_total"]) >= 1
+    assert min(metrics["dra_prepares_total"], metrics["dra_unprepares_total"],
+               metrics["dra_prepare_failures_total"]) >= 1
 
 
 def test_a_spec_that_cannot_be_written_fails_its_claim_and_prepares_nothing(dra: Deployment) -> None:
