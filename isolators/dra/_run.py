@@ -11,7 +11,7 @@ Rules (issue 37; SPEC section 21):
   volume: no NVML and no host file is an ``IsolatorError``), the catalog,
   the node's CDI facts, the process (checkpoint read, claims' specs
   restored), then the DRA socket (``<plugins_dir>/<driver>/dra.sock``:
-  DRAPlugin v1 and v1beta1, DRAResourceHealth) and only then the
+  DRAPlugin v1 and v1beta1, DRAResourceHealth v1 and v1alpha1) and only then the
   registration socket (``<registry>/<driver>-reg.sock``), so the plugin
   watcher never finds a driver it cannot dial. The ResourceSlice is
   published at once and kept current (``keep_published``): a restarted
@@ -75,12 +75,12 @@ class DraSummary(msgspec.Struct, frozen=True, kw_only=True):
 async def run_dra_plugin(flags: Flags, options: DraOptions, ready: Callable[[DraSummary], None] | None = None) -> None:
     """Run until SIGTERM or SIGINT (see module rules)."""
     from .._components import NvidiaComponents  # the agent's parts, imported once flags were read
-    from ._api import DRA_VERSIONS, health_rpc, registration_rpc
+    from ._api import DRA_VERSIONS, HEALTH_VERSIONS, registration_rpc
     from ._devices import DraCatalog
     from ._kube import kube_client
     from ._plugin import DraPluginProcess
     from ._prepared import checkpoint_path
-    from ._servicer import HealthServicer, RegistrationServicer, dra_servicer
+    from ._servicer import RegistrationServicer, dra_servicer, health_servicer
     from ._slices import SlicePublisher, keep_published
     from ._sockets import SocketServer
 
@@ -106,8 +106,9 @@ async def run_dra_plugin(flags: Flags, options: DraOptions, ready: Callable[[Dra
                     def add_dra(server: object) -> None:
                         for version, (_, rpc) in DRA_VERSIONS.items():
                             rpc.add_DRAPluginServicer_to_server(dra_servicer(version, plugin.pid), server)
-                        health_rpc.add_DRAResourceHealthServicer_to_server(
-                            HealthServicer(catalog, node, components.allocator), server)
+                        for version, (_, rpc) in HEALTH_VERSIONS.items():
+                            rpc.add_DRAResourceHealthServicer_to_server(
+                                health_servicer(version, catalog, node, components.allocator), server)
 
                     def add_registration(server: object) -> None:
                         registration_rpc.add_RegistrationServicer_to_server(

@@ -12,8 +12,9 @@ Rules (issue 37 items 2, 3 and 5):
   in v1 the ``share_id``; or the claim's ``error``);
   ``NodeUnprepareResources`` likewise. A failure outside the per-claim
   answers (a bug) aborts the call with ``INTERNAL`` naming it.
-- ``HealthServicer.NodeWatchResources``: the whole list (every published
-  device, ``HEALTHY`` or ``UNHEALTHY`` with the reason as message, the time
+- ``health_servicer(version)``: ``DRAResourceHealth`` of ``v1`` or
+  ``v1alpha1`` (kubelets 1.34-1.36). ``NodeWatchResources``: the whole
+  list (every published device, ``HEALTHY`` or ``UNHEALTHY`` with the reason as message, the time
   it was determined) at once and after every change of the allocator's
   health, recovery included; a cancelled stream discards its wait.
 """
@@ -30,13 +31,13 @@ from actors import NvidiaGpuAllocator
 from runtime import PID, dispatch
 
 from ..kubelet._health_watch import health_snapshots
-from ._api import DRA_VERSIONS, health, health_rpc, registration, registration_rpc
+from ._api import DRA_VERSIONS, HEALTH_VERSIONS, health, registration, registration_rpc
 from ._claims import ClaimRef
 from ._devices import DraCatalog
 from ._names import PLUGIN_TYPE, SUPPORTED_VERSIONS
 from ._plugin import DraPluginProcess
 
-__all__ = ["RegistrationServicer", "dra_servicer", "HealthServicer", "health_list"]
+__all__ = ["RegistrationServicer", "dra_servicer", "health_servicer", "health_list"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,32 +101,32 @@ async def _ask(context: Any, method: Any, plugin: PID, refs: list[ClaimRef]) -> 
         await context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
 
 
-def health_list(catalog: DraCatalog, node: str, unhealthy: dict, now: int) -> Any:
-    """A ``NodeWatchResourcesResponse`` of every device."""
+def health_list(catalog: DraCatalog, node: str, unhealthy: dict, now: int, pb: Any = health) -> Any:
+    """A ``NodeWatchResourcesResponse`` (of the health package ``pb``) of every device."""
     devices = []
     for device in catalog.devices:
         reason = unhealthy.get(device.unit)
-        devices.append(health.DeviceHealth(
-            device=health.DeviceIdentifier(pool_name=node, device_name=device.name),
-            health=health.UNHEALTHY if reason is not None else health.HEALTHY,
+        devices.append(pb.DeviceHealth(
+            device=pb.DeviceIdentifier(pool_name=node, device_name=device.name),
+            health=pb.UNHEALTHY if reason is not None else pb.HEALTHY,
             last_updated_time=now, message=(reason or "")[:1024]))
-    return health.NodeWatchResourcesResponse(devices=devices)
+    return pb.NodeWatchResourcesResponse(devices=devices)
 
 
-class HealthServicer(health_rpc.DRAResourceHealthServicer):
-    """``v1.DRAResourceHealth`` (see module rules)."""
+def health_servicer(version: str, catalog: DraCatalog, node: str, allocator: NvidiaGpuAllocator) -> Any:
+    """The ``DRAResourceHealth`` servicer of ``version`` (``v1`` / ``v1alpha1``; see module rules)."""
+    pb, rpc = HEALTH_VERSIONS[version]
 
-    def __init__(self, catalog: DraCatalog, node: str, allocator: NvidiaGpuAllocator) -> None:
-        self.catalog = catalog
-        self.node = node
-        self.allocator = allocator
+    class Servicer(rpc.DRAResourceHealthServicer):
+        async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:
+            sent = None
+            async for snapshot in health_snapshots(allocator):
+                unhealthy = {unit: why for unit, why in snapshot.unhealthy.items() if unit in catalog.by_unit}
+                if unhealthy != sent:
+                    sent = unhealthy
+                    logger.info("NodeWatchResources (%s): %d devices, unhealthy: %s", version, len(catalog.devices),
+                                ", ".join(catalog.by_unit[u].name for u in unhealthy) or "none")
+                    yield health_list(catalog, node, unhealthy, int(time.time()), pb)
 
-    async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        sent = None
-        async for snapshot in health_snapshots(self.allocator):
-            unhealthy = {unit: why for unit, why in snapshot.unhealthy.items() if unit in self.catalog.by_unit}
-            if unhealthy != sent:
-                sent = unhealthy
-                logger.info("NodeWatchResources: %d devices, unhealthy: %s", len(self.catalog.devices),
-                            ", ".join(self.catalog.by_unit[u].name for u in unhealthy) or "none")
-                yield health_list(self.catalog, self.node, unhealthy, int(time.time()))
+    Servicer.__name__ = Servicer.__qualname__ = f"DRAResourceHealthServicer[{version}]"
+    return Servicer()

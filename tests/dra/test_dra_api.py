@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from isolators.dra._api import DRA_VERSIONS, dra_v1, dra_v1beta1, health, registration
+from isolators.dra._api import DRA_VERSIONS, HEALTH_VERSIONS, dra_v1, dra_v1beta1, health, health_v1alpha1, registration
 from isolators.dra._proto.generate import GENERATED, SOURCE_ROOT, generate
 
 
 def test_regenerating_the_modules_changes_nothing(tmp_path) -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools (the test extra) regenerates the modules")
     written = generate(tmp_path)
-    assert len(written) == 12
+    assert len(written) == 15
     for name, path in zip(GENERATED, written):
         assert path.read_bytes() == (SOURCE_ROOT / name).read_bytes(), (
             f"{name} is stale: run 'python -m isolators.dra._proto.generate' and commit it")
@@ -50,12 +50,14 @@ def test_both_dra_packages_carry_the_kubelets_names(module, package: str) -> Non
     assert fields(module, "Device") == device
 
 
-def test_health_is_v1_dra_resource_health_streaming_the_whole_list() -> None:
-    assert health.DESCRIPTOR.package == "v1"
-    [method] = health.DESCRIPTOR.services_by_name["DRAResourceHealth"].methods
-    assert (method.full_name, method.server_streaming) == ("v1.DRAResourceHealth.NodeWatchResources", True)
-    assert fields(health, "DeviceHealth") == {"device": 1, "health": 2, "last_updated_time": 3,
+@pytest.mark.parametrize("module, package", [(health, "v1"), (health_v1alpha1, "v1alpha1")])
+def test_health_is_dra_resource_health_streaming_the_whole_list(module, package: str) -> None:
+    assert module.DESCRIPTOR.package == package
+    [method] = module.DESCRIPTOR.services_by_name["DRAResourceHealth"].methods
+    assert (method.full_name, method.server_streaming) == (f"{package}.DRAResourceHealth.NodeWatchResources", True)
+    assert fields(module, "DeviceHealth") == {"device": 1, "health": 2, "last_updated_time": 3,
                                               "health_check_timeout_seconds": 4, "message": 5}
-    assert fields(health, "DeviceIdentifier") == {"pool_name": 1, "device_name": 2}
-    assert dict(health.HealthStatus.items()) == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}
+    assert fields(module, "DeviceIdentifier") == {"pool_name": 1, "device_name": 2}
+    assert dict(module.HealthStatus.items()) == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}
     assert sorted(DRA_VERSIONS) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    assert sorted(HEALTH_VERSIONS) == ["v1", "v1alpha1"]

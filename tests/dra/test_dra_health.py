@@ -54,8 +54,10 @@ def test_an_unhealthy_gpu_is_tainted_and_refused_then_recovers(fake_nvml_lib: Pa
             plugin.start()
             kubelet.register()
             kubelet.watch_health()
+            kubelet.watch_health("v1alpha1")  # what kubelets 1.34-1.36 ask
             first, listing = kubelet.wait_health(lambda listing: True)
             assert listing == [(f"gpu-{i}", "HEALTHY", "") for i in range(4)]
+            assert kubelet.wait_health(lambda listing: True, version="v1alpha1")[1] == listing
             api.wait_for(lambda api: api.slices(NODE), "the slice")
             assert taints(api) == (1, {})
 
@@ -64,6 +66,7 @@ def test_an_unhealthy_gpu_is_tainted_and_refused_then_recovers(fake_nvml_lib: Pa
                                                  after=first + 1)
             assert listing == [("gpu-0", "HEALTHY", ""), ("gpu-1", "UNHEALTHY", "Xid 79"), ("gpu-2", "HEALTHY", ""),
                                ("gpu-3", "HEALTHY", "")]
+            assert kubelet.wait_health(lambda got: got == listing, version="v1alpha1")[1] == listing
             api.wait_for(lambda api: taints(api)[1], "the taint")
             assert taints(api) == (2, {"gpu-1": [{"key": f"{DRIVER}/unhealthy", "value": "Xid-79",
                                                   "effect": "NoSchedule"}]})

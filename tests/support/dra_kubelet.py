@@ -10,8 +10,9 @@ Rules:
   returns the ``PluginInfo`` as a dict. ``prepare(claims, version)`` /
   ``unprepare`` call the driver over the endpoint (``claims``: (namespace,
   name, uid) triples) and return the response as a dict by uid.
-  ``watch_health()`` opens ``NodeWatchResources`` on a thread; each list
-  is kept; ``wait_health(predicate)`` waits (bounded, on a condition).
+  ``watch_health(version)`` opens ``NodeWatchResources`` (``v1`` or
+  ``v1alpha1``) on a thread; each list is kept by version;
+  ``wait_health(predicate, version=...)`` waits (bounded, on a condition).
 - ``messages`` records each message in order as ``(seq, who, rpc, dict)``
   (``who``: ``kubelet->plugin`` / ``plugin->kubelet``); ``transcript()``
   renders them.
@@ -34,7 +35,7 @@ from typing import Any, Callable
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from isolators.dra._api import DRA_VERSIONS, health, health_rpc, registration, registration_rpc
+from isolators.dra._api import DRA_VERSIONS, HEALTH_VERSIONS, registration, registration_rpc
 from isolators.kubelet._names import unix_target
 
 from .kubelet import PluginCommand
@@ -78,10 +79,10 @@ class FakeDraKubelet:
         self.messages: list[tuple[int, str, str, dict]] = []
         self.info: dict | None = None
         self.endpoint: str | None = None
-        self.health_lists: list[list[tuple[str, str, str]]] = []
+        self.health_lists: dict[str, list[list[tuple[str, str, str]]]] = {}
         self._changed = threading.Condition()
         self._channel: grpc.Channel | None = None
-        self._health_call: Any = None
+        self._health_calls: list[Any] = []
 
     def record(self, who: str, method: str, message: Any) -> None:
         with self._changed:
@@ -93,8 +94,8 @@ class FakeDraKubelet:
                          for seq, who, method, body in self.messages[since:])
 
     def close(self) -> None:
-        if self._health_call is not None:
-            self._health_call.cancel()
+        for call in self._health_calls:
+            call.cancel()
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -170,33 +171,39 @@ class FakeDraKubelet:
         return {uid: _as_dict(answer) for uid, answer in response.claims.items()}
 
     # -- health ----------------------------------------------------------------------------
-    def watch_health(self) -> None:
+    def watch_health(self, version: str = "v1") -> None:
+        """Open ``NodeWatchResources`` of ``version`` (``v1`` / ``v1alpha1``); lists go to ``health_lists[version]``."""
         assert self._channel is not None, "register() first"
-        request = health.NodeWatchResourcesRequest()
-        self.record(KUBELET_TO_PLUGIN, "NodeWatchResources", request)
-        self._health_call = health_rpc.DRAResourceHealthStub(self._channel).NodeWatchResources(request)
-        threading.Thread(target=self._consume, daemon=True, name="fake-kubelet-health").start()
+        pb, rpc = HEALTH_VERSIONS[version]
+        request = pb.NodeWatchResourcesRequest()
+        self.record(KUBELET_TO_PLUGIN, f"NodeWatchResources ({version})", request)
+        call = rpc.DRAResourceHealthStub(self._channel).NodeWatchResources(request)
+        self._health_calls.append(call)
+        with self._changed:
+            self.health_lists[version] = []
+        threading.Thread(target=self._consume, args=(version, pb, call), daemon=True,
+                         name=f"fake-kubelet-health-{version}").start()
 
-    def _consume(self) -> None:
+    def _consume(self, version: str, pb: Any, call: Any) -> None:
         try:
-            for response in self._health_call:
-                self.record(PLUGIN_TO_KUBELET, "NodeWatchResources", response)
-                listing = [(d.device.device_name, health.HealthStatus.Name(d.health), d.message)
-                           for d in response.devices]
+            for response in call:
+                self.record(PLUGIN_TO_KUBELET, f"NodeWatchResources ({version})", response)
+                listing = [(d.device.device_name, pb.HealthStatus.Name(d.health), d.message) for d in response.devices]
                 with self._changed:
-                    self.health_lists.append(listing)
+                    self.health_lists[version].append(listing)
                     self._changed.notify_all()
         except grpc.RpcError:
             pass
 
-    def wait_health(self, predicate: Callable[[list], bool], after: int = 0,
-                    timeout: float = WAIT) -> tuple[int, list]:
+    def wait_health(self, predicate: Callable[[list], bool], after: int = 0, timeout: float = WAIT,
+                    version: str = "v1") -> tuple[int, list]:
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
-                for index in range(after, len(self.health_lists)):
-                    if predicate(self.health_lists[index]):
-                        return index, self.health_lists[index]
+                lists = self.health_lists.get(version, [])
+                for index in range(after, len(lists)):
+                    if predicate(lists[index]):
+                        return index, lists[index]
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise AssertionError(f"no matching health list within {timeout}s:\n{self.transcript()}")

@@ -11,7 +11,8 @@ Rules:
   protoc error raises ``RuntimeError`` with its output.
 - The wire packages are the kubelet's: ``pluginregistration``,
   ``k8s.io.kubelet.pkg.apis.dra.v1``, ``k8s.io.kubelet.pkg.apis.dra.v1beta1``
-  and ``v1`` (DRAResourceHealth).
+  and ``v1`` / ``v1alpha1`` (DRAResourceHealth; kubelets 1.34-1.36 ask
+  v1alpha1, whose messages are v1's).
 - ``python -m isolators.dra._proto.generate`` regenerates them in place;
   ``tests/dra/test_dra_api.py`` fails while they are stale.
 """
@@ -27,7 +28,8 @@ from isolators.kubelet._proto.generate import SOURCE_ROOT, compile_proto
 __all__ = ["PROTOS", "GENERATED", "SOURCE_ROOT", "generate"]
 
 _DIR = "isolators/dra/_proto"
-PROTOS = tuple(f"{_DIR}/{name}.proto" for name in ("pluginregistration", "dra_v1", "dra_v1beta1", "dra_health_v1"))
+PROTOS = tuple(f"{_DIR}/{name}.proto" for name in ("pluginregistration", "dra_v1", "dra_v1beta1", "dra_health_v1",
+                                                   "dra_health_v1alpha1"))
 GENERATED = tuple(proto[:-len(".proto")] + suffix for proto in PROTOS
                   for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
 
