@@ -19,6 +19,8 @@ Commands:
   clients (``isolators.service``; SPEC section 16).
 - ``kubelet-plugin``: the Kubernetes device plugin (``isolators.kubelet``;
   SPEC section 18).
+- ``dra-plugin``: the Kubernetes DRA driver (``isolators.dra``; SPEC
+  section 21).
 - The churn benchmark is not a command: it lives in the source tree
   (``python -m benchmarks.churn`` from a checkout), not in the installed
   package.
@@ -150,11 +152,13 @@ def _parser() -> argparse.ArgumentParser:
                           help="write the spec to PATH (atomically; e.g. /etc/cdi/nvidia.yaml) instead of stdout")
     generate.set_defaults(func=_cmd_cdi_generate)
 
+    from .dra._command import add_command as add_dra_command
     from .kubelet._command import add_command as add_kubelet_command
     from .service._commands import add_commands  # serve, exec, status
 
     add_commands(sub)
     add_kubelet_command(sub)
+    add_dra_command(sub)
     return parser
 
 

@@ -31,7 +31,8 @@ def test_the_device_worker_child_imports_its_backends_and_nothing_of_the_agent()
     assert agent == []
 
 
-@pytest.mark.parametrize("package", ["runtime", "actors", "actors.devices", "isolators", "isolators.service"])
+@pytest.mark.parametrize("package", ["runtime", "actors", "actors.devices", "isolators", "isolators.service",
+                                     "isolators.dra"])
 def test_a_package_answers_for_its_exports_its_submodules_and_nothing_else(package: str) -> None:
     module = importlib.import_module(package)
     name = module.__all__[0]

@@ -19,7 +19,6 @@ Rules (R-K8-1..4):
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, AsyncIterator
 
@@ -32,6 +31,7 @@ from ._api import pb, rpc
 from ._names import HEALTHY, UNHEALTHY
 from ._catalog import ResourceOffer
 from ._errors import PluginRequestError
+from ._health_watch import health_snapshots
 from ._plugin import KubeletPluginProcess
 
 __all__ = ["DevicePluginServicer", "list_response"]
@@ -60,18 +60,10 @@ class DevicePluginServicer(rpc.DevicePluginServicer):
         return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
     async def ListAndWatch(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        generation = None
         sent = None
         logger.info("ListAndWatch for %s: a stream opened", self.offer.resource)
         try:
-            while True:
-                future = self.allocator.health_since(generation)
-                try:
-                    snapshot = await future
-                except asyncio.CancelledError:
-                    future.discard()
-                    raise
-                generation = snapshot.generation
+            async for snapshot in health_snapshots(self.allocator):
                 listing = self.offer.listing(snapshot.unhealthy)
                 if listing != sent:
                     sent = listing

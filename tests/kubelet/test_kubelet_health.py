@@ -18,19 +18,17 @@ host file the command exits 2 with NVML's error (R-K8-1, R-NV-1).
 from __future__ import annotations
 
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 
 from actors.nvml import host_spec_from_dict
-from actors.volume.testing import write_ld_cache
 
-from tests.support.fake_nvml import fake_config_text
+from tests.support.fake_nvml import fake_nvml_node as fake_nvml_options
+from tests.support.fake_nvml import raise_event
 from tests.support.kubelet import FakeKubelet, PluginCommand, plugin_directory, write_credential
 from tests.support.services import ROOT
 
@@ -48,27 +46,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the real-NVML node ne
 
 
 def fake_nvml_node(base: Path, lib: Path) -> tuple[list[str], dict[str, str], Path]:
-    """Options and environment for a plugin on the fake NVML; the events file."""
-    dev = base / "dev"
-    dev.mkdir()
-    os.mknod(dev / "nvidiactl", stat.S_IFCHR | 0o666, os.makedev(195, 255))
-    os.mknod(dev / "nvidia-uvm", stat.S_IFCHR | 0o666, os.makedev(235, 0))
-    (base / "proc").mkdir()
-    (base / "cdi").mkdir()
-    config = base / "fake-nvml.conf"
-    config.write_text(fake_config_text(SPEC))
-    events = base / "events"
-    events.write_text("")
-    options = [f"--dev_dir={dev}", f"--proc_dir={base / 'proc'}", f"--ld_cache={write_ld_cache(base / 'ld.so.cache')}",
-               f"--volume_dir={base / 'volume'}", f"--cdi_spec_dir={base / 'cdi'}", "--nvidia_health_wait=0.2"]
-    env = {"LD_LIBRARY_PATH": str(lib.parent), "FAKE_NVML_CONFIG": str(config), "FAKE_NVML_EVENTS": str(events),
-           "FAKE_NVML_FAIL": ""}
-    return options, env, events
-
-
-def raise_event(events: Path, *fields: Any) -> None:
-    with open(events, "a") as handle:
-        handle.write("\t".join(str(f) for f in fields) + "\n")
+    """Options and environment for a plugin on the fake NVML of ``NODE``; the events file."""
+    return fake_nvml_options(base, lib, SPEC)
 
 
 def health(devices: list[tuple[str, str, list[int]]]) -> dict[str, str]:

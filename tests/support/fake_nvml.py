@@ -18,6 +18,12 @@ Rules:
   ``run(jobs, script=NVML_PROBE)`` sends them as JSON and returns the
   child's JSON answer (a failing child is an AssertionError with its
   stderr).
+- ``fake_nvml_node(base, lib, spec)``: the options and environment of a
+  command (``kubelet-plugin``, ``dra-plugin``) on the fake NVML with no
+  host file -- mknod'ed control devices (root), proc, ld.so.cache, volume
+  and CDI dirs under ``base`` -- and the events file the fake's
+  ``nvmlEventSetWait_v2`` reads; ``raise_event(events, *fields)`` appends
+  one event line (``xid <index> <code>``, ``error 999 <n>``).
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from actors.mig import gpu_instance_profile, parse_profile
 from actors.nvml import HostSpec
@@ -57,6 +65,33 @@ def build_fake_nvml(directory: Path) -> Path | None:
         text=True,
     )
     return out
+
+
+def fake_nvml_node(base: Path, lib: Path, spec: HostSpec) -> tuple[list[str], dict[str, str], Path]:
+    """Options and environment for a command on the fake NVML; the events file (see module rules)."""
+    from actors.volume.testing import write_ld_cache
+
+    dev = base / "dev"
+    dev.mkdir()
+    os.mknod(dev / "nvidiactl", stat.S_IFCHR | 0o666, os.makedev(195, 255))
+    os.mknod(dev / "nvidia-uvm", stat.S_IFCHR | 0o666, os.makedev(235, 0))
+    (base / "proc").mkdir()
+    (base / "cdi").mkdir()
+    config = base / "fake-nvml.conf"
+    config.write_text(fake_config_text(spec))
+    events = base / "events"
+    events.write_text("")
+    options = [f"--dev_dir={dev}", f"--proc_dir={base / 'proc'}", f"--ld_cache={write_ld_cache(base / 'ld.so.cache')}",
+               f"--volume_dir={base / 'volume'}", f"--cdi_spec_dir={base / 'cdi'}", "--nvidia_health_wait=0.2"]
+    env = {"LD_LIBRARY_PATH": str(lib.parent), "FAKE_NVML_CONFIG": str(config), "FAKE_NVML_EVENTS": str(events),
+           "FAKE_NVML_FAIL": ""}
+    return options, env, events
+
+
+def raise_event(events: Path, *fields: Any) -> None:
+    """Append one event line for the fake's event wait."""
+    with open(events, "a") as handle:
+        handle.write("\t".join(str(f) for f in fields) + "\n")
 
 
 def fake_config_text(spec: HostSpec) -> str:

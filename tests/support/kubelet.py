@@ -32,9 +32,10 @@ Rules:
   removed afterwards; ``write_credential(path)`` a root-owned 0600 secret
   file (the secret is returned).
 - ``PluginCommand(args, env)`` runs ``python -m isolators kubelet-plugin
-  ARGS`` with stderr in a log file; ``start()`` waits (bounded) for its
-  first stdout line (``offering ...``; the metrics address when it
-  listens); ``wait_log(text)`` waits (bounded) for a log line;
+  ARGS`` (``COMMAND``; a subclass names another, as the DRA driver's
+  ``tests.support.dra_kubelet.DraPluginCommand``) with stderr in a log
+  file; ``start()`` waits (bounded) for its first stdout line (holding
+  ``READY``: ``offering ...``; the metrics address when it listens); ``wait_log(text)`` waits (bounded) for a log line;
   ``stop(signal)`` sends it and returns the exit status, killing after a
   bound; ``close()`` kills what is left.
 """
@@ -329,6 +330,10 @@ class _Registration(rpc.RegistrationServicer):
 class PluginCommand:
     """``gpu-isolator kubelet-plugin`` as a real process (see module rules)."""
 
+    COMMAND = "kubelet-plugin"
+    READY = "offering "
+    """What its first stdout line holds once it serves."""
+
     def __init__(self, args: list[str], directory: str | os.PathLike[str], env: dict[str, str] | None = None) -> None:
         self.args = list(args)
         self.directory = Path(directory)
@@ -336,7 +341,7 @@ class PluginCommand:
         self.process: subprocess.Popen | None = None
         self.first_line = ""
         self.address: str | None = None
-        self._log_path = self.directory / f"kubelet-plugin-{id(self)}.log"
+        self._log_path = self.directory / f"{self.COMMAND}-{id(self)}.log"
 
     @property
     def pid(self) -> int:
@@ -346,17 +351,17 @@ class PluginCommand:
     def start(self, timeout: float = 60.0) -> "PluginCommand":
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "isolators", "kubelet-plugin", *self.args],
+            self.process = subprocess.Popen([sys.executable, "-m", "isolators", self.COMMAND, *self.args],
                                             cwd=ROOT, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
                                             env=self.env)
         line = read_line(self.process.stdout, timeout).decode()
-        if "offering " not in line:
+        if self.READY not in line:
             try:
                 code = self.process.wait(5) if not line else self.process.poll()  # stdout closed: it exited
             except subprocess.TimeoutExpired:
                 code = None
             self.close()
-            raise AssertionError(f"kubelet-plugin did not start (exit {code}; waited at most {timeout}s):"
+            raise AssertionError(f"{self.COMMAND} did not start (exit {code}; waited at most {timeout}s):"
                                  f" {line!r}\n{self.log()}")
         self.first_line = line.strip()
         if "metrics at http://" in line:

@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["PROTO", "GENERATED", "SOURCE_ROOT", "generate"]
+__all__ = ["PROTO", "GENERATED", "SOURCE_ROOT", "compile_proto", "generate"]
 
 SOURCE_ROOT = Path(__file__).resolve().parents[3]
 """The directory holding the ``isolators`` package (the include root)."""
@@ -37,20 +37,26 @@ GENERATED = (
 )
 
 
-def generate(output_root: str | os.PathLike[str]) -> list[Path]:
-    """Compile the .proto under ``output_root`` (see the module rules)."""
+def compile_proto(proto: str, output_root: str | os.PathLike[str]) -> None:
+    """Run protoc on ``proto`` (a path under ``SOURCE_ROOT``) into ``output_root`` (see the module rules);
+    the DRA driver's protos are compiled by it too."""
     from grpc_tools import protoc  # the developer's tool, not the plugin's dependency
 
     output_root = Path(output_root)
     output_root.mkdir(parents=True, exist_ok=True)
     args = ["grpc_tools.protoc", f"-I{SOURCE_ROOT}", f"--python_out={output_root}",
-            f"--pyi_out={output_root}", f"--grpc_python_out={output_root}", str(SOURCE_ROOT / PROTO)]
+            f"--pyi_out={output_root}", f"--grpc_python_out={output_root}", str(SOURCE_ROOT / proto)]
     captured = io.StringIO()
     with contextlib.redirect_stderr(captured):
         code = protoc.main(args)
     if code != 0:
-        raise RuntimeError(f"protoc failed on {PROTO} ({code}): {captured.getvalue().strip()}")
-    return [output_root / name for name in GENERATED]
+        raise RuntimeError(f"protoc failed on {proto} ({code}): {captured.getvalue().strip()}")
+
+
+def generate(output_root: str | os.PathLike[str]) -> list[Path]:
+    """Compile the .proto under ``output_root`` (see the module rules)."""
+    compile_proto(PROTO, output_root)
+    return [Path(output_root) / name for name in GENERATED]
 
 
 if __name__ == "__main__":  # pragma: no cover - a developer's command

@@ -1,0 +1,105 @@
+"""Claims: what the kubelet asks for, checked against what the API server allocated.
+
+Rules (issue 37 item 3; SPEC section 21):
+- ``ClaimRef`` is the kubelet's ``Claim`` (namespace, name, uid). A uid
+  that is not a plain identifier (letters, digits, ``-``, ``_``, ``.``,
+  alphanumeric at both ends, at most 64 characters) is refused before
+  anything is built from it (it names the claim's CDI spec file).
+- ``plan_claim(ref, claim, ...)`` checks the ResourceClaim the API server
+  holds and returns the devices to prepare, or raises ``ClaimRefused``
+  whose message names the claim and why, and ends "nothing was prepared":
+  the stored claim's uid differs from the kubelet's (deleted and created
+  again); it has no ``status.allocation``; none of its results is this
+  driver's; a result of this driver names another node's pool (the pool is
+  the node's name) or a device this node does not publish.
+- Results of other drivers are ignored (their drivers prepare them). A
+  result is shared when it has ``adminAccess`` or a ``shareID``
+  (``PlannedDevice.admin_access`` / ``share_id``); see ``PreparedClaims``
+  for what that allows.
+- Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from runtime import Failure
+
+from ._devices import DraCatalog
+
+__all__ = ["ClaimRef", "ClaimRefused", "PlannedDevice", "ClaimPlan", "plan_claim", "check_uid"]
+
+_UID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,62}[A-Za-z0-9])?")
+NOTHING = "nothing was prepared"
+
+
+class ClaimRefused(Failure):
+    """One claim the driver will not prepare; the message names the claim and why."""
+
+
+class ClaimRef(msgspec.Struct, frozen=True):
+    """A claim as the kubelet names it."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    def __str__(self) -> str:
+        return f"claim {self.namespace}/{self.name} (uid {self.uid})"
+
+
+class PlannedDevice(msgspec.Struct, frozen=True, kw_only=True):
+    """One allocated device of this driver: which request, pool, device, and whether it is shared."""
+
+    request: str
+    pool: str
+    device: str
+    admin_access: bool = False
+    share_id: str | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.admin_access or self.share_id is not None
+
+
+class ClaimPlan(msgspec.Struct, frozen=True, kw_only=True):
+    ref: ClaimRef
+    devices: list[PlannedDevice]
+
+
+def check_uid(ref: ClaimRef) -> None:
+    if not isinstance(ref.uid, str) or not _UID.fullmatch(ref.uid):
+        raise ClaimRefused(f"claim {ref.namespace}/{ref.name}: uid {ref.uid!r} is not a Kubernetes UID; {NOTHING}")
+
+
+def plan_claim(ref: ClaimRef, claim: Any, *, driver: str, node: str, catalog: DraCatalog) -> ClaimPlan:
+    """The devices of ``claim`` (a lightkube ResourceClaim) to prepare (see module rules)."""
+    check_uid(ref)
+    stored = claim.metadata.uid if claim.metadata is not None else None
+    if stored != ref.uid:
+        raise ClaimRefused(f"{ref}: the API server holds uid {stored} for {ref.namespace}/{ref.name}, not the"
+                           f" kubelet's {ref.uid} (the claim was deleted and created again); {NOTHING}")
+    allocation = claim.status.allocation if claim.status is not None else None
+    results = (allocation.devices.results or []) if allocation is not None and allocation.devices else None
+    if allocation is None or results is None:
+        raise ClaimRefused(f"{ref}: it is not allocated (no status.allocation): the scheduler has not given it"
+                           f" devices; {NOTHING}")
+    ours = [result for result in results if result.driver == driver]
+    if not ours:
+        drivers = sorted({result.driver for result in results})
+        raise ClaimRefused(f"{ref}: none of its devices is driver {driver}'s (allocated from:"
+                           f" {', '.join(drivers) or 'nothing'}); {NOTHING}")
+    elsewhere = [f"{r.device} of pool {r.pool}" for r in ours if r.pool != node]
+    if elsewhere:
+        raise ClaimRefused(f"{ref}: it is allocated {', '.join(elsewhere)}, another node's pool (this is node"
+                           f" {node}, pool {node}); {NOTHING}")
+    unknown = [r.device for r in ours if r.device not in catalog.by_name]
+    if unknown:
+        raise ClaimRefused(f"{ref}: device {', '.join(unknown)} is not one driver {driver} publishes on node {node}"
+                           f" ({', '.join(d.name for d in catalog.devices[:3])}, ...); {NOTHING}")
+    devices = [PlannedDevice(request=r.request, pool=r.pool, device=r.device, admin_access=bool(r.adminAccess),
+                             share_id=r.shareID or None) for r in ours]
+    return ClaimPlan(ref=ref, devices=devices)

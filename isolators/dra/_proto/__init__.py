@@ -1,0 +1,1 @@
+"""The DRA driver's generated gRPC modules (see ``generate.py``)."""

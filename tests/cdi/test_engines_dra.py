@@ -1,0 +1,59 @@
+"""Issue 37's proof with a real engine: podman, given the ``cdi_device_ids``
+that ``gpu-isolator dra-plugin`` answered for a 2-GPU claim, shows the
+container exactly those GPUs (and the control devices, the driver volume
+and ``NVIDIA_VISIBLE_DEVICES``), as the CDI tests check for the node spec.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from actors.nvml import load_host_file
+from tests.support.dra_kubelet import DraPluginCommand, FakeDraKubelet
+from tests.support.engines import parse_probe
+from tests.support.host_facts import own_facts
+from tests.support.kube_api import FakeApiServer, allocation_result
+from tests.support.kubelet import plugin_directory
+
+from .test_engines_static_spec import PCIE, assert_sees_exactly, probe_args
+
+DRIVER = "gpu.isolator.dev"
+
+
+def test_podman_shows_a_prepared_two_gpu_claim_exactly_its_gpus(podman, gpu_dev, tmp_path: Path) -> None:
+    cdi = tmp_path / "cdi"
+    cdi.mkdir()
+    facts = own_facts(tmp_path)
+    api = FakeApiServer().start()
+    uid = str(uuid.uuid4())
+    api.add_claim("team", "two-gpus", [allocation_result("gpus", DRIVER, "node-p", "gpu-1"),
+                                       allocation_result("gpus", DRIVER, "node-p", "gpu-3")], uid=uid)
+    with plugin_directory() as sockets:
+        plugin = DraPluginCommand([
+            f"--host_file={PCIE}", f"--dev_dir={gpu_dev}", f"--ld_cache={facts['ld_cache']}",
+            f"--proc_dir={facts['proc_dir']}", f"--volume_dir={tmp_path / 'volume'}", f"--work_dir={tmp_path / 'work'}",
+            f"--cdi_spec_dir={cdi}", f"--plugins_registry_dir={sockets}/registry", f"--plugins_dir={sockets}/plugins",
+            "--node_name=node-p", f"--kubeconfig={api.kubeconfig(tmp_path / 'kubeconfig')}"], tmp_path)
+        kubelet = FakeDraKubelet(sockets / "registry")
+        try:
+            plugin.start()
+            kubelet.register()
+            answer = kubelet.prepare([("team", "two-gpus", uid)])[uid]
+            ids = [i for device in answer["devices"] for i in device["cdi_device_ids"]]
+            assert ids == [f"{DRIVER}/claim={uid}-gpu-1", f"{DRIVER}/claim={uid}-gpu-3"]
+            result = podman.run(podman.image, probe_args(), devices=ids, volumes=[f"{gpu_dev}:/host-dev:dev"],
+                                cdi_dir=str(cdi))
+            assert result.returncode == 0, result.stderr
+            report = parse_probe(result.stdout)
+            assert_sees_exactly(report, [1, 3])
+            gpus = load_host_file(PCIE).gpus
+            assert report.env["NVIDIA_VISIBLE_DEVICES"] == f"{gpus[1].uuid},{gpus[3].uuid}"
+            assert "ro" in report.mounts["/usr/local/nvidia"]
+            assert kubelet.unprepare([("team", "two-gpus", uid)]) == {uid: {}}
+            assert os.listdir(cdi) == []  # nothing left behind
+        finally:
+            kubelet.close()
+            plugin.close()
+            api.close()

@@ -1,0 +1,297 @@
+"""A fake Kubernetes API server on 127.0.0.1, for the DRA driver's tests.
+
+Rules:
+- ``FakeApiServer()`` serves HTTP on ``127.0.0.1:<free port>`` (threads of
+  its own; ``start()`` / ``close()``) the part of ``resource.k8s.io/v1`` a
+  DRA driver uses, as JSON documents of that API: ResourceClaims
+  (namespaced: ``GET`` one, ``POST`` create) and ResourceSlices (cluster
+  scoped: ``GET`` list with ``fieldSelector`` ``spec.nodeName`` /
+  ``spec.driver`` and ``labelSelector`` ``k=v``, ``POST`` create, ``GET`` /
+  ``PUT`` / ``DELETE`` one). Objects get ``metadata.uid``,
+  ``resourceVersion`` (one counter) and ``creationTimestamp``; a ``PUT``
+  whose ``resourceVersion`` is not the stored one is ``409 Conflict``; an
+  unknown object ``404 NotFound``, in the API's ``Status`` form.
+- The test sets the cluster's facts directly: ``add_claim(...)`` stores a
+  ResourceClaim (with its ``status.allocation`` results), ``remove_claim``
+  deletes one; ``slices(node)`` returns the stored slices.
+- ``delay_s`` makes every answer that late (a slow server); ``fail(n,
+  code)`` answers the next n requests with that status; ``close()`` is a
+  server that is down (open connections cut, new ones refused).
+- ``requests`` records every request as ``(seq, method, path, query,
+  summary)``; ``transcript(since)`` renders them one per line;
+  ``wait_for(predicate)`` waits (bounded, on a condition notified by every
+  request: never a sleep) until ``predicate(self)`` holds.
+- ``kubeconfig(path)`` writes a kubeconfig whose current context is this
+  server (plain HTTP, no credentials).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import socket
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import parse_qs, urlsplit
+
+GROUP = "/apis/resource.k8s.io/v1"
+WAIT = 20.0
+
+
+def _status(code: int, reason: str, message: str) -> dict:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "code": code}
+
+
+def allocation_result(request: str, driver: str, pool: str, device: str, *, admin_access: bool | None = None,
+                      share_id: str | None = None) -> dict:
+    """One ``status.allocation.devices.results[]`` entry."""
+    result: dict[str, Any] = {"request": request, "driver": driver, "pool": pool, "device": device}
+    if admin_access is not None:
+        result["adminAccess"] = admin_access
+    if share_id is not None:
+        result["shareID"] = share_id
+    return result
+
+
+class FakeApiServer:
+    """The API server's resource.k8s.io/v1 side (see module rules)."""
+
+    def __init__(self) -> None:
+        self.claims: dict[tuple[str, str], dict] = {}
+        self.resource_slices: dict[str, dict] = {}
+        self.requests: list[tuple[int, str, str, str, str]] = []
+        self.delay_s = 0.0
+        self._failures: list[int] = []
+        self._versions = itertools.count(1)
+        self._changed = threading.Condition()
+        self._server: ThreadingHTTPServer | None = None
+        self._connections: set[socket.socket] = set()
+        self.address = ""
+
+    # -- the server ---------------------------------------------------------------------
+    def start(self) -> "FakeApiServer":
+        server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        server.daemon_threads = True
+        self._server = server
+        self.address = f"127.0.0.1:{server.server_address[1]}"
+        threading.Thread(target=server.serve_forever, name="fake-api-server", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        """Down: no new connection is accepted and the open ones are cut."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        with self._changed:
+            connections, self._connections = list(self._connections), set()
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def kubeconfig(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": f"http://{self.address}"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+            "users": [{"name": "fake", "user": {}}],
+        }))
+        return path
+
+    def fail(self, count: int, code: int = 503) -> None:
+        with self._changed:
+            self._failures += [code] * count
+
+    # -- the cluster's facts ------------------------------------------------------------
+    def _meta(self, name: str, namespace: str | None = None, uid: str | None = None) -> dict:
+        meta = {"name": name, "uid": uid or str(uuid.uuid4()), "resourceVersion": str(next(self._versions)),
+                "creationTimestamp": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        if namespace is not None:
+            meta["namespace"] = namespace
+        return meta
+
+    def add_claim(self, namespace: str, name: str, results: list[dict] | None, *, uid: str | None = None,
+                  reserved_for: list[dict] | None = None) -> dict:
+        """Store a ResourceClaim (``results`` None: not allocated); the stored document."""
+        claim: dict[str, Any] = {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": self._meta(name, namespace, uid),
+            "spec": {"devices": {"requests": [
+                {"name": request, "exactly": {"deviceClassName": "gpu.isolator.dev", "count": 1}}
+                for request in sorted({r["request"] for r in results or []}) or ["gpus"]]}},
+        }
+        if results is not None:
+            claim["status"] = {"allocation": {"devices": {"results": results}},
+                               "reservedFor": reserved_for or [{"resource": "pods", "name": f"{name}-pod",
+                                                                "uid": str(uuid.uuid4())}]}
+        with self._changed:
+            self.claims[(namespace, name)] = claim
+        return claim
+
+    def remove_claim(self, namespace: str, name: str) -> None:
+        with self._changed:
+            self.claims.pop((namespace, name), None)
+
+    def slices(self, node: str | None = None) -> list[dict]:
+        with self._changed:
+            return [json.loads(json.dumps(s)) for s in self.resource_slices.values()
+                    if node is None or s["spec"].get("nodeName") == node]
+
+    # -- records ------------------------------------------------------------------------
+    def _record(self, method: str, path: str, query: str, summary: str) -> None:
+        with self._changed:
+            self.requests.append((len(self.requests), method, path, query, summary))
+            self._changed.notify_all()
+
+    def transcript(self, since: int = 0) -> str:
+        return "\n".join(f"{seq:3d} {method:6s} {path}{'?' + query if query else ''} -> {summary}"
+                         for seq, method, path, query, summary in self.requests[since:])
+
+    def wait_for(self, predicate: Callable[["FakeApiServer"], Any], what: str, timeout: float = WAIT) -> Any:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                value = predicate(self)
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"{what} did not happen within {timeout}s; requests:\n{self.transcript()}")
+                self._changed.wait(left)
+
+    # -- the API ------------------------------------------------------------------------
+    def handle(self, method: str, path: str, query: dict[str, list[str]], body: dict | None) -> tuple[int, dict]:
+        with self._changed:
+            if self._failures:
+                code = self._failures.pop(0)
+                return code, _status(code, "ServiceUnavailable", "the fake API server was told to fail")
+            parts = path[len(GROUP):].strip("/").split("/") if path.startswith(GROUP + "/") else None
+            if parts and parts[0] == "namespaces" and len(parts) >= 3 and parts[2] == "resourceclaims":
+                return self._claims(method, parts[1], parts[3] if len(parts) > 3 else None, body)
+            if parts and parts[0] == "resourceslices":
+                return self._slices(method, parts[1] if len(parts) > 1 else None, query, body)
+            return 404, _status(404, "NotFound", f"the fake API server serves no {path}")
+
+    def _claims(self, method: str, namespace: str, name: str | None, body: dict | None) -> tuple[int, dict]:
+        if method == "GET" and name is not None:
+            claim = self.claims.get((namespace, name))
+            if claim is None:
+                return 404, _status(404, "NotFound", f'resourceclaims.resource.k8s.io "{name}" not found')
+            return 200, claim
+        if method == "POST" and body is not None:
+            body["metadata"] = {**body.get("metadata", {}), **self._meta(body["metadata"]["name"], namespace)}
+            self.claims[(namespace, body["metadata"]["name"])] = body
+            return 201, body
+        return 405, _status(405, "MethodNotAllowed", f"{method} on resourceclaims")
+
+    def _slices(self, method: str, name: str | None, query: dict[str, list[str]], body: dict | None
+                ) -> tuple[int, dict]:
+        if name is None and method == "GET":
+            items = list(self.resource_slices.values())
+            for selector in query.get("fieldSelector", []):
+                for term in filter(None, selector.split(",")):
+                    key, _, value = term.partition("=")
+                    field = {"spec.nodeName": "nodeName", "spec.driver": "driver"}.get(key)
+                    if field is None:
+                        return 400, _status(400, "BadRequest", f"field label not supported: {key}")
+                    items = [s for s in items if s["spec"].get(field) == value]
+            for selector in query.get("labelSelector", []):
+                for term in filter(None, selector.split(",")):
+                    key, _, value = term.partition("=")
+                    items = [s for s in items if s["metadata"].get("labels", {}).get(key) == value]
+            return 200, {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSliceList",
+                         "metadata": {"resourceVersion": str(next(self._versions))}, "items": items}
+        if name is None and method == "POST" and body is not None:
+            new = body["metadata"]["name"]
+            if new in self.resource_slices:
+                return 409, _status(409, "AlreadyExists", f'resourceslices.resource.k8s.io "{new}" already exists')
+            body["metadata"] = {**body["metadata"], **self._meta(new)}
+            self.resource_slices[new] = body
+            self._changed.notify_all()
+            return 201, body
+        stored = self.resource_slices.get(name) if name is not None else None
+        if stored is None:
+            return 404, _status(404, "NotFound", f'resourceslices.resource.k8s.io "{name}" not found')
+        if method == "GET":
+            return 200, stored
+        if method == "PUT" and body is not None:
+            if body.get("metadata", {}).get("resourceVersion") != stored["metadata"]["resourceVersion"]:
+                return 409, _status(409, "Conflict", f'Operation cannot be fulfilled on resourceslices.resource.k8s.io'
+                                                     f' "{name}": the object has been modified')
+            body["metadata"] = {**body["metadata"], "uid": stored["metadata"]["uid"],
+                                "resourceVersion": str(next(self._versions)),
+                                "creationTimestamp": stored["metadata"]["creationTimestamp"]}
+            self.resource_slices[name] = body
+            return 200, body
+        if method == "DELETE":
+            del self.resource_slices[name]
+            return 200, stored
+        return 405, _status(405, "MethodNotAllowed", f"{method} on resourceslices")
+
+
+def _summary(method: str, code: int, body: dict | None, answer: dict) -> str:
+    if answer.get("kind") == "Status":
+        return f"{code} {answer.get('reason')}: {answer.get('message')}"
+    if answer.get("kind") == "ResourceSliceList":
+        return f"{code} {len(answer['items'])} slices"
+    if answer.get("kind") == "ResourceSlice":
+        spec = answer["spec"]
+        tainted = [d["name"] for d in spec.get("devices", []) if d.get("taints")]
+        return (f"{code} slice {answer['metadata']['name']} pool {spec['pool']['name']} generation"
+                f" {spec['pool']['generation']}: {len(spec.get('devices', []))} devices"
+                + (f", tainted {','.join(tainted)}" if tainted else ""))
+    if answer.get("kind") == "ResourceClaim":
+        meta = answer["metadata"]
+        return f"{code} claim {meta['namespace']}/{meta['name']} uid {meta['uid']}"
+    return str(code)
+
+
+def _handler(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:  # quiet: the records are the log
+            pass
+
+        def setup(self) -> None:
+            super().setup()
+            # Headers and body go out in two writes: without this, the client's delayed ACK holds the body ~40 ms.
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with api._changed:
+                api._connections.add(self.connection)
+
+        def finish(self) -> None:
+            with api._changed:
+                api._connections.discard(self.connection)
+            super().finish()
+
+        def _serve(self) -> None:
+            url = urlsplit(self.path)
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            body = json.loads(raw) if raw else None
+            if api.delay_s:
+                time.sleep(api.delay_s)
+            code, answer = api.handle(self.command, url.path, parse_qs(url.query), body)
+            api._record(self.command, url.path, url.query, _summary(self.command, code, body, answer))
+            data = json.dumps(answer).encode()
+            try:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError:
+                pass  # the client gave up (a slow server's timeout)
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _serve
+
+    return Handler
