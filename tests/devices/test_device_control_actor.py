@@ -15,7 +15,7 @@ from actors.devices import DeviceRuleError, InvalidCgroupError, KernelOperationE
 from actors.devices import container_policy
 from actors.devices.testing import FaultInjectingBackend
 from runtime import ProcessTerminated, Runtime, collect, dispatch
-from tests.support.probes import DENIED, GRANTED
+from tests.support.probes import assert_verdicts
 from actors.flags import DEVICE_WORKERS
 
 R = DeviceRule.parse
@@ -234,11 +234,9 @@ async def test_v1_through_the_actor(v1_sandbox, device_nodes, worker: str) -> No
         await collect([control.configure(f"c{i}", *container_policy([], [f"c 195:{i} rwm"])) for i in range(4)])
         assert control.batches == BATCHES_FOR_FOUR[worker]
         probe = v1_sandbox.probe("c1")
-        assert probe.access(device_nodes["c", 195, 1]) == GRANTED
-        assert probe.access(device_nodes["c", 195, 0]) == DENIED
+        assert_verdicts(probe, device_nodes, granted=[("c", 195, 1)], denied=[("c", 195, 0)])
         await control.reconfigure("c1", ["c 195:0 rwm"], ["c 195:1 rwm"])
-        assert probe.access(device_nodes["c", 195, 0]) == GRANTED
-        assert probe.access(device_nodes["c", 195, 1]) == DENIED
+        assert_verdicts(probe, device_nodes, granted=[("c", 195, 0)], denied=[("c", 195, 1)])
         state = await control.state("c1")
         assert state.is_granted("c", 195, 0, "rw") and not state.is_granted("c", 195, 1, "r")
         assert await control.remove("c1") is False  # the probe is inside
@@ -262,11 +260,9 @@ async def test_v2_through_the_actor_survives_a_restart(v2_sandbox, device_nodes,
         assert [await control.state(f"c{i}") for i in range(4)] == states
         assert await control.reconcile("c2", states[2].allow, states[2].deny) == []
         probe = v2_sandbox.probe("c2")
-        assert probe.access(device_nodes["c", 195, 2]) == GRANTED
-        assert probe.access(device_nodes["c", 195, 1]) == DENIED
+        assert_verdicts(probe, device_nodes, granted=[("c", 195, 2)], denied=[("c", 195, 1)])
         await control.reconfigure("c2", ["c 195:1 rw"], ["c 195:2 rw"])
-        assert probe.access(device_nodes["c", 195, 1]) == GRANTED
-        assert probe.access(device_nodes["c", 195, 2]) == DENIED
+        assert_verdicts(probe, device_nodes, granted=[("c", 195, 1)], denied=[("c", 195, 2)])
         probe.close()
         assert all(await collect([control.remove(f"c{i}") for i in range(4)]))
         assert await control.list_cgroups() == []
