@@ -14,7 +14,7 @@ from actors.devices import Policy, DeviceControl, DeviceControlError, DeviceOper
 from actors.devices import DeviceRuleError, InvalidCgroupError, KernelOperationError, MemoryBackend
 from actors.devices import container_policy
 from actors.devices.testing import FaultInjectingBackend
-from runtime import ProcessTerminated, Runtime, collect, dispatch
+from runtime import Future, ProcessTerminated, Runtime, collect, dispatch
 from tests.support.probes import assert_verdicts
 from actors.flags import DEVICE_WORKERS
 
@@ -100,11 +100,7 @@ async def test_group_commit_applies_concurrent_calls_in_one_executor_job() -> No
 @pytest.mark.asyncio
 async def test_calls_arriving_during_a_job_form_the_next_batch() -> None:
     async with Runtime():
-        backend = BatchRecordingBackend()
-        backend.gate = threading.Event()
-        control = await DeviceControl.create(backend_impl=backend)
-        first = control.configure("c0", *POLICY)
-        await _entered(backend)  # the first job is in its thread, held there
+        backend, control, first = await one_job_held()
         later = [control.configure(f"c{i}", *POLICY) for i in range(1, 20)] + [control.list_cgroups()]
         backend.gate.set()
         await first
@@ -114,11 +110,18 @@ async def test_calls_arriving_during_a_job_form_the_next_batch() -> None:
         await control.close()
 
 
-async def _entered(backend: BatchRecordingBackend) -> None:
-    """Wait, off the loop, until a batch is inside ``apply_batch``."""
+async def one_job_held() -> tuple[BatchRecordingBackend, DeviceControl, Future]:
+    """Device control on a gated backend, its first job (configure c0) in
+    its thread, held in ``apply_batch`` until ``backend.gate`` is set; that
+    call's Future."""
     import anyio
 
-    assert await anyio.to_thread.run_sync(backend.entered.wait, 10)
+    backend = BatchRecordingBackend()
+    backend.gate = threading.Event()
+    control = await DeviceControl.create(backend_impl=backend)
+    first = control.configure("c0", *POLICY)
+    assert await anyio.to_thread.run_sync(backend.entered.wait, 10)  # waited for off the loop
+    return backend, control, first
 
 
 @pytest.mark.asyncio
@@ -180,11 +183,7 @@ async def _settle(future) -> Any:
 @pytest.mark.asyncio
 async def test_termination_fails_queued_and_in_flight_calls() -> None:
     async with Runtime():
-        backend = BatchRecordingBackend()
-        backend.gate = threading.Event()
-        control = await DeviceControl.create(backend_impl=backend)
-        in_flight = control.configure("c0", *POLICY)
-        await _entered(backend)
+        backend, control, in_flight = await one_job_held()
         queued = control.configure("c1", *POLICY)
         await dispatch(control.pid, lambda process: None)  # c1 has been taken in: queued behind the job
         await control.close()
