@@ -6,6 +6,9 @@ Rules:
   a ``ContainerConfig`` asking for ``resources``: a number of GPUs, or
   resources text (``"gpus:1;mig-1g.18gb:1"``; none: nothing), with
   ``fields`` (``rootfs``, ...).
+- ``started_with(node, **asked)`` starts the node's isolator and prepares
+  each container named in ``asked`` with its ``config`` (``a="gpus:2"``),
+  in that order; ``(components, isolator)``.
 - ``two_containers(node, **flags)`` starts the node's isolator (``flags``
   go to ``node.start``), recovers nothing and prepares ``c1`` and ``c2``
   with one GPU each: GPU 0 and GPU 1 (lowest-first allocation).
@@ -35,7 +38,7 @@ from runtime import Runtime
 from .nodes import Node
 from .probes import DeviceProbe
 
-__all__ = ["C", "config", "two_containers", "two_containers_probed", "free_gpus", "cleanup_until_removed", "finish"]
+__all__ = ["C", "config", "started_with", "two_containers", "two_containers_probed", "free_gpus", "cleanup_until_removed", "finish"]
 
 
 def C(name: str) -> ContainerID:
@@ -49,6 +52,15 @@ def config(resources: int | str | None = None, **fields: Any) -> ContainerConfig
     else:
         asked = Resources.parse(resources) if resources else Resources()
     return ContainerConfig(resources=asked, **fields)
+
+
+async def started_with(node: Node, **asked: int | str) -> tuple[Any, Any]:
+    """The node's components and isolator, started, with each container of
+    ``asked`` (name=resources) prepared in turn."""
+    components, isolator = await node.start()
+    for name, resources in asked.items():
+        await isolator.prepare(C(name), config(resources))
+    return components, isolator
 
 
 async def two_containers(node: Node, **flags: Any) -> Any:
