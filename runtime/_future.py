@@ -142,13 +142,7 @@ class Future(Generic[T]):
 
     def get(self) -> T:
         """The value of a READY Future; raises the failure otherwise."""
-        if self._state is READY:
-            return self._value
-        if self._state is FAILED:
-            raise self._value
-        if self._state is DISCARDED:
-            raise Discarded("Future was discarded")
-        raise RuntimeError("Future is still pending: await it instead of calling get()")
+        return self._outcome("Future is still pending: await it instead of calling get()")
 
     result = get
 
@@ -334,15 +328,16 @@ class Future(Generic[T]):
                     return (yield from waiter)
         return self._outcome()
 
-    def _outcome(self) -> T:
-        """What awaiting this completed Future gives: its value, or raises."""
+    def _outcome(self, pending: str = "a pending Future's awaiter was resumed before it completed") -> T:
+        """What this completed Future gives (awaited, or ``get()``): its value,
+        or raises; a pending one raises RuntimeError(``pending``)."""
         if self._state is READY:
             return self._value
         if self._state is FAILED:
             raise self._value
         if self._state is DISCARDED:
             raise Discarded("Future was discarded")
-        raise RuntimeError("a pending Future's awaiter was resumed before it completed")
+        raise RuntimeError(pending)
 
     async def _wait_generic(self) -> Any:
         # trio: park the task until _complete reschedules it (a cancelled

@@ -67,7 +67,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import msgspec
 
@@ -391,15 +392,7 @@ class GpuAllocatorProcess(Process):
         if generation is None or generation != self.health_generation:
             return Future.ready(self._health_snapshot())
         promise: Promise = Promise()
-        self._health_waiters.append(promise)
-
-        def _discarded() -> None:
-            if promise in self._health_waiters:
-                self._health_waiters.remove(promise)
-            promise.discard()
-
-        promise.on_discard(_discarded)
-        return promise.future
+        return _queued(lambda: self._health_waiters, promise, promise)
 
     def preferred(self, candidates: Iterable[Unit], count: int, include: Iterable[Unit] = ()) -> list[Unit]:
         """Which ``count`` of ``candidates`` (holding ``include``) would be handed out (see module rules)."""
@@ -427,16 +420,7 @@ class GpuAllocatorProcess(Process):
             if gpu in self.unhealthy:
                 return Future.ready(GpuHealth(gpu=gpu, healthy=False, reason=self.unhealthy[gpu]))
         promise: Promise = Promise()
-        entry = (frozenset(watched), promise)
-        self._watchers.append(entry)
-
-        def _discarded() -> None:
-            if entry in self._watchers:
-                self._watchers.remove(entry)
-            promise.discard()
-
-        promise.on_discard(_discarded)
-        return promise.future
+        return _queued(lambda: self._watchers, (frozenset(watched), promise), promise)
 
     def health_event(self, event: HealthEvent) -> list[GpuHealth]:
         """An NVML health event (from the health monitor); the changes it made."""
@@ -470,6 +454,23 @@ class GpuAllocatorProcess(Process):
             raise AllocatorError(f"Expected a Gpu or a MigDevice, got {gpu!r}")
         if gpu not in self.total:
             raise AllocatorError(f"GPU {gpu} is not managed by this allocator")
+
+
+def _queued(waiting: Callable[[], list[Any]], entry: Any, promise: Promise) -> Future:
+    """``promise``'s Future, with ``entry`` queued on the list ``waiting()``
+    gives until it is answered; discarding the Future takes ``entry`` off the
+    list ``waiting()`` gives then (the process replaces its lists when it
+    answers them)."""
+    waiting().append(entry)
+
+    def _discarded() -> None:
+        current = waiting()
+        if entry in current:
+            current.remove(entry)
+        promise.discard()
+
+    promise.on_discard(_discarded)
+    return promise.future
 
 
 def _as_gpu_set(gpus: Iterable[Unit]) -> set[Unit]:

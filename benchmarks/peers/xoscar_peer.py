@@ -46,7 +46,28 @@ def _actor_class() -> type:
     return Echo
 
 
-class XoscarContender(Contender):
+class _RefWorkloads:
+    """Sequential calls and tells through ``self._ref``: the same for an
+    ``ActorRef`` and a ``LocalActorRef``."""
+
+    _ref: Any
+
+    async def sequential(self, n: int) -> None:
+        echo = self._ref.echo
+        for i in range(n):
+            await echo(i)
+
+    async def tells(self, m: int, burst: int = 0) -> None:
+        tell = self._ref.tell.tell
+        parts = bursts(m, burst)
+        for part in parts:
+            for i in part:
+                await tell(i)
+            await turn(parts)
+        check_told(self, await self._ref.received(), m)
+
+
+class XoscarContender(_RefWorkloads, Contender):
     key = "xoscar"
     label = "xoscar"
     distribution = "xoscar"
@@ -66,11 +87,6 @@ class XoscarContender(Contender):
     async def stop(self) -> None:
         await self._pool.stop()
 
-    async def sequential(self, n: int) -> None:
-        echo = self._ref.echo
-        for i in range(n):
-            await echo(i)
-
     async def live(self, k: int) -> list[Any]:
         refs = await asyncio.gather(*(self._create() for _ in range(k)))
         await asyncio.gather(*(ref.echo(1) for ref in refs))
@@ -79,17 +95,8 @@ class XoscarContender(Contender):
     async def release(self, refs: list[Any]) -> None:
         await asyncio.gather(*(self._xo.destroy_actor(ref) for ref in refs))
 
-    async def tells(self, m: int, burst: int = 0) -> None:
-        tell = self._ref.tell.tell
-        parts = bursts(m, burst)
-        for part in parts:
-            for i in part:
-                await tell(i)
-            await turn(parts)
-        check_told(self, await self._ref.received(), m)
 
-
-class XoscarLocalContender(Contender):
+class XoscarLocalContender(_RefWorkloads, Contender):
     """xoscar's ``LocalActorRef``: reported, not a bar (see the module rules)."""
 
     key = "xoscar_local"
@@ -107,17 +114,3 @@ class XoscarLocalContender(Contender):
         self._ref = await owner._xo.actor_ref(await owner._create())
         if type(self._ref).__name__ != "LocalActorRef":
             raise RuntimeError(f"xoscar gave {type(self._ref).__name__}, not a LocalActorRef, for an actor of this process")
-
-    async def sequential(self, n: int) -> None:
-        echo = self._ref.echo
-        for i in range(n):
-            await echo(i)
-
-    async def tells(self, m: int, burst: int = 0) -> None:
-        tell = self._ref.tell.tell
-        parts = bursts(m, burst)
-        for part in parts:
-            for i in part:
-                await tell(i)
-            await turn(parts)
-        check_told(self, await self._ref.received(), m)

@@ -117,17 +117,26 @@ def run_in_private_mounts(directory: str, mount_options: str, body: str) -> str:
     return result.stdout
 
 
-def test_a_read_only_directory_is_one_clear_error_and_the_old_spec_stays(tmp_path) -> None:
-    out = run_in_private_mounts(str(tmp_path), "size=1m", f"""
+def rewrite_failing(tmp_path: os.PathLike[str], mount_options: str, spoil: list[str], new: str) -> list[str]:
+    """On a tmpfs (``mount_options``) at ``tmp_path``: write the old spec, run
+    the ``spoil`` lines, then try to write ``new`` (a bytes expression) over
+    it; what the child printed: the error, then the directory's names and
+    the spec's bytes."""
+    spoiled = "\n        ".join(spoil)
+    return run_in_private_mounts(str(tmp_path), mount_options, f"""
         write_spec_file(d, {NAME!r}, b"old")
-        subprocess.run(["mount", "-o", "remount,ro", d], check=True)
+        {spoiled}
         try:
-            write_spec_file(d, {NAME!r}, b"new")
+            write_spec_file(d, {NAME!r}, {new})
         except CdiWriteError as e:
             print(e)
         print(sorted(os.listdir(d)), open(os.path.join(d, {NAME!r}), "rb").read())
-    """)
-    assert out.splitlines() == [
+    """).splitlines()
+
+
+def test_a_read_only_directory_is_one_clear_error_and_the_old_spec_stays(tmp_path) -> None:
+    remount = 'subprocess.run(["mount", "-o", "remount,ro", d], check=True)'
+    assert rewrite_failing(tmp_path, "size=1m", [remount], 'b"new"') == [
         f"Failed to write CDI spec '{tmp_path}/{NAME}': the CDI spec directory '{tmp_path}' is read-only"
         " (Read-only file system)",
         f"[{NAME!r}] b'old'",
@@ -135,17 +144,9 @@ def test_a_read_only_directory_is_one_clear_error_and_the_old_spec_stays(tmp_pat
 
 
 def test_a_full_directory_is_one_clear_error_with_no_half_written_file(tmp_path) -> None:
-    out = run_in_private_mounts(str(tmp_path), "size=64k", f"""
-        write_spec_file(d, {NAME!r}, b"old")
-        with open(os.path.join(d, "filler"), "wb") as f:  # leaves room for part of the new spec
-            f.write(b"x" * 40960)
-        try:
-            write_spec_file(d, {NAME!r}, b"n" * 65536)  # a part fits, the rest does not
-        except CdiWriteError as e:
-            print(e)
-        print(sorted(os.listdir(d)), open(os.path.join(d, {NAME!r}), "rb").read())
-    """)
-    assert out.splitlines() == [
+    filler = ['with open(os.path.join(d, "filler"), "wb") as f:  # leaves room for part of the new spec',
+              '    f.write(b"x" * 40960)']
+    assert rewrite_failing(tmp_path, "size=64k", filler, 'b"n" * 65536') == [  # a part fits, the rest does not
         f"Failed to write CDI spec '{tmp_path}/{NAME}': the CDI spec directory '{tmp_path}' is full"
         " (No space left on device)",
         f"{sorted(['filler', NAME])!r} b'old'",

@@ -16,17 +16,12 @@ from actors.nvml import load_host_file
 from actors.nvml._open import nvml_available
 from isolators import cli
 from isolators.cdi import decode_spec, validate_spec
+from tests.support.cdi import generate, spec_with_slash_dev
 from tests.support.host_facts import own_fact_args
 
 REPO = Path(__file__).resolve().parents[2]
 DGX = str(REPO / "examples" / "dgx-8gpu.toml")
 PCIE = str(REPO / "examples" / "pcie-4gpu.toml")
-
-
-def generate(capsys: pytest.CaptureFixture[str], tmp_path: Path, *argv: str) -> tuple[int, str, str]:
-    code = cli.main(["cdi", "generate", "--volume-dir", str(tmp_path / "volume"), *own_fact_args(tmp_path), *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_json_on_stdout_is_the_spec_alone(capsys, tmp_path) -> None:
@@ -116,11 +111,7 @@ def test_yaml_carries_the_same_spec(capsys, tmp_path) -> None:
 
 
 def test_nodes_in_slash_dev_carry_no_host_path(capsys, tmp_path) -> None:
-    if os.path.exists("/dev/nvidiactl"):
-        pytest.skip("this machine has NVIDIA device nodes; the host file's numbers would not be used")
-    code, out, err = generate(capsys, tmp_path, "--host-file", DGX, "--dev-dir", "/dev")
-    assert code == 0, err
-    spec = decode_spec(out.encode(), "json")
+    spec, _out = spec_with_slash_dev(capsys, tmp_path, "--host-file", DGX)
     nodes = [n for d in spec.devices for n in d.container_edits.device_nodes] + spec.container_edits.device_nodes
     assert nodes and all(n.host_path is None for n in nodes)
     assert spec.cdi_version == "0.5.0"  # still: names by index start with a digit

@@ -17,8 +17,8 @@ import pytest
 import runtime
 from actors.nvml import load_host_file
 from isolators import ContainerConfig, ContainerID, Resources, cli
-from isolators.cdi import decode_spec
 from tests.support.engines import make_device_nodes, parse_probe
+from tests.support import cdi
 from tests.support.host_facts import own_fact_args
 from tests.support.probes import ABSENT, DENIED, GRANTED, verdicts
 from tests.support.mig import HOST, MIG, caps_of, mknod_mig_nodes, write_mig_proc
@@ -34,18 +34,11 @@ CAPS = {"0:0": (30, 31), "0:1": (39, 40), "0:2": (21, 22), "0:3": (12, 13)}
 
 
 def generate(capsys, tmp_path, *argv: str) -> tuple[int, str, str]:
-    code = cli.main(["cdi", "generate", "--host-file", H200, "--volume-dir", str(tmp_path / "volume"),
-                     *own_fact_args(tmp_path), *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return cdi.generate(capsys, tmp_path, "--host-file", H200, *argv)
 
 
 def test_mig_devices_are_named_as_nvidia_does_with_parent_and_capabilities(capsys, tmp_path) -> None:
-    if os.path.exists("/dev/nvidiactl"):
-        pytest.skip("this machine has NVIDIA device nodes; the host file's numbers would not be used")
-    code, out, err = generate(capsys, tmp_path, "--proc-dir", PROC, "--dev-dir", "/dev")
-    assert code == 0, err
-    spec = decode_spec(out.encode(), "json")
+    spec, out = cdi.spec_with_slash_dev(capsys, tmp_path, "--host-file", H200, "--proc-dir", PROC)
     migs = [m for g in load_host_file(H200).gpus for m in g.mig_devices]
     gpu_uuids = [g.uuid for g in load_host_file(H200).gpus]
     assert [d.name for d in spec.devices] == [

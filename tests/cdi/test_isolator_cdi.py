@@ -15,7 +15,7 @@ import pytest
 import runtime
 from isolators import ContainerClass, ContainerID, ImageManifest, InvalidContainerID, Resources
 from isolators.cdi import CONTAINER_KIND, CdiWriteError, decode_spec, validate_spec
-from tests.support.containers import config
+from tests.support.containers import config, started_with
 from tests.support.errors import isolator_failure, raises_isolator_error
 
 LABEL = {"com.nvidia.volumes.needed": "nvidia_driver"}
@@ -129,8 +129,7 @@ async def test_a_rootfs_with_the_volume_puts_its_mount_and_env_in_the_spec(cdi_n
 @pytest.mark.asyncio
 async def test_update_rewrites_the_spec(cdi_node) -> None:
     async with runtime.Runtime():
-        components, isolator = await cdi_node.start()
-        await isolator.prepare(ContainerID("c1"), config("gpus:1"))
+        components, isolator = await started_with(cdi_node, c1="gpus:1")
         assert_spec_grants(cdi_node, components, "c1", [0])
         await isolator.update(ContainerID("c1"), Resources.parse("gpus:3"))
         assert_spec_grants(cdi_node, components, "c1", [0, 1, 2])
@@ -251,8 +250,7 @@ async def test_an_update_whose_spec_cannot_be_written_changes_nothing(node_facto
 @pytest.mark.asyncio
 async def test_a_cleanup_whose_spec_cannot_be_removed_fails_before_changing_anything(cdi_node) -> None:
     async with runtime.Runtime():
-        components, isolator = await cdi_node.start()
-        await isolator.prepare(ContainerID("c1"), config("gpus:2"))
+        components, isolator = await started_with(cdi_node, c1="gpus:2")
         blocked = block(cdi_node, "c1")
         with raises_isolator_error(
                 f"Failed to remove CDI spec '{cdi_node.cdi_dir}/gpu-isolator-container_c1.json': Is a directory"):
@@ -268,10 +266,7 @@ async def test_a_cleanup_whose_spec_cannot_be_removed_fails_before_changing_anyt
 @pytest.mark.asyncio
 async def test_recover_rewrites_missing_specs_and_removes_unknown_ones(cdi_node) -> None:
     async with runtime.Runtime():
-        components, isolator = await cdi_node.start()
-        await isolator.prepare(ContainerID("keep"), config("gpus:2"))
-        await isolator.prepare(ContainerID("lost"), config("gpus:1"))
-        await isolator.prepare(ContainerID("gone"), config("gpus:1"))
+        components, isolator = await started_with(cdi_node, keep="gpus:2", lost="gpus:1", gone="gpus:1")
         await isolator.cleanup(ContainerID("gone"))
         os.unlink(os.path.join(cdi_node.cdi_dir, "gpu-isolator-container_lost.json"))
         stray = os.path.join(cdi_node.cdi_dir, "gpu-isolator-container_stranger.json")
@@ -313,9 +308,7 @@ async def test_recover_keeps_the_volume_part_of_a_spec_it_finds(cdi_node, tmp_pa
 @pytest.mark.asyncio
 async def test_reconcile_repairs_a_missing_or_changed_spec(cdi_node) -> None:
     async with runtime.Runtime():
-        components, isolator = await cdi_node.start()
-        await isolator.prepare(ContainerID("a"), config("gpus:1"))
-        await isolator.prepare(ContainerID("b"), config("gpus:1"))
+        components, isolator = await started_with(cdi_node, a="gpus:1", b="gpus:1")
         assert await isolator.reconcile() == []
         os.unlink(os.path.join(cdi_node.cdi_dir, "gpu-isolator-container_a.json"))
         path_b = os.path.join(cdi_node.cdi_dir, "gpu-isolator-container_b.json")
@@ -340,8 +333,7 @@ async def test_recover_reports_a_spec_dir_it_cannot_use_and_still_recovers(node_
     cdi_dir.mkdir()
     node = node_factory("memory", gpus=2, cdi_spec_dir=str(cdi_dir))
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(ContainerID("c1"), config("gpus:1"))
+        components, isolator = await started_with(node, c1="gpus:1")
         os.unlink(cdi_dir / "gpu-isolator-container_c1.json")
         cdi_dir.rmdir()
         cdi_dir.write_text("not a directory")

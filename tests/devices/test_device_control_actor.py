@@ -14,8 +14,8 @@ from actors.devices import Policy, DeviceControl, DeviceControlError, DeviceOper
 from actors.devices import DeviceRuleError, InvalidCgroupError, KernelOperationError, MemoryBackend
 from actors.devices import container_policy
 from actors.devices.testing import FaultInjectingBackend
-from runtime import ProcessTerminated, Runtime, collect, dispatch
-from tests.support.probes import DENIED, GRANTED
+from runtime import Future, ProcessTerminated, Runtime, collect, dispatch
+from tests.support.probes import assert_verdicts
 from actors.flags import DEVICE_WORKERS
 
 R = DeviceRule.parse
@@ -100,11 +100,7 @@ async def test_group_commit_applies_concurrent_calls_in_one_executor_job() -> No
 @pytest.mark.asyncio
 async def test_calls_arriving_during_a_job_form_the_next_batch() -> None:
     async with Runtime():
-        backend = BatchRecordingBackend()
-        backend.gate = threading.Event()
-        control = await DeviceControl.create(backend_impl=backend)
-        first = control.configure("c0", *POLICY)
-        await _entered(backend)  # the first job is in its thread, held there
+        backend, control, first = await one_job_held()
         later = [control.configure(f"c{i}", *POLICY) for i in range(1, 20)] + [control.list_cgroups()]
         backend.gate.set()
         await first
@@ -114,11 +110,18 @@ async def test_calls_arriving_during_a_job_form_the_next_batch() -> None:
         await control.close()
 
 
-async def _entered(backend: BatchRecordingBackend) -> None:
-    """Wait, off the loop, until a batch is inside ``apply_batch``."""
+async def one_job_held() -> tuple[BatchRecordingBackend, DeviceControl, Future]:
+    """Device control on a gated backend, its first job (configure c0) in
+    its thread, held in ``apply_batch`` until ``backend.gate`` is set; that
+    call's Future."""
     import anyio
 
-    assert await anyio.to_thread.run_sync(backend.entered.wait, 10)
+    backend = BatchRecordingBackend()
+    backend.gate = threading.Event()
+    control = await DeviceControl.create(backend_impl=backend)
+    first = control.configure("c0", *POLICY)
+    assert await anyio.to_thread.run_sync(backend.entered.wait, 10)  # waited for off the loop
+    return backend, control, first
 
 
 @pytest.mark.asyncio
@@ -180,11 +183,7 @@ async def _settle(future) -> Any:
 @pytest.mark.asyncio
 async def test_termination_fails_queued_and_in_flight_calls() -> None:
     async with Runtime():
-        backend = BatchRecordingBackend()
-        backend.gate = threading.Event()
-        control = await DeviceControl.create(backend_impl=backend)
-        in_flight = control.configure("c0", *POLICY)
-        await _entered(backend)
+        backend, control, in_flight = await one_job_held()
         queued = control.configure("c1", *POLICY)
         await dispatch(control.pid, lambda process: None)  # c1 has been taken in: queued behind the job
         await control.close()
@@ -234,11 +233,9 @@ async def test_v1_through_the_actor(v1_sandbox, device_nodes, worker: str) -> No
         await collect([control.configure(f"c{i}", *container_policy([], [f"c 195:{i} rwm"])) for i in range(4)])
         assert control.batches == BATCHES_FOR_FOUR[worker]
         probe = v1_sandbox.probe("c1")
-        assert probe.access(device_nodes["c", 195, 1]) == GRANTED
-        assert probe.access(device_nodes["c", 195, 0]) == DENIED
+        assert_verdicts(probe, device_nodes, granted=[("c", 195, 1)], denied=[("c", 195, 0)])
         await control.reconfigure("c1", ["c 195:0 rwm"], ["c 195:1 rwm"])
-        assert probe.access(device_nodes["c", 195, 0]) == GRANTED
-        assert probe.access(device_nodes["c", 195, 1]) == DENIED
+        assert_verdicts(probe, device_nodes, granted=[("c", 195, 0)], denied=[("c", 195, 1)])
         state = await control.state("c1")
         assert state.is_granted("c", 195, 0, "rw") and not state.is_granted("c", 195, 1, "r")
         assert await control.remove("c1") is False  # the probe is inside
@@ -262,11 +259,9 @@ async def test_v2_through_the_actor_survives_a_restart(v2_sandbox, device_nodes,
         assert [await control.state(f"c{i}") for i in range(4)] == states
         assert await control.reconcile("c2", states[2].allow, states[2].deny) == []
         probe = v2_sandbox.probe("c2")
-        assert probe.access(device_nodes["c", 195, 2]) == GRANTED
-        assert probe.access(device_nodes["c", 195, 1]) == DENIED
+        assert_verdicts(probe, device_nodes, granted=[("c", 195, 2)], denied=[("c", 195, 1)])
         await control.reconfigure("c2", ["c 195:1 rw"], ["c 195:2 rw"])
-        assert probe.access(device_nodes["c", 195, 1]) == GRANTED
-        assert probe.access(device_nodes["c", 195, 2]) == DENIED
+        assert_verdicts(probe, device_nodes, granted=[("c", 195, 1)], denied=[("c", 195, 2)])
         probe.close()
         assert all(await collect([control.remove(f"c{i}") for i in range(4)]))
         assert await control.list_cgroups() == []

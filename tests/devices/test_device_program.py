@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from actors.devices import Policy, DeviceRule, build_device_program, container_policy, program_instructions
 from actors.devices import _device_program as dp
 from actors.devices._bpf import program_tags
-from tests.support.rules import ACCESSES, every_rule, exact
+from tests.support.rules import ACCESSES, every_rule, exact, policies
 
 ACCESS = {"m": dp.ACC_MKNOD, "r": dp.ACC_READ, "w": dp.ACC_WRITE}
 
@@ -106,12 +106,8 @@ QUERY_DEVICES = list(itertools.product(("b", "c"), (0, 1, 195, 196, 7), (0, 1, 2
 
 
 @settings(max_examples=150, derandomize=True, deadline=None)
-@given(st.lists(st.sampled_from(ALLOW), max_size=10), st.lists(st.sampled_from(DENY), max_size=4))
-def test_program_verdict_equals_is_granted(allow: list[DeviceRule], deny: list[DeviceRule]) -> None:
-    try:
-        access = Policy.create(allow, deny)
-    except ValueError:
-        return
+@given(policies(st.lists(st.sampled_from(ALLOW), max_size=10), st.lists(st.sampled_from(DENY), max_size=4)))
+def test_program_verdict_equals_is_granted(access: Policy) -> None:
     program = build_device_program(access)
     for kind, major, minor in QUERY_DEVICES:
         for acc in ACCESSES:
@@ -141,12 +137,9 @@ RULES = st.builds(DeviceRule, st.sampled_from(["b", "c"]), MANY_MAJORS, MANY_MIN
 
 
 @settings(max_examples=300, derandomize=True, deadline=None)
-@given(st.lists(st.one_of(st.sampled_from(ALLOW), RULES), max_size=14), st.lists(st.sampled_from(DENY), max_size=4))
-def test_a_program_reads_back_as_the_policy_it_was_compiled_from(allow: list[DeviceRule], deny: list[DeviceRule]) -> None:
-    try:
-        access = Policy.create(allow, deny)
-    except ValueError:
-        return
+@given(policies(st.lists(st.one_of(st.sampled_from(ALLOW), RULES), max_size=14),
+                st.lists(st.sampled_from(DENY), max_size=4)))
+def test_a_program_reads_back_as_the_policy_it_was_compiled_from(access: Policy) -> None:
     program = build_device_program(access)
     back = dp.read_policy(program)
     assert back is not None, str(access)
@@ -242,14 +235,9 @@ RANDOMS = st.integers(-(1 << 31), (1 << 31) - 1)
 
 
 @settings(max_examples=200, derandomize=True, deadline=None)
-@given(st.lists(st.one_of(st.sampled_from(ALLOW), RULES), max_size=14), st.lists(st.sampled_from(DENY), max_size=4),
-       RANDOMS)
-def test_a_program_blinded_by_the_kernel_reads_back_as_the_same_policy(
-        allow: list[DeviceRule], deny: list[DeviceRule], rnd: int) -> None:
-    try:
-        access = Policy.create(allow, deny)
-    except ValueError:
-        return
+@given(policies(st.lists(st.one_of(st.sampled_from(ALLOW), RULES), max_size=14),
+                st.lists(st.sampled_from(DENY), max_size=4)), RANDOMS)
+def test_a_program_blinded_by_the_kernel_reads_back_as_the_same_policy(access: Policy, rnd: int) -> None:
     insns = program_instructions(access)
     blinded = blind(insns, rnd)
     assert any(dp.BPF_REG_AX in (dst, src) for _op, dst, src, _off, _imm in blinded) or len(insns) == 2

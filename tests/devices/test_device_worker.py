@@ -27,7 +27,7 @@ from actors.devices import Policy, DeviceControl, DeviceOperation, DeviceControl
 from actors.devices import container_policy
 from actors.devices import WorkerError, _frames, _worker, _worker_process
 from runtime import Runtime, collect
-from tests.support.probes import DENIED, GRANTED
+from tests.support.probes import assert_verdicts
 from tests.support.kernel import process_state, stop_process, wait_blocked_writing_a_pipe, wait_gone
 
 R = DeviceRule.parse
@@ -92,12 +92,10 @@ async def test_v1_in_the_worker_enforces_what_the_thread_would(v1_sandbox, devic
             [control.configure(f"c{i}", *container_policy([], [f"c 195:{i} rwm"])) for i in range(4)]
         )
         probe = v1_sandbox.probe("c1")
-        assert probe.access(device_nodes["c", 195, 1]) == GRANTED
-        assert probe.access(device_nodes["c", 195, 0]) == DENIED
+        assert_verdicts(probe, device_nodes, granted=[("c", 195, 1)], denied=[("c", 195, 0)])
         assert await control.state("c1") == states[1]
         await control.reconfigure("c1", ["c 195:0 rwm"], ["c 195:1 rwm"])
-        assert probe.access(device_nodes["c", 195, 0]) == GRANTED
-        assert probe.access(device_nodes["c", 195, 1]) == DENIED
+        assert_verdicts(probe, device_nodes, granted=[("c", 195, 0)], denied=[("c", 195, 1)])
         probe.close()
         assert await control.list_cgroups() == ["c0", "c1", "c2", "c3"]
         assert all(await collect([control.remove(f"c{i}") for i in range(4)]))
@@ -180,8 +178,7 @@ async def test_a_killed_idle_worker_is_replaced_by_the_next_call(v1_sandbox, dev
         assert control._process.driver.starts == 2 and control.worker_pid not in (None, first)
         assert any(f"Device worker process {first} exited with status -9" in r.getMessage() for r in caplog.records)
         probe = v1_sandbox.probe("kept")
-        assert probe.access(device_nodes["c", 195, 2]) == GRANTED
-        assert probe.access(device_nodes["c", 195, 0]) == DENIED
+        assert_verdicts(probe, device_nodes, granted=[("c", 195, 2)], denied=[("c", 195, 0)])
         probe.close()
         assert all(await collect([control.remove(name) for name in ("kept", "next")]))
         await control.close()
@@ -205,11 +202,9 @@ async def test_v2_in_the_worker_survives_a_restart_read_back_from_the_kernel(v2_
         control = await DeviceControl.create("cgroups_v2", **kwargs)
         assert [await control.state(f"c{i}") for i in range(3)] == states
         probe = v2_sandbox.probe("c1")
-        assert probe.access(device_nodes["c", 195, 1]) == GRANTED
-        assert probe.access(device_nodes["c", 195, 0]) == DENIED
+        assert_verdicts(probe, device_nodes, granted=[("c", 195, 1)], denied=[("c", 195, 0)])
         await control.reconfigure("c1", ["c 195:0 rw"], ["c 195:1 rw"])
-        assert probe.access(device_nodes["c", 195, 0]) == GRANTED
-        assert probe.access(device_nodes["c", 195, 1]) == DENIED
+        assert_verdicts(probe, device_nodes, granted=[("c", 195, 0)], denied=[("c", 195, 1)])
         v2_sandbox.attached("c1")
         probe.close()
         assert all(await collect([control.remove(f"c{i}") for i in range(3)]))

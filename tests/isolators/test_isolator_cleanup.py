@@ -13,7 +13,7 @@ import pytest
 import runtime
 from isolators import ContainerConfig, ContainerID, Resources
 from tests.support.probes import DENIED, GRANTED
-from tests.support.containers import cleanup_until_removed
+from tests.support.containers import cleanup_until_removed, started_with
 from tests.support.errors import isolator_failure
 
 NO_MANIFEST = "The 'ContainerConfig' for docker is missing a manifest"
@@ -28,8 +28,7 @@ def still_busy(cid: ContainerID) -> str:
 async def test_cleanup_of_nested_and_unknown_ids_succeeds_silently(node, caplog) -> None:
     caplog.set_level(logging.WARNING)
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=Resources.parse("gpus:1")))
+        components, isolator = await started_with(node, c1="gpus:1")
         assert await isolator.cleanup(ContainerID("nested", ContainerID("c1"))) is None
         assert await isolator.cleanup(ContainerID("nested", ContainerID("nobody"))) is None
         assert await isolator.cleanup(ContainerID("nobody")) is None
@@ -42,9 +41,7 @@ async def test_cleanup_of_nested_and_unknown_ids_succeeds_silently(node, caplog)
 @pytest.mark.asyncio
 async def test_cleanup_removes_the_cgroup_frees_gpus_and_is_idempotent(node) -> None:
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=Resources.parse("gpus:3")))
-        await isolator.prepare(ContainerID("c2"), ContainerConfig(resources=Resources.parse("gpus:1")))
+        components, isolator = await started_with(node, c1="gpus:3", c2="gpus:1")
         assert await components.allocator.available() == set()
         assert node.cgroup_exists("c1")
         await isolator.cleanup(ContainerID("c1"))
@@ -145,8 +142,7 @@ def outsider_makes(node, name: str) -> None:
 async def test_cleanup_of_an_unknown_id_removes_a_cgroup_someone_else_made(node, caplog) -> None:
     caplog.set_level(logging.WARNING)
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(ContainerID("keep"), ContainerConfig(resources=Resources.parse("gpus:1")))
+        components, isolator = await started_with(node, keep="gpus:1")
         outsider_makes(node, "ghost")
         assert node.cgroup_exists("ghost")
         assert await isolator.cleanup(ContainerID("ghost")) is None
@@ -163,8 +159,7 @@ async def test_cleanup_of_an_unknown_id_whose_cgroup_has_processes_denies_every_
 ) -> None:
     node = kernel_node
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(ContainerID("keep"), ContainerConfig(resources=Resources.parse("gpus:1")))
+        components, isolator = await started_with(node, keep="gpus:1")
         outsider_makes(node, "ghost")
         probe = probes()
         probe.move_to(node.cgroup_dir("ghost"))

@@ -10,7 +10,7 @@ import pytest
 
 import runtime
 from isolators import ContainerConfig, ContainerID, Resources
-from tests.support.containers import config
+from tests.support.containers import config, started_with
 from tests.support.errors import assert_isolator_error
 
 
@@ -127,8 +127,7 @@ async def test_calls_for_one_id_apply_in_arrival_order(node) -> None:
 async def test_different_containers_do_not_wait_for_each_other(memory_node) -> None:
     """A call on one id is not queued behind a pending call on another."""
     async with runtime.Runtime():
-        components, isolator = await memory_node.start()
-        await isolator.prepare(ContainerID("a"), config(1))
+        components, isolator = await started_with(memory_node, a=1)
         # Hold the allocator: a's update waits on it; b's usage must still answer.
         gate = runtime.Promise()
         original = components.allocator.allocate_resources

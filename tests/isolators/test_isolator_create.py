@@ -74,21 +74,32 @@ async def test_supports_nesting_and_standalone(memory_node) -> None:
 
 
 @pytest.mark.asyncio
-async def test_control_devices_come_from_the_host_file_when_dev_dir_has_none(memory_node) -> None:
+@pytest.mark.parametrize("uvm_major", [None, 509], ids=["from-the-host-file-when-dev-dir-has-none",
+                                                       "from-dev-dir-nodes-over-the-host-files-numbers"])
+async def test_control_devices_come_from_dev_dir_nodes_else_the_host_file(memory_node, uvm_major) -> None:
     dev = memory_node.dev_dir
+    if uvm_major is not None:
+        needs_root()
+        mknod(os.path.join(dev, "nvidiactl"), 195, 255)
+        mknod(os.path.join(dev, "nvidia-uvm"), uvm_major, 0)
+        mknod(os.path.join(dev, "nvidia-uvm-tools"), uvm_major, 1)
+        mknod(os.path.join(dev, "nvidia-modeset"), 195, 254)
+    uvm = 235 if uvm_major is None else uvm_major  # the host file's default numbers are 235:x
     async with runtime.Runtime():
         components, isolator = await memory_node.start()
         assert isolator.process.control_devices == {
             os.path.join(dev, "nvidiactl"): DeviceRule("c", 195, 255, "rwm"),
-            os.path.join(dev, "nvidia-uvm"): DeviceRule("c", 235, 0, "rwm"),
-            os.path.join(dev, "nvidia-uvm-tools"): DeviceRule("c", 235, 1, "rwm"),
+            os.path.join(dev, "nvidia-uvm"): DeviceRule("c", uvm, 0, "rwm"),
+            os.path.join(dev, "nvidia-uvm-tools"): DeviceRule("c", uvm, 1, "rwm"),
             os.path.join(dev, "nvidia-modeset"): DeviceRule("c", 195, 254, "rwm"),
         }
         await isolator.prepare(ContainerID("c1"), ContainerConfig())
         state = await isolator.devices.state("c1")
-        for major, minor in [(195, 255), (235, 0), (235, 1), (195, 254)]:
+        for major, minor in [(195, 255), (uvm, 0), (uvm, 1), (195, 254)]:
             assert state.is_granted("c", major, minor, "rwm")
         assert not state.is_granted("c", 195, 0, "r")
+        if uvm != 235:
+            assert not state.is_granted("c", 235, 0, "r")
         await isolator.cleanup(ContainerID("c1"))
 
 
@@ -111,29 +122,6 @@ async def test_control_device_numbers_from_a_toml_host_file(memory_node) -> None
         await isolator.prepare(ContainerID("c1"), ContainerConfig(resources=Resources.parse("gpus:2")))
         state = await isolator.devices.state("c1")
         assert state.is_granted("c", 511, 0, "rwm") and state.is_granted("c", 195, 1, "rwm")
-        await isolator.cleanup(ContainerID("c1"))
-
-
-@pytest.mark.asyncio
-async def test_control_devices_come_from_dev_dir_nodes(memory_node) -> None:
-    needs_root()
-    dev = memory_node.dev_dir
-    mknod(os.path.join(dev, "nvidiactl"), 195, 255)
-    mknod(os.path.join(dev, "nvidia-uvm"), 509, 0)
-    mknod(os.path.join(dev, "nvidia-uvm-tools"), 509, 1)
-    mknod(os.path.join(dev, "nvidia-modeset"), 195, 254)
-    async with runtime.Runtime():
-        components, isolator = await memory_node.start()
-        # dev_dir wins over the host file's default numbers (235:x).
-        assert isolator.process.control_devices == {
-            os.path.join(dev, "nvidiactl"): DeviceRule("c", 195, 255, "rwm"),
-            os.path.join(dev, "nvidia-uvm"): DeviceRule("c", 509, 0, "rwm"),
-            os.path.join(dev, "nvidia-uvm-tools"): DeviceRule("c", 509, 1, "rwm"),
-            os.path.join(dev, "nvidia-modeset"): DeviceRule("c", 195, 254, "rwm"),
-        }
-        await isolator.prepare(ContainerID("c1"), ContainerConfig())
-        state = await isolator.devices.state("c1")
-        assert state.is_granted("c", 509, 0, "rwm") and not state.is_granted("c", 235, 0, "r")
         await isolator.cleanup(ContainerID("c1"))
 
 

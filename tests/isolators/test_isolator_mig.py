@@ -20,7 +20,7 @@ import pytest
 import runtime
 from actors.resources import Resources
 from isolators import ContainerID, ImageManifest
-from tests.support.containers import config
+from tests.support.containers import config, started_with
 from tests.support.errors import injected, isolator_failure, raises_isolator_error
 from tests.support.mig import EXPECTED, GPU1, HOST, MIG, expect, kernel_scenario, mknod_mig_nodes, sees
 from tests.support.mig import write_mig_proc
@@ -59,8 +59,7 @@ async def test_single_strategy_counts_mig_devices_as_gpus(node_factory, backend,
     host = {"driver_version": "550.90.07", "gpus": [dict(HOST["gpus"][0])]}
     node = mig_node(node_factory, backend, "single", host=host)
     async with runtime.Runtime():
-        _components, isolator = await node.start()
-        await isolator.prepare(ContainerID("two"), config("gpus:2"))
+        _components, isolator = await started_with(node, two="gpus:2")
         assert await isolator.containers() == {"two": ["195:0/gi1/ci0", "195:0/gi2/ci0"]}
         await isolator_failure(isolator.prepare(ContainerID("three"), config("gpus:3")),
                                "Requested 3 gpus but only 2 available")
@@ -111,8 +110,7 @@ async def test_a_node_whose_mig_devices_lack_capability_facts_does_not_start(nod
 async def test_usage_of_a_mig_device_is_read_on_its_mig_handle(node_factory) -> None:
     node = mig_node(node_factory, "memory")
     async with runtime.Runtime():
-        _components, isolator = await node.start()
-        await isolator.prepare(ContainerID("u"), config("gpus:1;mig-1g.18gb:1"))
+        _components, isolator = await started_with(node, u="gpus:1;mig-1g.18gb:1")
         stats = await isolator.usage(ContainerID("u"))
         assert stats.gpus_allocated == 2
         mig, whole = stats.gpus
@@ -127,8 +125,7 @@ async def test_usage_of_a_mig_device_is_read_on_its_mig_handle(node_factory) -> 
 async def test_watch_names_the_mig_device_and_its_resource(node_factory) -> None:
     node = mig_node(node_factory, "memory")
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(ContainerID("h"), config("mig-2g.35gb:1"))
+        components, isolator = await started_with(node, h="mig-2g.35gb:1")
         watch = isolator.watch(ContainerID("h"))
         await components.allocator.mark_unhealthy(MIG["2g"], "Xid 79")
         limitation = await watch

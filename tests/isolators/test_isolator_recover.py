@@ -15,7 +15,7 @@ import os
 import pytest
 
 import runtime
-from tests.support.containers import config
+from tests.support.containers import config, started_with
 from tests.support.kernel import attach_program, attached_programs, detach_program
 from tests.support.nodes import judge
 from actors.devices import PROGRAM_NAME
@@ -34,8 +34,7 @@ async def free_minors(components) -> set[int]:
 @pytest.mark.asyncio
 async def test_crash_and_recover_finds_the_same_gpus_held(node) -> None:
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), config("gpus:3"))
+        components, isolator = await started_with(node, a="gpus:3")
         await isolator.update(ContainerID("a"), Resources.parse("gpus:1"))       # a: [0]
         await isolator.prepare(ContainerID("b"), config("gpus:2"))                  # b: [1, 2]
         await isolator.prepare(ContainerID("c"), config("cpus:1"))                  # c: []
@@ -69,9 +68,7 @@ async def test_crash_and_recover_finds_the_same_gpus_held(node) -> None:
 @pytest.mark.asyncio
 async def test_recover_twice_across_two_crashes(node) -> None:
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), config("gpus:2"))
-        await node.crash(components, isolator)
+        await node.crash(*await started_with(node, a="gpus:2"))
         components, isolator = await node.start()
         await isolator.recover(states("a"), set())
         await isolator.update(ContainerID("a"), Resources.parse("gpus:3"))
@@ -88,9 +85,7 @@ async def test_recover_twice_across_two_crashes(node) -> None:
 async def test_recover_skips_nested_and_warns_about_missing_cgroups(node, caplog) -> None:
     caplog.set_level(logging.WARNING)
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), config("gpus:1"))
-        await node.crash(components, isolator)
+        await node.crash(*await started_with(node, a="gpus:1"))
         components, isolator = await node.start()
         nested = ContainerState(ContainerID("child", ContainerID("a")))
         await isolator.recover(states("a", "gone") + [nested], set())
@@ -105,10 +100,7 @@ async def test_recover_skips_nested_and_warns_about_missing_cgroups(node, caplog
 @pytest.mark.asyncio
 async def test_cgroups_nobody_named_are_recovered_as_orphans(node) -> None:
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), config("gpus:1"))
-        await isolator.prepare(ContainerID("b"), config("gpus:2"))
-        await node.crash(components, isolator)
+        await node.crash(*await started_with(node, a="gpus:1", b="gpus:2"))
         components, isolator = await node.start()
         await isolator.recover(states("a"), set())
         assert await isolator.containers() == {"a": [0], "b": [1, 2]}
@@ -127,9 +119,7 @@ async def test_cgroups_nobody_named_are_recovered_as_orphans(node) -> None:
 async def test_v1_recovers_from_devices_list(node_factory) -> None:
     node = node_factory("cgroups_v1")
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), config("gpus:2"))
-        await node.crash(components, isolator)
+        await node.crash(*await started_with(node, a="gpus:2"))
         with open(os.path.join(node.cgroup_dir("a"), "devices.list")) as handle:
             lines = handle.read().splitlines()
         assert "c 195:0 rwm" in lines and "c 195:1 rwm" in lines and "c 195:2 rwm" not in lines
@@ -150,9 +140,7 @@ async def test_v1_recovers_from_devices_list(node_factory) -> None:
 async def test_v2_cgroup_without_a_program_of_ours_keeps_only_the_free_gpus(node_factory) -> None:
     node = node_factory("cgroups_v2")
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), config("gpus:1"))
-        await node.crash(components, isolator)
+        await node.crash(*await started_with(node, a="gpus:1"))
         os.mkdir(node.cgroup_dir("ghost"))  # made by someone (a crash before its program): nothing restricts it
 
         components, isolator = await node.start()
@@ -179,10 +167,7 @@ NOT_OURS = bytes.fromhex("b700000001000000" "9500000000000000")  # r0 = 1; exit:
 async def test_v2_programs_not_read_back_keep_every_gpu_out_until_all_unknown_are_cleaned(node_factory) -> None:
     node = node_factory("cgroups_v2")
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(ContainerID("a"), config("gpus:1"))
-        await isolator.prepare(ContainerID("b"), config("gpus:2"))
-        await node.crash(components, isolator)
+        await node.crash(*await started_with(node, a="gpus:1", b="gpus:2"))
         for name in ("a", "b"):  # a program of our name that is not one we wrote
             (ours,) = attached_programs(node.cgroup_dir(name))
             detach_program(node.cgroup_dir(name), ours)

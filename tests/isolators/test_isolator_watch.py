@@ -10,7 +10,7 @@ import pytest
 import runtime
 from actors import Gpu
 from isolators import ContainerID, ContainerLimitation, Resources
-from tests.support.containers import config
+from tests.support.containers import config, started_with
 from tests.support.errors import isolator_failure
 
 
@@ -74,8 +74,7 @@ async def test_watch_follows_updates(memory_node) -> None:
 @pytest.mark.asyncio
 async def test_watch_of_an_already_unhealthy_gpu_resolves_at_once(memory_node) -> None:
     async with runtime.Runtime():
-        components, isolator = await memory_node.start()
-        await isolator.prepare(ContainerID("a"), config("gpus:1"))
+        components, isolator = await started_with(memory_node, a="gpus:1")
         await components.allocator.mark_unhealthy(Gpu(195, 0), "ECC")
         limitation = await outcome(isolator.watch(ContainerID("a")))
         assert "195:0" in limitation.message and "ECC" in limitation.message

@@ -30,7 +30,7 @@ import pytest
 import runtime
 from actors.devices import DeviceRule, WorkerError, _worker_child
 from isolators import IsolatorError, Resources
-from tests.support.containers import C, cleanup_until_removed, config, free_gpus
+from tests.support.containers import C, cleanup_until_removed, config, free_gpus, started_with
 from tests.support.probes import DENIED, GRANTED
 from tests.support.errors import isolator_failure
 from tests.support.nodes import judge
@@ -116,8 +116,7 @@ async def test_a_grow_whose_worker_died_after_granting_releases_nothing_on_a_gue
     node = kernel_node
     gpu = {m: char_nodes[(195, m)] for m in range(4)}
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(C("a"), config(1))  # GPU 0
+        components, isolator = await started_with(node, a=1)  # GPU 0
         probe_a = probes()
         probe_a.move_to(node.cgroup_dir("a"))
         assert (probe_a.access(gpu[0]), probe_a.access(gpu[1])) == (GRANTED, DENIED)
@@ -150,8 +149,7 @@ async def test_a_grow_whose_worker_died_before_granting_releases_after_reading_b
 ) -> None:
     node = kernel_node
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(C("a"), config(1))
+        components, isolator = await started_with(node, a=1)
         await killed_while_sent(isolator, lambda: isolator.update(C("a"), Resources.parse("gpus:3")))
         assert await isolator.containers() == {"a": [0]}
         assert await free_gpus(node) == {1, 2, 3}
@@ -164,8 +162,7 @@ async def test_a_cleanup_whose_worker_died_keeps_the_record_and_its_gpus(kernel_
     node = kernel_node
     gpu = {m: char_nodes[(195, m)] for m in range(4)}
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(C("a"), config(1))  # GPU 0
+        components, isolator = await started_with(node, a=1)  # GPU 0
         probe_a = probes()
         probe_a.move_to(node.cgroup_dir("a"))  # a live process: the kernel refuses to remove a
         await killed_while_sent(isolator, lambda: isolator.cleanup(C("a")))
@@ -191,8 +188,7 @@ async def test_a_shrink_whose_worker_died_keeps_every_gpu_with_the_container(
 ) -> None:
     node = kernel_node
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(C("a"), config(2))  # GPUs 0, 1
+        components, isolator = await started_with(node, a=2)  # GPUs 0, 1
         await killed_while_sent(isolator, lambda: isolator.update(C("a"), Resources.parse("gpus:1")))
         assert await isolator.containers() == {"a": [0, 1]}
         assert await free_gpus(node) == {2, 3}
@@ -209,8 +205,7 @@ async def test_a_prepare_whose_worker_died_after_configuring_is_undone_by_the_ke
 ) -> None:
     node = kernel_node
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(C("keep"), config(1))  # GPU 0
+        components, isolator = await started_with(node, keep=1)  # GPU 0
         with StoppedWorker(isolator) as worker:
             prepare = isolator.prepare(C("c1"), config(2))  # GPUs 1, 2: their configure goes to the stopped worker
             await worker.sent()
@@ -296,8 +291,7 @@ async def test_a_failed_prepare_whose_cgroup_cannot_be_removed_holds_back_every_
     node = kernel_node
     gpu = {m: char_nodes[(195, m)] for m in range(4)}
     async with runtime.Runtime():
-        components, isolator = await node.start()
-        await isolator.prepare(C("keep"), config(1))  # GPU 0
+        components, isolator = await started_with(node, keep=1)  # GPU 0
         with StoppedWorker(isolator) as worker:
             prepare = isolator.prepare(C("c1"), config(1))  # GPU 1: its configure goes to the stopped worker
             await worker.sent()

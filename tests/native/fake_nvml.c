@@ -934,38 +934,22 @@ nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *is_m
     return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
-{
-    struct fake_mig *m;
-    ENTER_MIG("nvmlDeviceGetGpuInstanceId", device, m);
-    if (id == NULL) {
-        return NVML_ERROR_INVALID_ARGUMENT;
+/* An NVML getter of one field of a MIG device handle. */
+#define MIG_FIELD_GETTER(function, type, field)                  \
+    nvmlReturn_t function(nvmlDevice_t device, type *out)        \
+    {                                                            \
+        struct fake_mig *m;                                      \
+        ENTER_MIG(#function, device, m);                         \
+        if (out == NULL) {                                       \
+            return NVML_ERROR_INVALID_ARGUMENT;                  \
+        }                                                        \
+        *out = m->field;                                         \
+        return NVML_SUCCESS;                                     \
     }
-    *id = m->gi;
-    return NVML_SUCCESS;
-}
 
-nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
-{
-    struct fake_mig *m;
-    ENTER_MIG("nvmlDeviceGetComputeInstanceId", device, m);
-    if (id == NULL) {
-        return NVML_ERROR_INVALID_ARGUMENT;
-    }
-    *id = m->ci;
-    return NVML_SUCCESS;
-}
-
-nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t device, nvmlDevice_t *parent)
-{
-    struct fake_mig *m;
-    ENTER_MIG("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", device, m);
-    if (parent == NULL) {
-        return NVML_ERROR_INVALID_ARGUMENT;
-    }
-    *parent = m->parent;
-    return NVML_SUCCESS;
-}
+MIG_FIELD_GETTER(nvmlDeviceGetGpuInstanceId, unsigned int, gi)
+MIG_FIELD_GETTER(nvmlDeviceGetComputeInstanceId, unsigned int, ci)
+MIG_FIELD_GETTER(nvmlDeviceGetDeviceHandleFromMigDeviceHandle, nvmlDevice_t, parent)
 
 nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
 {

@@ -19,7 +19,7 @@ import pytest
 from actors.devices import PROGRAM_NAME, Policy, MemoryBackend, build_device_program
 from isolators import NvidiaGpuIsolatorProcess
 from runtime import Clock, Runtime
-from tests.support.containers import C, finish, two_containers
+from tests.support.containers import C, finish, two_containers, two_containers_probed
 from tests.support.probes import DENIED, GRANTED
 from tests.support.kernel import attach_program, detach_program, program_infos
 from tests.support.nodes import judge
@@ -91,26 +91,19 @@ def without_gpu(access: Policy, minor: int) -> Policy:
 
 @pytest.mark.asyncio
 async def test_v1_allow_all_from_a_reload_is_repaired(node_factory: Any, probes: Any, gpu_nodes: Any) -> None:
-    node = node_factory("cgroups_v1")
-    async with Runtime():
-        isolator = await two_containers(node)
+    async with two_containers_probed(node_factory("cgroups_v1"), probes) as (node, isolator, _c1, probe):
         assert await isolator.reconcile() == []
-        probe = in_c1(node, probes)
         await drifted_to_gpu_1(node, probe, gpu_nodes, wipe_v1)  # c1 may use c2's GPU
         repairs = await isolator.reconcile()
         assert [r.container_id for r in repairs] == ["c1"]
         assert "a *:* rwm" in repairs[0].description and "rewrote the rules" in repairs[0].description
         await as_before(node, probe, gpu_nodes)
         assert await isolator.reconcile() == []
-        await finish(node, probe)
 
 
 @pytest.mark.asyncio
 async def test_v1_a_revoked_gpu_is_granted_again(node_factory: Any, probes: Any, gpu_nodes: Any) -> None:
-    node = node_factory("cgroups_v1")
-    async with Runtime():
-        isolator = await two_containers(node)
-        probe = in_c1(node, probes)
+    async with two_containers_probed(node_factory("cgroups_v1"), probes) as (node, isolator, _c1, probe):
         with open(os.path.join(node.root, "c1", "devices.deny"), "w") as deny:
             deny.write("c 195:0 rwm")
         assert sees(probe, gpu_nodes)[0] == DENIED  # drift: c1 lost its GPU
@@ -119,16 +112,12 @@ async def test_v1_a_revoked_gpu_is_granted_again(node_factory: Any, probes: Any,
             ("c1", "allowed 'c 195:0 rwm'")
         ]
         await as_before(node, probe, gpu_nodes)
-        await finish(node, probe)
 
 
 @pytest.mark.asyncio
 async def test_v2_a_detached_program_is_attached_again(node_factory: Any, probes: Any, gpu_nodes: Any) -> None:
-    node = node_factory("cgroups_v2")
-    async with Runtime():
-        isolator = await two_containers(node)
+    async with two_containers_probed(node_factory("cgroups_v2"), probes) as (node, isolator, _c1, probe):
         assert await isolator.reconcile() == []
-        probe = in_c1(node, probes)
         await drifted_to_gpu_1(node, probe, gpu_nodes, detach_v2)  # no program: every device allowed
         repairs = await isolator.reconcile()
         assert repaired(repairs) == [
@@ -137,17 +126,13 @@ async def test_v2_a_detached_program_is_attached_again(node_factory: Any, probes
         assert len(own_programs(node, "c1")) == 1
         await as_before(node, probe, gpu_nodes)
         assert await isolator.reconcile() == []
-        await finish(node, probe)
 
 
 @pytest.mark.asyncio
 async def test_v2_an_extra_program_of_our_name_is_detached(
     node_factory: Any, probes: Any, gpu_nodes: Any
 ) -> None:
-    node = node_factory("cgroups_v2")
-    async with Runtime():
-        isolator = await two_containers(node)
-        probe = in_c1(node, probes)
+    async with two_containers_probed(node_factory("cgroups_v2"), probes) as (node, isolator, _c1, probe):
         (original,) = own_programs(node, "c1")
         extra = attach_extra_v2(node, "c1", without_gpu(node.kernel_policy("c1"), 0))
         assert sees(probe, gpu_nodes)[0] == DENIED  # drift: the extra program denies c1's GPU
@@ -157,7 +142,6 @@ async def test_v2_an_extra_program_of_our_name_is_detached(
         ]
         assert own_programs(node, "c1") == [original]
         await as_before(node, probe, gpu_nodes)
-        await finish(node, probe)
 
 
 @pytest.mark.asyncio

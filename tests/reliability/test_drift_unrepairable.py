@@ -25,7 +25,7 @@ import pytest
 from actors.devices import PROGRAM_NAME, Policy, _bpf, build_device_program
 from isolators import Repair
 from runtime import Runtime
-from tests.support.containers import C, config, finish, free_gpus, two_containers
+from tests.support.containers import C, config, finish, free_gpus, two_containers, two_containers_probed
 from tests.support.probes import DENIED, GRANTED
 from tests.support.errors import isolator_failure
 from tests.support.kernel import attach_program, detach_program, program_infos
@@ -50,14 +50,6 @@ async def reconcile_until_repaired(isolator: Any) -> list[Repair]:
         if not any(r.failed for r in repairs) or time.monotonic() > deadline:
             return repairs
         time.sleep(0.1)
-
-
-def probed_c1(node: Any, probes: Any) -> tuple[str, Any]:
-    """c1's cgroup directory and a probe process in it."""
-    c1 = node.cgroup_dir("c1")
-    probe = probes()
-    probe.move_to(c1)
-    return c1, probe
 
 
 async def held_back_for_c1(isolator: Any, node: Any) -> Repair:
@@ -90,10 +82,7 @@ def failed_only(repairs: list[Repair], cid: str) -> Repair:
 async def test_v1_a_wiped_cgroup_with_an_outsiders_child_is_contained(
     node_factory: Any, probes: Any, gpu_nodes: Any
 ) -> None:
-    node = node_factory("cgroups_v1")
-    async with Runtime():
-        isolator = await two_containers(node)
-        c1, probe = probed_c1(node, probes)
+    async with two_containers_probed(node_factory("cgroups_v1"), probes) as (node, isolator, c1, probe):
         with open(os.path.join(c1, "devices.allow"), "w") as allow:
             allow.write("a")
         os.mkdir(os.path.join(c1, "outsider"))  # the kernel now refuses to take anything back from c1
@@ -110,7 +99,6 @@ async def test_v1_a_wiped_cgroup_with_an_outsiders_child_is_contained(
         assert [r.failed for r in repairs] == [False] * len(repairs) and len(repairs) >= 2
         assert repairs[-1].description == "released GPUs [1, 2, 3] held back while its kernel state was unknown"
         await repaired_and_released(node, probe, gpu_nodes)
-        await finish(node, probe)
 
 
 @pytest.mark.asyncio
@@ -118,10 +106,7 @@ async def test_v1_a_wiped_cgroup_with_an_outsiders_child_is_contained(
 async def test_v2_an_outsiders_allow_all_program_in_place_of_ours_is_contained(
     node_factory: Any, probes: Any, gpu_nodes: Any, flags: int
 ) -> None:
-    node = node_factory("cgroups_v2")
-    async with Runtime():
-        isolator = await two_containers(node)
-        c1, probe = probed_c1(node, probes)
+    async with two_containers_probed(node_factory("cgroups_v2"), probes) as (node, isolator, c1, probe):
         (own,) = ours(c1)
         detach_program(c1, own)
         outsider = attach(c1, Policy.create(["a"]), "outsider", flags)
@@ -135,17 +120,13 @@ async def test_v2_an_outsiders_allow_all_program_in_place_of_ours_is_contained(
         assert any("attached the missing device program" in r.description for r in repairs)
         assert repairs[-1].description == "released GPUs [1, 2, 3] held back while its kernel state was unknown"
         await repaired_and_released(node, probe, gpu_nodes)
-        await finish(node, probe)
 
 
 @pytest.mark.asyncio
 async def test_v2_an_outsiders_deny_all_program_beside_ours_is_reported(
     node_factory: Any, probes: Any, gpu_nodes: Any
 ) -> None:
-    node = node_factory("cgroups_v2")
-    async with Runtime():
-        isolator = await two_containers(node)
-        c1, probe = probed_c1(node, probes)
+    async with two_containers_probed(node_factory("cgroups_v2"), probes) as (node, isolator, c1, probe):
         assert probe.access("/dev/null") == GRANTED
         outsider = attach(c1, Policy.create([]), "outsider", _bpf.BPF_F_ALLOW_MULTI)
         assert (probe.access("/dev/null"), probe.access(gpu_nodes[0])) == (DENIED, DENIED)
@@ -156,7 +137,6 @@ async def test_v2_an_outsiders_deny_all_program_beside_ours_is_reported(
         detach_program(c1, outsider)
         assert await isolator.reconcile() == []
         assert (probe.access("/dev/null"), probe.access(gpu_nodes[0])) == (GRANTED, GRANTED)
-        await finish(node, probe)
 
 
 @pytest.mark.asyncio

@@ -86,6 +86,17 @@ async def fail_everywhere(node: Any, call: Any, check: Any, undo: Any, swallowed
     return injected
 
 
+async def injectable(node: Any, **asked: int) -> Any:
+    """The node's isolator over a fault-injecting backend (no fault armed
+    yet), recovered empty, with each container of ``asked`` (name=GPUs)
+    prepared in turn."""
+    _c, isolator = await node.start(fault={})
+    await isolator.recover([], set())
+    for name, gpus in asked.items():
+        await isolator.prepare(C(name), config(gpus))
+    return isolator
+
+
 # -- a failure at every kernel operation: the call fails, state is rolled back ------------
 
 
@@ -94,9 +105,7 @@ async def fail_everywhere(node: Any, call: Any, check: Any, undo: Any, swallowed
 async def test_a_failed_prepare_leaves_nothing_behind(backend: str, node_factory: Any) -> None:
     node = node_factory(backend)
     async with Runtime():
-        _c, isolator = await node.start(fault={})
-        await isolator.recover([], set())
-        await isolator.prepare(C("keep"), config(1))
+        isolator = await injectable(node, keep=1)
         before = await judge(node, {"keep": 1})
 
         async def check(where: str) -> None:
@@ -122,10 +131,7 @@ async def test_a_failed_update_keeps_the_previous_grant(
 ) -> None:
     node = node_factory(backend)
     async with Runtime():
-        _c, isolator = await node.start(fault={})
-        await isolator.recover([], set())
-        await isolator.prepare(C("keep"), config(1))
-        await isolator.prepare(C("c1"), config(start))
+        isolator = await injectable(node, keep=1, c1=start)
         before = await judge(node, {"keep": 1, "c1": start})
 
         async def check(where: str) -> None:
@@ -152,10 +158,7 @@ async def test_a_failed_update_keeps_the_previous_grant(
 async def test_a_failed_cleanup_can_be_retried(backend: str, node_factory: Any) -> None:
     node = node_factory(backend)
     async with Runtime():
-        _c, isolator = await node.start(fault={})
-        await isolator.recover([], set())
-        await isolator.prepare(C("keep"), config(1))
-        await isolator.prepare(C("c1"), config(2))
+        isolator = await injectable(node, keep=1, c1=2)
         before = await judge(node, {"keep": 1, "c1": 2})
 
         async def check(where: str) -> None:
@@ -197,9 +200,7 @@ async def test_cleanup_with_a_process_inside_denies_then_releases_under_faults(
     its GPUs."""
     node = node_factory(backend)
     async with Runtime():
-        _c, isolator = await node.start(fault={})
-        await isolator.recover([], set())
-        await isolator.prepare(C("keep"), config(1))
+        isolator = await injectable(node, keep=1)
         state: dict[str, Any] = {}
 
         async def setup() -> None:
@@ -259,11 +260,7 @@ async def test_a_crash_at_every_step_recovers_consistently(
 
         async def setup() -> Any:
             await node.stop()  # the isolator the last round recovered with
-            _c, isolator = await node.start(fault={})
-            await isolator.recover([], set())
-            for name, n in before.items():
-                await isolator.prepare(C(name), config(n))
-            return isolator
+            return await injectable(node, **before)
 
         isolator = await setup()
         held = await judge(node, before)

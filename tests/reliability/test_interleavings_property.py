@@ -157,23 +157,14 @@ class IsolatorMachine(RuleBasedStateMachine):
             if known:
                 assert not ok, value
                 assert_isolator_error(value, "Container has already been prepared")
-            elif ok:
-                assert contended or k <= self.free, f"prepare of {k} with {self.free} free succeeded"
-                self.model[cid] = k
             else:
-                assert_isolator_error(value, re.compile(rf"Requested {k} gpus but only \d+ available"))
-                assert contended or k > self.free, value
+                self.granted_or_short(kind, cid, k, k, ok, value, contended)
         elif kind == "update":
             if not known:
                 assert not ok, value
                 assert_isolator_error(value, "Unknown container")
-            elif ok:
-                assert contended or k - self.model[cid] <= self.free
-                self.model[cid] = k
             else:
-                extra = k - self.model[cid]
-                assert_isolator_error(value, re.compile(rf"Requested {extra} gpus but only \d+ available"))
-                assert contended or extra > self.free, value
+                self.granted_or_short(kind, cid, k, k - self.model[cid], ok, value, contended)
         elif kind == "usage":
             if not known:
                 assert not ok, value
@@ -184,6 +175,18 @@ class IsolatorMachine(RuleBasedStateMachine):
         else:
             assert ok, value
             self.model.pop(cid, None)
+
+    def granted_or_short(self, kind: str, cid: str, k: int, need: int, ok: bool, value: Any,
+                         contended: bool) -> None:
+        """A prepare or update of ``cid`` to ``k`` GPUs that needed ``need`` more:
+        done (then they were free, unless others' calls ran meanwhile), or the
+        shortage error naming ``need`` (then they were not)."""
+        if ok:
+            assert contended or need <= self.free, f"{kind} needing {need} with {self.free} free succeeded"
+            self.model[cid] = k
+        else:
+            assert_isolator_error(value, re.compile(rf"Requested {need} gpus but only \d+ available"))
+            assert contended or need > self.free, value
 
     def one(self, kind: str, cid: str, k: int) -> None:
         ok, value = self.run(self.settle(self.call(kind, cid, k)))

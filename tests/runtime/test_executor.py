@@ -5,6 +5,8 @@ Events, never with sleeps."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import anyio
@@ -20,6 +22,20 @@ GUARD = 10  # seconds: a hang guard for waits on threads, never asserted on
 async def _wait_in_thread(event: threading.Event) -> None:
     """Wait for a threading.Event without blocking the event loop."""
     assert await anyio.to_thread.run_sync(event.wait, GUARD), "helper thread never got there"
+
+
+@contextmanager
+def executor_and_release(max_workers: int) -> Iterator[tuple[Executor, threading.Event]]:
+    """An Executor and the event its blocking jobs wait on; on the way out,
+    whatever happened, the event is set (no job stays blocked) and the
+    executor shut down."""
+    executor = Executor(max_workers=max_workers)
+    release = threading.Event()
+    try:
+        yield executor, release
+    finally:
+        release.set()
+        executor.shutdown()
 
 
 async def test_run_returns_the_result_of_a_blocking_call() -> None:
@@ -48,30 +64,28 @@ async def test_an_exception_is_carried_back_unchanged() -> None:
 
 
 async def test_at_most_max_workers_calls_run_at_once() -> None:
-    executor = Executor(max_workers=2)
-    lock = threading.Lock()
-    running = [0]
-    peak = [0]
-    two_running = threading.Event()
-    release = threading.Event()
+    with executor_and_release(2) as (executor, release):
+        lock = threading.Lock()
+        running = [0]
+        peak = [0]
+        two_running = threading.Event()
 
-    def job(i: int) -> int:
-        with lock:
-            running[0] += 1
-            peak[0] = max(peak[0], running[0])
-            if running[0] == 2:
-                two_running.set()
-        release.wait(GUARD)
-        with lock:
-            running[0] -= 1
-        return i
+        def job(i: int) -> int:
+            with lock:
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+                if running[0] == 2:
+                    two_running.set()
+            release.wait(GUARD)
+            with lock:
+                running[0] -= 1
+            return i
 
-    results: list[int] = []
+        results: list[int] = []
 
-    async def call(i: int) -> None:
-        results.append(await executor.run(job, i))
+        async def call(i: int) -> None:
+            results.append(await executor.run(job, i))
 
-    try:
         async with anyio.create_task_group() as tg:
             for i in range(5):
                 tg.start_soon(call, i)
@@ -80,24 +94,19 @@ async def test_at_most_max_workers_calls_run_at_once() -> None:
             release.set()
         assert sorted(results) == [0, 1, 2, 3, 4]
         assert peak[0] == 2
-    finally:
-        release.set()
-        executor.shutdown()
 
 
 async def test_the_callers_cancellation_is_honoured_at_once() -> None:
-    executor = Executor(max_workers=1)
-    started = threading.Event()
-    release = threading.Event()
-    finished = threading.Event()
+    with executor_and_release(1) as (executor, release):
+        started = threading.Event()
+        finished = threading.Event()
 
-    def blocking() -> str:
-        started.set()
-        release.wait(GUARD)
-        finished.set()
-        return "dropped"
+        def blocking() -> str:
+            started.set()
+            release.wait(GUARD)
+            finished.set()
+            return "dropped"
 
-    try:
         async with anyio.create_task_group() as tg:
 
             async def caller(scope: anyio.CancelScope) -> None:
@@ -112,22 +121,17 @@ async def test_the_callers_cancellation_is_honoured_at_once() -> None:
         # the caller is gone while the call still runs in its thread
         assert scope.cancelled_caught
         assert not finished.is_set()
-    finally:
-        release.set()
-        executor.shutdown()
 
 
 async def test_a_cancelled_call_that_had_not_started_never_runs() -> None:
-    executor = Executor(max_workers=1)
-    started = threading.Event()
-    release = threading.Event()
-    ran: list[str] = []
+    with executor_and_release(1) as (executor, release):
+        started = threading.Event()
+        ran: list[str] = []
 
-    def first() -> None:
-        started.set()
-        release.wait(GUARD)
+        def first() -> None:
+            started.set()
+            release.wait(GUARD)
 
-    try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(executor.run, first)
             await _wait_in_thread(started)
@@ -143,9 +147,6 @@ async def test_a_cancelled_call_that_had_not_started_never_runs() -> None:
         assert scope.cancelled_caught
         await executor.run(ran.append, "after")  # one worker, in order: "queued" would come first
         assert ran == ["after"]
-    finally:
-        release.set()
-        executor.shutdown()
 
 
 async def test_max_workers_must_be_positive() -> None:

@@ -7,7 +7,7 @@ import re
 import anyio
 import pytest
 
-from runtime import PID, Clock, Failure, ProcessTerminated, Runtime, dispatch, spawn, terminate, wait
+from runtime import PID, Clock, Failure, Future, ProcessTerminated, Runtime, dispatch, spawn, terminate, wait
 
 from tests.support.processes import LogProcess
 
@@ -20,12 +20,17 @@ class Recorder(LogProcess):
         terminate(self.pid, inject=inject)
 
 
+async def three_queued() -> tuple[Recorder, PID, list[Future]]:
+    """A spawned Recorder, initialized, with three records (0, 1, 2) dispatched to it."""
+    proc = Recorder()
+    pid = spawn(proc)
+    await Clock.settle()
+    return proc, pid, [dispatch(pid, Recorder.record, i) for i in range(3)]
+
+
 async def test_terminate_with_inject_goes_before_queued_events_and_fails_them() -> None:
     async with Runtime():
-        proc = Recorder()
-        pid = spawn(proc)
-        await Clock.settle()
-        queued = [dispatch(pid, Recorder.record, i) for i in range(3)]
+        proc, pid, queued = await three_queued()
         terminate(pid, inject=True)
         await wait(pid)
         assert proc.log == ["finalize"]
@@ -36,10 +41,7 @@ async def test_terminate_with_inject_goes_before_queued_events_and_fails_them() 
 
 async def test_terminate_without_inject_runs_queued_events_first() -> None:
     async with Runtime():
-        proc = Recorder()
-        pid = spawn(proc)
-        await Clock.settle()
-        queued = [dispatch(pid, Recorder.record, i) for i in range(3)]
+        proc, pid, queued = await three_queued()
         terminate(pid, inject=False)
         late = dispatch(pid, Recorder.record, "late")  # after terminate: refused
         await wait(pid)

@@ -45,16 +45,34 @@ class Sender(Process):
         self.send(to, "allocate", body)
 
 
+async def started_receiver() -> tuple[Receiver, PID]:
+    """A spawned Receiver whose initialize has run (its handlers installed)."""
+    receiver = Receiver()
+    pid = spawn(receiver)
+    await Clock.settle()
+    return receiver, pid
+
+
 @pytest.mark.asyncio
-async def test_a_json_body_decodes_to_the_installed_struct() -> None:
+@pytest.mark.parametrize(
+    "messages, expected",
+    [
+        ([("allocate", b'{"container": "c1", "gpus": 2}'), ("allocate", '{"container": "c2", "gpus": 1}')],
+         [(None, Allocate("c1", 2)), (None, Allocate("c2", 1))]),
+        ([("allocate", Allocate("c1", 2)), ("allocate", {"container": "c2", "gpus": 4}), ("raw", [1, 2])],
+         [(None, Allocate("c1", 2)), (None, Allocate("c2", 4)), (None, ("raw", [1, 2]))]),
+        ([("method", b'{"container": "c1", "gpus": 1}')], [(None, ("method", Allocate("c1", 1)))]),
+    ],
+    ids=["a-json-body-decodes-to-the-installed-struct", "struct-and-dict-bodies-are-accepted",
+         "a-class-function-handler-gets-the-process"],
+)
+async def test_a_body_reaches_its_handler_as_installed(messages: list[tuple[str, Any]], expected: list[Any]) -> None:
     async with Runtime():
-        receiver = Receiver()
-        pid = spawn(receiver)
+        receiver, pid = await started_receiver()
+        for name, body in messages:
+            send(pid, name, body)
         await Clock.settle()
-        send(pid, "allocate", b'{"container": "c1", "gpus": 2}')
-        send(pid, "allocate", '{"container": "c2", "gpus": 1}')
-        await Clock.settle()
-        assert receiver.got == [(None, Allocate("c1", 2)), (None, Allocate("c2", 1))]
+        assert receiver.got == expected
 
 
 @pytest.mark.asyncio
@@ -70,38 +88,12 @@ async def test_a_message_sent_right_after_spawn_reaches_the_handler_installed_by
 @pytest.mark.asyncio
 async def test_messages_and_dispatches_share_one_mailbox_order() -> None:
     async with Runtime():
-        receiver = Receiver()
-        pid = spawn(receiver)
-        await Clock.settle()
+        receiver, pid = await started_receiver()
         send(pid, "raw", 1)
         dispatch(pid, Receiver.install, "raw", lambda sender, body: receiver.got.append((sender, ("new", body))))
         send(pid, "raw", 2)
         await Clock.settle()
         assert receiver.got == [(None, ("raw", 1)), (None, ("new", 2))]
-
-
-@pytest.mark.asyncio
-async def test_struct_and_dict_bodies_are_accepted() -> None:
-    async with Runtime():
-        receiver = Receiver()
-        pid = spawn(receiver)
-        await Clock.settle()
-        send(pid, "allocate", Allocate("c1", 2))
-        send(pid, "allocate", {"container": "c2", "gpus": 4})
-        send(pid, "raw", [1, 2])
-        await Clock.settle()
-        assert receiver.got == [(None, Allocate("c1", 2)), (None, Allocate("c2", 4)), (None, ("raw", [1, 2]))]
-
-
-@pytest.mark.asyncio
-async def test_a_class_function_handler_gets_the_process() -> None:
-    async with Runtime():
-        receiver = Receiver()
-        pid = spawn(receiver)
-        await Clock.settle()
-        send(pid, "method", b'{"container": "c1", "gpus": 1}')
-        await Clock.settle()
-        assert receiver.got == [(None, ("method", Allocate("c1", 1)))]
 
 
 @pytest.mark.asyncio
@@ -125,9 +117,7 @@ async def test_a_body_that_does_not_decode_is_rejected_logged_and_counted(
     body: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with Runtime():
-        receiver = Receiver()
-        pid = spawn(receiver)
-        await Clock.settle()
+        receiver, pid = await started_receiver()
         with caplog.at_level(logging.ERROR, logger="runtime._process"):
             send(pid, "allocate", body)
             await Clock.settle()
@@ -145,8 +135,7 @@ async def test_a_body_that_does_not_decode_is_rejected_logged_and_counted(
 @pytest.mark.asyncio
 async def test_a_message_without_a_handler_is_rejected(caplog: pytest.LogCaptureFixture) -> None:
     async with Runtime():
-        pid = spawn(Receiver())
-        await Clock.settle()
+        _receiver, pid = await started_receiver()
         send(pid, "unknown", b"{}")
         await Clock.settle()
         assert "no handler installed for message 'unknown'" in caplog.text
@@ -158,9 +147,7 @@ async def test_a_raising_handler_is_logged_counted_and_the_receiver_keeps_servin
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async with Runtime():
-        receiver = Receiver()
-        pid = spawn(receiver)
-        await Clock.settle()
+        receiver, pid = await started_receiver()
         send(pid, "broken", {"container": "c1", "gpus": 1})
         await Clock.settle()
         assert "handler of message 'broken' from None raised" in caplog.text

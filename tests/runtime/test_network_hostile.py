@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import anyio.abc
 import httpx
 import pytest
 
@@ -51,11 +52,15 @@ def _port(rt: Runtime) -> int:
     return int(rt.address.rsplit(":", 1)[1])
 
 
+async def _connect(rt: Runtime, local_host: str | None = None) -> anyio.abc.SocketStream:
+    """A TCP connection to ``rt``'s listening port (from ``local_host``)."""
+    return await anyio.connect_tcp("127.0.0.1", _port(rt), local_host=local_host)
+
+
 async def _exchange(rt: Runtime, data: bytes, local_host: str | None = None, timeout: float = 3.0) -> bytes:
     """Send ``data`` and read until the server closes (bounded)."""
     with anyio.fail_after(timeout):
-        stream = await anyio.connect_tcp("127.0.0.1", _port(rt), local_host=local_host)
-        async with stream:
+        async with await _connect(rt, local_host) as stream:
             await stream.send(data)
             return await _read_all(stream)
 
@@ -131,8 +136,7 @@ async def test_a_slowloris_client_is_cut_off_while_others_are_served(server: Run
     sent: list[int] = []
 
     async def slowloris() -> None:
-        stream = await anyio.connect_tcp("127.0.0.1", _port(server))
-        async with stream:
+        async with await _connect(server) as stream:
             count = 0
             try:
                 for byte in request:  # 240 bytes at 20/s would take 12 s
@@ -171,8 +175,7 @@ async def test_a_body_that_trickles_in_is_cut_off_with_408(server: Runtime) -> N
             pass
 
     with anyio.fail_after(15):
-        stream = await anyio.connect_tcp("127.0.0.1", _port(server))
-        async with stream:
+        async with await _connect(server) as stream:
             await stream.send(b"POST /inbox/note HTTP/1.1\r\nHost: x\r\nLibprocess-From: p@127.0.0.1:1\r\nContent-Length: 200\r\n\r\n")
             async with anyio.create_task_group() as tg:
                 tg.start_soon(trickle, stream)
@@ -219,8 +222,7 @@ async def test_a_full_server_keeps_serving_the_connections_it_has(server: Runtim
 async def test_a_client_that_never_reads_its_answers_is_closed_after_send_timeout(server: Runtime) -> None:
     request = b"GET /help HTTP/1.1\r\nHost: x\r\n\r\n"
     with anyio.fail_after(10):
-        stream = await anyio.connect_tcp("127.0.0.1", _port(server))
-        async with stream:
+        async with await _connect(server) as stream:
             try:
                 for _ in range(4000):  # ~2 MB of answers piling up, never read
                     await stream.send(request * 10)
@@ -235,8 +237,7 @@ async def test_a_client_that_never_reads_its_answers_is_closed_after_send_timeou
 async def test_messages_to_processes_that_do_not_exist_cost_a_404_each(server: Runtime) -> None:
     request = b"POST /ghost(%d)/note HTTP/1.1\r\nHost: x\r\nLibprocess-From: p@127.0.0.1:1\r\nContent-Length: 1\r\n\r\nx"
     with anyio.fail_after(5):
-        stream = await anyio.connect_tcp("127.0.0.1", _port(server))
-        async with stream:
+        async with await _connect(server) as stream:
             await stream.send(b"".join(request % i for i in range(200)) + b"GET /__processes__ HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             answer = await _read_all(stream)
     assert answer.count(b"HTTP/1.1 404 Not Found\r\n") == 200
@@ -247,8 +248,7 @@ async def test_messages_to_processes_that_do_not_exist_cost_a_404_each(server: R
 async def test_an_idle_connection_closes_after_idle_timeout_when_one_is_set() -> None:
     async with Runtime(listen="127.0.0.1:0", limits=Limits(idle_timeout=0.2)) as rt:
         with anyio.fail_after(3):
-            stream = await anyio.connect_tcp("127.0.0.1", _port(rt))
-            async with stream:
+            async with await _connect(rt) as stream:
                 assert await _read_all(stream) == b""
 
 
@@ -258,8 +258,7 @@ async def test_http_1_0_keep_alive_messages_pipelined_on_one_connection_all_arri
         spawn(inbox)
         request = b"POST /inbox/note HTTP/1.0\r\nConnection: Keep-Alive\r\nLibprocess-From: p@127.0.0.1:1\r\nContent-Length: 1\r\n\r\nx"
         with anyio.fail_after(5):
-            stream = await anyio.connect_tcp("127.0.0.1", _port(rt))
-            async with stream:
+            async with await _connect(rt) as stream:
                 await stream.send(request * 50)
                 while inbox.count < 50:  # the first 50 are in before the next 50 are sent
                     await anyio.sleep(0.01)
@@ -276,8 +275,7 @@ async def test_limits_reject_values_that_are_not_positive() -> None:
 
 async def test_a_client_that_expects_100_continue_gets_it_before_sending_its_body(server: Runtime) -> None:
     with anyio.fail_after(5):
-        stream = await anyio.connect_tcp("127.0.0.1", _port(server))
-        async with stream:
+        async with await _connect(server) as stream:
             await stream.send(b"POST /inbox/note HTTP/1.1\r\nHost: x\r\nLibprocess-From: p@127.0.0.1:1\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
             interim = await stream.receive()
             await stream.send(b"body")

@@ -104,21 +104,30 @@ class Echo(Process):
         self.send(sender, "pong", body)
 
 
-@pytest.mark.parametrize("child_backend", ["asyncio", "trio"])
-async def test_two_os_processes_of_ours_exchange_messages_and_sigkill_gives_exited(child_backend: str) -> None:
-    async with peer("ours-echo", "--backend", child_backend) as (process, echo):
+@asynccontextmanager
+async def asking(*peer_command: str) -> AsyncIterator[tuple[Any, PID, Asker]]:
+    """A peer OS process (``peer(*peer_command)``) and, in a listening Runtime
+    of ours, an Asker to talk to it: the peer's process, its echo's PID, the
+    Asker."""
+    async with peer(*peer_command) as (process, echo):
         async with Runtime(listen="127.0.0.1:0"):
             asker = Asker()
             spawn(asker)
-            bodies = [f"m{i}".encode() for i in range(100)]
-            await dispatch(asker.pid, Asker.watch, echo)
-            await dispatch(asker.pid, Asker.ask, echo, bodies)
-            await asker.until(lambda: len(asker.replies) == 100)
-            assert asker.replies == [(echo, body) for body in bodies]
-            assert asker.exits == []
-            os.kill(process.pid, signal.SIGKILL)
-            await asker.until(lambda: asker.exits)
-            assert asker.exits == [echo]
+            yield process, echo, asker
+
+
+@pytest.mark.parametrize("child_backend", ["asyncio", "trio"])
+async def test_two_os_processes_of_ours_exchange_messages_and_sigkill_gives_exited(child_backend: str) -> None:
+    async with asking("ours-echo", "--backend", child_backend) as (process, echo, asker):
+        bodies = [f"m{i}".encode() for i in range(100)]
+        await dispatch(asker.pid, Asker.watch, echo)
+        await dispatch(asker.pid, Asker.ask, echo, bodies)
+        await asker.until(lambda: len(asker.replies) == 100)
+        assert asker.replies == [(echo, body) for body in bodies]
+        assert asker.exits == []
+        os.kill(process.pid, signal.SIGKILL)
+        await asker.until(lambda: asker.exits)
+        assert asker.exits == [echo]
 
 
 async def test_a_peer_linked_to_us_sees_exited_when_our_runtime_goes_away() -> None:
@@ -143,13 +152,10 @@ async def test_a_peer_linked_to_us_sees_exited_when_our_runtime_goes_away() -> N
 
 @needs_compactor
 async def test_ours_sends_first_and_compactor_answers() -> None:
-    async with peer("compactor-echo") as (_process, echo):
-        async with Runtime(listen="127.0.0.1:0"):
-            asker = Asker()
-            spawn(asker)
-            bodies = [b"hello", b"\x00\xff binary", b"", b"x" * 100_000]
-            await dispatch(asker.pid, Asker.ask, echo, bodies)
-            await asker.until(lambda: len(asker.replies) == len(bodies))
+    async with asking("compactor-echo") as (_process, echo, asker):
+        bodies = [b"hello", b"\x00\xff binary", b"", b"x" * 100_000]
+        await dispatch(asker.pid, Asker.ask, echo, bodies)
+        await asker.until(lambda: len(asker.replies) == len(bodies))
     assert asker.replies == [(echo, body) for body in bodies]
 
 
@@ -170,13 +176,10 @@ async def test_compactor_sends_first_and_ours_answers_the_sender() -> None:
 
 @needs_compactor
 async def test_a_link_to_a_compactor_process_gives_exited_when_it_is_killed() -> None:
-    async with peer("compactor-echo") as (process, echo):
-        async with Runtime(listen="127.0.0.1:0"):
-            asker = Asker()
-            spawn(asker)
-            await dispatch(asker.pid, Asker.watch, echo)
-            await dispatch(asker.pid, Asker.ask, echo, [b"ping"])
-            await asker.until(lambda: asker.replies)
-            os.kill(process.pid, signal.SIGKILL)
-            await asker.until(lambda: asker.exits)
+    async with asking("compactor-echo") as (process, echo, asker):
+        await dispatch(asker.pid, Asker.watch, echo)
+        await dispatch(asker.pid, Asker.ask, echo, [b"ping"])
+        await asker.until(lambda: asker.replies)
+        os.kill(process.pid, signal.SIGKILL)
+        await asker.until(lambda: asker.exits)
     assert asker.exits == [echo]

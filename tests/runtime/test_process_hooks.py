@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
@@ -26,30 +28,31 @@ class Recorder(LogProcess):
         self.link(pid)
 
 
-class SlowStart(Recorder):
+class Gated(Recorder):
+    """A Recorder with a hook that holds until ``gate`` is set."""
+
+    def __init__(self, gate: anyio.Event) -> None:
+        super().__init__()
+        self.gate = gate
+
+    async def held(self, hook: str) -> None:
+        self.log.append(f"{hook}:start")
+        await self.gate.wait()
+        self.log.append(f"{hook}:end")
+
+
+class SlowStart(Gated):
     """An async initialize that holds the mailbox until ``gate`` is set."""
 
-    def __init__(self, gate: anyio.Event) -> None:
-        super().__init__()
-        self.gate = gate
-
     async def initialize(self) -> None:  # type: ignore[override]
-        self.log.append("initialize:start")
-        await self.gate.wait()
-        self.log.append("initialize:end")
+        await self.held("initialize")
 
 
-class SlowStop(Recorder):
+class SlowStop(Gated):
     """An async finalize that ends only when ``gate`` is set."""
 
-    def __init__(self, gate: anyio.Event) -> None:
-        super().__init__()
-        self.gate = gate
-
     async def finalize(self) -> None:  # type: ignore[override]
-        self.log.append("finalize:start")
-        await self.gate.wait()
-        self.log.append("finalize:end")
+        await self.held("finalize")
 
 
 class Linker(Recorder):
@@ -62,6 +65,18 @@ class Linker(Recorder):
     def initialize(self) -> None:
         super().initialize()
         self.link(self.target)
+
+
+@asynccontextmanager
+async def runtime_with_gate() -> AsyncIterator[anyio.Event]:
+    """A Runtime and a gate for a Gated process, set before the Runtime's exit
+    waits for the hook it holds, whatever the test did."""
+    gate = anyio.Event()
+    async with Runtime():
+        try:
+            yield gate
+        finally:
+            gate.set()
 
 
 async def test_pid_is_set_and_returned_by_spawn() -> None:
@@ -81,21 +96,17 @@ async def test_initialize_runs_before_events_queued_right_after_spawn() -> None:
 
 
 async def test_async_initialize_holds_the_mailbox_until_it_returns() -> None:
-    gate = anyio.Event()
-    async with Runtime():
-        try:
-            proc = SlowStart(gate)
-            pid = spawn(proc)
-            future = dispatch(pid, Recorder.record, "event")
-            await Clock.settle()  # a suspended initialize counts as idle
-            assert proc.log == ["initialize:start"]
-            assert future.is_pending()
-            assert proc.stats()["queue_depth"] == 1
-            gate.set()
-            assert await future == "event"
-            assert proc.log == ["initialize:start", "initialize:end", "event"]
-        finally:
-            gate.set()  # the scope's exit waits for initialize
+    async with runtime_with_gate() as gate:
+        proc = SlowStart(gate)
+        pid = spawn(proc)
+        future = dispatch(pid, Recorder.record, "event")
+        await Clock.settle()  # a suspended initialize counts as idle
+        assert proc.log == ["initialize:start"]
+        assert future.is_pending()
+        assert proc.stats()["queue_depth"] == 1
+        gate.set()
+        assert await future == "event"
+        assert proc.log == ["initialize:start", "initialize:end", "event"]
 
 
 async def test_failing_initialize_terminates_the_process_and_fails_queued_events() -> None:
@@ -185,26 +196,22 @@ async def test_every_linker_is_told_once() -> None:
 
 
 async def test_exited_comes_after_an_async_finalize_has_finished() -> None:
-    gate = anyio.Event()
-    async with Runtime():
-        try:
-            target = SlowStop(gate)
-            target_pid = spawn(target)
-            linker = Linker(target_pid)
-            spawn(linker)
-            await Clock.settle()
-            terminate(target_pid)
-            await Clock.settle()
-            assert target.log == ["initialize", "finalize:start"]
-            assert linker.log == ["initialize"]
-            assert wait(target_pid).is_pending()
-            gate.set()
-            await wait(target_pid)
-            await Clock.settle()
-            assert target.log == ["initialize", "finalize:start", "finalize:end"]
-            assert linker.log == ["initialize", ("exited", target_pid)]
-        finally:
-            gate.set()  # the scope's exit awaits finalize
+    async with runtime_with_gate() as gate:
+        target = SlowStop(gate)
+        target_pid = spawn(target)
+        linker = Linker(target_pid)
+        spawn(linker)
+        await Clock.settle()
+        terminate(target_pid)
+        await Clock.settle()
+        assert target.log == ["initialize", "finalize:start"]
+        assert linker.log == ["initialize"]
+        assert wait(target_pid).is_pending()
+        gate.set()
+        await wait(target_pid)
+        await Clock.settle()
+        assert target.log == ["initialize", "finalize:start", "finalize:end"]
+        assert linker.log == ["initialize", ("exited", target_pid)]
 
 
 async def test_a_terminated_linker_is_not_told() -> None:

@@ -228,12 +228,42 @@ class Keeper(Process):
         return value
 
 
+def spawned_keeper(gate: str) -> Keeper:
+    """A spawned Keeper whose write of ``gate`` waits until ``keeper.gates[gate]`` is set."""
+    keeper = Keeper()
+    spawn(keeper)
+    keeper.gates[gate] = anyio.Event()
+    return keeper
+
+
+async def running_and_waiting(gate: str) -> tuple[Keeper, Future, Future]:
+    """A spawned Keeper, a write of ``gate`` on key "a" running (held at its
+    gate) and one more waiting behind it."""
+    keeper = spawned_keeper(gate)
+    running = dispatch(keeper.pid, Keeper.write, "a", gate)
+    waiting = dispatch(keeper.pid, Keeper.write, "a", "next")
+    with anyio.fail_after(5):
+        while keeper.log != [f"a:{gate}:start"]:
+            await anyio.sleep(0)
+    return keeper, running, waiting
+
+
+async def terminated_failing(keeper: Keeper, calls: list[Future], inject: bool) -> None:
+    """Terminate ``keeper``; every one of ``calls`` then fails with
+    ProcessTerminated: nothing hangs."""
+    terminate(keeper.pid, inject=inject)
+    await wait(keeper.pid)
+    with anyio.fail_after(5):
+        for call in calls:
+            with pytest.raises(ProcessTerminated):
+                await call
+
+
 @pytest.mark.anyio
 async def test_a_process_serializes_its_async_methods_per_key(anyio_backend: str) -> None:
     async with Runtime():
-        keeper = Keeper()
-        pid = spawn(keeper)
-        keeper.gates["slow"] = anyio.Event()
+        keeper = spawned_keeper("slow")
+        pid = keeper.pid
         a1 = dispatch(pid, Keeper.write, "a", "slow")
         a2 = dispatch(pid, Keeper.write, "a", "bad")
         a3 = dispatch(pid, Keeper.write, "a", "last")
@@ -254,51 +284,26 @@ async def test_a_process_serializes_its_async_methods_per_key(anyio_backend: str
 @pytest.mark.anyio
 async def test_termination_fails_the_running_and_the_waiting_calls(anyio_backend: str) -> None:
     async with Runtime():
-        keeper = Keeper()
-        pid = spawn(keeper)
-        keeper.gates["never"] = anyio.Event()
-        running = dispatch(pid, Keeper.write, "a", "never")
-        waiting = dispatch(pid, Keeper.write, "a", "next")
-        with anyio.fail_after(5):
-            while keeper.log != ["a:never:start"]:
-                await anyio.sleep(0)
-        terminate(pid)
-        await wait(pid)
-        with anyio.fail_after(5):  # every Future completes: nothing hangs
-            with pytest.raises(ProcessTerminated):
-                await running
-            with pytest.raises(ProcessTerminated):
-                await waiting
+        keeper, running, waiting = await running_and_waiting("never")
+        await terminated_failing(keeper, [running, waiting], inject=True)
         assert keeper.log == ["a:never:start"]
 
 
 @pytest.mark.anyio
 async def test_termination_right_after_the_calls_completes_every_future(anyio_backend: str) -> None:
     async with Runtime():
-        keeper = Keeper()
-        pid = spawn(keeper)
-        keeper.gates["one"] = anyio.Event()  # never set: "one" holds the key until termination
+        keeper = spawned_keeper("one")  # never set: "one" holds the key until termination
+        pid = keeper.pid
         calls = [dispatch(pid, Keeper.write, "a", value) for value in ("one", "two", "three")]
-        terminate(pid, inject=False)  # after the three events: the first one runs, the others wait
-        await wait(pid)
-        with anyio.fail_after(5):  # every Future completes: nothing hangs
-            for call in calls:
-                with pytest.raises(ProcessTerminated):
-                    await call
+        # after the three events: the first one runs, the others wait
+        await terminated_failing(keeper, calls, inject=False)
         assert keeper.log == ["a:one:start"]
 
 
 @pytest.mark.anyio
 async def test_close_on_a_runtime_discards_the_waiting_calls(anyio_backend: str) -> None:
     async with Runtime():
-        keeper = Keeper()
-        pid = spawn(keeper)
-        keeper.gates["slow"] = anyio.Event()
-        running = dispatch(pid, Keeper.write, "a", "slow")
-        waiting = dispatch(pid, Keeper.write, "a", "next")
-        with anyio.fail_after(5):
-            while keeper.log != ["a:slow:start"]:
-                await anyio.sleep(0)
+        keeper, running, waiting = await running_and_waiting("slow")
         keeper.sequences["a"].close()
         with pytest.raises(Discarded):
             await waiting

@@ -7,6 +7,8 @@ runtime counts what it dropped, and every delivered one is an event handled."""
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -86,12 +88,16 @@ class Mixer(Process):
                 self.send(to, "typed", Note(i))
 
 
+def spawned_with_mixer() -> tuple[Receiver, PID, PID]:
+    """A spawned Receiver, its PID, and a spawned Mixer's PID to send to it."""
+    receiver = Receiver()
+    return receiver, spawn(receiver), spawn(Mixer())
+
+
 async def test_one_senders_sends_and_dispatches_arrive_in_the_order_they_were_made() -> None:
     with anyio.fail_after(BOUND):
         async with Runtime():
-            receiver = Receiver()
-            to = spawn(receiver)
-            mixer = spawn(Mixer())
+            receiver, to, mixer = spawned_with_mixer()
             await dispatch(mixer, Mixer.mix, to, 60)
             await Clock.settle()
             expected = []
@@ -164,6 +170,18 @@ async def test_a_raising_handler_without_a_body_type_is_logged_and_counted_and_t
             assert stats["state"] == "running"
 
 
+@asynccontextmanager
+async def running_receiver(first: str) -> AsyncIterator[tuple[Runtime, Receiver, PID]]:
+    """In a Runtime, within BOUND: a spawned Receiver that has recorded
+    ``first`` (its initialize is done)."""
+    with anyio.fail_after(BOUND):
+        async with Runtime() as rt:
+            receiver = Receiver()
+            pid = spawn(receiver)
+            await dispatch(pid, Receiver.record, first)
+            yield rt, receiver, pid
+
+
 async def test_every_delivered_tell_counts_as_an_event_handled() -> None:
     with anyio.fail_after(BOUND):
         async with Runtime():
@@ -181,41 +199,33 @@ async def test_every_delivered_tell_counts_as_an_event_handled() -> None:
 async def test_a_tell_to_a_terminated_process_is_dropped_logged_and_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with anyio.fail_after(BOUND):
-        async with Runtime() as rt:
-            receiver = Receiver()
-            pid = spawn(receiver)
-            await dispatch(pid, Receiver.record, "alive")
-            assert "runtime/messages/dropped" not in rt.metrics.snapshot()  # nothing dropped yet
-            terminate(pid)
-            await wait(pid)
-            with caplog.at_level(logging.WARNING, logger="runtime._runtime"):
-                send(pid, "class", "too late")
-                send(PID("ghost(1)"), "class", "nobody")
-            assert f"Message 'class' to {pid} dropped: process is not running" in caplog.text
-            assert "Message 'class' to ghost(1) dropped: process is not running" in caplog.text
-            assert rt.metrics.snapshot()["runtime/messages/dropped"] == 2
-            assert receiver.log == ["alive"]
+    async with running_receiver("alive") as (rt, receiver, pid):
+        assert "runtime/messages/dropped" not in rt.metrics.snapshot()  # nothing dropped yet
+        terminate(pid)
+        await wait(pid)
+        with caplog.at_level(logging.WARNING, logger="runtime._runtime"):
+            send(pid, "class", "too late")
+            send(PID("ghost(1)"), "class", "nobody")
+        assert f"Message 'class' to {pid} dropped: process is not running" in caplog.text
+        assert "Message 'class' to ghost(1) dropped: process is not running" in caplog.text
+        assert rt.metrics.snapshot()["runtime/messages/dropped"] == 2
+        assert receiver.log == ["alive"]
 
 
 async def test_tells_still_queued_when_their_process_terminates_are_dropped_and_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with anyio.fail_after(BOUND):
-        async with Runtime() as rt:
-            receiver = Receiver()
-            pid = spawn(receiver)
-            await dispatch(pid, Receiver.record, "alive")
-            for i in range(3):
-                send(pid, "class", i)
-            queued = dispatch(pid, Receiver.record, "queued")
-            with caplog.at_level(logging.WARNING, logger="runtime._process"):
-                terminate(pid, inject=True)  # before the queued events
-                await wait(pid)
-            assert receiver.log == ["alive"]
-            assert queued.is_failed()  # a dispatch's Future fails; a tell has none: it is counted
-            assert rt.metrics.snapshot()["runtime/messages/dropped"] == 3
-            assert f"Process {pid} terminated: 3 queued message(s) dropped" in caplog.text
+    async with running_receiver("alive") as (rt, receiver, pid):
+        for i in range(3):
+            send(pid, "class", i)
+        queued = dispatch(pid, Receiver.record, "queued")
+        with caplog.at_level(logging.WARNING, logger="runtime._process"):
+            terminate(pid, inject=True)  # before the queued events
+            await wait(pid)
+        assert receiver.log == ["alive"]
+        assert queued.is_failed()  # a dispatch's Future fails; a tell has none: it is counted
+        assert rt.metrics.snapshot()["runtime/messages/dropped"] == 3
+        assert f"Process {pid} terminated: 3 queued message(s) dropped" in caplog.text
 
 
 async def test_tells_queued_before_a_terminate_without_inject_are_delivered() -> None:
@@ -233,31 +243,25 @@ async def test_tells_queued_before_a_terminate_without_inject_are_delivered() ->
 
 
 async def test_filters_see_every_tell_and_the_rest_arrive_in_order() -> None:
-    with anyio.fail_after(BOUND):
-        async with Runtime():
-            receiver = Receiver()
-            pid = spawn(receiver)
-            await dispatch(pid, Receiver.record, "ready")
-            seen = expect_message(pid, "class")
-            dropped = drop_message(pid, "bound")
-            sender = PID("sender(2)")
-            for i in range(4):
-                send(pid, "class", i, from_=sender)
-                send(pid, "bound", i, from_=sender)
-            assert await seen == Messaged(pid, "class", 0, sender)  # the first one matched, once
-            assert await dropped == Messaged(pid, "bound", 0, sender)
-            await dispatch(pid, Receiver.record, "sync")
-            assert receiver.log == ["ready", ("class", 0)] + [
-                entry for i in range(1, 4) for entry in (("class", i), ("bound", sender, i))
-            ] + ["sync"]
+    async with running_receiver("ready") as (_rt, receiver, pid):
+        seen = expect_message(pid, "class")
+        dropped = drop_message(pid, "bound")
+        sender = PID("sender(2)")
+        for i in range(4):
+            send(pid, "class", i, from_=sender)
+            send(pid, "bound", i, from_=sender)
+        assert await seen == Messaged(pid, "class", 0, sender)  # the first one matched, once
+        assert await dropped == Messaged(pid, "bound", 0, sender)
+        await dispatch(pid, Receiver.record, "sync")
+        assert receiver.log == ["ready", ("class", 0)] + [
+            entry for i in range(1, 4) for entry in (("class", i), ("bound", sender, i))
+        ] + ["sync"]
 
 
 async def test_a_filter_sees_a_tell_a_process_sends() -> None:
     with anyio.fail_after(BOUND):
         async with Runtime():
-            receiver = Receiver()
-            to = spawn(receiver)
-            mixer = spawn(Mixer())
+            receiver, to, mixer = spawned_with_mixer()
             seen = expect_message(to, "typed")
             await dispatch(mixer, Mixer.mix, to, 3)
             assert await seen == Messaged(to, "typed", Note(2), mixer)

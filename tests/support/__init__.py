@@ -5,6 +5,7 @@ cgroup, mknod'ed nodes), ``nodes`` (a simulated node for one test and the
 kernel as judge of it), ``containers`` (container ids and configs, the
 usual two-container start, free GPUs, bounded cleanup, a test's end),
 ``engines`` (podman and runc on a busybox rootfs, for the CDI tests),
+``cdi`` (``cdi generate`` run in-process with a node's own host facts),
 ``fake_driver`` (a fake NVIDIA driver built with
 gcc, loader caches), ``fake_nvml`` (the fake NVML library and ``NvmlProbe``,
 which runs the real pynvml against it in a child: ``nvml_probe.py``,

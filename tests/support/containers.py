@@ -6,9 +6,16 @@ Rules:
   a ``ContainerConfig`` asking for ``resources``: a number of GPUs, or
   resources text (``"gpus:1;mig-1g.18gb:1"``; none: nothing), with
   ``fields`` (``rootfs``, ...).
+- ``started_with(node, **asked)`` starts the node's isolator and prepares
+  each container named in ``asked`` with its ``config`` (``a="gpus:2"``),
+  in that order; ``(components, isolator)``.
 - ``two_containers(node, **flags)`` starts the node's isolator (``flags``
   go to ``node.start``), recovers nothing and prepares ``c1`` and ``c2``
   with one GPU each: GPU 0 and GPU 1 (lowest-first allocation).
+- ``two_containers_probed(node, probes)`` (async context manager): in a
+  Runtime, ``two_containers(node)``, c1's cgroup directory and a probe
+  process (from the ``probes`` factory) in it; a body that ends without
+  raising ends with ``finish(node, probe)``.
 - ``free_gpus(node)``: the minors of the GPUs the node's allocator has free.
 - ``cleanup_until_removed`` repeats ``cleanup`` of a lingering container
   until the kernel lets its cgroup go, bounded (a hang fails the test).
@@ -19,16 +26,19 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 
 from isolators import ContainerConfig, ContainerID, Resources
+from runtime import Runtime
 
 from .nodes import Node
 from .probes import DeviceProbe
 
-__all__ = ["C", "config", "two_containers", "free_gpus", "cleanup_until_removed", "finish"]
+__all__ = ["C", "config", "started_with", "two_containers", "two_containers_probed", "free_gpus", "cleanup_until_removed", "finish"]
 
 
 def C(name: str) -> ContainerID:
@@ -44,6 +54,15 @@ def config(resources: int | str | None = None, **fields: Any) -> ContainerConfig
     return ContainerConfig(resources=asked, **fields)
 
 
+async def started_with(node: Node, **asked: int | str) -> tuple[Any, Any]:
+    """The node's components and isolator, started, with each container of
+    ``asked`` (name=resources) prepared in turn."""
+    components, isolator = await node.start()
+    for name, resources in asked.items():
+        await isolator.prepare(C(name), config(resources))
+    return components, isolator
+
+
 async def two_containers(node: Node, **flags: Any) -> Any:
     """The node's isolator, recovered empty, with ``c1`` on GPU 0 and ``c2`` on GPU 1."""
     _components, isolator = await node.start(**flags)
@@ -51,6 +70,21 @@ async def two_containers(node: Node, **flags: Any) -> Any:
     await isolator.prepare(C("c1"), config(1))
     await isolator.prepare(C("c2"), config(1))
     return isolator
+
+
+@asynccontextmanager
+async def two_containers_probed(node: Node, probes: Callable[[], DeviceProbe],
+                                **flags: Any) -> AsyncIterator[tuple[Node, Any, str, DeviceProbe]]:
+    """In a Runtime: ``node``, the isolator ``two_containers(node, **flags)``
+    leaves, c1's cgroup directory and a probe process in it; once the body
+    is done (not when it raised), ``finish(node, probe)``."""
+    async with Runtime():
+        isolator = await two_containers(node, **flags)
+        c1 = node.cgroup_dir("c1")
+        probe = probes()
+        probe.move_to(c1)
+        yield node, isolator, c1, probe
+        await finish(node, probe)
 
 
 async def free_gpus(node: Node) -> set[int]:

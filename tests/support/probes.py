@@ -16,6 +16,8 @@ Rules:
   Tests compare verdicts, never errnos.
 - Probes are killed by ``close()``; a test fixture closes every probe it
   spawned, and the kernel teardown kills whatever is still in a test cgroup.
+- ``assert_verdicts(probe, nodes, granted, denied)`` judges several nodes
+  at once (one failure shows every verdict).
 - ``mknod_nodes`` makes device nodes in a test's own directory (root only).
 """
 
@@ -124,6 +126,23 @@ class DeviceProbe:
         for stream in (self.process.stdin, self.process.stdout):
             if stream:
                 stream.close()
+
+
+def assert_verdicts(probe: "DeviceProbe", nodes: "DeviceNodes", granted: Iterable[tuple[str, int, int] | str] = (),
+                    denied: Iterable[tuple[str, int, int] | str] = ()) -> None:
+    """``probe`` opens every one of ``granted`` past the device cgroup and is
+    refused every one of ``denied``: a ``(kind, major, minor)`` is that node
+    of ``nodes`` (a block node opened read-only, a character node read-write),
+    a string a path."""
+    granted, denied = list(granted), list(denied)
+
+    def opened(key: tuple[str, int, int] | str) -> str:
+        if isinstance(key, str):
+            return probe.access(key)
+        return probe.access(nodes[key], os.O_RDONLY if key[0] == "b" else os.O_RDWR)
+
+    seen = {key: opened(key) for key in granted + denied}
+    assert seen == {**dict.fromkeys(granted, GRANTED), **dict.fromkeys(denied, DENIED)}, seen
 
 
 class DeviceNodes:

@@ -89,6 +89,19 @@ def remove_native_tools() -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def communicate(process: subprocess.Popen, timeout: float, late: str) -> tuple[Any, Any]:
+    """``process``'s whole output, once it ends within ``timeout`` seconds;
+    otherwise it is killed and the test fails: ``<late> within <timeout>s:
+    <its stderr>``."""
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _out, err = process.communicate()
+        err = err.decode() if isinstance(err, bytes) else err
+        raise AssertionError(f"{late} within {timeout}s: {err}") from None
+
+
 def read_line(stream: Any, timeout: float) -> bytes:
     """One line from a pipe, or what came before ``timeout`` / end of stream."""
     return read_fd_line(stream.fileno(), timeout)
@@ -245,12 +258,7 @@ class ServeProcess:
     def finish(process: subprocess.Popen, timeout: float = 30.0) -> tuple[int, str, str]:
         if process.stdin is not None and process.stdin.closed:
             process.stdin = None  # closed by the test (the command's end of input)
-        try:
-            out, err = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out, err = process.communicate()
-            raise AssertionError(f"exec did not end within {timeout}s: {err.decode()}") from None
+        out, err = communicate(process, timeout, "exec did not end")
         return process.returncode, out.decode(), err.decode()
 
     def status(self, *args: str, timeout: float = 30.0, user: ThrowawayUser | None = None,
@@ -258,12 +266,7 @@ class ServeProcess:
         process = self._cli(["status", f"--socket={socket or self.socket}", *args], user, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
         self.children.append(process)
-        try:
-            out, err = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out, err = process.communicate()
-            raise AssertionError(f"status did not answer within {timeout}s: {err}") from None
+        out, err = communicate(process, timeout, "status did not answer")
         return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
     def close(self) -> None:
