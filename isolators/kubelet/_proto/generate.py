@@ -1,15 +1,16 @@
-"""Compile ``deviceplugin.proto`` into the committed Python modules.
+"""Compile ``deviceplugin.proto`` and ``podresources.proto`` into the committed Python modules.
 
 Rules:
 - ``generate(output_root)`` runs ``grpcio-tools``' protoc (the version
-  pinned in ``pyproject.toml``'s test extra) on
-  ``isolators/kubelet/_proto/deviceplugin.proto`` with the repository as
-  its include root, so the modules import each other by their package path
-  (``isolators.kubelet._proto.deviceplugin_pb2``); it writes
-  ``deviceplugin_pb2.py``, ``deviceplugin_pb2.pyi`` and
-  ``deviceplugin_pb2_grpc.py`` under ``output_root`` at that path and
-  returns their paths. A protoc error raises ``RuntimeError`` with its
-  output.
+  pinned in ``pyproject.toml``'s test extra) on each of ``PROTOS``
+  (``isolators/kubelet/_proto/deviceplugin.proto``, the device plugin
+  API v1beta1, and ``podresources.proto``, the pod resources API v1) with
+  the repository as its include root, so the modules import each other by
+  their package path (``isolators.kubelet._proto.deviceplugin_pb2``); it
+  writes ``<name>_pb2.py``, ``<name>_pb2.pyi`` and ``<name>_pb2_grpc.py``
+  of each under ``output_root`` at that path and returns their paths
+  (``GENERATED``, in order). A protoc error raises ``RuntimeError`` with
+  its output.
 - ``python -m isolators.kubelet._proto.generate`` regenerates them in place
   (after editing the .proto or changing the pinned grpcio-tools); the test
   ``tests/kubelet/test_kubelet_api.py`` fails while they are stale.
@@ -25,15 +26,14 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["PROTO", "GENERATED", "SOURCE_ROOT", "generate"]
+__all__ = ["PROTO", "PROTOS", "GENERATED", "SOURCE_ROOT", "generate"]
 
 SOURCE_ROOT = Path(__file__).resolve().parents[3]
 """The directory holding the ``isolators`` package (the include root)."""
 PROTO = "isolators/kubelet/_proto/deviceplugin.proto"
-GENERATED = (
-    "isolators/kubelet/_proto/deviceplugin_pb2.py",
-    "isolators/kubelet/_proto/deviceplugin_pb2.pyi",
-    "isolators/kubelet/_proto/deviceplugin_pb2_grpc.py",
+PROTOS = (PROTO, "isolators/kubelet/_proto/podresources.proto")
+GENERATED = tuple(
+    proto.removesuffix(".proto") + suffix for proto in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 )
 
 
@@ -43,13 +43,14 @@ def generate(output_root: str | os.PathLike[str]) -> list[Path]:
 
     output_root = Path(output_root)
     output_root.mkdir(parents=True, exist_ok=True)
-    args = ["grpc_tools.protoc", f"-I{SOURCE_ROOT}", f"--python_out={output_root}",
-            f"--pyi_out={output_root}", f"--grpc_python_out={output_root}", str(SOURCE_ROOT / PROTO)]
-    captured = io.StringIO()
-    with contextlib.redirect_stderr(captured):
-        code = protoc.main(args)
-    if code != 0:
-        raise RuntimeError(f"protoc failed on {PROTO} ({code}): {captured.getvalue().strip()}")
+    for proto in PROTOS:
+        args = ["grpc_tools.protoc", f"-I{SOURCE_ROOT}", f"--python_out={output_root}",
+                f"--pyi_out={output_root}", f"--grpc_python_out={output_root}", str(SOURCE_ROOT / proto)]
+        captured = io.StringIO()
+        with contextlib.redirect_stderr(captured):
+            code = protoc.main(args)
+        if code != 0:
+            raise RuntimeError(f"protoc failed on {proto} ({code}): {captured.getvalue().strip()}")
     return [output_root / name for name in GENERATED]
 
 
