@@ -53,7 +53,7 @@ DEFAULT_CONFIG_TEMPLATES = (
 )
 
 _UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-_UUID_UNDERSCORED = _UUID.replace("-", "_")
+_UUID_UNDERSCORED = r"[0-9a-f]{8}_[0-9a-f]{4}_[0-9a-f]{4}_[0-9a-f]{4}_[0-9a-f]{12}"
 _ID = r"[0-9a-f]{64}"
 _RUNTIMES = r"(?:cri-containerd|crio|docker)"
 _SYSTEMD = re.compile(

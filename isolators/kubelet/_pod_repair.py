@@ -157,13 +157,14 @@ class PodRepair:
         self._waiting: str | None = None
         self._reported: set[tuple[str, ...]] = set()
         units = sorted({unit for offer in catalog.offers for unit in offer.units})
-        self.all_nodes = tuple(self._grant(units))
+        self.all_nodes = tuple(self.nodes_of(units))
         control = {(rule.major, rule.minor) for rule in control_devices.values()}
         self._gpu_numbers = {(node.major, node.minor) for node in self.all_nodes
                              if (node.major, node.minor) not in control}
         """(major, minor) of every GPU and capability node offered: what a container's /dev is read for."""
 
-    def _grant(self, units: Iterable[Unit]) -> tuple[ContainerDevice, ...]:
+    def nodes_of(self, units: Iterable[Unit]) -> tuple[ContainerDevice, ...]:
+        """The device nodes a container holding ``units`` is given (its grant: GPUs, MIG capabilities, control)."""
         return container_grant(list(units), self.catalog.uuids, self.control_devices, self.dev_dir,
                                caps=self.caps).devices
 
@@ -225,7 +226,7 @@ class PodRepair:
                                              f" {container.container_id[:12]} names pod uid"
                                              f" {container.identity.pod_uid}, its cgroup pod uid {container.pod_uid};"
                                              " nothing granted")
-            nodes = self._grant(want.units)
+            nodes = self.nodes_of(want.units)
             rules = tuple(dict.fromkeys(DeviceRule(node.type, node.major, node.minor, node.permissions)
                                         for node in nodes))
             expected = {(n.major, n.minor) for n in nodes if (n.major, n.minor) in self._gpu_numbers}
