@@ -13,7 +13,7 @@ Rules:
   ``CgroupGone``.
 - ``give_access(cgroup, rules)`` gives exactly those rules back and
   nothing else: on v1 one ``devices.allow`` write per rule (the kernel's
-  file takes one rule a write); on v2 each attached program that refuses
+  file takes one rule a write), reported as one line; on v2 each attached program that refuses
   one of them is replaced in place (``BPF_F_REPLACE`` under
   ``BPF_F_ALLOW_MULTI``; a program attached alone, without it, by a new
   attach of the same flags) by ``allowing(its instructions, the rules it
@@ -159,7 +159,7 @@ def give_access(cgroup: ContainerCgroup, rules: Iterable[DeviceRule]) -> list[st
             KERNEL.write_lines(fd, path, [str(rule).encode() for rule in rules])
         finally:
             os.close(fd)
-        done += [f"devices.allow {rule}" for rule in rules]
+        done.append("devices.allow " + ", ".join(str(rule) for rule in rules))
     else:
         cgroup_fd = _open_cgroup(cgroup)
         try:

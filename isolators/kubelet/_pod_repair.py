@@ -38,6 +38,7 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -153,7 +154,8 @@ class PodRepair:
         self.passes = 0
         self.repaired = 0
         self.failures = 0
-        self._lock = anyio.Lock()
+        self._lock = asyncio.Lock()
+        """An asyncio lock: the route's pass runs in the plugin process, the periodic one in a task."""
         self._waiting: str | None = None
         self._reported: set[tuple[str, ...]] = set()
         units = sorted({unit for offer in catalog.offers for unit in offer.units})
