@@ -13,7 +13,9 @@ Rules:
   given ``nodes`` (its /dev holds them, its rules grant them; ids made up
   when not given); ``reload(container_id)`` is what a systemd reload does
   to it (its rules for those nodes dropped); ``repair`` grants what it is
-  asked and records it in ``writes``; ``link_nodes`` makes nothing (no
+  asked and records it in ``writes``, or, for a container id in
+  ``vanishing``, finds its cgroup gone (``CgroupGone``: a container that
+  ended between the check and the repair) and grants nothing; ``link_nodes`` makes nothing (no
   file system). Nothing blocks.
 """
 
@@ -30,6 +32,7 @@ from actors.devices import DeviceRule
 from .._types import ContainerDevice
 from ._dev_char import CharLinks
 from ._names import unix_target
+from ._pod_access import CgroupGone
 from ._pod_cgroups import ContainerCgroup, PodIdentity
 from ._pod_repair import ContainerCheck, ObservedContainer
 from ._pod_resources import AssignedDevices
@@ -117,6 +120,7 @@ class MemoryPodHost:
     def __init__(self) -> None:
         self.containers: dict[str, MemoryContainer] = {}
         self.writes: list[tuple[str, tuple[DeviceRule, ...]]] = []
+        self.vanishing: set[str] = set()
 
     def add(self, namespace: str, pod: str, container: str, nodes: Iterable[ContainerDevice], *,
             pod_uid: str | None = None, container_id: str | None = None) -> MemoryContainer:
@@ -150,6 +154,10 @@ class MemoryPodHost:
         return checks
 
     def repair(self, container: ObservedContainer, rules: Sequence[DeviceRule]) -> list[str]:
+        if container.container_id in self.vanishing:
+            self.containers.pop(container.container_id, None)
+            raise CgroupGone(f"cgroup {container.cgroups[0].directory} is gone (the container ended): nothing was"
+                             " granted")
         record = self.containers[container.container_id]
         record.granted.update(rules)
         self.writes.append((container.container_id, tuple(rules)))

@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import stat
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +28,8 @@ from actors.gpu import Gpu
 from isolators.kubelet import (AssignedDevices, DeviceCatalog, OfferedDevice, PodRepair, PodResourcesClient,
                                ResourceOffer, ensure_char_links, parse_container_cgroup, read_identity)
 from isolators.kubelet.testing import FakePodResources, MemoryPodHost
+
+from tests.support.services import ROOT
 
 GPU = "nvidia.com/gpu"
 UUIDS = [f"GPU-0000000{i}-1111-4222-8333-44444444444{i}" for i in range(4)]
@@ -185,10 +189,13 @@ async def test_sources_that_disagree_grant_nothing_and_are_said_once(
     host.add("ml", "c", "cuda", repair.nodes_of([Gpu(195, 3)]))
     ended = host.add("ml", "d", "cuda", repair.nodes_of([Gpu(195, 3)]))
     ended.running = False
+    vanishing = host.add("ml", "e", "cuda", repair.nodes_of([Gpu(195, 1)]))
+    host.vanishing.add(vanishing.container_id)  # it ends between the check and the repair
     for record in host.containers.values():
         record.granted.clear()
     pod_resources.assignments = [assign("ml", "a", "cuda", UUIDS[1]), assign("ml", "b", "cuda", UUIDS[2]),
-                                 assign("ml", "c", "cuda", "GPU-not-offered-here"), assign("ml", "d", "cuda", UUIDS[3])]
+                                 assign("ml", "c", "cuda", "GPU-not-offered-here"), assign("ml", "d", "cuda", UUIDS[3]),
+                                 assign("ml", "e", "cuda", UUIDS[1])]
     survey = host.survey
 
     def survey_with_cgroup_uid() -> list:  # the cgroup names its own uid, the record another
@@ -201,17 +208,20 @@ async def test_sources_that_disagree_grant_nothing_and_are_said_once(
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         result = await repair.run_pass()
         again = await repair.run_pass()
-    assert host.writes == [] and result.repaired == [] and result.checked == 1
+    assert host.writes == [] and result.repaired == [] and result.checked == 2
     reasons = {failure.pod: failure.reason for failure in result.failed}
-    assert set(reasons) == {"a", "b", "c"}
+    assert set(reasons) == {"a", "b", "c", "e"}
+    assert reasons["e"] == (f"container {vanishing.container_id[:12]}: cgroup memory/kubepods/pod"
+                            f"{vanishing.identity.pod_uid}/{vanishing.container_id} is gone (the container ended):"
+                            " nothing was granted")
     assert reasons["a"] == (f"the sources disagree: PodResources gives {UUIDS[1]} (nodes 195:1), container"
                             f" {wrong_dev.container_id[:12]}'s /dev holds 195:0; nothing granted")
     assert "the runtime's record of container" in reasons["b"] and f"names pod uid {POD_UID}" in reasons["b"]
     assert reasons["c"].startswith("PodResources names device IDs this plugin never offered: Unknown device IDs for"
                                    " nvidia.com/gpu: 'GPU-not-offered-here'")
-    assert [f.reason for f in again.failed] == [f.reason for f in result.failed]
+    assert [f.reason for f in again.failed] == [f.reason for f in result.failed if f.pod != "e"]  # e has ended
     logged = [r.getMessage() for r in caplog.records if "left pod" in r.getMessage()]
-    assert len(logged) == 3 and repair.failures == 3  # said and counted once, not every pass
+    assert len(logged) == 4 and repair.failures == 4  # said and counted once, not every pass
     repair.close()
 
 
@@ -248,3 +258,40 @@ async def test_pod_resources_missing_or_refusing_waits_and_says_so_once(
     assert "The kubelet's PodResources API answers again: pod repair resumes" in messages
     assert [r.pod for r in back.repaired] == ["train-0"] and train.granted == train.given
     repair.close()
+
+
+@pytest.mark.parametrize(("option", "error"), [
+    ("--repair_interval=0", "--repair_interval must be > 0 seconds, got 0.0"),
+    ("--repair_pods=maybe", "--repair_pods takes true or false, got 'maybe'"),
+    ("--container_config=/run/x/config.json", "--container_config '/run/x/config.json' must name the container id"
+                                              " as {id}"),
+])
+def test_bad_repair_options_exit_2_with_one_line(option: str, error: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "isolators", "kubelet-plugin", option], capture_output=True,
+                            text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == f"gpu-isolator kubelet-plugin: error: {error}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the credential must be root's (R-SC-6)")
+def test_repair_pods_false_runs_no_pass_and_the_route_says_so(tmp_path: Path) -> None:
+    from isolators.simulated_node import SimulatedNode
+
+    from tests.support.kubelet import PluginCommand, flag_args, plugin_directory, write_credential
+
+    node = SimulatedNode(tmp_path / "node", gpus=2).create_files()
+    token = write_credential(tmp_path / "credential")
+    (tmp_path / "cdi").mkdir()
+    with plugin_directory() as directory:
+        plugin = PluginCommand(flag_args(node.flag_values(cdi_spec_dir=str(tmp_path / "cdi"))) + [
+            f"--device_plugin_dir={directory}", "--listen=127.0.0.1:0", f"--credential={tmp_path / 'credential'}",
+            "--repair_pods=false"], tmp_path)
+        try:
+            plugin.start()
+            assert plugin.post("/kubelet-plugin/repair", {}, token) == (
+                409, "409 Conflict: pod repair is off (--repair_pods=false); restart the plugin without it\n")
+            assert plugin.post("/kubelet-plugin/repair", {}, None)[0] == 401
+            assert "kubelet_repair_passes_total" not in plugin.metrics()
+            assert "Pod repair" not in plugin.log() and not os.path.exists(os.path.join(node.dev_dir, "char"))
+        finally:
+            plugin.close()

@@ -383,12 +383,9 @@ class RuncEngine:
         self.configs: list[dict] = []
         """Every merged config.json run, in order (for reports)."""
 
-    def run(self, rootfs: str, fragment: dict, command: Sequence[str], *,
-            binds: Mapping[str, str] | None = None, timeout: float = ENGINE_TIMEOUT) -> subprocess.CompletedProcess:
-        """Run ``command`` in a bundle of ``rootfs`` with ``fragment`` merged into
-        the ``runc spec`` config; ``binds``: container path -> host dir, read-only."""
-        name = f"gpu-isolator-test-{uuid.uuid4().hex[:12]}"
-        bundle = os.path.join(self.directory, name)
+    def _bundle(self, bundle: str, rootfs: str, fragment: dict, command: Sequence[str], cgroup: str,
+                annotations: Mapping[str, str], binds: Mapping[str, str] | None, timeout: float) -> dict:
+        """Make ``bundle``: ``runc spec``'s config with the rootfs, command, cgroup, binds and fragment."""
         os.makedirs(bundle)
         made = _run(["runc", "spec", "--bundle", bundle], timeout)
         if made.returncode != 0:
@@ -399,14 +396,24 @@ class RuncEngine:
         config["root"] = {"path": os.path.abspath(rootfs), "readonly": True}
         config["process"]["terminal"] = False
         config["process"]["args"] = list(command)
-        config.setdefault("linux", {})["cgroupsPath"] = f"/{self.cgroup_parent}/{name}"
+        if annotations:
+            config["annotations"] = dict(annotations)
+        config.setdefault("linux", {})["cgroupsPath"] = f"/{self.cgroup_parent}/{cgroup}"
         for destination, source in (binds or {}).items():
             config["mounts"].append({"destination": destination, "type": "bind", "source": source,
                                      "options": ["rbind", "ro"]})
         config = merge_oci(config, fragment)
-        self.configs.append(config)
         with open(config_path, "wb") as handle:
             handle.write(msgspec.json.encode(config))
+        return config
+
+    def run(self, rootfs: str, fragment: dict, command: Sequence[str], *,
+            binds: Mapping[str, str] | None = None, timeout: float = ENGINE_TIMEOUT) -> subprocess.CompletedProcess:
+        """Run ``command`` in a bundle of ``rootfs`` with ``fragment`` merged into
+        the ``runc spec`` config; ``binds``: container path -> host dir, read-only."""
+        name = f"gpu-isolator-test-{uuid.uuid4().hex[:12]}"
+        bundle = os.path.join(self.directory, name)
+        self.configs.append(self._bundle(bundle, rootfs, fragment, command, name, {}, binds, timeout))
         try:
             return _run(["runc", "--root", self.state, "run", "--bundle", bundle, name], timeout)
         finally:
@@ -418,24 +425,7 @@ class RuncEngine:
               timeout: float = ENGINE_TIMEOUT) -> "RuncContainer":
         """Run ``command`` detached in ``<parent>/<cgroup>`` (see module rules)."""
         bundle = os.path.join(self.directory, "bundles", name)
-        os.makedirs(bundle)
-        made = _run(["runc", "spec", "--bundle", bundle], timeout)
-        if made.returncode != 0:
-            raise AssertionError(f"runc spec failed: {made.stderr.strip()}")
-        config_path = os.path.join(bundle, "config.json")
-        with open(config_path, "rb") as handle:
-            config = msgspec.json.decode(handle.read())
-        config["root"] = {"path": os.path.abspath(rootfs), "readonly": True}
-        config["process"]["terminal"] = False
-        config["process"]["args"] = list(command)
-        config["annotations"] = dict(annotations or {})
-        config.setdefault("linux", {})["cgroupsPath"] = f"/{self.cgroup_parent}/{cgroup.strip('/')}"
-        for destination, source in (binds or {}).items():
-            config["mounts"].append({"destination": destination, "type": "bind", "source": source,
-                                     "options": ["rbind", "ro"]})
-        config = merge_oci(config, fragment)
-        with open(config_path, "wb") as handle:
-            handle.write(msgspec.json.encode(config))
+        self._bundle(bundle, rootfs, fragment, command, cgroup.strip("/"), annotations or {}, binds, timeout)
         container = RuncContainer(self, name, bundle)
         self.containers.append(container)
         # runc -d hands its stdio to the container: files, not pipes a reader would wait on for ever.
