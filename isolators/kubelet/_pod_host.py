@@ -16,8 +16,12 @@ Rules:
   (``gpu_nodes_in``), and the rules the kernel refuses in any of its
   cgroups (``missing_access``); errors (a cgroup gone, a program it cannot
   judge) are that container's ``error``, never the batch's.
-- ``repair(container, rules)`` gives the refused rules back in each of its
-  cgroups (``give_access``, which reads the kernel again after).
+- ``repair(container, rules)``: where systemd manages the container's scope
+  (``SystemdScopes.unit_of``), first the durable repair, the rules added to
+  the scope's ``DeviceAllow=`` through D-Bus (a refusal is reported in the
+  actions and the repair goes on); then, in each of its cgroups, whatever
+  the kernel still refuses is given back directly (``give_access``, which
+  reads the kernel again after).
 - ``link_nodes(nodes)`` is ``ensure_char_links`` under ``dev_dir``.
 """
 
@@ -34,6 +38,7 @@ from ._pod_access import AccessError, give_access, missing_access
 from ._pod_cgroups import (DEFAULT_CONFIG_TEMPLATES, DEFAULT_KUBEPODS_ROOTS, ContainerCgroup, PodIdentity,
                            first_process, gpu_nodes_in, read_identity, scan_kubepods)
 from ._pod_repair import ContainerCheck, ObservedContainer
+from ._systemd import SystemdRefused, SystemdScopes
 
 __all__ = ["KernelPodHost"]
 
@@ -43,12 +48,13 @@ class KernelPodHost:
 
     def __init__(self, hierarchies: Sequence[tuple[str, int]], roots: Sequence[str] = DEFAULT_KUBEPODS_ROOTS,
                  config_templates: Sequence[str] = DEFAULT_CONFIG_TEMPLATES, *, dev_dir: str = "/dev",
-                 proc_dir: str = "/proc") -> None:
+                 proc_dir: str = "/proc", systemd: SystemdScopes | None = None) -> None:
         self.hierarchies = tuple(hierarchies)
         self.roots = tuple(roots)
         self.config_templates = tuple(config_templates)
         self.dev_dir = dev_dir
         self.proc_dir = proc_dir
+        self.systemd = systemd or SystemdScopes()
         self._identities: dict[str, PodIdentity | None] = {}
 
     def survey(self) -> list[ObservedContainer]:
@@ -87,6 +93,12 @@ class KernelPodHost:
 
     def repair(self, container: ObservedContainer, rules: Sequence[DeviceRule]) -> list[str]:
         done = []
+        unit = next((u for u in map(self.systemd.unit_of, container.cgroups) if u), None)
+        if unit is not None:
+            try:
+                done.append(self.systemd.allow(unit, rules, self.dev_dir))
+            except SystemdRefused as error:
+                done.append(f"{error}; the kernel is written directly, until the next reload")
         try:
             for cgroup in container.cgroups:
                 refused = missing_access(cgroup, rules)

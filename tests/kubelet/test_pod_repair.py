@@ -295,3 +295,31 @@ def test_repair_pods_false_runs_no_pass_and_the_route_says_so(tmp_path: Path) ->
             assert "Pod repair" not in plugin.log() and not os.path.exists(os.path.join(node.dev_dir, "char"))
         finally:
             plugin.close()
+
+
+def test_a_systemd_scope_gets_its_devices_through_set_unit_properties() -> None:
+    from isolators.kubelet import ContainerCgroup
+    from isolators.kubelet._systemd import SystemdRefused, SystemdScopes
+
+    calls: list[list[str]] = []
+
+    def busctl(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 1 if "bad.scope" in argv else 0, "", "Unit bad.scope not loaded.")
+
+    scope = f"cri-containerd-{CID}.scope"
+    systemd = SystemdScopes(present=True, busctl="/usr/bin/busctl", run=busctl)
+    in_scope = ContainerCgroup(hierarchy="/sys/fs/cgroup", version=2, pod_uid=POD_UID, container_id=CID,
+                               path=f"kubepods.slice/kubepods-pod{POD_UID.replace('-', '_')}.slice/{scope}")
+    cgroupfs = ContainerCgroup(hierarchy="/sys/fs/cgroup", version=2, pod_uid=POD_UID, container_id=CID,
+                               path=f"kubepods/pod{POD_UID}/{CID}")
+    assert systemd.unit_of(in_scope) == scope and systemd.unit_of(cgroupfs) is None
+    assert SystemdScopes(present=False, busctl="/usr/bin/busctl").unit_of(in_scope) is None
+    rules = [DeviceRule.parse("c 195:0 rwm"), DeviceRule.parse("c 195:255 rwm")]
+    assert systemd.allow(scope, rules, "/dev") == (f"systemd {scope}: DeviceAllow= /dev/char/195:0 rwm,"
+                                                   " /dev/char/195:255 rwm (runtime)")
+    assert calls[0] == ["/usr/bin/busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+                        "org.freedesktop.systemd1.Manager", "SetUnitProperties", "sba(sv)", scope, "true", "1",
+                        "DeviceAllow", "a(ss)", "2", "/dev/char/195:0", "rwm", "/dev/char/195:255", "rwm"]
+    with pytest.raises(SystemdRefused, match="systemd refused DeviceAllow= on bad.scope: Unit bad.scope not loaded."):
+        systemd.allow("bad.scope", rules, "/dev")
