@@ -33,7 +33,8 @@ Rules:
   Counters: ``passes``, ``repaired`` (containers given access back),
   ``failures`` (a failure is counted and logged when it first appears,
   not again each pass while it lasts).
-- ``run(interval_s)`` passes until cancelled, the first at once.
+- ``run(interval_s)`` passes until cancelled, the first at once;
+  ``close()`` shuts its executor and closes the lister.
 """
 
 from __future__ import annotations
@@ -171,7 +172,11 @@ class PodRepair:
                                caps=self.caps).devices
 
     def close(self) -> None:
+        """Shut its executor down and close the lister (its channel to the kubelet) when it can be closed."""
         self.executor.shutdown(wait=False)
+        close = getattr(self.lister, "close", None)
+        if close is not None:
+            close()
 
     # -- one pass --------------------------------------------------------------------------
     async def run(self, interval_s: float) -> None:
