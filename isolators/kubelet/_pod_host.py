@@ -10,7 +10,8 @@ Rules:
 - ``survey()`` scans every root of every hierarchy (``scan_kubepods``) and
   groups the cgroups by container id; each container's identity is read
   from the first config template that has a file (``read_identity``) and
-  kept while the container's cgroups are seen (a config does not change).
+  kept while the container's cgroups are seen (a config does not change);
+  one not found yet is looked for again on the next survey.
 - ``check_all(items)`` reads, per container, a process of its cgroups
   (``first_process``), the GPU nodes in ``/proc/<pid>/root/dev``
   (``gpu_nodes_in``), and the rules the kernel refuses in any of its
@@ -62,8 +63,8 @@ class KernelPodHost:
         for mount, version in self.hierarchies:
             for cgroup in scan_kubepods(mount, version, self.roots):
                 cgroups.setdefault(cgroup.container_id, []).append(cgroup)
-        self._identities = {cid: self._identities[cid] if cid in self._identities else self._identity(cid)
-                            for cid in cgroups}
+        known = self._identities
+        self._identities = {cid: known.get(cid) or self._identity(cid) for cid in cgroups}
         return [ObservedContainer(container_id=cid, pod_uid=found[0].pod_uid, cgroups=tuple(found),
                                   identity=self._identities[cid])
                 for cid, found in cgroups.items()]

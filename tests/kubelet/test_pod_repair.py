@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 import grpc
+import msgspec
 import pytest
 
 from actors.devices import DeviceRule
@@ -161,9 +162,8 @@ async def test_a_reloaded_container_gets_exactly_its_gpus_and_the_control_device
     host.reload(plain.container_id)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         result = await repair.run_pass()
-    assert result.answer() == {"checked": 2, "failed": [], "repaired": [
-        result.repaired[0]]} and (result.repaired[0].pod, result.repaired[0].namespace, result.repaired[0].container,
-                                  result.repaired[0].gpus) == ("train-0", "ml", "cuda", [UUIDS[0], UUIDS[2]])
+    assert msgspec.to_builtins(result.answer()) == {"checked": 2, "failed": [], "repaired": [
+        {"pod": "train-0", "namespace": "ml", "container": "cuda", "gpus": [UUIDS[0], UUIDS[2]]}]}
     assert [cid for cid, _ in host.writes] == [train.container_id]
     assert set(host.writes[0][1]) == {DeviceRule.parse(rule) for rule in
                                       ("c 195:0 rwm", "c 195:2 rwm", "c 195:255 rwm", "c 235:0 rwm")}
