@@ -16,7 +16,9 @@ carry containerd's Kubernetes annotations: the runtime's record the plugin joins
 Then, inside the container (``runc exec``), ``/dev/nvidia0`` (its GPU) goes from EPERM back to ENXIO (allowed,
 no driver) within the plugin's repair; ``/host-dev/nvidia1`` (another pod's GPU, reachable through a bind
 mount) stays EPERM; a container without this plugin's GPUs keeps its rules and its program id; the repair's
-log line names pod, container and GPU, and the counters count it.
+log line names pod, container and GPU, and the counters count it. And, on the kernel alone: a cgroup that
+vanished is named and nothing is written; a device program that does more than a device program needs (a
+helper call) is named, not judged, and stays attached as it was.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import pytest
 
 from actors.devices import DeviceRule, bpf
 from isolators.kubelet import AssignedDevices, ContainerCgroup, give_access, missing_access
-from isolators.kubelet import CgroupGone
+from isolators.kubelet import AccessError, CgroupGone
 from isolators.kubelet.testing import FakePodResources
 from isolators.simulated_node import SimulatedNode
 
@@ -126,7 +128,11 @@ def node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Node]:
 
 def attach_runc_program(cgroup: ContainerCgroup, rules: list[DeviceRule]) -> int:
     """runc's v2 device program for ``rules`` on the cgroup (what runc attaches on a v2-only node)."""
-    fd = bpf.prog_load(runc_style_program([(rule, True) for rule in rules]), "")
+    return attach_program_code(cgroup, runc_style_program([(rule, True) for rule in rules]))
+
+
+def attach_program_code(cgroup: ContainerCgroup, code: bytes) -> int:
+    fd = bpf.prog_load(code, "")
     dir_fd = os.open(cgroup.directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         bpf.prog_attach(dir_fd, fd, bpf.BPF_F_ALLOW_MULTI)
@@ -248,3 +254,28 @@ def test_a_cgroup_that_vanished_is_named_and_nothing_is_written(version: int, tm
                                              " was granted"):
             call(gone, [rule])
     assert not os.path.exists(os.path.dirname(gone.directory))
+
+
+def test_a_device_program_it_cannot_read_is_named_and_left_alone() -> None:
+    reason = _skip_reason(2)
+    if reason:
+        pytest.skip(reason)
+    from actors.devices._device_program import encode
+
+    parent = f"gpu-isolator-test-{uuid.uuid4().hex[:12]}"
+    cgroup = ContainerCgroup(hierarchy=V2_HIERARCHY, version=2, path=f"{parent}/c", pod_uid=str(uuid.uuid4()),
+                             container_id="cd" * 32)
+    os.makedirs(cgroup.directory)
+    try:
+        # bpf_get_current_uid_gid() (helper 15), then allow: a helper call is beyond what a device program needs
+        code = encode([(0x85, 0, 0, 0, 15), (0xB7, 0, 0, 0, 1), (0x95, 0, 0, 0, 0)])
+        prog_id = attach_program_code(cgroup, code)
+        with pytest.raises(AccessError, match=f"device program {prog_id} \\(unnamed\\) on {cgroup.directory} cannot"
+                                              " be read as a device program; it was not judged and nothing was"
+                                              " changed"):
+            give_access(cgroup, [DeviceRule("c", 195, 0, "rwm")])
+        assert attached(cgroup) == [prog_id]
+    finally:
+        os.rmdir(cgroup.directory)
+        os.rmdir(os.path.dirname(cgroup.directory))
+
