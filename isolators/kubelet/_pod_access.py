@@ -4,10 +4,11 @@ Rules:
 - ``missing_access(cgroup, rules)`` is the rules (exact devices) the
   kernel does not let the cgroup's processes use, judged from the kernel's
   own record: on v1 the cgroup's ``devices.list`` (``listed_access``: the
-  v1 emulator's reading), on v2 every device program attached to the
-  cgroup, each run on each rule (``program_grants``): a rule is missing
-  when any program refuses it, since the kernel allows an access only when
-  every attached program does. A program that cannot be judged (one that
+  v1 emulator's reading), on v2 every device program the kernel runs for
+  the cgroup (``BPF_F_QUERY_EFFECTIVE``: its own and its ancestors'), each
+  run on each rule (``program_grants``): a rule is missing when any
+  program refuses it, since the kernel allows an access only when every
+  one does. A program that cannot be judged (one that
   does more than a device program needs) is an ``AccessError`` naming it:
   nothing is judged, nothing will be touched. A cgroup that is gone is a
   ``CgroupGone``.
@@ -19,8 +20,10 @@ Rules:
   attach of the same flags) by ``allowing(its instructions, the rules it
   refuses)`` under its own name: the cgroup is never without the old
   rules, gets no fewer of its other devices, and no program is added or
-  detached. Then it reads the kernel again and raises ``AccessError`` if
-  anything is still missing. Returns what it did, one line each (for
+  detached; an ancestor's programs are never touched (they are other
+  containers' too). Then it reads the kernel again and raises
+  ``AccessError`` if anything is still missing (an ancestor refusing it
+  says so). Returns what it did, one line each (for
   the log).
 - Every syscall goes through the devices' kernel seam (``KERNEL.run``), so
   an ``OSError`` arrives as a ``KernelOperationError`` naming the
@@ -93,8 +96,8 @@ def _open_cgroup(cgroup: ContainerCgroup) -> int:
         raise AccessError(f"cannot open cgroup {cgroup.directory}: {error}") from error
 
 
-def _programs(cgroup: ContainerCgroup, cgroup_fd: int) -> tuple[int, list[_Program]]:
-    flags, ids = KERNEL.run("BPF_PROG_QUERY", cgroup.directory, bpf.prog_query, cgroup_fd)
+def _programs(cgroup: ContainerCgroup, cgroup_fd: int, effective: bool = False) -> tuple[int, list[_Program]]:
+    flags, ids = KERNEL.run("BPF_PROG_QUERY", cgroup.directory, bpf.prog_query, cgroup_fd, effective)
     programs: list[_Program] = []
     try:
         for prog_id in ids:
@@ -134,7 +137,7 @@ def missing_access(cgroup: ContainerCgroup, rules: Iterable[DeviceRule]) -> list
         return _v1_missing(cgroup, rules)
     fd = _open_cgroup(cgroup)
     try:
-        _flags, programs = _programs(cgroup, fd)
+        _flags, programs = _programs(cgroup, fd, effective=True)
         try:
             refused = {rule for program in programs for rule in _refused(cgroup, program, rules)}
         finally:
@@ -190,6 +193,7 @@ def give_access(cgroup: ContainerCgroup, rules: Iterable[DeviceRule]) -> list[st
             os.close(cgroup_fd)
     still = missing_access(cgroup, rules)
     if still:
+        where = " (a program of an ancestor cgroup refuses it; those are left alone)" if cgroup.version == 2 else ""
         raise AccessError(f"after the repair the kernel still refuses {', '.join(map(str, still))} on"
-                          f" {cgroup.directory}")
+                          f" {cgroup.directory}{where}")
     return done

@@ -279,3 +279,26 @@ def test_a_device_program_it_cannot_read_is_named_and_left_alone() -> None:
         os.rmdir(cgroup.directory)
         os.rmdir(os.path.dirname(cgroup.directory))
 
+
+
+def test_an_ancestors_program_that_refuses_is_judged_and_never_touched() -> None:
+    reason = _skip_reason(2)
+    if reason:
+        pytest.skip(reason)
+    parent = os.path.join(V2_HIERARCHY, f"gpu-isolator-test-{uuid.uuid4().hex[:12]}")
+    cgroup = ContainerCgroup(hierarchy=V2_HIERARCHY, version=2, path=f"{os.path.basename(parent)}/c",
+                             pod_uid=str(uuid.uuid4()), container_id="ef" * 32)
+    os.makedirs(cgroup.directory)
+    try:
+        pod = ContainerCgroup(hierarchy=V2_HIERARCHY, version=2, path=os.path.basename(parent),
+                              pod_uid=cgroup.pod_uid, container_id=cgroup.container_id)
+        prog_id = attach_runc_program(pod, STANDARD)  # the pod's slice refuses every GPU
+        gpu0 = DeviceRule("c", 195, 0, "rwm")
+        assert missing_access(cgroup, [gpu0]) == [gpu0]
+        with pytest.raises(AccessError, match="still refuses c 195:0 rwm on .* \\(a program of an ancestor cgroup"
+                                              " refuses it; those are left alone\\)"):
+            give_access(cgroup, [gpu0])
+        assert attached(pod) == [prog_id] and attached(cgroup) == []
+    finally:
+        os.rmdir(cgroup.directory)
+        os.rmdir(parent)
