@@ -7,7 +7,8 @@ Rules:
   ``AssignedDevices``, replaced at will) is what ``List`` answers, grouped
   by pod and container as the kubelet does; ``refuse(code, details)``
   makes every call fail with that status until ``refuse(None)``; ``calls``
-  counts ``List`` calls.
+  counts ``List`` calls, ``refused`` those it failed (a test that waits for
+  one refused call after ``refuse`` knows no later pass gets past ``List``).
 - ``MemoryPodHost`` is a ``PodHost`` whose containers live in memory:
   ``add(namespace, pod, container, nodes)`` makes a running container
   given ``nodes`` (its /dev holds them, its rules grant them; ids made up
@@ -47,6 +48,7 @@ class FakePodResources:
         self.socket = socket
         self.assignments: list[AssignedDevices] = []
         self.calls = 0
+        self.refused = 0
         self._refusal: tuple[Any, str] | None = None
         self._server: Any = None
         self._lock = threading.Lock()
@@ -81,6 +83,8 @@ class FakePodResources:
             self.calls += 1
             refusal = self._refusal
             assignments = list(self.assignments)
+            if refusal is not None:
+                self.refused += 1
         if refusal is not None:
             context.abort(refusal[0], refusal[1])
         pods: dict[tuple[str, str], dict[str, list[AssignedDevices]]] = {}

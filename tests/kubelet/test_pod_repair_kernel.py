@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
+import grpc
 import pytest
 
 from actors.devices import DeviceRule, bpf
@@ -169,12 +170,20 @@ def reload_like_systemd(cgroup: ContainerCgroup, kept: list[DeviceRule]) -> None
             os.close(fd)
 
 
+def wait_for(ready, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout}s")
+        time.sleep(0.02)
+
+
 def devices_list(cgroup: ContainerCgroup) -> str:
     with open(os.path.join(cgroup.directory, "devices.list")) as handle:
         return handle.read()
 
 
-def test_a_reloaded_pod_gets_its_gpu_back_and_nothing_else_changes(node: Node, capsys) -> None:
+def test_a_reloaded_pod_gets_its_gpu_back_and_nothing_else_changes(node: Node) -> None:
     with plugin_directory() as directory:
         pods = FakePodResources(str(directory / "pod-resources.sock")).start()
         token = write_credential(node.base / "credential")
@@ -206,13 +215,19 @@ def test_a_reloaded_pod_gets_its_gpu_back_and_nothing_else_changes(node: Node, c
             status, body = plugin.post("/kubelet-plugin/repair", {}, token)  # a pass that finds nothing to do
             assert (status, body) == (200, '{"checked":1,"repaired":[],"failed":[]}')
 
+            # No pass may repair between the reload and the probe that shows the loss: PodResources refuses
+            # until then, and one refused call means every later pass stops at List.
+            refused = pods.refused
+            pods.refuse(grpc.StatusCode.UNAVAILABLE, "paused by the test")
+            wait_for(lambda: pods.refused > refused, "a refused PodResources call")
             before_plain = devices_list(plain) if node.version == 1 else attached(plain)
-            reloaded_at = time.monotonic()
             reload_like_systemd(train, STANDARD)
             reload_like_systemd(plain, STANDARD)
             after_plain = devices_list(plain) if node.version == 1 else attached(plain)
             lost = node.probe("train", *paths)
             assert lost == {"/dev/nvidia0": "EPERM", "/dev/nvidiactl": "EPERM", "/host-dev/nvidia1": "EPERM"}
+            reloaded_at = time.monotonic()
+            pods.refuse(None)
 
             log = plugin.wait_log("Repaired pod ml/train-0 container cuda", timeout=10 * INTERVAL + 20)
             seen_after = time.monotonic() - reloaded_at
@@ -228,13 +243,13 @@ def test_a_reloaded_pod_gets_its_gpu_back_and_nothing_else_changes(node: Node, c
                 assert len(attached(train)) == 1  # replaced in place: no program added
             metrics = plugin.metrics()
             assert metrics["kubelet_pods_repaired_total"] == 1 and metrics["kubelet_repair_failures_total"] == 0
+            assert log.count("Pod repair waits for the kubelet's PodResources API") == 1
             status, _ = plugin.post("/kubelet-plugin/repair", {}, "wrong")
             assert status == 401
-            with capsys.disabled():
-                print(f"\n[v{node.version}] plain container before/after reload: {before_plain!r} -> {after_plain!r}"
-                      f"\n[v{node.version}] kernel's answer in the container: given {given}\n  after the reload"
-                      f" {lost}\n  after the repair {back}\n[v{node.version}] repair seen {seen_after:.2f}s after the reload"
-                      f" (interval {INTERVAL}s)\n[v{node.version}] {line}")
+            print(f"\n[v{node.version}] plain container before/after reload: {before_plain!r} -> {after_plain!r}"
+                  f"\n[v{node.version}] kernel's answer in the container: given {given}\n  after the reload {lost}"
+                  f"\n  after the repair {back}\n[v{node.version}] repair seen {seen_after:.2f}s after the reload"
+                  f" (interval {INTERVAL}s; PodResources answering again)\n[v{node.version}] {line}")  # the note's transcript: shown with -s
         finally:
             plugin.close()
             pods.close()
