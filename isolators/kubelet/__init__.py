@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 from runtime._lazy import lazy_exports
 
 _EXPORTS = {
-    "._names": ("DEFAULT_DIR", "DEFAULT_POD_RESOURCES_SOCKET", "HEALTHY", "KUBELET_SOCKET", "MAX_ID_LENGTH", "UNHEALTHY", "VERSION", "socket_name"),
+    "._names": ("DEFAULT_DIR", "DEFAULT_POD_RESOURCES_SOCKET", "HEALTHY", "KUBELET_SOCKET", "MAX_ID_LENGTH",
+                "UNHEALTHY", "VERSION", "socket_name"),
     "._allocate": ("ContainerAnswer", "DeviceSpecAnswer", "allocate_answer"),
     "._catalog": ("DeviceCatalog", "OfferedDevice", "PluginSetupError", "ResourceOffer", "resource_of_pool"),
     "._endpoint": ("ResourceEndpoint",),

@@ -137,14 +137,14 @@ class MemoryPodHost:
         self.containers[container_id].granted.clear()
 
     def survey(self) -> list[ObservedContainer]:
-        return [
-            ObservedContainer(container_id=record.container_id, pod_uid=record.identity.pod_uid, identity=record.identity,
-                              cgroups=(ContainerCgroup(hierarchy="memory", version=0,
-                                                       path=f"kubepods/pod{record.identity.pod_uid}/{record.container_id}",
-                                                       pod_uid=record.identity.pod_uid,
-                                                       container_id=record.container_id),))
-            for record in self.containers.values()
-        ]
+        observed = []
+        for record in self.containers.values():
+            uid, cid = record.identity.pod_uid, record.container_id
+            cgroup = ContainerCgroup(hierarchy="memory", version=0, path=f"kubepods/pod{uid}/{cid}", pod_uid=uid,
+                                     container_id=cid)
+            observed.append(ObservedContainer(container_id=cid, pod_uid=uid, identity=record.identity,
+                                              cgroups=(cgroup,)))
+        return observed
 
     def check_all(self, items: Sequence[tuple[ObservedContainer, Sequence[DeviceRule]]]) -> list[ContainerCheck]:
         checks = []

@@ -246,10 +246,11 @@ def test_a_reloaded_pod_gets_its_gpu_back_and_nothing_else_changes(node: Node) -
             assert log.count("Pod repair waits for the kubelet's PodResources API") == 1
             status, _ = plugin.post("/kubelet-plugin/repair", {}, "wrong")
             assert status == 401
+            # the note's transcript: shown with -s
             print(f"\n[v{node.version}] plain container before/after reload: {before_plain!r} -> {after_plain!r}"
                   f"\n[v{node.version}] kernel's answer in the container: given {given}\n  after the reload {lost}"
                   f"\n  after the repair {back}\n[v{node.version}] repair seen {seen_after:.2f}s after the reload"
-                  f" (interval {INTERVAL}s; PodResources answering again)\n[v{node.version}] {line}")  # the note's transcript: shown with -s
+                  f" (interval {INTERVAL}s; PodResources answering again)\n[v{node.version}] {line}")
         finally:
             plugin.close()
             pods.close()
