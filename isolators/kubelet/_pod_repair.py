@@ -13,8 +13,9 @@ Rules:
   - IDs it never offered (or a resource's IDs named twice) → failed,
     nothing granted;
   - its identity joined to its cgroups through the runtime's record (the
-    OCI config's pod uid must be the cgroup's; containers it cannot join
-    are not touched); more than one live container of one name → failed;
+    OCI config's pod uid must be the cgroup's: another one, or none, is a
+    failure, nothing granted; containers without a record are not
+    touched); more than one live container of one name → failed;
   - checked (one ``PodHost.check_all`` job for every candidate): the
     GPU and capability nodes its own ``/dev`` holds (of the numbers this
     plugin offers) must be exactly those of its units, else failed
@@ -226,13 +227,13 @@ class PodRepair:
                 self._fail(result, want, want.problem)
                 continue
             found = by_name.get(key, [])
-            joined = [c for c in found if c.identity is not None and c.identity.pod_uid in ("", c.pod_uid)]
+            joined = [c for c in found if c.identity is not None and c.identity.pod_uid == c.pod_uid]
             for container in found:
                 if container not in joined:
+                    named = f"pod uid {container.identity.pod_uid}" if container.identity.pod_uid else "no pod uid"
                     self._fail(result, want, f"the sources disagree: the runtime's record of container"
-                                             f" {container.container_id[:12]} names pod uid"
-                                             f" {container.identity.pod_uid}, its cgroup pod uid {container.pod_uid};"
-                                             " nothing granted")
+                                             f" {container.container_id[:12]} names {named}, its cgroup pod uid"
+                                             f" {container.pod_uid}; nothing granted")
             nodes = self.nodes_of(want.units)
             rules = tuple(dict.fromkeys(DeviceRule(node.type, node.major, node.minor, node.permissions)
                                         for node in nodes))
