@@ -25,9 +25,10 @@ Rules:
   ``AccessError`` if anything is still missing (an ancestor refusing it
   says so). Returns what it did, one line each (for
   the log).
-- Every syscall goes through the devices' kernel seam (``KERNEL.run``), so
-  an ``OSError`` arrives as a ``KernelOperationError`` naming the
-  operation; ENOENT on the cgroup itself is ``CgroupGone``. Blocking: one
+- Every bpf(2) call and every write goes through the devices' kernel seam
+  (``KERNEL.run``, ``KERNEL.write_lines``), so an ``OSError`` arrives as a
+  ``KernelOperationError`` naming the operation; ENOENT on the cgroup
+  itself (opening it, or its ``devices.*`` files) is ``CgroupGone``. Blocking: one
   executor job per container.
 """
 
@@ -181,7 +182,7 @@ def give_access(cgroup: ContainerCgroup, rules: Iterable[DeviceRule]) -> list[st
                                        bpf.BPF_F_ALLOW_MULTI | bpf.BPF_F_REPLACE, program.fd)
                         else:
                             KERNEL.run("BPF_PROG_ATTACH", cgroup.directory, bpf.prog_attach, cgroup_fd, new_fd, flags)
-                        new_id = bpf.prog_info(new_fd).id
+                        new_id = KERNEL.run("BPF_OBJ_GET_INFO_BY_FD", cgroup.directory, bpf.prog_info, new_fd).id
                     finally:
                         os.close(new_fd)
                     done.append(f"program {program.info.id} ({name}) replaced by {new_id}: the same rules plus "
