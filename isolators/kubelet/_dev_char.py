@@ -62,7 +62,9 @@ def ensure_char_links(dev_dir: str, nodes: Iterable[ContainerDevice]) -> CharLin
     for node in {(n.host_path, n.type, n.major, n.minor): n for n in nodes}.values():
         link = char_link_path(dev_dir, node)
         if not _is_node(node.host_path, node):
-            result.refused.append((link, f"{node.host_path} is not the {node.type} {node.major}:{node.minor} node"))
+            why = (f"{node.host_path} is not the {node.type} {node.major}:{node.minor} node"
+                   if os.path.lexists(node.host_path) else f"there is no {node.host_path} to link to")
+            result.refused.append((link, why))
             continue
         try:
             target = os.readlink(link)
