@@ -6,7 +6,8 @@ v2 (an eBPF program per cgroup, read back from the kernel) and in-memory. Shaped
 runc's ``libcontainer/cgroups/devices``: a pure rule model (``_rules``),
 one interned policy value (``_policy``), a pure emulator of the v1
 kernel's semantics (``_v1_emulator``), a compiler of policies to eBPF
-(``_device_program``), and backends that only apply, each syscall through
+(``_device_program``), a judge of other agents' programs
+(``_foreign_program``: runc's, systemd's), and backends that only apply, each syscall through
 one seam (``_kernel``), driven in line, in a thread or in a device worker
 process of their own (``_drivers``, ``_worker``), every one applying an
 operation through the same function. Each module states its rules at the
@@ -31,6 +32,7 @@ _EXPORTS = {
     "._control": ("DeviceControl", "DeviceControlProcess"),
     "._detect": ("default_hierarchy", "detect_backend", "resolve_backend"),
     "._device_program": ("build_device_program", "program_instructions", "read_policy"),
+    "._foreign_program": ("allowing", "program_allows", "program_grants"),
     "._errors": ("AgentCrash", "DeviceControlError", "DeviceRuleError", "ForeignProgramsError",
                  "InvalidCgroupError", "KernelOperationError", "WorkerError"),
     "._memory": ("MemoryBackend",),
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from ._control import DeviceControl, DeviceControlProcess
     from ._detect import default_hierarchy, detect_backend, resolve_backend
     from ._device_program import build_device_program, program_instructions, read_policy
+    from ._foreign_program import allowing, program_allows, program_grants
     from ._errors import AgentCrash, DeviceControlError, DeviceRuleError, ForeignProgramsError
     from ._errors import InvalidCgroupError, KernelOperationError, WorkerError
     from ._memory import MemoryBackend

@@ -46,6 +46,7 @@ BPF_CGROUP_DEVICE = 6
 BPF_F_ALLOW_OVERRIDE = 1 << 0
 BPF_F_ALLOW_MULTI = 1 << 1
 BPF_F_REPLACE = 1 << 2
+BPF_F_QUERY_EFFECTIVE = 1 << 0
 
 BPF_OBJ_NAME_LEN = 16
 _ATTR_SIZE = 144  # >= every field used; the kernel wants the rest zero
@@ -155,13 +156,15 @@ def prog_detach(cgroup_fd: int, prog_fd: int) -> None:
     bpf(BPF_PROG_DETACH, attr)
 
 
-def prog_query(cgroup_fd: int) -> tuple[int, list[int]]:
-    """``(attach_flags, prog_ids)`` of the device programs attached directly to the cgroup."""
+def prog_query(cgroup_fd: int, effective: bool = False) -> tuple[int, list[int]]:
+    """``(attach_flags, prog_ids)`` of the device programs attached directly to the cgroup; ``effective``:
+    every program the kernel runs for it, its ancestors' included (``BPF_F_QUERY_EFFECTIVE``)."""
     capacity = 16
     while True:
         ids = (ctypes.c_uint32 * capacity)()
         attr = _attr()
-        struct.pack_into("<IIIIQI", attr, 0, cgroup_fd, BPF_CGROUP_DEVICE, 0, 0, ctypes.addressof(ids), capacity)
+        struct.pack_into("<IIIIQI", attr, 0, cgroup_fd, BPF_CGROUP_DEVICE, BPF_F_QUERY_EFFECTIVE if effective else 0,
+                         0, ctypes.addressof(ids), capacity)
         try:
             bpf(BPF_PROG_QUERY, attr)
         except OSError as error:

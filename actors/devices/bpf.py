@@ -7,10 +7,12 @@ The rules (errors, file descriptors, kernel facts) are those of ``_bpf``,
 which device control itself uses.
 """
 
-from ._bpf import BPF_F_ALLOW_MULTI, BPF_F_REPLACE, ProgInfo, prog_attach, prog_detach, prog_get_fd_by_id
+from ._bpf import BPF_F_ALLOW_MULTI, BPF_F_QUERY_EFFECTIVE, BPF_F_REPLACE, ProgInfo, prog_attach, prog_detach
+from ._bpf import prog_get_fd_by_id
 from ._bpf import prog_info, prog_load, prog_query, prog_xlated, program_tags
 
 __all__ = [
-    "BPF_F_ALLOW_MULTI", "BPF_F_REPLACE", "ProgInfo", "prog_attach", "prog_detach", "prog_get_fd_by_id",
+    "BPF_F_ALLOW_MULTI", "BPF_F_QUERY_EFFECTIVE", "BPF_F_REPLACE", "ProgInfo", "prog_attach", "prog_detach",
+    "prog_get_fd_by_id",
     "prog_info", "prog_load", "prog_query", "prog_xlated", "program_tags",
 ]

@@ -8,8 +8,13 @@ Rules (R-K8-1):
   ``--pass_device_specs``, ``--flags FILE``) and, as extra options, every
   ``Flags`` field (``--host_file=``, ``--dev_dir=``, ``--cdi_spec_dir=``,
   ``--nvidia_mig_strategy=`` ...), read by ``service_flags``.
+- Pod repair (R-PR-1): ``--repair_pods`` (on; ``--repair_pods=false``
+  turns it off), ``--repair_interval=S`` (5), ``--pod_resources_socket=PATH``,
+  ``--kubepods_root=PATH``, ``--container_config=TEMPLATE`` (repeatable:
+  where the runtime keeps a container's OCI config, ``{id}`` its id).
 - Bad options exit 2 with one line (``--credential`` without ``--listen``,
-  replicas below 1, an unknown flag). It logs at INFO on stderr and prints
+  replicas below 1, an interval not above 0, a template without ``{id}``,
+  an unknown flag). It logs at INFO on stderr and prints
   one line on stdout once it runs: what it offers, where, and the address
   of ``/metrics`` with ``--listen``; it exits 0 after SIGTERM or SIGINT.
 """
@@ -27,7 +32,7 @@ PROG = "gpu-isolator"
 
 
 def add_command(sub: Any) -> None:
-    from ._names import DEFAULT_DIR
+    from ._names import DEFAULT_DIR, DEFAULT_POD_RESOURCES_SOCKET
 
     plugin = sub.add_parser(
         "kubelet-plugin", allow_abbrev=False,
@@ -52,6 +57,20 @@ def add_command(sub: Any) -> None:
     plugin.add_argument("--pass_device_specs", "--pass-device-specs", action="store_true",
                         help="also answer Allocate with device specs (/dev/nvidia<minor> and the control devices)")
     plugin.add_argument("--flags", metavar="FILE", help="the isolator's flags as a JSON or TOML file")
+    plugin.add_argument("--repair_pods", "--repair-pods", metavar="BOOL", nargs="?", const="true", default="true",
+                        help="give running pods back the GPU access a systemd daemon-reload took (default true;"
+                             " --repair_pods=false turns it off)")
+    plugin.add_argument("--repair_interval", "--repair-interval", metavar="SECONDS", type=float, default=5.0,
+                        help="seconds between pod repair passes (default 5)")
+    plugin.add_argument("--pod_resources_socket", "--pod-resources-socket", metavar="PATH",
+                        default=DEFAULT_POD_RESOURCES_SOCKET,
+                        help=f"the kubelet's PodResources socket (default {DEFAULT_POD_RESOURCES_SOCKET})")
+    plugin.add_argument("--kubepods_root", "--kubepods-root", metavar="PATH",
+                        help="the cgroup pods live under, relative to each hierarchy's mount (default: kubepods.slice"
+                             " for the systemd driver and kubepods for cgroupfs, both tried)")
+    plugin.add_argument("--container_config", "--container-config", metavar="TEMPLATE", action="append",
+                        help="where the container runtime keeps a container's OCI config, {id} its id (repeatable;"
+                             " default: containerd's and CRI-O's places)")
     plugin.add_argument("--poll_interval", "--poll-interval", metavar="SECONDS", type=float, default=1.0,
                         help=argparse.SUPPRESS)
     plugin.set_defaults(func=_cmd_kubelet_plugin, accepts_flags=True)
@@ -65,6 +84,7 @@ def _usage(message: str) -> Exception:
 
 def _cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     from ..service._serve import service_flags
+    from ._pod_cgroups import DEFAULT_CONFIG_TEMPLATES
     from ._run import PluginOptions, PluginSummary, run_plugin
 
     if args.credential and not args.listen:
@@ -73,10 +93,23 @@ def _cmd_kubelet_plugin(args: argparse.Namespace) -> int:
         raise _usage(f"--time_slicing_replicas must be a whole number >= 1, got {args.time_slicing_replicas}")
     if not args.poll_interval > 0:
         raise _usage(f"--poll_interval must be > 0, got {args.poll_interval}")
+    repair_pods = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+        str(args.repair_pods).lower())
+    if repair_pods is None:
+        raise _usage(f"--repair_pods takes true or false, got {args.repair_pods!r}")
+    if not args.repair_interval > 0:
+        raise _usage(f"--repair_interval must be > 0 seconds, got {args.repair_interval}")
+    templates = tuple(args.container_config or DEFAULT_CONFIG_TEMPLATES)
+    for template in templates:
+        if "{id}" not in template:
+            raise _usage(f"--container_config {template!r} must name the container id as {{id}}")
     flags = service_flags(args.flags, getattr(args, "extra", []))
     options = PluginOptions(device_plugin_dir=args.device_plugin_dir, time_slicing_replicas=args.time_slicing_replicas,
                             listen=args.listen, credential=args.credential,
-                            pass_device_specs=args.pass_device_specs, poll_interval=args.poll_interval)
+                            pass_device_specs=args.pass_device_specs, poll_interval=args.poll_interval,
+                            repair_pods=repair_pods, repair_interval=args.repair_interval,
+                            pod_resources_socket=args.pod_resources_socket, kubepods_root=args.kubepods_root,
+                            container_configs=templates)
     logging.getLogger().setLevel(logging.INFO)
 
     def ready(summary: PluginSummary) -> None:

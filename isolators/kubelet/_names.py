@@ -8,6 +8,8 @@ Rules (SPEC section 18):
 - A resource ``vendor/name`` is served on ``gpu-isolator-<name>.sock``
   (``socket_name``): ``nvidia.com/gpu`` on ``gpu-isolator-gpu.sock``,
   ``nvidia.com/mig-1g.18gb`` on ``gpu-isolator-mig-1g.18gb.sock``.
+- ``DEFAULT_POD_RESOURCES_SOCKET`` is where the kubelet serves its
+  PodResources API v1 (``/var/lib/kubelet/pod-resources/kubelet.sock``).
 - ``unix_target(path)`` is the gRPC address of a unix socket path (absolute).
 - No gRPC here: the CLI reads these names while parsing any command.
 """
@@ -18,7 +20,7 @@ import os
 
 __all__ = [
     "VERSION", "HEALTHY", "UNHEALTHY", "DEFAULT_DIR", "KUBELET_SOCKET", "MAX_ID_LENGTH", "SOCKET_PREFIX",
-    "socket_name", "unix_target",
+    "socket_name", "unix_target", "DEFAULT_POD_RESOURCES_SOCKET",
 ]
 
 VERSION = "v1beta1"
@@ -28,6 +30,7 @@ DEFAULT_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET = "kubelet.sock"
 MAX_ID_LENGTH = 63
 SOCKET_PREFIX = "gpu-isolator-"
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 
 def socket_name(resource: str) -> str:

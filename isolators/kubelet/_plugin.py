@@ -26,9 +26,18 @@ Rules (R-K8-3, R-K8-4, R-K8-8, R-K8-9):
   UUID>"}`` (400), a UUID this plugin offers (404); then the allocator's
   ``mark_healthy``: 200 with ``{"uuid", "unit", "healthy": true,
   "was_unhealthy"}``; the next ``ListAndWatch`` list shows it ``Healthy``.
+- ``POST /kubelet-plugin/repair`` (R-PR-4, the operator who just ran
+  ``systemctl daemon-reload``): the same credential checks as
+  ``mark_healthy`` (403 without ``--credential``, 401, 405); a plugin
+  started with ``--repair_pods=false`` answers 409; then one pass of the
+  ``PodRepair`` now (it waits for a pass under way): 200 with
+  ``{"checked": N, "repaired": [{"pod", "namespace", "container",
+  "gpus"}], "failed": [{..., "reason"}]}`` (and ``"waiting"`` when
+  PodResources did not answer).
 - Metrics (published in ``initialize``, given back in ``finalize``):
   counters ``kubelet/registrations``, ``kubelet/allocations``,
-  ``kubelet/allocation_failures``.
+  ``kubelet/allocation_failures``; with pod repair ``kubelet/repair_passes``,
+  ``kubelet/pods_repaired``, ``kubelet/repair_failures``.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from ..credential import BearerCredential
 from ._allocate import ContainerAnswer, allocate_answer
 from ._catalog import DeviceCatalog
 from ._errors import FAILED_PRECONDITION, PluginRequestError
+from ._pod_repair import PodRepair
 from ._preferred import plan_preferred
 
 __all__ = ["KubeletPluginProcess", "PLUGIN_ID", "NODE_SPEC_FILE"]
@@ -65,8 +75,9 @@ class KubeletPluginProcess(Process):
 
     def __init__(self, catalog: DeviceCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, spec: bytes, *,
                  spec_dir: str, dev_dir: str, pass_device_specs: bool = False,
-                 credential: BearerCredential | None = None) -> None:
+                 credential: BearerCredential | None = None, repair: PodRepair | None = None) -> None:
         super().__init__(PLUGIN_ID)
+        self.repair = repair
         self.catalog = catalog
         self.allocator = allocator
         self.facts = facts
@@ -104,6 +115,15 @@ class KubeletPluginProcess(Process):
                         read=lambda: self.allocations)
         metrics.counter("kubelet/allocation_failures", "Allocate calls the plugin refused",
                         read=lambda: self.allocation_failures)
+        self.route("/repair", KubeletPluginProcess._repair_route,
+                   help="POST with the bearer credential: one pod repair pass now (after a systemctl daemon-reload)")
+        repair = self.repair
+        if repair is not None:
+            metrics.counter("kubelet/repair_passes", "pod repair passes run", read=lambda: repair.passes)
+            metrics.counter("kubelet/pods_repaired", "containers given back the GPU access a reload took",
+                            read=lambda: repair.repaired)
+            metrics.counter("kubelet/repair_failures", "containers pod repair could not judge or repair",
+                            read=lambda: repair.failures)
 
     def finalize(self) -> None:
         if self._metrics is not None:
@@ -158,17 +178,34 @@ class KubeletPluginProcess(Process):
             answers.append(plan.finish(chosen))
         return answers
 
-    # -- the operator's route ------------------------------------------------------------
-    async def _mark_healthy_route(self, request: Any) -> Response:
+    # -- the operator's routes -----------------------------------------------------------
+    def _refused(self, request: Any, verb: str, usage: str) -> Response | None:
+        """The answer to a request that may not run (see module rules), None when it may."""
         if self.credential is None:
-            return Response.error(403, "this plugin was started without --credential FILE, so no one may mark"
-                                       " devices healthy; restart it with --listen and --credential")
+            return Response.error(403, f"this plugin was started without --credential FILE, so no one may {verb};"
+                                       " restart it with --listen and --credential")
         if not self.credential.accepts(request.headers):
-            logger.warning("mark_healthy from %s refused: no valid bearer credential", request.client)
+            logger.warning("%s from %s refused: no valid bearer credential", request.path.rsplit("/", 1)[-1],
+                           request.client)
             return BearerCredential.unauthorized()
         if request.method != "POST":
-            return Response(f"405 Method Not Allowed: use POST with {{\"uuid\": \"GPU-...\"}}\n", 405,
-                            headers={"Allow": "POST"})
+            return Response(f"405 Method Not Allowed: use POST{usage}\n", 405, headers={"Allow": "POST"})
+        return None
+
+    async def _repair_route(self, request: Any) -> Response:
+        refused = self._refused(request, "run a pod repair", "")
+        if refused is not None:
+            return refused
+        if self.repair is None:
+            return Response.error(409, "pod repair is off (--repair_pods=false); restart the plugin without it")
+        logger.info("Operator at %s asked for a pod repair pass", request.client)
+        result = await self.repair.run_pass()
+        return Response.json(result.answer())
+
+    async def _mark_healthy_route(self, request: Any) -> Response:
+        refused = self._refused(request, "mark devices healthy", " with {\"uuid\": \"GPU-...\"}")
+        if refused is not None:
+            return refused
         try:
             body = msgspec.json.decode(request.body, type=MarkHealthy)
         except msgspec.DecodeError as error:

@@ -18,7 +18,16 @@ Rules (R-K8-1, R-K8-8):
   its own socket, nothing else), then the actor and the components; it
   returns normally (exit 0).
 - No device rule is written and no isolator is started: the container
-  runtime applies the CDI spec's device nodes.
+  runtime applies the CDI spec's device nodes. The one exception is pod
+  repair (R-PR-1..5, on unless ``repair_pods=False``): a ``PodRepair``
+  over the catalog, the kubelet's PodResources socket
+  (``pod_resources_socket``) and the kernel (``KernelPodHost``: the v1
+  devices hierarchy and the cgroup2 mount that exist, under
+  ``kubepods_root`` or both default roots), passing every
+  ``repair_interval`` seconds (the first at start, which also makes the
+  ``/dev/char`` links) and on ``POST /kubelet-plugin/repair``; it gives
+  back only what a reload took from containers holding this plugin's
+  devices.
 """
 
 from __future__ import annotations
@@ -34,12 +43,16 @@ import msgspec
 from actors.flags import Flags
 from runtime import Executor, Runtime, terminate, wait
 
-from ..cdi import encode_spec, read_node_facts
+from ..cdi import NodeFacts, encode_spec, read_node_facts
 from ..credential import BearerCredential
 from ._names import DEFAULT_DIR
 from ._catalog import DeviceCatalog
 from ._endpoint import ResourceEndpoint
 from ._plugin import NODE_SPEC_FILE, KubeletPluginProcess
+from ._pod_cgroups import DEFAULT_CONFIG_TEMPLATES, DEFAULT_KUBEPODS_ROOTS
+from ._pod_host import KernelPodHost
+from ._pod_repair import PodRepair
+from ._pod_resources import DEFAULT_POD_RESOURCES_SOCKET, PodResourcesClient
 from ._servicer import DevicePluginServicer
 
 __all__ = ["PluginOptions", "PluginSummary", "run_plugin", "DEFAULT_CDI_SPEC_DIR"]
@@ -60,6 +73,13 @@ class PluginOptions(msgspec.Struct, frozen=True, kw_only=True):
     pass_device_specs: bool = False
     poll_interval: float = 1.0
     """Seconds between checks that the kubelet has not restarted."""
+    repair_pods: bool = True
+    repair_interval: float = 5.0
+    pod_resources_socket: str = DEFAULT_POD_RESOURCES_SOCKET
+    kubepods_root: str | None = None
+    """Relative to each hierarchy's mount; None: ``kubepods.slice`` and ``kubepods``."""
+    container_configs: tuple[str, ...] = DEFAULT_CONFIG_TEMPLATES
+    """Where the runtime keeps a container's OCI config, ``{id}`` its id."""
 
 
 class PluginSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,9 +109,10 @@ async def run_plugin(flags: Flags, options: PluginOptions,
                                               options.time_slicing_replicas)
                 facts = await read_node_facts(flags, components.inventory, components.volume)
                 spec = encode_spec(facts.spec(components.inventory, flags.dev_dir), "json")
+                repair = _pod_repair(options, catalog, facts, flags.dev_dir) if options.repair_pods else None
                 plugin = await KubeletPluginProcess.create(
                     catalog, components.allocator, facts, spec, spec_dir=spec_dir, dev_dir=flags.dev_dir,
-                    pass_device_specs=options.pass_device_specs, credential=credential)
+                    pass_device_specs=options.pass_device_specs, credential=credential, repair=repair)
                 endpoints = [
                     ResourceEndpoint(directory, offer, plugin.pid,
                                      DevicePluginServicer(offer, plugin.pid, components.allocator), sockets,
@@ -102,6 +123,8 @@ async def run_plugin(flags: Flags, options: PluginOptions,
                     async with anyio.create_task_group() as group:
                         for endpoint in endpoints:
                             group.start_soon(endpoint.run)
+                        if repair is not None:
+                            group.start_soon(repair.run, options.repair_interval)
                         if ready is not None:
                             ready(PluginSummary(
                                 resources={offer.resource: len(offer.devices) for offer in catalog.offers},
@@ -115,6 +138,28 @@ async def run_plugin(flags: Flags, options: PluginOptions,
                 finally:
                     terminate(plugin.pid)
                     await wait(plugin.pid)
+                    if repair is not None:
+                        repair.close()
             finally:
                 sockets.shutdown(wait=False)
                 await components.close()
+
+
+def _pod_repair(options: PluginOptions, catalog: DeviceCatalog, facts: NodeFacts, dev_dir: str) -> PodRepair:
+    """The pod repair over this node's hierarchies (see module rules)."""
+    from actors.devices import default_hierarchy
+
+    hierarchies = []
+    v1 = default_hierarchy("cgroups_v1")
+    if v1 is not None and os.path.isfile(os.path.join(v1, "devices.list")):
+        hierarchies.append((v1, 1))
+    v2 = default_hierarchy("cgroups_v2")
+    if v2 is not None and os.path.isfile(os.path.join(v2, "cgroup.procs")):
+        hierarchies.append((v2, 2))
+    roots = (options.kubepods_root.strip("/"),) if options.kubepods_root else DEFAULT_KUBEPODS_ROOTS
+    host = KernelPodHost(hierarchies, roots, options.container_configs, dev_dir=dev_dir)
+    logger.info("Pod repair every %gs: PodResources at %s, pods' cgroups under %s in %s", options.repair_interval,
+                options.pod_resources_socket, " or ".join(roots),
+                ", ".join(f"{mount} (v{version})" for mount, version in hierarchies) or "no cgroup hierarchy")
+    return PodRepair(catalog, PodResourcesClient(options.pod_resources_socket), host,
+                     control_devices=facts.control_devices, dev_dir=dev_dir, caps=facts.caps)

@@ -114,6 +114,20 @@ def test_mixed_allocates_a_mig_device_by_its_cdi_name_with_its_capability_nodes(
         MIG[(0, 3, 0)]]
 
 
+def test_mixed_pod_repair_links_the_capability_nodes_too(mixed) -> None:
+    """R-PR-2 on a MIG node: every capability node the spec names gets its /dev/char link tried (this
+    simulated node has no nodes, so each is reported once, never linked to nothing)."""
+    plugin, _, node, cdi = mixed
+    spec = json.loads((cdi / "gpu-isolator-node.json").read_text())
+    caps = {n["hostPath"]: (n["major"], n["minor"]) for d in spec["devices"] for n in d["containerEdits"]["deviceNodes"]
+            if n["path"].startswith("/dev/nvidia-caps/")}
+    assert caps
+    for host_path, (major, minor) in caps.items():
+        log = plugin.wait_log(f"Left {node.dev_dir}/char/{major}:{minor} alone: there is no {host_path} to link to")
+        assert log.count(f"Left {node.dev_dir}/char/{major}:{minor} alone") == 1
+    assert not os.path.exists(os.path.join(node.dev_dir, "char"))
+
+
 def test_single_offers_the_mig_devices_as_nvidia_com_gpu(single) -> None:
     _, kubelet, _, _ = single
     [registration] = kubelet.wait_registrations(1)

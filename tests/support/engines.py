@@ -26,6 +26,16 @@ Rules:
 - ``RuncEngine`` runs a bundle made from ``runc spec`` merged with an OCI
   fragment (``merge_oci``), with its state and cgroups (``cgroupsPath``
   under a uniquely named parent) its own; ``close()`` removes them.
+  ``start(rootfs, fragment, command, cgroup=, name=, annotations=)`` runs
+  one detached (``runc run -d``) in ``<parent>/<cgroup>`` (a path below the
+  parent; the bundle stays at ``<directory>/bundles/<name>``, where its
+  ``config.json`` is a runtime's record) and answers a ``RuncContainer``:
+  ``exec(args)`` (``runc exec``: inside its namespaces and cgroups),
+  ``pid``, ``stop()`` (killed and deleted; ``close()`` stops what is left).
+- ``cdi_fragment(spec_file, names)`` resolves CDI device names in a spec
+  file as a CDI-enabled runtime does (the device's and the spec's
+  ``containerEdits`` device nodes) into an OCI fragment for ``merge_oci``:
+  ``linux.devices`` and their ``linux.resources.devices`` allow rules.
 - ``PROBE`` is a shell script run in the container: for each path given it
   opens the node read-only and reports ``OK`` or the errno name (ENXIO:
   the cgroup allows it and there is no driver; EPERM: the cgroup denies
@@ -53,6 +63,7 @@ from isolators.cdi import merge_oci
 __all__ = [
     "ENGINE_TIMEOUT", "PROBE", "ProbeReport", "PodmanEngine", "RuncEngine", "build_rootfs",
     "busybox_path", "engine_skip_reason", "make_device_nodes", "parse_probe", "remove_cgroup_trees",
+    "RuncContainer", "cdi_fragment",
 ]
 
 ENGINE_TIMEOUT = 90.0
@@ -368,15 +379,13 @@ class RuncEngine:
         self.state = os.path.join(directory, "state")
         os.makedirs(self.state, exist_ok=True)
         self.cgroup_parent = f"gpu-isolator-test-{uuid.uuid4().hex[:12]}"
+        self.containers: list[RuncContainer] = []
         self.configs: list[dict] = []
         """Every merged config.json run, in order (for reports)."""
 
-    def run(self, rootfs: str, fragment: dict, command: Sequence[str], *,
-            binds: Mapping[str, str] | None = None, timeout: float = ENGINE_TIMEOUT) -> subprocess.CompletedProcess:
-        """Run ``command`` in a bundle of ``rootfs`` with ``fragment`` merged into
-        the ``runc spec`` config; ``binds``: container path -> host dir, read-only."""
-        name = f"gpu-isolator-test-{uuid.uuid4().hex[:12]}"
-        bundle = os.path.join(self.directory, name)
+    def _bundle(self, bundle: str, rootfs: str, fragment: dict, command: Sequence[str], cgroup: str,
+                annotations: Mapping[str, str], binds: Mapping[str, str] | None, timeout: float) -> dict:
+        """Make ``bundle``: ``runc spec``'s config with the rootfs, command, cgroup, binds and fragment."""
         os.makedirs(bundle)
         made = _run(["runc", "spec", "--bundle", bundle], timeout)
         if made.returncode != 0:
@@ -387,20 +396,99 @@ class RuncEngine:
         config["root"] = {"path": os.path.abspath(rootfs), "readonly": True}
         config["process"]["terminal"] = False
         config["process"]["args"] = list(command)
-        config.setdefault("linux", {})["cgroupsPath"] = f"/{self.cgroup_parent}/{name}"
+        if annotations:
+            config["annotations"] = dict(annotations)
+        config.setdefault("linux", {})["cgroupsPath"] = f"/{self.cgroup_parent}/{cgroup}"
         for destination, source in (binds or {}).items():
             config["mounts"].append({"destination": destination, "type": "bind", "source": source,
                                      "options": ["rbind", "ro"]})
         config = merge_oci(config, fragment)
-        self.configs.append(config)
         with open(config_path, "wb") as handle:
             handle.write(msgspec.json.encode(config))
+        return config
+
+    def run(self, rootfs: str, fragment: dict, command: Sequence[str], *,
+            binds: Mapping[str, str] | None = None, timeout: float = ENGINE_TIMEOUT) -> subprocess.CompletedProcess:
+        """Run ``command`` in a bundle of ``rootfs`` with ``fragment`` merged into
+        the ``runc spec`` config; ``binds``: container path -> host dir, read-only."""
+        name = f"gpu-isolator-test-{uuid.uuid4().hex[:12]}"
+        bundle = os.path.join(self.directory, name)
+        self.configs.append(self._bundle(bundle, rootfs, fragment, command, name, {}, binds, timeout))
         try:
             return _run(["runc", "--root", self.state, "run", "--bundle", bundle, name], timeout)
         finally:
             _run(["runc", "--root", self.state, "delete", "--force", name], timeout)
             shutil.rmtree(bundle, ignore_errors=True)
 
+    def start(self, rootfs: str, fragment: dict, command: Sequence[str], *, cgroup: str, name: str,
+              annotations: Mapping[str, str] | None = None, binds: Mapping[str, str] | None = None,
+              timeout: float = ENGINE_TIMEOUT) -> "RuncContainer":
+        """Run ``command`` detached in ``<parent>/<cgroup>`` (see module rules)."""
+        bundle = os.path.join(self.directory, "bundles", name)
+        self._bundle(bundle, rootfs, fragment, command, cgroup.strip("/"), annotations or {}, binds, timeout)
+        container = RuncContainer(self, name, bundle)
+        self.containers.append(container)
+        # runc -d hands its stdio to the container: files, not pipes a reader would wait on for ever.
+        log_path = os.path.join(bundle, "runc.log")
+        with open(log_path, "wb") as log:
+            try:
+                code = subprocess.run(["runc", "--root", self.state, "run", "-d", "--bundle", bundle, name],
+                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"runc run -d {name} did not finish in {timeout} s") from None
+        if code != 0:
+            with open(log_path) as log:
+                raise AssertionError(f"runc run -d {name} failed ({code}): {log.read().strip()}")
+        return container
+
     def close(self) -> None:
+        for container in self.containers:
+            container.stop()
         remove_cgroup_trees(self.cgroup_parent)
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class RuncContainer:
+    """A detached runc container (see module rules)."""
+
+    def __init__(self, engine: RuncEngine, name: str, bundle: str) -> None:
+        self.engine = engine
+        self.name = name
+        self.bundle = bundle
+        self.stopped = False
+
+    @property
+    def pid(self) -> int:
+        state = _run(["runc", "--root", self.engine.state, "state", self.name], ENGINE_TIMEOUT)
+        if state.returncode != 0:
+            raise AssertionError(f"runc state {self.name} failed: {state.stderr.strip()}")
+        return int(msgspec.json.decode(state.stdout)["pid"])
+
+    def exec(self, args: Sequence[str], timeout: float = ENGINE_TIMEOUT) -> subprocess.CompletedProcess:
+        return _run(["runc", "--root", self.engine.state, "exec", self.name, *args], timeout)
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            _run(["runc", "--root", self.engine.state, "delete", "--force", self.name], ENGINE_TIMEOUT)
+
+
+def cdi_fragment(spec_file: str, names: Iterable[str]) -> dict:
+    """The OCI fragment of CDI device ``names`` in ``spec_file`` (see module rules)."""
+    with open(spec_file, "rb") as handle:
+        spec = msgspec.json.decode(handle.read())
+    by_name = {f"{spec['kind']}={device['name']}": device for device in spec["devices"]}
+    edits = [by_name[name]["containerEdits"] for name in names]
+    if edits:
+        edits.append(spec.get("containerEdits") or {})
+    nodes = {node["path"]: node for edit in edits for node in edit.get("deviceNodes", [])}
+    devices, allowed = [], []
+    for node in nodes.values():
+        info = os.stat(node.get("hostPath", node["path"]))
+        major, minor = node.get("major", os.major(info.st_rdev)), node.get("minor", os.minor(info.st_rdev))
+        kind = node.get("type", "c")
+        devices.append({"path": node["path"], "type": kind, "major": major, "minor": minor,
+                        "fileMode": node.get("fileMode", 0o666), "uid": 0, "gid": 0})
+        allowed.append({"allow": True, "type": kind, "major": major, "minor": minor,
+                        "access": node.get("permissions", "rwm")})
+    return {"linux": {"devices": devices, "resources": {"devices": allowed}}} if devices else {}

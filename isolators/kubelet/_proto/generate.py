@@ -1,15 +1,17 @@
-"""Compile ``deviceplugin.proto`` into the committed Python modules.
+"""Compile ``deviceplugin.proto`` and ``podresources.proto`` into the committed Python modules.
 
 Rules:
 - ``generate(output_root)`` runs ``grpcio-tools``' protoc (the version
-  pinned in ``pyproject.toml``'s test extra) on
-  ``isolators/kubelet/_proto/deviceplugin.proto`` with the repository as
-  its include root, so the modules import each other by their package path
-  (``isolators.kubelet._proto.deviceplugin_pb2``); it writes
-  ``deviceplugin_pb2.py``, ``deviceplugin_pb2.pyi`` and
-  ``deviceplugin_pb2_grpc.py`` under ``output_root`` at that path and
-  returns their paths. A protoc error raises ``RuntimeError`` with its
-  output.
+  pinned in ``pyproject.toml``'s test extra) on each of ``PROTOS``
+  (``isolators/kubelet/_proto/deviceplugin.proto``, the device plugin
+  API v1beta1, and ``podresources.proto``, the pod resources API v1) with
+  the repository as its include root, so the modules import each other by
+  their package path (``isolators.kubelet._proto.deviceplugin_pb2``); it
+  writes ``<name>_pb2.py``, ``<name>_pb2.pyi`` and ``<name>_pb2_grpc.py``
+  of each under ``output_root`` at that path and returns their paths
+  (``GENERATED``, in order). A protoc error raises ``RuntimeError`` with
+  its output. ``compile_proto(proto, output_root)`` is that protoc run
+  for one .proto (the DRA driver's protos are compiled by it too).
 - ``python -m isolators.kubelet._proto.generate`` regenerates them in place
   (after editing the .proto or changing the pinned grpcio-tools); the test
   ``tests/kubelet/test_kubelet_api.py`` fails while they are stale.
@@ -25,21 +27,19 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["PROTO", "GENERATED", "SOURCE_ROOT", "compile_proto", "generate"]
+__all__ = ["PROTO", "PROTOS", "GENERATED", "SOURCE_ROOT", "compile_proto", "generate"]
 
 SOURCE_ROOT = Path(__file__).resolve().parents[3]
 """The directory holding the ``isolators`` package (the include root)."""
 PROTO = "isolators/kubelet/_proto/deviceplugin.proto"
-GENERATED = (
-    "isolators/kubelet/_proto/deviceplugin_pb2.py",
-    "isolators/kubelet/_proto/deviceplugin_pb2.pyi",
-    "isolators/kubelet/_proto/deviceplugin_pb2_grpc.py",
+PROTOS = (PROTO, "isolators/kubelet/_proto/podresources.proto")
+GENERATED = tuple(
+    proto.removesuffix(".proto") + suffix for proto in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 )
 
 
 def compile_proto(proto: str, output_root: str | os.PathLike[str]) -> None:
-    """Run protoc on ``proto`` (a path under ``SOURCE_ROOT``) into ``output_root`` (see the module rules);
-    the DRA driver's protos are compiled by it too."""
+    """Run protoc on ``proto`` (a path under ``SOURCE_ROOT``) into ``output_root`` (see the module rules)."""
     from grpc_tools import protoc  # the developer's tool, not the plugin's dependency
 
     output_root = Path(output_root)
@@ -54,8 +54,9 @@ def compile_proto(proto: str, output_root: str | os.PathLike[str]) -> None:
 
 
 def generate(output_root: str | os.PathLike[str]) -> list[Path]:
-    """Compile the .proto under ``output_root`` (see the module rules)."""
-    compile_proto(PROTO, output_root)
+    """Compile the .protos under ``output_root`` (see the module rules)."""
+    for proto in PROTOS:
+        compile_proto(proto, output_root)
     return [Path(output_root) / name for name in GENERATED]
 
 
