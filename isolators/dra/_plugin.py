@@ -41,7 +41,7 @@ Rules (issue 37 items 3-5; SPEC section 21):
   ``dra/unprepares``, ``dra/prepare_failures`` (claims refused);
   ``dra/registrations``.
 - ``POST /dra-plugin/mark_healthy`` is the device plugin's operator route
-  (``KubeletPluginProcess``'s handler: credential, body, 401/403/404, the
+  (``kubelet._operator.OperatorRoutes``: credential, body, 401/403/404, the
   allocator's ``mark_healthy``); the slice loses the device's taint and
   NodeWatchResources shows it healthy.
 """
@@ -59,7 +59,7 @@ from runtime import Executor, MetricSet, Process, current_runtime, spawn
 
 from ..cdi import CdiWriteError, NodeFacts, apply_spec_changes, list_spec_files, read_spec_files
 from ..credential import BearerCredential
-from ..kubelet._plugin import KubeletPluginProcess
+from ..kubelet._operator import OperatorRoutes
 from ._claim_spec import claim_device_id, claim_spec_file, claim_spec_prefix, render_claim_spec
 from ._claims import ClaimPlan, ClaimRef, ClaimRefused, check_uid, plan_claim
 from ._devices import DraCatalog
@@ -103,7 +103,7 @@ def _commit_files(spec_dir: str, writes: list[tuple[str, bytes]], checkpoint: st
     apply_spec_changes(spec_dir, [], removals)
 
 
-class DraPluginProcess(Process):
+class DraPluginProcess(OperatorRoutes, Process):
     """The DRA driver's decisions (see module rules)."""
 
     def __init__(self, catalog: DraCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, client: Any, *,
@@ -173,8 +173,6 @@ class DraPluginProcess(Process):
             self._metrics.close()
             self._metrics = None
         self.executor.shutdown(wait=False)
-
-    _mark_healthy_route = KubeletPluginProcess._mark_healthy_route
 
     # -- the kubelet's calls ---------------------------------------------------------------
     def registered(self, ok: bool, error: str) -> None:

@@ -45,16 +45,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import msgspec
 
 from actors import NvidiaGpuAllocator
 from runtime import Executor, MetricSet, Process, Response, current_runtime, spawn
 
-from ..cdi import CdiWriteError, NodeFacts, encode_spec, ensure_spec_file
+from ..cdi import CdiWriteError, NodeFacts, ensure_spec_file
 from ..credential import BearerCredential
 from ._allocate import ContainerAnswer, allocate_answer
 from ._catalog import DeviceCatalog
 from ._errors import FAILED_PRECONDITION, PluginRequestError
+from ._operator import OperatorRoutes
 from ._pod_repair import PodRepair
 from ._preferred import plan_preferred
 
@@ -66,11 +66,7 @@ PLUGIN_ID = "kubelet-plugin"
 NODE_SPEC_FILE = "gpu-isolator-node.json"
 
 
-class MarkHealthy(msgspec.Struct, forbid_unknown_fields=True):
-    uuid: str
-
-
-class KubeletPluginProcess(Process):
+class KubeletPluginProcess(OperatorRoutes, Process):
     """The kubelet plugin's decisions (see module rules)."""
 
     def __init__(self, catalog: DeviceCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, spec: bytes, *,
@@ -179,21 +175,8 @@ class KubeletPluginProcess(Process):
         return answers
 
     # -- the operator's routes -----------------------------------------------------------
-    def _refused(self, request: Any, verb: str, usage: str) -> Response | None:
-        """The answer to a request that may not run (see module rules), None when it may."""
-        if self.credential is None:
-            return Response.error(403, f"this plugin was started without --credential FILE, so no one may {verb};"
-                                       " restart it with --listen and --credential")
-        if not self.credential.accepts(request.headers):
-            logger.warning("%s from %s refused: no valid bearer credential", request.path.rsplit("/", 1)[-1],
-                           request.client)
-            return BearerCredential.unauthorized()
-        if request.method != "POST":
-            return Response(f"405 Method Not Allowed: use POST{usage}\n", 405, headers={"Allow": "POST"})
-        return None
-
     async def _repair_route(self, request: Any) -> Response:
-        refused = self._refused(request, "run a pod repair", "")
+        refused = self._operator_refusal(request, "run a pod repair", "")
         if refused is not None:
             return refused
         if self.repair is None:
@@ -202,19 +185,3 @@ class KubeletPluginProcess(Process):
         result = await self.repair.run_pass()
         return Response.json(result.answer())
 
-    async def _mark_healthy_route(self, request: Any) -> Response:
-        refused = self._refused(request, "mark devices healthy", " with {\"uuid\": \"GPU-...\"}")
-        if refused is not None:
-            return refused
-        try:
-            body = msgspec.json.decode(request.body, type=MarkHealthy)
-        except msgspec.DecodeError as error:
-            return Response.error(400, f"expected a JSON body {{\"uuid\": \"<GPU or MIG UUID>\"}}: {error}")
-        unit = self.catalog.unit_of_uuid(body.uuid)
-        if unit is None:
-            return Response.error(404, f"no GPU or MIG device with UUID {body.uuid!r} is offered by this plugin")
-        before = (await self.allocator.health_since(None)).unhealthy.get(unit)
-        await self.allocator.mark_healthy(unit)
-        logger.warning("Operator at %s marked %s (%s) healthy%s", request.client, body.uuid, unit,
-                       f" (it was unhealthy: {before})" if before else " (it was healthy)")
-        return Response.json({"uuid": body.uuid, "unit": str(unit), "healthy": True, "was_unhealthy": before})

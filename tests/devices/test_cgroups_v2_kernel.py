@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from typing import Any
 
 import pytest
 

@@ -158,7 +158,7 @@ async def test_a_failed_update_keeps_the_previous_grant(
 async def test_a_failed_cleanup_can_be_retried(backend: str, node_factory: Any) -> None:
     node = node_factory(backend)
     async with Runtime():
-        isolator = await injectable(node, keep=1, c1=2)
+        await injectable(node, keep=1, c1=2)
         before = await judge(node, {"keep": 1, "c1": 2})
 
         async def check(where: str) -> None:
