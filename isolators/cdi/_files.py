@@ -34,6 +34,8 @@ from typing import Iterable
 
 from runtime import Failure
 
+from .._durable import write_all
+
 __all__ = [
     "CdiWriteError", "write_spec_file", "remove_spec_file", "list_spec_files", "apply_spec_changes",
     "is_temporary_name", "read_spec_files", "ensure_spec_file",
@@ -90,11 +92,7 @@ def write_spec_file(directory: str, name: str, data: bytes) -> str:
         raise CdiWriteError(f"Failed to write CDI spec '{path}': {_reason(directory, error)}") from error
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fchmod(fd, 0o644)  # the umask must not hide the spec from the engine
-            os.fsync(fd)
+            write_all(fd, data, mode=0o644)  # the umask must not hide the spec from the engine
         finally:
             os.close(fd)
         os.rename(temporary, path)

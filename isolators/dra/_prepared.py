@@ -31,6 +31,7 @@ import msgspec
 
 from runtime import Failure
 
+from .._durable import write_all
 from ._claims import ClaimPlan, ClaimRef, PlannedDevice
 
 __all__ = ["PreparedClaim", "PreparedDevice", "PreparedClaims", "CheckpointError", "read_checkpoint",
@@ -127,10 +128,7 @@ def write_checkpoint(path: str, data: bytes) -> None:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
+            write_all(fd, data)
         finally:
             os.close(fd)
         os.rename(temporary, path)

@@ -25,7 +25,6 @@ Rules (issue 37; SPEC section 21):
 from __future__ import annotations
 
 import logging
-import signal
 from typing import Callable
 
 import anyio
@@ -36,13 +35,13 @@ from runtime import Executor, Runtime, terminate, wait
 
 from ..cdi import read_node_facts
 from ..credential import BearerCredential
+from ..kubelet._run import STOP_SIGNALS, stop_on_signal
 from ._names import DEFAULT_DRIVER_NAME, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, dra_socket, registration_socket
 
 __all__ = ["DraOptions", "DraSummary", "run_dra_plugin", "DEFAULT_CDI_SPEC_DIR"]
 
 logger = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DEFAULT_CDI_SPEC_DIR = "/var/run/cdi"
 
 
@@ -129,10 +128,7 @@ async def run_dra_plugin(flags: Flags, options: DraOptions, ready: Callable[[Dra
                                                  devices=[d.name for d in catalog.devices],
                                                  registration_socket=reg_path, dra_socket=dra_path,
                                                  address=runtime.address if options.listen else None))
-                            async for signum in signals:
-                                logger.info("Stopping on %s: removing this driver's sockets",
-                                            signal.Signals(signum).name)
-                                break
+                            await stop_on_signal(signals, "this driver's sockets")
                             group.cancel_scope.cancel()
                     finally:
                         terminate(plugin.pid)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from typing import Callable
+from typing import Any, Callable
 
 import anyio
 import msgspec
@@ -60,6 +60,13 @@ __all__ = ["PluginOptions", "PluginSummary", "run_plugin", "DEFAULT_CDI_SPEC_DIR
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+async def stop_on_signal(signals: Any, removing: str) -> None:
+    """Return at the first of ``STOP_SIGNALS`` (an anyio signal receiver), saying so."""
+    async for signum in signals:
+        logger.info("Stopping on %s: removing %s", signal.Signals(signum).name, removing)
+        return
 DEFAULT_CDI_SPEC_DIR = "/var/run/cdi"
 
 
@@ -130,10 +137,7 @@ async def run_plugin(flags: Flags, options: PluginOptions,
                                 resources={offer.resource: len(offer.devices) for offer in catalog.offers},
                                 device_plugin_dir=directory, spec_file=os.path.join(spec_dir, NODE_SPEC_FILE),
                                 address=runtime.address if options.listen else None))
-                        async for signum in signals:
-                            logger.info("Stopping on %s: removing this plugin's sockets",
-                                        signal.Signals(signum).name)
-                            break
+                        await stop_on_signal(signals, "this plugin's sockets")
                         group.cancel_scope.cancel()
                 finally:
                     terminate(plugin.pid)

@@ -45,6 +45,7 @@ import msgspec
 
 from runtime import Failure
 
+from .._durable import write_all
 from ._messages import ContainerView
 
 logger = logging.getLogger(__name__)
@@ -207,10 +208,7 @@ class RecordsFile:
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=directory)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
+                write_all(fd, data)
             finally:
                 os.close(fd)
             os.rename(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)

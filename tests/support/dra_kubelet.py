@@ -25,7 +25,6 @@ Rules:
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -38,7 +37,7 @@ from google.protobuf.json_format import MessageToDict
 from isolators.dra._api import DRA_VERSIONS, HEALTH_VERSIONS, registration, registration_rpc
 from isolators.kubelet._names import unix_target
 
-from .kubelet import PluginCommand
+from .kubelet import MessageRecord, PluginCommand
 
 KUBELET_TO_PLUGIN = "kubelet->plugin"
 PLUGIN_TO_KUBELET = "plugin->kubelet"
@@ -71,27 +70,19 @@ class DraPluginCommand(PluginCommand):
     READY = " serving "
 
 
-class FakeDraKubelet:
+class FakeDraKubelet(MessageRecord):
     """The kubelet's side of DRA (see module rules)."""
 
+    as_record = staticmethod(_as_dict)  # defaults left out
+
     def __init__(self, registry_dir: str | os.PathLike[str]) -> None:
+        super().__init__()
         self.registry_dir = Path(registry_dir)
-        self.messages: list[tuple[int, str, str, dict]] = []
         self.info: dict | None = None
         self.endpoint: str | None = None
         self.health_lists: dict[str, list[list[tuple[str, str, str]]]] = {}
-        self._changed = threading.Condition()
         self._channel: grpc.Channel | None = None
         self._health_calls: list[Any] = []
-
-    def record(self, who: str, method: str, message: Any) -> None:
-        with self._changed:
-            self.messages.append((len(self.messages), who, method, _as_dict(message)))
-            self._changed.notify_all()
-
-    def transcript(self, since: int = 0) -> str:
-        return "\n".join(f"{seq:3d} {who:16s} {method}: {json.dumps(body, sort_keys=True)}"
-                         for seq, who, method, body in self.messages[since:])
 
     def close(self) -> None:
         for call in self._health_calls:
@@ -197,14 +188,11 @@ class FakeDraKubelet:
 
     def wait_health(self, predicate: Callable[[list], bool], after: int = 0, timeout: float = WAIT,
                     version: str = "v1") -> tuple[int, list]:
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                lists = self.health_lists.get(version, [])
-                for index in range(after, len(lists)):
-                    if predicate(lists[index]):
-                        return index, lists[index]
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"no matching health list within {timeout}s:\n{self.transcript()}")
-                self._changed.wait(left)
+        def found() -> tuple[int, list] | None:
+            lists = self.health_lists.get(version, [])
+            for index in range(after, len(lists)):
+                if predicate(lists[index]):
+                    return index, lists[index]
+            return None
+
+        return self._wait(found, f"a matching {version} health list (after {after})", timeout)

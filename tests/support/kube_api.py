@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
+from .kubelet import Waitable
+
 GROUP = "/apis/resource.k8s.io/v1"
 WAIT = 20.0
 
@@ -59,17 +61,19 @@ def allocation_result(request: str, driver: str, pool: str, device: str, *, admi
     return result
 
 
-class FakeApiServer:
+class FakeApiServer(Waitable):
     """The API server's resource.k8s.io/v1 side (see module rules)."""
 
+    SEEN = "requests"
+
     def __init__(self) -> None:
+        super().__init__()
         self.claims: dict[tuple[str, str], dict] = {}
         self.resource_slices: dict[str, dict] = {}
         self.requests: list[tuple[int, str, str, str, str]] = []
         self.delay_s = 0.0
         self._failures: list[int] = []
         self._versions = itertools.count(1)
-        self._changed = threading.Condition()
         self._server: ThreadingHTTPServer | None = None
         self._connections: set[socket.socket] = set()
         self.address = ""
@@ -156,16 +160,7 @@ class FakeApiServer:
                          for seq, method, path, query, summary in self.requests[since:])
 
     def wait_for(self, predicate: Callable[["FakeApiServer"], Any], what: str, timeout: float = WAIT) -> Any:
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                value = predicate(self)
-                if value:
-                    return value
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"{what} did not happen within {timeout}s; requests:\n{self.transcript()}")
-                self._changed.wait(left)
+        return self._wait(lambda: predicate(self), what, timeout)
 
     # -- the API ------------------------------------------------------------------------
     def handle(self, method: str, path: str, query: dict[str, list[str]], body: dict | None) -> tuple[int, dict]:

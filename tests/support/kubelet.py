@@ -10,6 +10,11 @@ Rules:
   registrations with ``text``. After an accepted registration it consumes
   ``ListAndWatch`` on a thread (a new registration of the resource
   replaces the old stream, as the kubelet's does), keeping every list.
+- ``Waitable`` / ``MessageRecord``: what every fake peer here (this
+  kubelet, the DRA one, the fake API server) shares: a
+  ``threading.Condition`` notified on every change, ``_wait(ready, what,
+  timeout)`` (bounded; the transcript in the ``AssertionError``) and, for
+  the kubelets, the record below.
 - ``messages`` records each message in order as ``(seq, who, rpc, dict)``
   (``who``: ``plugin->kubelet`` or ``kubelet->plugin``; the dict is the
   message with its proto field names, defaults left out);
@@ -118,17 +123,62 @@ class Stream:
         """Why it ended (the status code's name), None while it runs."""
 
 
-class FakeKubelet:
+class Waitable:
+    """A fake peer whose state tests wait for (see module rules)."""
+
+    SEEN = "messages"  # what ``transcript`` shows, named in a timeout's error
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+
+    def transcript(self, since: int = 0) -> str:
+        raise NotImplementedError
+
+    def _wait(self, ready: Callable[[], Any], what: str, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                value = ready()
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"{what} did not happen within {timeout}s; {self.SEEN}:\n{self.transcript()}")
+                self._changed.wait(left)
+
+
+class MessageRecord(Waitable):
+    """A fake kubelet's record of the messages both ways (see module rules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[tuple[int, str, str, dict]] = []
+
+    @staticmethod
+    def as_record(message: Any) -> dict:
+        """A message as it is recorded (a subclass may show it otherwise)."""
+        return _as_dict(message)
+
+    def record(self, who: str, method: str, message: Any) -> None:
+        with self._changed:
+            self.messages.append((len(self.messages), who, method, self.as_record(message)))
+            self._changed.notify_all()
+
+    def transcript(self, since: int = 0) -> str:
+        return "\n".join(f"{seq:3d} {who:16s} {method}: {json.dumps(body, sort_keys=True)}"
+                         for seq, who, method, body in self.messages[since:])
+
+
+class FakeKubelet(MessageRecord):
     """The kubelet's side of the device plugin API (see module rules)."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
+        super().__init__()
         self.directory = Path(directory)
         self.socket = self.directory / KUBELET_SOCKET
-        self.messages: list[tuple[int, str, str, dict]] = []
         self.registrations: list[dict] = []
         self.streams: dict[str, list[Stream]] = {}
         self.endpoints: dict[str, str] = {}
-        self._changed = threading.Condition()
         self._server: grpc.Server | None = None
         self._channels: dict[str, grpc.Channel] = {}
         self._refusals: list[str] = []
@@ -171,27 +221,6 @@ class FakeKubelet:
         self._channels.clear()
 
     # -- records --------------------------------------------------------------------------
-    def record(self, who: str, method: str, message: Any) -> None:
-        with self._changed:
-            self.messages.append((len(self.messages), who, method, _as_dict(message)))
-            self._changed.notify_all()
-
-    def transcript(self, since: int = 0) -> str:
-        return "\n".join(f"{seq:3d} {who:16s} {method}: {json.dumps(body, sort_keys=True)}"
-                         for seq, who, method, body in self.messages[since:])
-
-    def _wait(self, ready: Callable[[], Any], what: str, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                value = ready()
-                if value:
-                    return value
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"{what} did not happen within {timeout}s; messages:\n{self.transcript()}")
-                self._changed.wait(left)
-
     def wait_registrations(self, count: int, timeout: float = WAIT) -> list[dict]:
         """The registrations once ``count`` were accepted and each one's stream is open."""
         def done() -> Any:

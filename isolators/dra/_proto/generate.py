@@ -3,8 +3,8 @@
 Rules:
 - ``generate(output_root)`` runs ``grpcio-tools``' protoc (the version
   pinned in ``pyproject.toml``'s test extra) on every file of ``PROTOS``
-  with the repository as its include root (``compile_proto`` of the kubelet
-  device plugin's ``_proto/generate.py``), so the modules import by their
+  with the repository as its include root (``compile_protos`` of the
+  kubelet device plugin's ``_proto/generate.py``), so the modules import by their
   package path (``isolators.dra._proto.dra_v1_pb2``); it writes each
   proto's ``_pb2.py``, ``_pb2.pyi`` and ``_pb2_grpc.py`` under
   ``output_root`` at that path and returns the paths (``GENERATED``). A
@@ -23,25 +23,20 @@ import os
 import sys
 from pathlib import Path
 
-from isolators.kubelet._proto.generate import SOURCE_ROOT, compile_proto
+from isolators.kubelet._proto.generate import SOURCE_ROOT, compile_protos, main, outputs
 
 __all__ = ["PROTOS", "GENERATED", "SOURCE_ROOT", "generate"]
 
 _DIR = "isolators/dra/_proto"
 PROTOS = tuple(f"{_DIR}/{name}.proto" for name in ("pluginregistration", "dra_v1", "dra_v1beta1", "dra_health_v1",
                                                    "dra_health_v1alpha1"))
-GENERATED = tuple(proto[:-len(".proto")] + suffix for proto in PROTOS
-                  for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
+GENERATED = outputs(PROTOS)
 
 
 def generate(output_root: str | os.PathLike[str]) -> list[Path]:
     """Compile every .proto under ``output_root`` (see the module rules)."""
-    for proto in PROTOS:
-        compile_proto(proto, output_root)
-    return [Path(output_root) / name for name in GENERATED]
+    return compile_protos(PROTOS, output_root)
 
 
 if __name__ == "__main__":  # pragma: no cover - a developer's command
-    for path in generate(SOURCE_ROOT):
-        print(f"wrote {path}")
-    sys.exit(0)
+    sys.exit(main(PROTOS))

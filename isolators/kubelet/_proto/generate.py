@@ -11,7 +11,9 @@ Rules:
   of each under ``output_root`` at that path and returns their paths
   (``GENERATED``, in order). A protoc error raises ``RuntimeError`` with
   its output. ``compile_proto(proto, output_root)`` is that protoc run
-  for one .proto (the DRA driver's protos are compiled by it too).
+  for one .proto; ``outputs(protos)``, ``compile_protos(protos, root)``
+  and ``main(protos)`` are the same steps for any list of them (the DRA
+  driver's ``_proto/generate.py`` uses them for its own).
 - ``python -m isolators.kubelet._proto.generate`` regenerates them in place
   (after editing the .proto or changing the pinned grpcio-tools); the test
   ``tests/kubelet/test_kubelet_api.py`` fails while they are stale.
@@ -27,15 +29,22 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["PROTO", "PROTOS", "GENERATED", "SOURCE_ROOT", "compile_proto", "generate"]
+__all__ = ["PROTO", "PROTOS", "GENERATED", "SOURCE_ROOT", "compile_proto", "compile_protos", "outputs", "main",
+           "generate"]
 
 SOURCE_ROOT = Path(__file__).resolve().parents[3]
 """The directory holding the ``isolators`` package (the include root)."""
 PROTO = "isolators/kubelet/_proto/deviceplugin.proto"
 PROTOS = (PROTO, "isolators/kubelet/_proto/podresources.proto")
-GENERATED = tuple(
-    proto.removesuffix(".proto") + suffix for proto in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
-)
+
+
+def outputs(protos: tuple[str, ...]) -> tuple[str, ...]:
+    """What protoc writes for ``protos``, in order (paths under the include root)."""
+    return tuple(proto.removesuffix(".proto") + suffix for proto in protos
+                 for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
+
+
+GENERATED = outputs(PROTOS)
 
 
 def compile_proto(proto: str, output_root: str | os.PathLike[str]) -> None:
@@ -53,14 +62,24 @@ def compile_proto(proto: str, output_root: str | os.PathLike[str]) -> None:
         raise RuntimeError(f"protoc failed on {proto} ({code}): {captured.getvalue().strip()}")
 
 
+def compile_protos(protos: tuple[str, ...], output_root: str | os.PathLike[str]) -> list[Path]:
+    """Compile each of ``protos`` under ``output_root``; the paths written."""
+    for proto in protos:
+        compile_proto(proto, output_root)
+    return [Path(output_root) / name for name in outputs(protos)]
+
+
+def main(protos: tuple[str, ...]) -> int:
+    """Regenerate ``protos``' modules in place (the developer's command)."""
+    for path in compile_protos(protos, SOURCE_ROOT):
+        print(f"wrote {path}")
+    return 0
+
+
 def generate(output_root: str | os.PathLike[str]) -> list[Path]:
     """Compile the .protos under ``output_root`` (see the module rules)."""
-    for proto in PROTOS:
-        compile_proto(proto, output_root)
-    return [Path(output_root) / name for name in GENERATED]
+    return compile_protos(PROTOS, output_root)
 
 
 if __name__ == "__main__":  # pragma: no cover - a developer's command
-    for path in generate(SOURCE_ROOT):
-        print(f"wrote {path}")
-    sys.exit(0)
+    sys.exit(main(PROTOS))
