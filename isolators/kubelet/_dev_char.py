@@ -79,11 +79,15 @@ def ensure_char_links(dev_dir: str, nodes: Iterable[ContainerDevice]) -> CharLin
             else:
                 result.refused.append((link, f"it points at {target!r}, not at {node.host_path}"))
             continue
-        os.makedirs(os.path.dirname(link), exist_ok=True)
         try:
+            os.makedirs(os.path.dirname(link), exist_ok=True)
             os.symlink(os.path.relpath(node.host_path, os.path.dirname(link)), link)
         except FileExistsError:  # made meanwhile by someone else (udev): judged on the next call
             result.refused.append((link, "it appeared while the link was being made"))
+            continue
+        except OSError as error:  # a read-only or foreign /dev: said, and the plugin goes on
+            result.refused.append((link, f"it cannot be made ({error.strerror}; the plugin needs --dev_dir"
+                                         " writable, as the host's /dev mounted read-write)"))
             continue
         result.made.append(link)
     return result

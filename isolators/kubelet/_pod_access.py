@@ -108,8 +108,12 @@ def _programs(cgroup: ContainerCgroup, cgroup_fd: int, effective: bool = False) 
                 if error.errno == errno.ENOENT:  # detached and freed meanwhile: no longer enforced
                     continue
                 raise kernel_error(f"open device program {prog_id} of", cgroup.directory, error) from error
-            info = KERNEL.run("BPF_OBJ_GET_INFO_BY_FD", cgroup.directory, bpf.prog_info, fd)
-            code = KERNEL.run("BPF_OBJ_GET_INFO_BY_FD", cgroup.directory, bpf.prog_xlated, fd, info.xlated_len)
+            try:
+                info = KERNEL.run("BPF_OBJ_GET_INFO_BY_FD", cgroup.directory, bpf.prog_info, fd)
+                code = KERNEL.run("BPF_OBJ_GET_INFO_BY_FD", cgroup.directory, bpf.prog_xlated, fd, info.xlated_len)
+            except BaseException:
+                os.close(fd)  # not in programs yet: closed here
+                raise
             programs.append(_Program(fd, info, code))
     except BaseException:
         for program in programs:
@@ -159,6 +163,9 @@ def give_access(cgroup: ContainerCgroup, rules: Iterable[DeviceRule]) -> list[st
             fd = os.open(path, os.O_WRONLY)
         except FileNotFoundError:
             raise _gone(cgroup) from None
+        except OSError as error:
+            raise AccessError(f"cannot open {path} to give the devices back: {error}; the plugin needs to write"
+                              " the pods' cgroups (run it as root with /sys/fs/cgroup mounted read-write)") from error
         try:
             KERNEL.write_lines(fd, path, [str(rule).encode() for rule in rules])
         finally:

@@ -181,9 +181,17 @@ class PodRepair:
 
     # -- one pass --------------------------------------------------------------------------
     async def run(self, interval_s: float) -> None:
-        """Passes every ``interval_s`` seconds until cancelled."""
+        """Passes every ``interval_s`` seconds until cancelled; a pass that
+        raises is logged (once while it fails the same way) and counted in
+        ``repair_failures``, and the next one runs as usual."""
         while True:
-            await self.run_pass()
+            try:
+                await self.run_pass()
+            except Exception as error:  # a repair problem never takes the device plugin down
+                self.failures += 1
+                self._report_once(("pass", type(error).__name__, str(error)), logging.ERROR,
+                                  "Pod repair pass failed: %s: %s; the plugin keeps serving its GPUs and tries"
+                                  " again every %s s", type(error).__name__, error, interval_s)
             await anyio.sleep(interval_s)
 
     async def run_pass(self) -> RepairPass:

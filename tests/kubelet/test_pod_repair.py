@@ -260,6 +260,67 @@ async def test_pod_resources_missing_or_refusing_waits_and_says_so_once(
     repair.close()
 
 
+@pytest.mark.asyncio
+async def test_a_pass_that_raises_is_said_once_and_the_passes_go_on(
+        pod_resources: FakePodResources, caplog: pytest.LogCaptureFixture) -> None:
+    """A repair problem (here the node's survey failing twice, as an unreadable
+    cgroup tree would) never ends ``run``: logged once, counted, and the
+    next pass repairs as usual."""
+    import anyio
+
+    class BrokenSurvey(MemoryPodHost):
+        broken = 2
+
+        def survey(self):  # type: ignore[no-untyped-def]
+            if self.broken:
+                self.broken -= 1
+                raise PermissionError(13, "Permission denied", "/sys/fs/cgroup/devices/kubepods")
+            return super().survey()
+
+    host = BrokenSurvey()
+    repair = repair_on(pod_resources, host)
+    train = host.add("ml", "train-0", "cuda", repair.nodes_of([Gpu(195, 0)]))
+    host.reload(train.container_id)
+    pod_resources.assignments = [assign("ml", "train-0", "cuda", UUIDS[0])]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as group:
+                group.start_soon(repair.run, 0.01)
+                while repair.repaired == 0:
+                    await anyio.sleep(0.01)
+                group.cancel_scope.cancel()
+    failed = [r for r in caplog.records if r.getMessage().startswith("Pod repair pass failed")]
+    assert [r.levelno for r in failed] == [logging.ERROR]  # two failures, said once
+    assert failed[0].getMessage() == ("Pod repair pass failed: PermissionError: [Errno 13] Permission denied:"
+                                      " '/sys/fs/cgroup/devices/kubepods'; the plugin keeps serving its GPUs and"
+                                      " tries again every 0.01 s")
+    assert repair.failures == 2 and train.granted == train.given
+    repair.close()
+
+
+def test_a_link_that_cannot_be_made_is_refused_with_why(tmp_path: Path) -> None:
+    """A /dev the plugin cannot write (a read-only tmpfs here, as a host /dev mounted read-only) is a refusal
+    with why, not an error that ends the pass."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a read-only tmpfs")
+    os.mknod(tmp_path / "nvidia0", stat.S_IFCHR | 0o666, os.makedev(195, 0))
+    (tmp_path / "char").mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "gi-test-ro", str(tmp_path / "char")],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
+    try:
+        repair = PodRepair(catalog(1), PodResourcesClient("/nonexistent"), MemoryPodHost(), control_devices={},
+                           dev_dir=str(tmp_path))
+        links = ensure_char_links(str(tmp_path), repair.all_nodes)
+        assert links.made == [] and links.refused == [(str(tmp_path / "char" / "195:0"), (
+            "it cannot be made (Read-only file system; the plugin needs --dev_dir writable, as the host's /dev"
+            " mounted read-write)"))]
+        repair.close()
+    finally:
+        subprocess.run(["umount", str(tmp_path / "char")], check=True, capture_output=True)
+
+
 @pytest.mark.parametrize(("option", "error"), [
     ("--repair_interval=0", "--repair_interval must be > 0 seconds, got 0.0"),
     ("--repair_pods=maybe", "--repair_pods takes true or false, got 'maybe'"),
