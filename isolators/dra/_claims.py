@@ -33,6 +33,8 @@ from ._devices import DraCatalog
 __all__ = ["ClaimRef", "ClaimRefused", "PlannedDevice", "ClaimPlan", "plan_claim", "check_uid"]
 
 _UID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,62}[A-Za-z0-9])?")
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 NOTHING = "nothing was prepared"
 
 
@@ -71,8 +73,16 @@ class ClaimPlan(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def check_uid(ref: ClaimRef) -> None:
+    """The kubelet's reference checked before anything is built from it: the
+    uid names files, the namespace and name a path on the API server."""
     if not isinstance(ref.uid, str) or not _UID.fullmatch(ref.uid):
         raise ClaimRefused(f"claim {ref.namespace}/{ref.name}: uid {ref.uid!r} is not a Kubernetes UID; {NOTHING}")
+    if not isinstance(ref.namespace, str) or len(ref.namespace) > 63 or not _NAMESPACE.fullmatch(ref.namespace):
+        raise ClaimRefused(f"claim uid {ref.uid}: namespace {ref.namespace!r} is not a Kubernetes namespace (a DNS"
+                           f" label); {NOTHING}")
+    if not isinstance(ref.name, str) or len(ref.name) > 253 or not _NAME.fullmatch(ref.name):
+        raise ClaimRefused(f"claim uid {ref.uid}: name {ref.name!r} is not a Kubernetes object name (a DNS"
+                           f" subdomain); {NOTHING}")
 
 
 def plan_claim(ref: ClaimRef, claim: Any, *, driver: str, node: str, catalog: DraCatalog) -> ClaimPlan:

@@ -29,7 +29,8 @@ Rules (issue 37 items 3-5; SPEC section 21):
   just written removed: nothing prepared, nothing lost).
 - ``unprepare(uids)``: a commit without them; their devices stay held
   until it landed. A uid never prepared (or already unprepared) succeeds:
-  idempotent.
+  idempotent. A uid whose prepare is being committed is refused (try
+  again): answering done would leave it prepared once that commit lands.
 - ``create`` (restart): the checkpoint is read first (a malformed one stops
   the start); spec files of prepared claims are rewritten when missing or
   different, spec files of this driver's prefix no claim holds (a crash
@@ -55,7 +56,7 @@ from typing import Any
 import msgspec
 
 from actors import NvidiaGpuAllocator
-from runtime import Executor, MetricSet, Process, current_runtime, spawn
+from runtime import Executor, Failure, MetricSet, Process, current_runtime, spawn
 
 from ..cdi import CdiWriteError, NodeFacts, apply_spec_changes, list_spec_files, read_spec_files
 from ..credential import BearerCredential
@@ -93,14 +94,18 @@ def _restore(spec_dir: str, prefix: str, wanted: dict[str, bytes], kept: set[str
 def _commit_files(spec_dir: str, writes: list[tuple[str, bytes]], checkpoint: str, data: bytes,
                   removals: list[str]) -> None:
     """One commit (blocking): the new claims' specs, then the checkpoint, then the gone claims' specs.
-    A failed checkpoint write removes the specs just written."""
+    A failed checkpoint write removes the specs just written; once the checkpoint landed nothing fails the
+    commit (the gone claims' specs that could not be removed are orphans, removed at the next start)."""
     apply_spec_changes(spec_dir, writes, [])
     try:
         write_checkpoint(checkpoint, data)
     except CheckpointError:
         apply_spec_changes(spec_dir, [], [name for name, _ in writes])
         raise
-    apply_spec_changes(spec_dir, [], removals)
+    try:  # the checkpoint landed: the commit is done; a spec left behind is removed at the next start
+        apply_spec_changes(spec_dir, [], removals)
+    except CdiWriteError as error:
+        logger.warning("Unprepared claims' CDI specs not all removed (%s); the next start removes them", error)
 
 
 class DraPluginProcess(OperatorRoutes, Process):
@@ -270,22 +275,27 @@ class DraPluginProcess(OperatorRoutes, Process):
                     batch, self._queue = self._queue, []
                     added = [claim for adds, _, _ in batch for claim in adds]
                     removed = [claim for _, removes, _ in batch for claim in removes]
-                    after = dict(self.table.claims)
-                    for claim in removed:
-                        after.pop(claim.ref.uid, None)
-                    after.update((claim.ref.uid, claim) for claim in added)
-                    writes = [(claim_spec_file(self.driver, c.ref.uid), self._spec(c.ref.uid, c.devices))
-                              for c in added]
-                    removals = [claim_spec_file(self.driver, c.ref.uid) for c in removed]
                     try:
+                        after = dict(self.table.claims)
+                        for claim in removed:
+                            after.pop(claim.ref.uid, None)
+                        after.update((claim.ref.uid, claim) for claim in added)
+                        writes = [(claim_spec_file(self.driver, c.ref.uid), self._spec(c.ref.uid, c.devices))
+                                  for c in added]
+                        removals = [claim_spec_file(self.driver, c.ref.uid) for c in removed]
                         await self.executor.run(_commit_files, self.spec_dir, writes, self.checkpoint,
                                                 PreparedClaims(list(after.values())).encode(), removals)
                     except (CdiWriteError, CheckpointError) as error:
-                        for claim in added:
-                            self.table.release(claim.ref.uid)
-                        for _, _, future in batch:
-                            future.set_exception(error)
+                        self._fail_commit(added, batch, error)
                         continue
+                    except BaseException as error:  # anything else (a bug, cancellation): every waiter answered
+                        batch += self._queue
+                        self._queue = []
+                        self._fail_commit([claim for adds, _, _ in batch for claim in adds], batch, Failure(
+                            f"the commit of {len(batch)} claim change(s) was interrupted ({type(error).__name__}:"
+                            f" {error}); nothing was prepared, try again"))
+                        done.exception()  # this call raises its own error below: its answer is read
+                        raise
                     for claim in removed:
                         self.table.remove(claim.ref.uid)
                     for claim in added:
@@ -296,6 +306,14 @@ class DraPluginProcess(OperatorRoutes, Process):
                 self._committing = False
         await done
 
+    def _fail_commit(self, added: list[PreparedClaim], batch: list[Any], error: Exception) -> None:
+        """A commit that did not land: its claims' reservations go, each waiter gets ``error``."""
+        for claim in added:
+            self.table.release(claim.ref.uid)
+        for _, _, future in batch:
+            if not future.done():
+                future.set_exception(error)
+
     async def unprepare(self, refs: list[ClaimRef]) -> dict[str, str]:
         """uid -> error ("" when done) for every claim (see module rules)."""
         answers: dict[str, str] = {}
@@ -305,6 +323,10 @@ class DraPluginProcess(OperatorRoutes, Process):
                 check_uid(ref)
             except ClaimRefused as refused:
                 answers[ref.uid] = str(refused).replace("nothing was prepared", "nothing was unprepared")
+                continue
+            if ref.uid in self.table.reserved:  # its prepare is being committed: it would outlive this answer
+                answers[ref.uid] = (f"{ref}: it is being prepared right now; nothing was unprepared, try again once"
+                                    " that prepare answered")
                 continue
             claim = self.table.claims.get(ref.uid)
             if claim is not None:

@@ -24,6 +24,7 @@ Rules (issue 37 item 3):
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 
@@ -36,6 +37,8 @@ from ._claims import ClaimPlan, ClaimRef, PlannedDevice
 
 __all__ = ["PreparedClaim", "PreparedDevice", "PreparedClaims", "CheckpointError", "read_checkpoint",
            "write_checkpoint", "checkpoint_path"]
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(Failure):
@@ -121,7 +124,8 @@ def read_checkpoint(path: str) -> list[PreparedClaim]:
 
 
 def write_checkpoint(path: str, data: bytes) -> None:
-    """Atomically replace the checkpoint with ``data`` (blocking)."""
+    """Atomically replace the checkpoint with ``data`` (blocking); raises
+    ``CheckpointError`` only when the old one is still in place."""
     directory = os.path.dirname(path)
     temporary = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
     try:
@@ -132,14 +136,18 @@ def write_checkpoint(path: str, data: bytes) -> None:
         finally:
             os.close(fd)
         os.rename(temporary, path)
+    except OSError as error:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise CheckpointError(f"Cannot write the prepared-claims checkpoint {path}: {error.strerror}; check that"
+                              f" {directory} (under --work_dir) is writable by the plugin and has space") from error
+    try:  # the rename landed: the checkpoint is the new one; the entry's durability is best effort
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
     except OSError as error:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise CheckpointError(f"Cannot write the prepared-claims checkpoint {path}: {error.strerror}") from error
+        logger.warning("The checkpoint %s is written, but syncing %s failed: %s", path, directory, error.strerror)

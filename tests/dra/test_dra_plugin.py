@@ -206,6 +206,21 @@ def test_a_claim_that_cannot_be_prepared_is_refused_by_itself_naming_why(dra: De
     assert kubelet.unprepare([good]) == {good[2]: {}}
 
 
+@pytest.mark.parametrize(("namespace", "name", "why"), [
+    ("../kube-system", "x", "namespace '../kube-system' is not a Kubernetes namespace (a DNS label)"),
+    ("team", "x/../../secrets/token", "name 'x/../../secrets/token' is not a Kubernetes object name (a DNS"
+                                      " subdomain)"),
+])
+def test_a_reference_that_is_no_kubernetes_name_is_refused_before_any_request(
+        dra: Deployment, namespace: str, name: str, why: str) -> None:
+    kubelet = dra.ready()
+    uid = str(uuid.uuid4())
+    asked = len(dra.api.requests)
+    answer = kubelet.prepare([(namespace, name, uid)])
+    assert answer == {uid: {"error": f"claim uid {uid}: {why}; nothing was prepared"}}
+    assert len(dra.api.requests) == asked  # no path was built from it
+
+
 def test_a_device_prepared_for_one_claim_is_refused_for_another_unless_shared(dra: Deployment) -> None:
     kubelet = dra.ready()
     first = new_claim(dra, ["gpu-4"])
