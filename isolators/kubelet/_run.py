@@ -116,7 +116,8 @@ async def run_plugin(flags: Flags, options: PluginOptions,
                                               options.time_slicing_replicas)
                 facts = await read_node_facts(flags, components.inventory, components.volume)
                 spec = encode_spec(facts.spec(components.inventory, flags.dev_dir), "json")
-                repair = _pod_repair(options, catalog, facts, flags.dev_dir) if options.repair_pods else None
+                repair = (await sockets.run(_pod_repair, options, catalog, facts, flags.dev_dir)  # stats the mounts
+                          if options.repair_pods else None)
                 plugin = await KubeletPluginProcess.create(
                     catalog, components.allocator, facts, spec, spec_dir=spec_dir, dev_dir=flags.dev_dir,
                     pass_device_specs=options.pass_device_specs, credential=credential, repair=repair)
@@ -162,8 +163,13 @@ def _pod_repair(options: PluginOptions, catalog: DeviceCatalog, facts: NodeFacts
         hierarchies.append((v2, 2))
     roots = (options.kubepods_root.strip("/"),) if options.kubepods_root else DEFAULT_KUBEPODS_ROOTS
     host = KernelPodHost(hierarchies, roots, options.container_configs, dev_dir=dev_dir)
-    logger.info("Pod repair every %gs: PodResources at %s, pods' cgroups under %s in %s", options.repair_interval,
-                options.pod_resources_socket, " or ".join(roots),
-                ", ".join(f"{mount} (v{version})" for mount, version in hierarchies) or "no cgroup hierarchy")
+    if hierarchies:
+        logger.info("Pod repair every %gs: PodResources at %s, pods' cgroups under %s in %s",
+                    options.repair_interval, options.pod_resources_socket, " or ".join(roots),
+                    ", ".join(f"{mount} (v{version})" for mount, version in hierarchies))
+    else:
+        logger.warning("Pod repair finds no cgroup hierarchy to look in (neither a v1 devices hierarchy nor a"
+                       " cgroup2 mount under /sys/fs/cgroup): it will check and repair no pod; mount them in the"
+                       " plugin's container (/sys/fs/cgroup from the host)")
     return PodRepair(catalog, PodResourcesClient(options.pod_resources_socket), host,
                      control_devices=facts.control_devices, dev_dir=dev_dir, caps=facts.caps)
