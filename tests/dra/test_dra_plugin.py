@@ -21,13 +21,11 @@ from typing import Any, Iterator
 import pytest
 
 from actors.nvml import load_host_file
-from isolators.simulated_node import SimulatedNode
 
 from tests.support.dra_kubelet import DraPluginCommand, FakeDraKubelet
 from tests.support.kube_api import FakeApiServer, allocation_result
-from tests.support.kubelet import flag_args, plugin_directory
+from tests.support.kubelet import DGX8, flag_args, plugin_directory, plugin_node
 
-DGX8 = Path(__file__).resolve().parents[1] / "inventory" / "data" / "dgx8-nvlink.toml"
 UUIDS = [gpu.uuid for gpu in load_host_file(DGX8).gpus]
 DRIVER = "gpu.isolator.dev"
 NODE = "node-a"
@@ -63,9 +61,7 @@ class Deployment:
 @pytest.fixture(scope="module")
 def dra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     base = tmp_path_factory.mktemp("dra-plugin")
-    node = SimulatedNode(base / "node", host=DGX8).create_files()
-    cdi = base / "cdi"
-    cdi.mkdir()
+    node, cdi = plugin_node(base)
     api = FakeApiServer().start()
     stale = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": f"{NODE}-old"},
              "spec": {"driver": DRIVER, "nodeName": NODE, "pool": {"name": NODE, "generation": 4,

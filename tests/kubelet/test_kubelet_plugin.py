@@ -24,11 +24,9 @@ import grpc
 import pytest
 
 from actors.nvml import load_host_file
-from isolators.simulated_node import SimulatedNode
 
-from tests.support.kubelet import FakeKubelet, PluginCommand, flag_args, plugin_directory, write_credential
+from tests.support.kubelet import DGX8, FakeKubelet, PluginCommand, flag_args, plugin_directory, plugin_node, write_credential
 
-DGX8 = Path(__file__).resolve().parents[1] / "inventory" / "data" / "dgx8-nvlink.toml"
 UUIDS = [gpu.uuid for gpu in load_host_file(DGX8).gpus]
 GPU = "nvidia.com/gpu"
 SPEC_FILE = "gpu-isolator-node.json"
@@ -59,9 +57,7 @@ class Deployment:
 @pytest.fixture(scope="module")
 def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     base = tmp_path_factory.mktemp("kubelet-plugin")
-    node = SimulatedNode(base / "node", host=DGX8).create_files()
-    cdi = base / "cdi"
-    cdi.mkdir()
+    node, cdi = plugin_node(base)
     token = None
     extra = []
     if os.geteuid() == 0:  # the credential must be root's (R-SC-6)

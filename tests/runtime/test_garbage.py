@@ -34,25 +34,22 @@ import pytest
 
 from runtime import PID, Process, Promise, Runtime, collect, dispatch, send, spawn, terminate, wait
 
+from tests.support.processes import LogProcess
+
 pytestmark = pytest.mark.anyio
 
 BATCH = 1000
 BOUND = 10.0  # seconds the cancelled methods' tasks may take to unwind
 
 
-class Worker(Process):
-    def __init__(self) -> None:
-        super().__init__()
-        self.told = 0
+class Worker(LogProcess):
+    """Logs what it records and the bodies of the ``tell`` messages it gets."""
 
     def initialize(self) -> None:
-        self.install("tell", Worker.tell)
+        self.install("tell", Worker.told)
 
-    def tell(self, _from: PID | None, _body: Any) -> None:
-        self.told += 1
-
-    def echo(self, value: Any) -> Any:
-        return value
+    def told(self, _from: PID | None, body: Any) -> None:
+        self.log.append(body)
 
     async def parked(self, future: Any) -> Any:  # awaits a runtime Future: parked, then resumed
         return await future
@@ -117,7 +114,7 @@ async def batch(k: int = BATCH) -> list[weakref.ref]:
     refs = [weakref.ref(w) for w in workers]
     pids = [spawn(w) for w in workers]
     del workers
-    assert await collect([dispatch(pid, Worker.echo, i) for i, pid in enumerate(pids)]) == list(range(k))
+    assert await collect([dispatch(pid, Worker.record, i) for i, pid in enumerate(pids)]) == list(range(k))
     for pid in pids:
         terminate(pid)
     await collect([wait(pid) for pid in pids])
@@ -164,9 +161,9 @@ async def mixed() -> list[weakref.ref]:
     assert await collect(resumed) == [1] * len(pids)
     assert await collect(tasks) == ["slept"] * len(pids)
     stuck = [dispatch(pid, Worker.parked, Promise().future) for pid in pids]  # never completed
-    await collect([dispatch(pid, Worker.echo, 0) for pid in pids])  # so each is parked now
+    await collect([dispatch(pid, Worker.record, 0) for pid in pids])  # so each is parked now
     for pid in pids:
-        dispatch(pid, Worker.echo, 1)  # still queued at termination
+        dispatch(pid, Worker.record, 1)  # still queued at termination
         send(pid, "tell", 9)
     for pid in pids:
         terminate(pid)
@@ -222,7 +219,7 @@ async def test_a_weak_reference_to_a_terminated_process_is_dead_right_after_wait
         ref = weakref.ref(worker)
         pid = spawn(worker)
         del worker
-        assert await dispatch(pid, Worker.echo, "x") == "x"
+        assert await dispatch(pid, Worker.record, "x") == "x"
         assert ref() is not None  # alive while it runs
         terminate(pid)
         await wait(pid)

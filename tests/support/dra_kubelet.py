@@ -142,23 +142,22 @@ class FakeDraKubelet(MessageRecord):
         assert self._channel is not None, "register() first"
         return DRA_VERSIONS[version][1].DRAPluginStub(self._channel)
 
+    def _call(self, method: str, claims: list[tuple[str, str, str]], version: str, timeout: float) -> Any:
+        """``method`` (NodePrepareResources or NodeUnprepareResources) for ``claims``, both ways recorded."""
+        pb = DRA_VERSIONS[version][0]
+        request = getattr(pb, f"{method}Request")(
+            claims=[pb.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims])
+        self.record(KUBELET_TO_PLUGIN, f"{method} ({version})", request)
+        response = getattr(self._stub(version), method)(request, timeout=timeout)
+        self.record(PLUGIN_TO_KUBELET, f"{method} ({version})", response)
+        return response
+
     def prepare(self, claims: list[tuple[str, str, str]], version: str = "v1.DRAPlugin",
                 timeout: float = 60.0) -> dict[str, dict]:
-        pb = DRA_VERSIONS[version][0]
-        request = pb.NodePrepareResourcesRequest(
-            claims=[pb.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims])
-        self.record(KUBELET_TO_PLUGIN, f"NodePrepareResources ({version})", request)
-        response = self._stub(version).NodePrepareResources(request, timeout=timeout)
-        self.record(PLUGIN_TO_KUBELET, f"NodePrepareResources ({version})", response)
-        return _as_dict(response).get("claims", {})
+        return _as_dict(self._call("NodePrepareResources", claims, version, timeout)).get("claims", {})
 
     def unprepare(self, claims: list[tuple[str, str, str]], version: str = "v1.DRAPlugin") -> dict[str, dict]:
-        pb = DRA_VERSIONS[version][0]
-        request = pb.NodeUnprepareResourcesRequest(
-            claims=[pb.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims])
-        self.record(KUBELET_TO_PLUGIN, f"NodeUnprepareResources ({version})", request)
-        response = self._stub(version).NodeUnprepareResources(request, timeout=WAIT)
-        self.record(PLUGIN_TO_KUBELET, f"NodeUnprepareResources ({version})", response)
+        response = self._call("NodeUnprepareResources", claims, version, WAIT)
         return {uid: _as_dict(answer) for uid, answer in response.claims.items()}
 
     # -- health ----------------------------------------------------------------------------

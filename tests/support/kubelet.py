@@ -31,6 +31,9 @@ Rules:
   ``restart()`` is a kubelet restart: the server stops, the streams end,
   every socket in the directory is deleted, ``kubelet.sock`` is created
   anew.
+- ``plugin_node(directory)``: the 8-GPU NVLink node (``DGX8``) simulated
+  under ``directory/node`` and an empty CDI spec dir ``directory/cdi``, as
+  both plugins' command tests start them.
 - ``flag_args(values)``: a node's flag values (``SimulatedNode.flag_values``)
   as ``--name=value`` options; ``plugin_directory()`` a short directory for
   the sockets (a unix socket path holds 107 bytes; pytest's are long),
@@ -73,6 +76,19 @@ from isolators.kubelet._api import pb, rpc
 from isolators.kubelet._names import KUBELET_SOCKET, VERSION, unix_target
 
 from .services import ROOT, read_line
+
+DGX8 = ROOT / "tests" / "inventory" / "data" / "dgx8-nvlink.toml"
+"""The 8-GPU node (two NVLink islands of four) the plugins' command tests simulate."""
+
+
+def plugin_node(directory: Path) -> tuple[Any, Path]:
+    """The simulated ``DGX8`` node's files under ``directory/node`` and an empty ``directory/cdi`` (see rules)."""
+    from isolators.simulated_node import SimulatedNode
+
+    node = SimulatedNode(directory / "node", host=DGX8).create_files()
+    cdi = directory / "cdi"
+    cdi.mkdir()
+    return node, cdi
 
 PLUGIN_TO_KUBELET = "plugin->kubelet"
 KUBELET_TO_PLUGIN = "kubelet->plugin"
