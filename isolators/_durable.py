@@ -9,13 +9,16 @@ Rules:
   and the errors are the caller's: the CDI spec files, the service's
   records and the DRA driver's checkpoint each have rules of their own
   there.
+- ``discard(path)`` removes a temporary file that will not be renamed
+  into place (a failed write), as well as it can: a removal that fails
+  leaves a temporary each writer's loader passes over.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["write_all"]
+__all__ = ["write_all", "discard"]
 
 
 def write_all(fd: int, data: bytes, mode: int | None = None) -> None:
@@ -27,3 +30,11 @@ def write_all(fd: int, data: bytes, mode: int | None = None) -> None:
     if mode is not None:
         os.fchmod(fd, mode)
     os.fsync(fd)
+
+
+def discard(path: str) -> None:
+    """Remove the temporary ``path`` if it can be (see the module rules)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -34,7 +34,7 @@ from typing import Iterable
 
 from runtime import Failure
 
-from .._durable import write_all
+from .._durable import discard, write_all
 
 __all__ = [
     "CdiWriteError", "write_spec_file", "remove_spec_file", "list_spec_files", "apply_spec_changes",
@@ -97,10 +97,7 @@ def write_spec_file(directory: str, name: str, data: bytes) -> str:
             os.close(fd)
         os.rename(temporary, path)
     except OSError as error:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
+        discard(temporary)
         raise CdiWriteError(f"Failed to write CDI spec '{path}': {_reason(directory, error)}") from error
     try:
         _fsync_directory(directory)

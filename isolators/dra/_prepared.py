@@ -32,7 +32,7 @@ import msgspec
 
 from runtime import Failure
 
-from .._durable import write_all
+from .._durable import discard, write_all
 from ._claims import ClaimPlan, ClaimRef, PlannedDevice
 
 __all__ = ["PreparedClaim", "PreparedDevice", "PreparedClaims", "CheckpointError", "read_checkpoint",
@@ -137,10 +137,7 @@ def write_checkpoint(path: str, data: bytes) -> None:
             os.close(fd)
         os.rename(temporary, path)
     except OSError as error:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
+        discard(temporary)
         raise CheckpointError(f"Cannot write the prepared-claims checkpoint {path}: {error.strerror}; check that"
                               f" {directory} (under --work_dir) is writable by the plugin and has space") from error
     try:  # the rename landed: the checkpoint is the new one; the entry's durability is best effort

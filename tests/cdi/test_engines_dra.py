@@ -12,12 +12,11 @@ from pathlib import Path
 
 from actors.nvml import load_host_file
 from tests.support.dra_kubelet import DraPluginCommand, FakeDraKubelet
-from tests.support.engines import parse_probe
 from tests.support.host_facts import own_facts
 from tests.support.kube_api import FakeApiServer, allocation_result
 from tests.support.kubelet import plugin_directory
 
-from .test_engines_static_spec import PCIE, assert_sees_exactly, probe_args
+from .test_engines_static_spec import PCIE, assert_sees_exactly, probed_with
 
 DRIVER = "gpu.isolator.dev"
 
@@ -43,10 +42,7 @@ def test_podman_shows_a_prepared_two_gpu_claim_exactly_its_gpus(podman, gpu_dev,
             answer = kubelet.prepare([("team", "two-gpus", uid)])[uid]
             ids = [i for device in answer["devices"] for i in device["cdi_device_ids"]]
             assert ids == [f"{DRIVER}/claim={uid}-gpu-1", f"{DRIVER}/claim={uid}-gpu-3"]
-            result = podman.run(podman.image, probe_args(), devices=ids, volumes=[f"{gpu_dev}:/host-dev:dev"],
-                                cdi_dir=str(cdi))
-            assert result.returncode == 0, result.stderr
-            report = parse_probe(result.stdout)
+            report = probed_with(podman, ids, gpu_dev, cdi)
             assert_sees_exactly(report, [1, 3])
             gpus = load_host_file(PCIE).gpus
             assert report.env["NVIDIA_VISIBLE_DEVICES"] == f"{gpus[1].uuid},{gpus[3].uuid}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from actors import Gpu
@@ -34,6 +35,15 @@ HOST_PATHS = [f"/host-dev/nvidia{i}" for i in range(4)]
 
 def probe_args(*extra: str) -> list[str]:
     return ["/bin/sh", "/bin/probe", *GPU_PATHS, *CONTROL_PATHS, *HOST_PATHS, *extra]
+
+
+def probed_with(podman, devices: list[str], gpu_dev, cdi_dir) -> Any:
+    """The probe's report from a podman container given ``devices`` (CDI names) from ``cdi_dir``, the host's
+    fake GPU nodes mounted at /host-dev."""
+    result = podman.run(podman.image, probe_args(), devices=devices, volumes=[f"{gpu_dev}:/host-dev:dev"],
+                        cdi_dir=str(cdi_dir))
+    assert result.returncode == 0, result.stderr
+    return parse_probe(result.stdout)
 
 
 def assert_sees_exactly(report, minors: list[int]) -> None:
@@ -136,10 +146,7 @@ def test_podman_injects_what_the_kubelet_plugin_allocates(podman, gpu_dev, tmp_p
             plugin.close()
     names = [device.name for device in answer.cdi_devices]
     assert names == [f"nvidia.com/gpu={uuids[1]}", f"nvidia.com/gpu={uuids[3]}"]
-    result = podman.run(podman.image, probe_args(), devices=names, volumes=[f"{gpu_dev}:/host-dev:dev"],
-                        cdi_dir=str(cdi_dir))
-    assert result.returncode == 0, result.stderr
-    report = parse_probe(result.stdout)
+    report = probed_with(podman, names, gpu_dev, cdi_dir)
     assert_sees_exactly(report, [1, 3])
     assert "ro" in report.mounts["/usr/local/nvidia"]
     assert os.listdir(cdi_dir) == ["gpu-isolator-node.json"]
