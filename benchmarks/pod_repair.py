@@ -126,7 +126,8 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=20)
     parser.add_argument("--rest-seconds", type=float, default=30.0)
     args = parser.parse_args()
-    logging.getLogger("isolators.kubernetes.pod_repair").setLevel(logging.ERROR)  # 100 repair lines a pass are not the figure
+    # 100 repair lines a pass are not the figure
+    logging.getLogger("isolators.kubernetes.pod_repair").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="k8s-bench-", dir="/tmp") as directory:
         load_before = load_average()
         figures = anyio.run(_passes, args.containers, args.passes, os.path.join(directory, "bench.sock"))
