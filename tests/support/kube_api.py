@@ -10,7 +10,9 @@ Rules:
   ``PUT`` / ``DELETE`` one). Objects get ``metadata.uid``,
   ``resourceVersion`` (one counter) and ``creationTimestamp``; a ``PUT``
   whose ``resourceVersion`` is not the stored one is ``409 Conflict``; an
-  unknown object ``404 NotFound``, in the API's ``Status`` form.
+  unknown object ``404 NotFound``, in the API's ``Status`` form. A
+  ResourceSlice whose ``metadata.name`` is not a DNS subdomain of at most
+  253 characters is ``422 Invalid`` with the API server's wording.
 - The test sets the cluster's facts directly: ``add_claim(...)`` stores a
   ResourceClaim (with its ``status.allocation`` results), ``remove_claim``
   deletes one; ``slices(node)`` returns the stored slices.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import re
 import socket
 import threading
 import time
@@ -42,12 +45,23 @@ from urllib.parse import parse_qs, urlsplit
 from .kubelet import Waitable
 
 GROUP = "/apis/resource.k8s.io/v1"
+_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_SUBDOMAIN = re.compile(rf"{_LABEL}(\.{_LABEL})*")
 WAIT = 20.0
 
 
 def _status(code: int, reason: str, message: str) -> dict:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
             "reason": reason, "code": code}
+
+
+def opaque_config(driver: str, parameters: dict, *, requests: list[str] | None = None,
+                  source: str = "FromClaim") -> dict:
+    """One ``status.allocation.devices.config[]`` entry with opaque parameters for ``driver``."""
+    entry: dict[str, Any] = {"source": source, "opaque": {"driver": driver, "parameters": parameters}}
+    if requests is not None:
+        entry["requests"] = requests
+    return entry
 
 
 def allocation_result(request: str, driver: str, pool: str, device: str, *, admin_access: bool | None = None,
@@ -124,8 +138,9 @@ class FakeApiServer(Waitable):
         return meta
 
     def add_claim(self, namespace: str, name: str, results: list[dict] | None, *, uid: str | None = None,
-                  reserved_for: list[dict] | None = None) -> dict:
-        """Store a ResourceClaim (``results`` None: not allocated); the stored document."""
+                  reserved_for: list[dict] | None = None, config: list[dict] | None = None) -> dict:
+        """Store a ResourceClaim (``results`` None: not allocated; ``config``: the allocation's
+        ``devices.config`` entries); the stored document."""
         claim: dict[str, Any] = {
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": self._meta(name, namespace, uid),
             "spec": {"devices": {"requests": [
@@ -133,7 +148,10 @@ class FakeApiServer(Waitable):
                 for request in sorted({r["request"] for r in results or []}) or ["gpus"]]}},
         }
         if results is not None:
-            claim["status"] = {"allocation": {"devices": {"results": results}},
+            devices: dict[str, Any] = {"results": results}
+            if config:
+                devices["config"] = config
+            claim["status"] = {"allocation": {"devices": devices},
                                "reservedFor": reserved_for or [{"resource": "pods", "name": f"{name}-pod",
                                                                 "uid": str(uuid.uuid4())}]}
         with self._changed:
@@ -204,6 +222,9 @@ class FakeApiServer(Waitable):
                     items = [s for s in items if s["metadata"].get("labels", {}).get(key) == value]
             return 200, {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSliceList",
                          "metadata": {"resourceVersion": str(next(self._versions))}, "items": items}
+        invalid = _invalid_name(body) if method in ("POST", "PUT") and body is not None else None
+        if invalid is not None:
+            return 422, invalid
         if name is None and method == "POST" and body is not None:
             new = body["metadata"]["name"]
             if new in self.resource_slices:
@@ -230,6 +251,19 @@ class FakeApiServer(Waitable):
             del self.resource_slices[name]
             return 200, stored
         return 405, _status(405, "MethodNotAllowed", f"{method} on resourceslices")
+
+
+def _invalid_name(body: dict) -> dict | None:
+    """The API server's 422 for a ResourceSlice name that is no DNS subdomain of at most 253 characters."""
+    name = body.get("metadata", {}).get("name", "")
+    if len(name) > 253:
+        why = "must be no more than 253 characters"
+    elif not _SUBDOMAIN.fullmatch(name):
+        why = "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'"
+    else:
+        return None
+    return _status(422, "Invalid", f'ResourceSlice.resource.k8s.io "{name}" is invalid: metadata.name: Invalid value:'
+                                   f' "{name}": {why}')
 
 
 def _summary(method: str, code: int, body: dict | None, answer: dict) -> str:

@@ -2,9 +2,14 @@
 
 Rules (SPEC section 21):
 - One pool per node, named by the node, in one ResourceSlice named
-  ``<node>-<driver>`` (``resourceSliceCount`` 1) with ``nodeName`` the node
+  ``<node>-<driver>`` (``slice_name``; ``resourceSliceCount`` 1) with ``nodeName`` the node
   and one device per ``DraCatalog`` device: its attributes and capacity
   ``memory``. ``render_slice`` is pure: the same inputs give an equal object.
+- A slice name is a DNS subdomain of at most 253 characters, for any node
+  name (itself a DNS subdomain of up to 253): when ``<node>-<driver>`` is
+  longer, the name is its first characters, ``-`` and 16 hex digits of
+  the SHA-256 of node and driver (stable across restarts, different for
+  two nodes that share the kept prefix).
 - An unhealthy device keeps its place and carries one taint
   ``<driver>/unhealthy`` (effect ``NoSchedule``: no new claim gets it; the
   value is the reason as a label value), the v1 API's way (the
@@ -26,6 +31,7 @@ Rules (SPEC section 21):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections.abc import Mapping
@@ -43,6 +49,8 @@ __all__ = ["SlicePublisher", "SlicePublishError", "keep_published", "render_slic
 logger = logging.getLogger(__name__)
 
 TAINT_EFFECT = "NoSchedule"
+MAX_NAME = 253
+"""The longest object name the API server takes (a DNS subdomain)."""
 
 
 class SlicePublishError(Failure):
@@ -50,7 +58,12 @@ class SlicePublishError(Failure):
 
 
 def slice_name(node: str, driver: str) -> str:
-    return f"{node}-{driver}"
+    """``<node>-<driver>``, shortened with a digest when longer than ``MAX_NAME`` (see module rules)."""
+    name = f"{node}-{driver}"
+    if len(name) <= MAX_NAME:
+        return name
+    digest = hashlib.sha256(f"{node}\0{driver}".encode()).hexdigest()[:16]
+    return f"{name[:MAX_NAME - len(digest) - 1].rstrip('.-')}-{digest}"
 
 
 def taint_key(driver: str) -> str:

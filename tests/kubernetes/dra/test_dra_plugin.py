@@ -23,7 +23,7 @@ import pytest
 from actors.nvml import load_host_file
 
 from tests.support.dra_kubelet import DraPluginCommand, FakeDraKubelet
-from tests.support.kube_api import FakeApiServer, allocation_result
+from tests.support.kube_api import FakeApiServer, allocation_result, opaque_config
 from tests.support.kubelet import DGX8, flag_args, plugin_directory, plugin_node
 
 UUIDS = [gpu.uuid for gpu in load_host_file(DGX8).gpus]
@@ -165,7 +165,8 @@ def test_a_two_gpu_claim_is_prepared_with_a_cdi_spec_named_by_its_uid(dra: Deplo
     assert len(dra.api.requests) == asked
 
 
-@pytest.mark.parametrize("case", ["unknown", "uid", "unallocated", "other-node", "unknown-device", "other-driver"])
+@pytest.mark.parametrize("case", ["unknown", "uid", "unallocated", "other-node", "unknown-device", "other-driver",
+                                  "opaque-config"])
 def test_a_claim_that_cannot_be_prepared_is_refused_by_itself_naming_why(dra: Deployment, case: str) -> None:
     kubelet = dra.ready()
     good = new_claim(dra, ["gpu-7"])
@@ -181,6 +182,11 @@ def test_a_claim_that_cannot_be_prepared_is_refused_by_itself_naming_why(dra: De
         dra.api.add_claim("team", name, [allocation_result("gpus", DRIVER, NODE, "gpu-9")], uid=uid)
     elif case == "other-driver":
         dra.api.add_claim("team", name, [allocation_result("nic", "nic.example.com", NODE, "eth0")], uid=uid)
+    elif case == "opaque-config":  # R-DR-5: a setting this driver does not understand is never dropped silently
+        dra.api.add_claim("team", name, [allocation_result("gpus", DRIVER, NODE, "gpu-6")], uid=uid, config=[
+            opaque_config("nic.example.com", {"mtu": 9000}),  # another driver's: not ours to judge
+            opaque_config(DRIVER, {"apiVersion": "gpu.isolator.dev/v1", "kind": "GpuConfig", "sharing": "mps"},
+                          requests=["gpus"])])
     before = dra.specs()
     answer = kubelet.prepare([("team", name, uid), good])
     claim = f"claim team/{name} (uid {uid}): "
@@ -194,6 +200,9 @@ def test_a_claim_that_cannot_be_prepared_is_refused_by_itself_naming_why(dra: De
         "unknown-device": f"device gpu-9 is not one driver {DRIVER} publishes on node {NODE} (gpu-0, gpu-1, gpu-2,"
                           " ...)",
         "other-driver": f"none of its devices is driver {DRIVER}'s (allocated from: nic.example.com)",
+        "opaque-config": f"it holds opaque device configuration for driver {DRIVER}, which takes none and does not"
+                         ' understand it: FromClaim for gpus: {"apiVersion":"gpu.isolator.dev/v1","kind":"GpuConfig",'
+                         '"sharing":"mps"}. Remove it from the claim or its DeviceClass',
     }[case]
     assert answer[uid] == {"error": f"{claim}{why}; nothing was prepared"}
     assert answer[good[2]]["devices"][0]["device_name"] == "gpu-7"  # the other claim of the call is prepared

@@ -178,3 +178,20 @@ def test_a_commit_whose_checkpoint_landed_is_done_even_when_a_gone_claims_spec_c
     [message] = [r.getMessage() for r in caplog.records]
     assert message.startswith(f"Unprepared claims' CDI specs not all removed (Failed to remove CDI spec"
                               f" '{specs / stuck}': ") and message.endswith("); the next start removes them")
+
+
+def test_slice_names_are_dns_subdomains_of_at_most_253_characters_for_any_node() -> None:
+    import re
+
+    from isolators.kubernetes.dra import slice_name
+
+    subdomain = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+    assert slice_name("n1", "gpu.isolator.dev") == "n1-gpu.isolator.dev"  # the usual name, unchanged
+    long_a = ".".join(["a" * 63] * 3) + "." + "x" * 61
+    long_b = long_a[:-1] + "y"
+    for node in (long_a, long_b, "a" * 236 + "." + "b" * 16, "a" * 235 + "-b"):
+        name = slice_name(node, "gpu.isolator.dev")
+        assert len(name) <= 253 and subdomain.fullmatch(name), name
+        assert name == slice_name(node, "gpu.isolator.dev")  # stable across restarts
+    assert slice_name(long_a, "gpu.isolator.dev") != slice_name(long_b, "gpu.isolator.dev")
+    assert slice_name(long_a, "gpu.isolator.dev") != slice_name(long_a, "gpu2.isolator.dev")
