@@ -154,7 +154,7 @@ def test_a_two_gpu_claim_is_prepared_with_a_cdi_spec_named_by_its_uid(dra: Deplo
     assert [(d["name"], [n["path"] for n in d["containerEdits"]["deviceNodes"]]) for d in spec["devices"]] == [
         (f"{uid}-gpu-0", ["/dev/nvidia0"]), (f"{uid}-gpu-1", ["/dev/nvidia1"])]
     shared = spec["containerEdits"]
-    assert f"NVIDIA_VISIBLE_DEVICES={UUIDS[0]},{UUIDS[1]}" in shared["env"]
+    assert "NVIDIA_VISIBLE_DEVICES=void" in shared["env"]  # R-DR-3: the devices come from CDI, none by list
     assert {n["path"] for n in shared["deviceNodes"]} >= {"/dev/nvidiactl", "/dev/nvidia-uvm"}
     assert [m["containerPath"] for m in shared["mounts"]] == ["/usr/local/nvidia"]  # the driver volume
     assert uid in dra.prepared_uids()

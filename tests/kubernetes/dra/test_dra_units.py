@@ -154,8 +154,7 @@ def test_a_mig_claims_spec_holds_its_parent_and_its_two_capability_nodes() -> No
     assert [(d["name"], [n["path"] for n in d["containerEdits"]["deviceNodes"]]) for d in spec["devices"]] == [
         ("u-1-mig-0-3-0", ["/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap30", "/dev/nvidia-caps/nvidia-cap31"]),
         ("u-1-gpu-1", ["/dev/nvidia1"])]
-    assert spec["containerEdits"]["env"] == [
-        "NVIDIA_VISIBLE_DEVICES=" + ",".join(published.uuids[unit] for _, unit in sorted(units, key=lambda u: u[1]))]
+    assert spec["containerEdits"]["env"] == ["NVIDIA_VISIBLE_DEVICES=void"]  # R-DR-3: no claim-wide list
 
 
 def test_a_commit_whose_checkpoint_landed_is_done_even_when_a_gone_claims_spec_cannot_be_removed(
