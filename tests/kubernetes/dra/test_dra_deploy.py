@@ -40,7 +40,7 @@ def test_rbac_grants_what_the_driver_asks_of_the_api_server() -> None:
     account, role, binding = load("rbac.yaml")
     verbs = {resource: set(rule.verbs) for rule in role.rules for resource in rule.resources
              if rule.apiGroups == ["resource.k8s.io"]}
-    assert verbs["resourceslices"] >= {"list", "create", "update", "delete"}  # SlicePublisher's requests
+    assert verbs["resourceslices"] >= {"list", "watch", "create", "update", "delete"}  # SlicePublisher's requests
     assert verbs["resourceclaims"] == {"get"}  # DraPluginProcess reads claims, nothing more
     assert (binding.roleRef.name, binding.subjects[0].name) == (role.metadata.name, account.metadata.name)
 

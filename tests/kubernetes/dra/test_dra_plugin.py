@@ -93,6 +93,11 @@ def new_claim(dra: Deployment, devices: list[str], *, name: str | None = None, p
     return ("team", name, uid)
 
 
+def claim_requests(dra: Deployment) -> int:
+    """How many ResourceClaim requests the API server was sent (the slice's watch and lists aside)."""
+    return sum(1 for request in dra.api.requests if "/resourceclaims" in request[2])
+
+
 def test_it_registers_with_the_plugin_watcher_serving_both_dra_versions(dra: Deployment) -> None:
     info = dra.ready().register()  # a second registration (a kubelet restart) is answered alike
     endpoint = f"{dra.sockets}/plugins/{DRIVER}/dra.sock"
@@ -159,10 +164,10 @@ def test_a_two_gpu_claim_is_prepared_with_a_cdi_spec_named_by_its_uid(dra: Deplo
     assert [m["containerPath"] for m in shared["mounts"]] == ["/usr/local/nvidia"]  # the driver volume
     assert uid in dra.prepared_uids()
     # Idempotent, in both wire versions, and without asking the API server again.
-    asked = len(dra.api.requests)
+    asked = claim_requests(dra)
     assert kubelet.prepare([ref], "v1beta1.DRAPlugin") == answer
     assert kubelet.prepare([ref]) == answer
-    assert len(dra.api.requests) == asked
+    assert claim_requests(dra) == asked
 
 
 @pytest.mark.parametrize("case", ["unknown", "uid", "unallocated", "other-node", "unknown-device", "other-driver",
@@ -220,10 +225,10 @@ def test_a_reference_that_is_no_kubernetes_name_is_refused_before_any_request(
         dra: Deployment, namespace: str, name: str, why: str) -> None:
     kubelet = dra.ready()
     uid = str(uuid.uuid4())
-    asked = len(dra.api.requests)
+    asked = claim_requests(dra)
     answer = kubelet.prepare([(namespace, name, uid)])
     assert answer == {uid: {"error": f"claim uid {uid}: {why}; nothing was prepared"}}
-    assert len(dra.api.requests) == asked  # no path was built from it
+    assert claim_requests(dra) == asked  # no path was built from it
 
 
 def test_a_device_prepared_for_one_claim_is_refused_for_another_unless_shared(dra: Deployment) -> None:
@@ -321,6 +326,43 @@ def test_a_slow_api_server_fails_that_claim_and_nothing_else(dra: Deployment) ->
                                         " nothing was prepared"}}
     assert "devices" in kubelet.prepare([ref])[ref[2]]  # answered once the server is quick again
     kubelet.unprepare([ref])
+
+
+def test_the_slice_follows_the_api_server_without_a_driver_restart(dra: Deployment) -> None:
+    """R-DR-1: a kubelet restart deletes every slice of its node; an admin edits or deletes the slice; a
+    slice of this node and driver appears. Each time the API server holds the driver's slice again, within
+    one pass (its watch), and the driver process is the one that started."""
+    kubelet = dra.ready()
+    pid = dra.plugin.pid
+    [before] = dra.api.wait_for(lambda api: api.slices(NODE), "the slice")
+    devices = before["spec"]["devices"]
+
+    def slice_with(what: str, predicate: Any) -> dict:
+        return dra.api.wait_for(lambda api: [s for s in api.slices(NODE) if predicate(s)], what)[0]
+
+    assert kubelet.restart(dra.api, NODE)["name"] == DRIVER
+    back = slice_with("the slice back after a kubelet restart", lambda s: s["metadata"]["name"] == SLICE)
+    assert back["spec"]["devices"] == devices
+    assert back["spec"]["pool"]["generation"] > before["spec"]["pool"]["generation"]
+    dra.plugin.wait_log(f"ResourceSlice {SLICE} published again: it was gone from the API server (a kubelet"
+                        " restart deletes its node's slices)")
+    edited = json.loads(json.dumps(back))
+    edited["spec"]["devices"] = devices[:2]  # someone else's edit
+    assert dra.api.handle("PUT", f"/apis/resource.k8s.io/v1/resourceslices/{SLICE}", {}, edited)[0] == 200
+    again = slice_with("the edit undone", lambda s: len(s["spec"]["devices"]) == 8)
+    assert again["spec"]["devices"] == devices
+    assert again["spec"]["pool"]["generation"] > back["spec"]["pool"]["generation"]
+    foreign = json.loads(json.dumps(again))
+    foreign["metadata"] = {"name": f"{NODE}-someone-else"}
+    dra.api.handle("POST", "/apis/resource.k8s.io/v1/resourceslices", {}, foreign)
+    dra.api.wait_for(lambda api: [s["metadata"]["name"] for s in api.slices(NODE)] == [SLICE],
+                     "the other slice of this node and driver deleted")
+    dra.api.handle("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{SLICE}", {}, None)  # an admin's delete
+    slice_with("the slice back after a delete", lambda s: s["metadata"]["name"] == SLICE)
+    assert dra.plugin.pid == pid and dra.plugin.process.poll() is None  # never restarted
+    written = len(dra.api.events)
+    kubelet.register()  # nothing changed: the driver writes nothing
+    assert [kind for _, kind, _ in dra.api.events[written:]] == []
 
 
 def test_a_restarted_driver_republishes_at_once_and_keeps_its_claims_even_with_the_api_server_down(
