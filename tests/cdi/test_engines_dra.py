@@ -45,8 +45,9 @@ def test_podman_shows_a_prepared_two_gpu_claim_exactly_its_gpus(podman, gpu_dev,
             answer = kubelet.prepare([("team", "two-gpus", uid)])[uid]
             ids = [i for device in answer["devices"] for i in device["cdi_device_ids"]]
             assert ids == [f"{DRIVER}/claim={uid}-gpu-1", f"{DRIVER}/claim={uid}-gpu-3"]
-            report = probed_with(podman, ids, gpu_dev, cdi)  # a container given the whole claim
+            report = probed_with(podman, ids, gpu_dev, cdi, env={"PATH": "/opt/conda/bin:/bin"})  # the whole claim
             assert_sees_exactly(report, [1, 3])
+            assert report.env["PATH"] == "/opt/conda/bin:/bin" and "LD_LIBRARY_PATH" not in report.env  # R-DR-2
             assert report.env["NVIDIA_VISIBLE_DEVICES"] == "void"
             assert "ro" in report.mounts["/usr/local/nvidia"]
             gpus = load_host_file(PCIE).gpus

@@ -60,6 +60,9 @@ def test_the_daemonset_runs_the_command_with_its_options_and_mounts_its_paths() 
     for path in (args.plugins_registry_dir, args.plugins_dir, *extra.values()):
         assert path in mounted, path
     assert pod.serviceAccountName == "gpu-isolator-dra-plugin"
+    hook = next(option.split("=", 1)[1] for option in options if option.startswith("--cdi_hook="))
+    assert f'HOOK_FILE)\')" {hook} &&' in script  # the pod installs the hook file ...
+    assert hook.rsplit("/", 1)[0] in mounted  # ... on a host path: the runtime runs it on the host
 
 
 def test_the_claim_template_asks_two_gpus_on_one_nvlink_island_of_this_driver() -> None:

@@ -143,12 +143,12 @@ def test_a_mig_claims_spec_holds_its_parent_and_its_two_capability_nodes() -> No
     import msgspec
 
     from actors.mig import read_mig_capabilities
-    from isolators.cdi import NodeFacts
+    from isolators.cdi import DriverInjection, NodeFacts
     from isolators.kubernetes.dra import render_claim_spec
 
     published = catalog("h200-mig.toml", nvidia_mig_strategy="mixed")
     proc = Path(__file__).resolve().parents[3] / "examples" / "h200-mig-proc"
-    facts = NodeFacts(control_devices={}, volume=None, volume_env={}, caps=read_mig_capabilities(str(proc)))
+    facts = NodeFacts(control_devices={}, volume=None, injection=DriverInjection(program=("/hook",)), caps=read_mig_capabilities(str(proc)))
     units = [(name, published.by_name[name].unit) for name in ("mig-0-3-0", "gpu-1")]
     spec = msgspec.json.decode(render_claim_spec("gpu.isolator.dev", "u-1", units, published.uuids, facts, "/dev"))
     assert [(d["name"], [n["path"] for n in d["containerEdits"]["deviceNodes"]]) for d in spec["devices"]] == [
