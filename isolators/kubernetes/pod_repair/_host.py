@@ -27,7 +27,10 @@ Rules:
   is written (a program replaced in place is one systemd can no longer
   detach: every reload would leave one more) and what is still refused is
   an ``AccessError`` naming it. Without systemd the kernel is written
-  directly (``give_access``, which reads the kernel again after).
+  directly (``give_access``, which reads the kernel again after), with the
+  ids of the replacements it attached to that cgroup kept while the
+  cgroup is seen, so one superseded by a reload is detached (no pile-up
+  where systemd manages the scope but cannot be reached).
 - ``link_nodes(nodes)`` is ``ensure_char_links`` under ``dev_dir``;
   ``records_looked_in()`` names the config templates, for a failure's
   reason.
@@ -63,6 +66,8 @@ class KernelPodHost:
         self.dev_dir = dev_dir
         self.proc_dir = proc_dir
         self.settle_s = settle_s
+        self._installed: dict[str, set[int]] = {}
+        """cgroup directory -> ids of the programs ``give_access`` attached there (replacements of ours)."""
         self._identities: dict[str, PodIdentity | None] = {}
 
     def survey(self) -> list[ObservedContainer]:
@@ -71,6 +76,8 @@ class KernelPodHost:
             for cgroup in scan_kubepods(mount, version, self.roots):
                 cgroups.setdefault(cgroup.container_id, []).append(cgroup)
         known = self._identities
+        present = {cgroup.directory for found in cgroups.values() for cgroup in found}
+        self._installed = {directory: ids for directory, ids in self._installed.items() if directory in present}
         self._identities = {cid: known.get(cid) or self._identity(cid) for cid in cgroups}
         return [ObservedContainer(container_id=cid, pod_uid=found[0].pod_uid, cgroups=tuple(found),
                                   identity=self._identities[cid])
@@ -118,7 +125,8 @@ class KernelPodHost:
                         f"after systemd took DeviceAllow= the kernel still refuses {', '.join(map(str, refused))} on"
                         f" {cgroup.directory} within {self.settle_s:g} s; its programs were left as they are (systemd"
                         " manages the scope: a program replaced in place is one it cannot detach)")
-                done += [f"{cgroup.path}: {line}" for line in give_access(cgroup, refused)]
+                installed = self._installed.setdefault(cgroup.directory, set())
+                done += [f"{cgroup.path}: {line}" for line in give_access(cgroup, refused, installed)]
         except DeviceControlError as error:
             raise AccessError(f"{error}; what was written before it stays (each write only adds the container's"
                               " own devices)") from error

@@ -140,9 +140,9 @@ class SystemdScopes:
         return logging.WARNING, (
             f"Pod repair cannot use systemd although it runs on this node: {reason}. So no scope gets its GPUs in"
             " DeviceAllow= before a daemon-reload: pods lose their GPUs at each reload until the next pass (every"
-            " --repair_interval seconds) writes the kernel directly, and on cgroup v2 each such repair replaces"
-            " systemd's device program in place. Mount the host's /run/dbus (the system bus socket) in the plugin's"
-            " container to have the durable repair")
+            " --repair_interval seconds) writes the kernel directly (on cgroup v2 it replaces systemd's device"
+            " program in place, and detaches its own replacement once a reload superseded it). Mount the host's"
+            " /run/dbus (the system bus socket) in the plugin's container to have the durable repair")
 
     async def _call(self, member: str, signature: str, body: list[Any], *, path: str = _PATH,
                     interface: str = _MANAGER) -> Any:

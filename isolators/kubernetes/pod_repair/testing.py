@@ -44,14 +44,18 @@ Rules:
   again, ``Reloading(false)``. ``calls`` records every method call
   ``(member, arguments)`` in order (variants unwrapped);
   ``wait_calls(member, count)`` waits (bounded) for that many.
-  ``rules_of(device_allow)`` reads ``/dev/char/<major>:<minor>`` and
-  ``/dev/block/...`` entries as ``DeviceRule``s, as systemd parses them.
+  ``rules_of(device_allow)`` reads ``DeviceAllow=`` entries as
+  ``DeviceRule``s as systemd does: ``/dev/char/<major>:<minor>`` and
+  ``/dev/block/...`` parsed, another path stat()ed (a missing one left
+  out).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -227,13 +231,22 @@ _DEVICE_PATH = re.compile(r"/dev/(char|block)/(\d+):(\d+)")
 
 
 def rules_of(device_allow: Iterable[tuple[str, str]]) -> list[DeviceRule]:
-    """``DeviceAllow=`` entries of ``/dev/char|block/<major>:<minor>`` paths as rules (others are left out)."""
+    """``DeviceAllow=`` entries as rules, as systemd reads them: ``/dev/char|block/<major>:<minor>`` parsed, any
+    other path stat()ed (links followed) and taken when it is a device node; the rest left out."""
     rules = []
     for path, access in device_allow:
         match = _DEVICE_PATH.fullmatch(path)
         if match:
             rules.append(DeviceRule("c" if match.group(1) == "char" else "b", int(match.group(2)),
                                     int(match.group(3)), access))
+            continue
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue
+        if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
+            rules.append(DeviceRule("c" if stat.S_ISCHR(info.st_mode) else "b", os.major(info.st_rdev),
+                                    os.minor(info.st_rdev), access))
     return rules
 
 
