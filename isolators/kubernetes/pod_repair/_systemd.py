@@ -3,8 +3,8 @@
 Rules:
 - With the systemd cgroup driver a container's cgroup is a scope systemd
   owns; each ``daemon-reload`` re-applies its device rules from systemd's
-  record (runc leaves a GPU out of it when ``/dev/char/<major>:<minor>``
-  was missing at the container's start), and on cgroup v2 systemd then
+  record (where a GPU whose ``/dev/char/<major>:<minor>`` link was
+  missing does not survive), and on cgroup v2 systemd then
   attaches its newly compiled device program and detaches its previous
   one. The durable repair, and the prevention, add the devices to that
   record: ``org.freedesktop.systemd1.Manager.SetUnitProperties(unit,

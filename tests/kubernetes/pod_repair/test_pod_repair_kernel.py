@@ -362,8 +362,7 @@ def test_through_systemd_on_v2_a_reload_starts_the_repair_and_100_reloads_pile_u
         plugin = PluginCommand(args, node.base, env={"DBUS_SYSTEM_BUS_ADDRESS": address})
         try:
             plugin.start()
-            plugin.wait_log("Pod repair reaches systemd on the system bus")
-            plugin.wait_log("isolators.kubernetes.pod_repair._repair", timeout=30)
+            plugin.wait_log("isolators.kubernetes.pod_repair._repair", timeout=30)  # the first pass: connected
             first_passes = plugin.metrics()["kubelet_repair_passes_total"]
             spec = json.loads((node.cdi / "gpu-isolator-node.json").read_text())
             uuids = [device["name"] for device in spec["devices"] if device["name"].startswith("GPU-")]
@@ -413,6 +412,7 @@ def test_through_systemd_on_v2_a_reload_starts_the_repair_and_100_reloads_pile_u
             assert metrics["kubelet_pods_repaired_total"] == 1 and metrics["kubelet_repair_failures_total"] == 0
             assert metrics["kubelet_repair_passes_total"] >= first_passes + 102
             assert len(stand_in.wait_calls("SetUnitProperties", 1)) == 1 and "replaced by" not in plugin.log()
+            assert f"Pod repair reaches systemd on the system bus ({address})" in plugin.log()
         finally:
             plugin.close()
             pods.close()
@@ -460,8 +460,8 @@ def test_without_the_bus_100_reloads_repaired_in_the_kernel_leave_runc_and_syste
             [checked] = host.check_all([(container, grant)])
             assert checked.missing == tuple(grant)
             done = host.repair(container, checked.missing)
-            assert len(done) == (1 if reload == 0 else 2), done  # after the first: one detached, one replaced
             assert len(attached(cgroup)) == 2, f"after reload {reload + 1}: {attached(cgroup)}"
+            assert len(done) == (1 if reload == 0 else 2), done  # after the first: one detached, one replaced
         assert attached(cgroup)[0] == runc_program
         assert [probe.access(nodes[node]) for node in (("c", 195, 0), ("c", 195, 255), ("c", 235, 0))] == [GRANTED] * 3
         assert probe.access(nodes[("c", 195, 1)]) == DENIED
