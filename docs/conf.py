@@ -33,3 +33,21 @@ autodoc_default_options = {"members": True, "undoc-members": False}
 html_theme = "alabaster"
 html_static_path = ["_static"]
 html_title = "gpu-isolator"
+
+
+def _with_module_rules(app, what, name, obj, options, lines):
+    """A class whose docstring defers to its module ("see the module rules")
+    gets those rules under it: the rules have one home, the module, and the
+    reference shows them where a reader looks."""
+    import inspect
+
+    if what not in ("class", "exception") or "module rules" not in " ".join(lines):
+        return
+    module = inspect.getmodule(obj)
+    rules = inspect.getdoc(module) if module is not None else None
+    if rules:
+        lines.extend(["", f"*The rules of* ``{module.__name__}``:", "", *rules.splitlines()])
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _with_module_rules)

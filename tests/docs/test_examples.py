@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.docs import DOCS, REPO, check_page, pages, unchecked_fences
+from tests.support.docs import DOCS, REPO, check_page, check_yaml, pages, unchecked_fences
 
 PAGES = pages()
 
@@ -31,6 +31,13 @@ def test_every_example_on_the_page_holds(page: Path) -> None:
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_every_block_on_the_page_is_of_a_kind_the_suite_checks(page: Path) -> None:
     assert unchecked_fences(page) == [], f"{page_id(page)}: blocks nothing checks"
+
+
+@pytest.mark.parametrize("manifest", sorted((REPO / "deploy").rglob("*.yaml")), ids=page_id)
+def test_every_shipped_manifest_is_valid_kubernetes(manifest: Path) -> None:
+    """What deploy/ ships validates against Kubernetes' own schemas, and the
+    gpu-isolator commands of its pods parse, shown in the docs or not."""
+    check_yaml(manifest.read_text(), page_id(manifest), None)
 
 
 QUICK_START = [
