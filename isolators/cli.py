@@ -17,9 +17,9 @@ Commands:
   volume copies no library or binary of this machine.
 - ``serve``, ``exec``, ``status``: the isolator as a service and its
   clients (``isolators.service``; SPEC section 16).
-- ``kubelet-plugin``: the Kubernetes device plugin (``isolators.kubelet``;
+- ``kubelet-plugin``: the Kubernetes device plugin (``isolators.kubernetes.device_plugin``;
   SPEC section 18).
-- ``dra-plugin``: the Kubernetes DRA driver (``isolators.dra``; SPEC
+- ``dra-plugin``: the Kubernetes DRA driver (``isolators.kubernetes.dra``; SPEC
   section 21).
 - The churn benchmark is not a command: it lives in the source tree
   (``python -m benchmarks.churn`` from a checkout), not in the installed
@@ -152,13 +152,11 @@ def _parser() -> argparse.ArgumentParser:
                           help="write the spec to PATH (atomically; e.g. /etc/cdi/nvidia.yaml) instead of stdout")
     generate.set_defaults(func=_cmd_cdi_generate)
 
-    from .dra._command import add_command as add_dra_command
-    from .kubelet._command import add_command as add_kubelet_command
-    from .service._commands import add_commands  # serve, exec, status
+    from .kubernetes import add_commands as add_kubernetes_commands  # kubelet-plugin, dra-plugin
+    from .service import add_commands  # serve, exec, status
 
     add_commands(sub)
-    add_kubelet_command(sub)
-    add_dra_command(sub)
+    add_kubernetes_commands(sub)
     return parser
 
 
