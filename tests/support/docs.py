@@ -54,6 +54,7 @@ import shlex
 import sys
 import tempfile
 import tomllib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -278,7 +279,9 @@ def check_module_command(module: str, argv: list[str]) -> None:
     argparse.ArgumentParser.parse_args = parse_then_stop  # type: ignore[method-assign]
     sys.argv = [module, *argv]
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=False)
+        with warnings.catch_warnings():  # a module other tests imported runs again as __main__: only to parse
+            warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+            runpy.run_module(module, run_name="__main__", alter_sys=False)
     except _Parsed:
         return
     finally:
