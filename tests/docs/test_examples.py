@@ -65,6 +65,14 @@ def test_every_page_of_the_site_is_reachable_from_its_index() -> None:
     assert sorted(map(str, site - listed)) == []
 
 
+def test_the_architecture_picture_is_an_svg_with_a_title() -> None:
+    from xml.etree import ElementTree
+
+    root = ElementTree.parse(DOCS / "_static" / "architecture.svg").getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    assert root.find("{http://www.w3.org/2000/svg}title") is not None  # what a screen reader says
+
+
 def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
     """The site builds as the README says (``python -m sphinx -W -b html docs
     docs/_build/html``): a broken reference, a missing docstring target or
