@@ -1,5 +1,6 @@
 """The device plugin's manifests under ``deploy/kubelet-plugin`` (SPEC 23, R-PR-9): valid against Kubernetes'
-own schemas (``kubernetes-validate``, offline, strict) and lightkube's typed models, and what pod repair needs:
+own schemas (``kubernetes-validate``, offline, strict: the docs tests' ``check_yaml``, which also parses its
+``gpu-isolator`` command) and lightkube's typed models, and what pod repair needs:
 the command's own options, host PID, a privileged container, and every path the plugin and its repair read or
 write mounted from the host (the device plugin and CDI directories, /dev, the PodResources socket, the cgroup
 hierarchies, each runtime state directory it reads records in by default, systemd's run directory and the system
@@ -13,7 +14,8 @@ from pathlib import Path
 from isolators.cli import _parser
 from isolators.kubernetes.pod_repair import DEFAULT_CONFIG_TEMPLATES, DEFAULT_POD_RESOURCES_SOCKET
 
-from tests.support.manifests import load_manifests, validate_manifests
+from tests.support.docs import check_yaml
+from tests.support.manifests import load_manifests
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "kubelet-plugin"
 
@@ -21,7 +23,7 @@ DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "kubelet-plugin"
 def test_every_manifest_validates_against_kubernetes_schemas_and_loads_into_typed_models() -> None:
     manifests = sorted(DEPLOY.glob("*.yaml"))
     assert [path.name for path in manifests] == ["daemonset.yaml"]
-    assert [document["kind"] for document in validate_manifests(DEPLOY / "daemonset.yaml")] == ["DaemonSet"]
+    check_yaml((DEPLOY / "daemonset.yaml").read_text(), "deploy/kubelet-plugin/daemonset.yaml", None)
     assert [type(o).__name__ for o in load_manifests(DEPLOY / "daemonset.yaml")] == ["DaemonSet"]
 
 
