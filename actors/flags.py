@@ -27,7 +27,8 @@ Rules:
   ``gpus``); ``proc_dir`` (default ``/proc``) is where the node's kernel
   facts are read: the MIG capability facts (``driver/nvidia-caps/mig-minors``,
   ``devices``) and the major registered for ``nvidia-uvm`` (``devices``).
-- ``cdi_spec_dir`` (None: no CDI specs) is an absolute path when set.
+- ``cdi_spec_dir`` (None: no CDI specs) is an absolute path when set;
+  so is ``cdi_hook`` (None: this installation's Python runs the hook).
 - ``reconcile_interval`` is seconds (``None`` = off); on the command line
   it also takes Mesos durations (``30secs``, ``500ms``, ``2mins``) or
   ``off``.
@@ -186,6 +187,12 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cdi_spec_dir: str | None = None
     """Where each container's transient CDI spec is written (the usual value
     is ``/var/run/cdi``, which container engines read); None = write none."""
+    cdi_hook: str | None = None
+    """The program container engines run on the host for the CDI specs'
+    loader-cache hook (``<program> update-ldcache --folder ...``, R-DR-2): a
+    path on the host, e.g. ``gpu-isolator-cdi-hook``; None = this
+    installation's Python running the hook file (right wherever this
+    process runs on the host itself)."""
 
     nvidia_mig_strategy: MigStrategy = "none"
     """``none`` (MIG GPUs handed out whole) | ``single`` (each MIG device is one
@@ -249,6 +256,13 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise FlagsError(
                 f"Invalid '--cdi_spec_dir' {self.cdi_spec_dir!r}: expected an absolute path (container"
                 " engines read /etc/cdi and /var/run/cdi), or leave it unset to write no CDI specs"
+            )
+        if self.cdi_hook is not None and (
+            not isinstance(self.cdi_hook, str) or not self.cdi_hook.startswith("/") or "\x00" in self.cdi_hook
+        ):
+            raise FlagsError(
+                f"Invalid '--cdi_hook' {self.cdi_hook!r}: expected the absolute path of a program on the host"
+                " (e.g. /usr/local/bin/gpu-isolator-cdi-hook), or leave it unset for this installation's own"
             )
 
     # ------------------------------------------------------------- queries
@@ -392,7 +406,7 @@ def _coerce(name: str, value: Any) -> Any:
         if lowered in ("false", "0", "no", "off"):
             return False
         raise FlagsError(f"Failed to load flag '{name}': {value!r} is not a boolean")
-    if name in ("resources", "host_file", "cgroups_hierarchy", "cdi_spec_dir") and text.lower() in _OPTIONAL_TEXT_NONE:
+    if name in ("resources", "host_file", "cgroups_hierarchy", "cdi_spec_dir", "cdi_hook") and text.lower() in _OPTIONAL_TEXT_NONE:
         return None
     return value
 

@@ -7,8 +7,11 @@ Rules:
 - ``grant(gpus, extras)``: the container's GPU nodes by minor (a MIG
   device: its parent's node and its capability nodes), the control
   devices, ``NVIDIA_VISIBLE_DEVICES`` (``MIG-…`` UUIDs for MIG devices), and -- when the driver volume is
-  injected -- its read-only mount and its PATH / LD_LIBRARY_PATH
-  (``isolators.cdi.container_grant``). ``extras_for(config)`` decides the
+  injected -- its read-only mount and its PATH / LD_LIBRARY_PATH as the
+  grant's ``loader_environment`` (``isolators.cdi.container_grant``; for
+  ``to_oci()``). The spec renders the volume through the
+  ``DriverInjection`` (its mount, binaries at ``/usr/bin``, the
+  loader-cache hook) and never sets PATH or LD_LIBRARY_PATH (R-DR-2). ``extras_for(config)`` decides the
   volume part from the docker manifest as Mesos does (R-VO-2), with or
   without a rootfs: an engine brings its own.
 - ``attach`` (prepare) writes the spec and gives the launch info its grant
@@ -65,6 +68,7 @@ from .cdi import (
     spec_extras,
     write_spec_file,
 )
+from .cdi import DriverInjection, hook_program
 
 __all__ = ["ContainerSpecs", "SpecExtras"]
 
@@ -79,7 +83,7 @@ class ContainerSpecs:
 
     def __init__(self, directory: str | None, dev_dir: str, inventory: NodeInventory,
                  control_devices: Mapping[str, DeviceRule], volume: NvidiaVolume, executor: Executor,
-                 caps: MigCapabilities | None = None) -> None:
+                 caps: MigCapabilities | None = None, injection: DriverInjection | None = None) -> None:
         self.directory = directory
         self.dev_dir = dev_dir
         self.uuids: dict[Any, str] = {info.gpu: info.uuid for info in inventory.gpus}
@@ -88,6 +92,8 @@ class ContainerSpecs:
         """MIG capability facts (a node handing out MIG devices)."""
         self.control_devices = dict(control_devices)
         self.volume = volume
+        self.injection = injection or DriverInjection(program=hook_program())
+        """How a spec injects the driver volume (mount, binaries, hook)."""
         self.executor = executor
         self._extras: dict[ContainerID, SpecExtras] = {}
 
@@ -139,7 +145,8 @@ class ContainerSpecs:
         return launch
 
     def _document(self, container_id: ContainerID, gpus: Iterable[Gpu], extras: SpecExtras) -> tuple[str, bytes]:
-        spec = container_spec(container_device_name(container_id), self.grant(container_id, gpus, extras))
+        spec = container_spec(container_device_name(container_id), self.grant(container_id, gpus, extras),
+                               self.injection)
         return container_spec_file_name(container_id), encode_spec(spec)
 
     def path(self, container_id: ContainerID) -> str:

@@ -97,6 +97,7 @@ from ._startup import probe_host
 from ._types import ContainerClass, ContainerConfig, ContainerID, ContainerLaunchInfo, ContainerLimitation
 from ._types import ContainerState, Repair, ResourceStatistics, check_container_id
 from ._usage import UsageReader
+from .cdi import DriverInjection, hook_program, volume_binaries
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class NvidiaGpuIsolatorProcess(Process):
     """The NVIDIA GPU isolator actor (see the module rules)."""
 
     def __init__(self, flags: Flags, components: NvidiaComponents, devices: DeviceControl,
-                 control_devices: dict[str, DeviceRule], catalog: UnitCatalog | None = None) -> None:
+                 control_devices: dict[str, DeviceRule], catalog: UnitCatalog | None = None,
+                 injection: DriverInjection | None = None) -> None:
         super().__init__()
         self.flags = flags
         self.allocator = components.allocator
@@ -118,7 +120,8 @@ class NvidiaGpuIsolatorProcess(Process):
         self._executor = Executor(max_workers=2, name="gpu-isolator")
         self.specs = ContainerSpecs(flags.cdi_spec_dir, flags.dev_dir, components.inventory, control_devices,
                                     components.volume, self._executor,
-                                    self.catalog.caps if self.catalog.has_mig else None)
+                                    self.catalog.caps if self.catalog.has_mig else None,
+                                    injection or DriverInjection(program=hook_program(flags.cdi_hook)))
         """The containers' transient CDI specs (R-CD-1; nothing written without ``cdi_spec_dir``)."""
         self.ledger = GpuLedger()
         """Every unit taken from the allocator, and why it is not free."""
@@ -160,6 +163,7 @@ class NvidiaGpuIsolatorProcess(Process):
             control = await executor.run(probe_host, flags, host_numbers)
             caps = await executor.run(read_mig_capabilities, flags.proc_dir) if has_mig else None
             catalog = UnitCatalog(pools, caps, flags.nvidia_mig_strategy)
+            binaries = await executor.run(volume_binaries, components.volume.host_path) if flags.cdi_spec_dir else ()
         except MigCapabilityError as e:
             raise IsolatorError(str(e)) from e
         finally:
@@ -175,7 +179,8 @@ class NvidiaGpuIsolatorProcess(Process):
                 )
             except Exception as error:
                 raise as_isolator_error(error) from error
-        process = cls(flags, components, devices, control, catalog)
+        process = cls(flags, components, devices, control, catalog,
+                      DriverInjection(program=hook_program(flags.cdi_hook), binaries=binaries))
         spawn(process)
         return NvidiaGpuIsolator(process, devices)
 

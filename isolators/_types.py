@@ -229,13 +229,18 @@ class ContainerBindMount(msgspec.Struct, frozen=True, kw_only=True):
 class ContainerGrant(msgspec.Struct, frozen=True, kw_only=True):
     """What a container is granted, in the terms container engines use: the
     device nodes (its GPUs, then the control devices), the driver volume's
-    mount when injected, and the environment (``NVIDIA_VISIBLE_DEVICES``,
-    plus the volume's PATH/LD_LIBRARY_PATH when injected). The CDI spec and
-    ``ContainerLaunchInfo.to_oci()`` are two renderings of it."""
+    mount when injected, the environment (``NVIDIA_VISIBLE_DEVICES``) and
+    the volume's PATH/LD_LIBRARY_PATH when injected (``loader_environment``).
+    The CDI spec and ``ContainerLaunchInfo.to_oci()`` are two renderings of
+    it: ``to_oci()`` sets the loader environment (Mesos' way, R-VO-3), a CDI
+    spec never does -- it updates the container's loader cache instead
+    (R-DR-2, ``isolators.cdi.DriverInjection``)."""
 
     devices: tuple[ContainerDevice, ...] = ()
     mounts: tuple[ContainerBindMount, ...] = ()
     environment: dict[str, str] = {}
+    loader_environment: dict[str, str] = {}
+    """The volume's PATH and LD_LIBRARY_PATH (R-VO-3); empty without the volume."""
 
 
 class ContainerLaunchInfo(msgspec.Struct, kw_only=True):
@@ -264,6 +269,7 @@ class ContainerLaunchInfo(msgspec.Struct, kw_only=True):
         env.update(self.task_environment or {})
         grant = self.grant or ContainerGrant()
         env.update(grant.environment)
+        env.update(grant.loader_environment)
         return {
             "process": {"env": [f"{key}={value}" for key, value in env.items()]},
             "mounts": [

@@ -146,6 +146,10 @@ def _parser() -> argparse.ArgumentParser:
                           help="the loader cache the driver libraries are found in (default: /etc/ld.so.cache;"
                                " a --host-file node's volume copies no library or binary of this machine"
                                " unless given)")
+    generate.add_argument("--cdi-hook", metavar="PATH", default=None,
+                          help="the program container engines run on the host for the loader-cache hook"
+                               " (<PATH> update-ldcache ...; e.g. /usr/local/bin/gpu-isolator-cdi-hook; default:"
+                               " this installation's Python running the hook)")
     generate.add_argument("--format", choices=("json", "yaml"), default=None,
                           help="json or yaml (default: from --output's extension, else json)")
     generate.add_argument("--output", metavar="PATH",
@@ -267,7 +271,8 @@ def _cmd_cdi_generate(args: argparse.Namespace) -> int:
         spec_kind = from_name
     defaults = Flags()
     flags = Flags(host_file=args.host_file, dev_dir=args.dev_dir, proc_dir=args.proc_dir or defaults.proc_dir,
-                  volume_dir=args.volume_dir or defaults.volume_dir, ld_cache=args.ld_cache or defaults.ld_cache)
+                  volume_dir=args.volume_dir or defaults.volume_dir, ld_cache=args.ld_cache or defaults.ld_cache,
+                  cdi_hook=args.cdi_hook)
     real = args.host_file is None  # a simulated node reads no fact of this machine unless asked
 
     async def generate() -> int:

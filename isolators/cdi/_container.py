@@ -16,13 +16,16 @@ Rules:
   ever written, rewritten or removed in a spec directory, so other
   vendors' specs there are never touched.
 - ``spec_extras(spec)`` reads back what a spec holds beyond the device
-  nodes -- its bind mounts and its environment except
-  ``NVIDIA_VISIBLE_DEVICES`` -- so a recovered container keeps its driver
-  volume in later rewrites.
-- ``container_spec(name, grant)`` renders a grant as a spec with exactly
-  one device: its device nodes (``hostPath`` only when it differs from the
-  container path), the bind mounts and the environment; the version is
-  the lowest the fields need (``required_version``).
+  nodes -- the driver volume's mount (at its container path) -- so a
+  recovered container keeps its driver volume in later rewrites. The
+  volume's PATH / LD_LIBRARY_PATH are not in a spec (R-DR-2): a recovered
+  container's grant has no ``loader_environment``.
+- ``container_spec(name, grant, injection)`` renders a grant as a spec with
+  exactly one device: its device nodes (``hostPath`` only when it differs
+  from the container path), the environment (``NVIDIA_VISIBLE_DEVICES``,
+  never the loader environment), and for the driver volume
+  ``injection.edits`` (its mount, its binaries, the loader-cache hook);
+  the version is the lowest the fields need (``required_version``).
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ import hashlib
 
 import msgspec
 
+from actors.volume import CONTAINER_PATH
+
 from .._types import ContainerBindMount, ContainerDevice, ContainerGrant, ContainerID, check_container_id
-from ._grant import VISIBLE_DEVICES
+from ._driver import DriverInjection
 from ._model import CdiContainerEdits, CdiDevice, CdiDeviceNode, CdiMount, CdiSpec
 from ._rules import is_valid_device_name, required_version
 
@@ -81,28 +86,26 @@ def bind_mount(mount: ContainerBindMount) -> CdiMount:
     return CdiMount(host_path=mount.host_path, container_path=mount.container_path, options=mount.oci_options())
 
 
-def container_spec(name: str, grant: ContainerGrant) -> CdiSpec:
-    """The one-device spec of a grant (see the module rules)."""
+def container_spec(name: str, grant: ContainerGrant, injection: DriverInjection | None = None) -> CdiSpec:
+    """The one-device spec of a grant (see the module rules); ``injection`` is needed when the grant
+    holds the driver volume."""
+    if grant.mounts and injection is None:
+        raise ValueError("A grant with the driver volume needs its DriverInjection (mounts, binaries, hook)")
+    driver = injection.edits(grant.mounts) if injection is not None else CdiContainerEdits()
     edits = CdiContainerEdits(
         env=[f"{key}={value}" for key, value in grant.environment.items()],
         device_nodes=[device_node(device) for device in grant.devices],
-        mounts=[bind_mount(mount) for mount in grant.mounts],
+        mounts=driver.mounts,
+        hooks=driver.hooks,
     )
     spec = CdiSpec(cdi_version="0.3.0", kind=CONTAINER_KIND, devices=[CdiDevice(name=name, container_edits=edits)])
     return msgspec.structs.replace(spec, cdi_version=required_version(spec))
 
 
 def spec_extras(spec: CdiSpec) -> tuple[tuple[ContainerBindMount, ...], dict[str, str]]:
-    """The bind mounts and the environment (without ``NVIDIA_VISIBLE_DEVICES``) of a container spec."""
-    mounts: list[ContainerBindMount] = []
-    environment: dict[str, str] = {}
-    for device in spec.devices:
-        edits = device.container_edits
-        for mount in edits.mounts:
-            mounts.append(ContainerBindMount(host_path=mount.host_path, container_path=mount.container_path,
-                                             read_only="ro" in mount.options))
-        for entry in edits.env:
-            key, _, value = entry.partition("=")
-            if key != VISIBLE_DEVICES:
-                environment[key] = value
-    return tuple(mounts), environment
+    """The driver volume's mount of a container spec, and the loader environment (none: see module rules)."""
+    mounts = [ContainerBindMount(host_path=mount.host_path, container_path=mount.container_path,
+                                 read_only="ro" in mount.options)
+              for device in spec.devices for mount in device.container_edits.mounts
+              if mount.container_path == CONTAINER_PATH]
+    return tuple(mounts), {}

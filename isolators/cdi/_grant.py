@@ -13,8 +13,9 @@ Rules:
   are in their order (a MIG device after its parent's minor).
 - The environment starts with ``NVIDIA_VISIBLE_DEVICES``: the GPUs' UUIDs
   (``MIG-…`` for a MIG device) by minor, comma-separated, or ``none`` for a container without GPUs
-  (NVIDIA's value for "no GPU, driver present"); then the driver volume's
-  PATH and LD_LIBRARY_PATH when the volume is injected.
+  (NVIDIA's value for "no GPU, driver present"). The driver volume's PATH
+  and LD_LIBRARY_PATH, when the volume is injected, are the grant's
+  ``loader_environment`` (for ``to_oci()``; CDI specs never set them).
 - The driver volume, when injected, is one read-only recursive bind mount
   of its host directory at its container path (``/usr/local/nvidia``).
 - Pure: no I/O; the same inputs give an equal grant.
@@ -93,10 +94,9 @@ def container_grant(
         devices += capability_devices(unit, caps, dev_dir)
     devices += [control_device(path, rule) for path, rule in control_devices.items()]
     environment = {VISIBLE_DEVICES: ",".join(uuids[gpu] for gpu in ordered) or "none"}
-    if volume is not None and volume_env:
-        environment.update(volume_env)
     return ContainerGrant(
         devices=tuple(devices),
         mounts=(volume,) if volume is not None else (),
         environment=environment,
+        loader_environment=dict(volume_env or {}) if volume is not None else {},
     )

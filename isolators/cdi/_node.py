@@ -15,9 +15,10 @@ Rules:
   instance share its capability node). Their facts come from ``--proc_dir``; a
   node whose MIG devices have none is one clear error.
 - The shared edits (applied once whatever devices are asked for) hold the
-  control devices and the driver volume: its read-only bind mount at
-  ``/usr/local/nvidia`` and its PATH / LD_LIBRARY_PATH, computed as for an
-  image whose PATH is Docker's default (a static spec knows no image).
+  control devices and the driver volume as ``DriverInjection.edits`` gives
+  it: its read-only bind mount at ``/usr/local/nvidia``, its binaries at
+  ``/usr/bin``, the hook that puts its libraries in the container's loader
+  cache -- never a PATH or LD_LIBRARY_PATH (R-DR-2).
   ``NVIDIA_VISIBLE_DEVICES`` is not set here: two devices asked for
   together would each set it. A per-container spec sets it exactly.
 - Device nodes carry type, numbers, mode 0666 and ``rwm``; ``hostPath``
@@ -29,7 +30,8 @@ Rules:
   devices from ``dev_dir`` (or the host file's numbers), and builds the
   driver volume under ``volume_dir``. It needs a running ``Runtime``.
   ``read_node_facts`` is that reading for a node whose inventory and
-  volume a caller already has (the kubelet plugin's components);
+  volume a caller already has (the kubelet plugin's components; the hook's
+  program from ``Flags.cdi_hook``, the binaries from the volume's ``bin/``);
   ``NodeFacts.spec`` renders the same spec from them.
 - A simulated node reads no fact of this machine unless asked (as
   ``SimulatedNode`` does): ``loader_cache=False`` builds the volume from no
@@ -47,23 +49,21 @@ import msgspec
 from actors import NvidiaVolume
 from actors.devices import DeviceRule
 from actors.flags import Flags
-from actors.manifest import ImageManifest
 from actors.nvml import NodeInventory, NvmlService
 from runtime import Executor
 
 from actors.mig import MigCapabilities, read_mig_capabilities
 
 from .._types import ContainerBindMount
-from ._container import bind_mount, device_node
+from ._container import device_node
+from ._driver import DriverInjection, hook_program, volume_binaries
 from ._grant import capability_devices, control_device, gpu_device
 from ._model import CdiContainerEdits, CdiDevice, CdiSpec
 from ._rules import CdiSpecError, required_version
 
-__all__ = ["NODE_KIND", "DEFAULT_PATH", "NodeFacts", "node_spec", "read_node_facts", "generate_node_spec"]
+__all__ = ["NODE_KIND", "NodeFacts", "node_spec", "read_node_facts", "generate_node_spec"]
 
 NODE_KIND = "nvidia.com/gpu"
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-"""Docker's default PATH, the base of the static spec's PATH."""
 
 
 def node_spec(
@@ -72,11 +72,13 @@ def node_spec(
     dev_dir: str,
     *,
     volume: ContainerBindMount | None = None,
-    volume_env: Mapping[str, str] | None = None,
+    injection: DriverInjection | None = None,
     caps: MigCapabilities | None = None,
 ) -> CdiSpec:
-    """The static spec of a node (see the module rules); ``caps``: the MIG
-    capability facts (needed when the node has MIG devices)."""
+    """The static spec of a node (see the module rules); ``injection``: how the volume is injected (needed
+    with a volume); ``caps``: the MIG capability facts (needed when the node has MIG devices)."""
+    if volume is not None and injection is None:
+        raise CdiSpecError("A node spec with the driver volume needs its DriverInjection (mounts, binaries, hook)")
     gpus = sorted(inventory.gpus, key=lambda info: info.index)
     if not gpus:
         raise CdiSpecError(f"The node ({inventory.source}) has no GPUs: there is no CDI device to describe")
@@ -102,10 +104,11 @@ def node_spec(
     every = list(nodes.values()) + [node for mig in migs for node in mig_nodes[mig.device][1:]]
     every = list({node.path: node for node in every}.values())  # compute instances of one GPU instance share its cap
     devices.append(CdiDevice(name="all", container_edits=CdiContainerEdits(device_nodes=every)))
+    driver = injection.edits([volume]) if volume is not None and injection is not None else CdiContainerEdits()
     shared = CdiContainerEdits(
-        env=[f"{key}={value}" for key, value in (volume_env or {}).items()] if volume is not None else [],
         device_nodes=[device_node(control_device(path, rule)) for path, rule in control_devices.items()],
-        mounts=[bind_mount(volume)] if volume is not None else [],
+        mounts=driver.mounts,
+        hooks=driver.hooks,
     )
     spec = CdiSpec(cdi_version="0.3.0", kind=NODE_KIND, devices=devices,
                    container_edits=None if shared.is_empty() else shared)
@@ -114,18 +117,19 @@ def node_spec(
 
 class NodeFacts(msgspec.Struct, frozen=True, kw_only=True):
     """What a node's spec (and a grant on it) needs beyond the inventory:
-    the control devices by path, the driver volume's mount and environment,
-    and the MIG capability facts (None on a node without MIG devices)."""
+    the control devices by path, the driver volume's mount and how it is
+    injected (binaries, hook), and the MIG capability facts (None on a node
+    without MIG devices)."""
 
     control_devices: dict[str, DeviceRule]
-    volume: ContainerBindMount
-    volume_env: dict[str, str]
+    volume: ContainerBindMount | None
+    injection: DriverInjection
     caps: MigCapabilities | None = None
 
     def spec(self, inventory: NodeInventory, dev_dir: str) -> CdiSpec:
         """The node's static spec from these facts."""
         return node_spec(inventory, self.control_devices, dev_dir, volume=self.volume,
-                         volume_env=self.volume_env, caps=self.caps)
+                         injection=self.injection, caps=self.caps)
 
 
 async def read_node_facts(flags: Flags, inventory: NodeInventory, volume: NvidiaVolume, *,
@@ -146,8 +150,9 @@ async def read_node_facts(flags: Flags, inventory: NodeInventory, volume: Nvidia
                                " proc dir; this simulated node reads none of this machine's: name one (proc_dir)")
         caps = await executor_run_once(read_mig_capabilities, flags.proc_dir)
     mount = ContainerBindMount(host_path=volume.host_path, container_path=volume.container_path)
-    env = volume.env(ImageManifest(env=[f"PATH={DEFAULT_PATH}"]))
-    return NodeFacts(control_devices=dict(control), volume=mount, volume_env=dict(env), caps=caps)
+    binaries = await executor_run_once(volume_binaries, volume.host_path)
+    injection = DriverInjection(program=hook_program(flags.cdi_hook), binaries=binaries)
+    return NodeFacts(control_devices=dict(control), volume=mount, injection=injection, caps=caps)
 
 
 async def generate_node_spec(flags: Flags, *, loader_cache: bool = True, kernel_facts: bool = True) -> CdiSpec:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import yaml
 from actors.nvml import load_host_file
 from actors.nvml._open import nvml_available
 from isolators import cli
-from isolators.cdi import decode_spec, validate_spec
+from isolators.cdi import HOOK_FILE, decode_spec, validate_spec
 from tests.support.cdi import generate, spec_with_slash_dev
 from tests.support.host_facts import own_fact_args
 
@@ -52,11 +53,15 @@ def test_json_on_stdout_is_the_spec_alone(capsys, tmp_path) -> None:
     assert [(m.host_path, m.container_path, m.options) for m in shared.mounts] == [
         (str(volume), "/usr/local/nvidia", ["rbind", "ro"])]
     assert volume.is_dir()  # the volume the spec mounts exists
-    assert shared.env == [
-        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/usr/local/nvidia/bin",
-        "LD_LIBRARY_PATH=/usr/local/cuda/compat:/usr/local/nvidia/lib:/usr/local/nvidia/lib64",
-    ]
-    assert not any(e.startswith("NVIDIA_VISIBLE_DEVICES=") for e in shared.env)
+    assert shared.env == []  # R-DR-2: no PATH, no LD_LIBRARY_PATH (and no NVIDIA_VISIBLE_DEVICES)
+    [hook] = shared.hooks  # the container's own loader cache finds the volume's libraries
+    assert (hook.hook_name, hook.path, hook.args) == ("createContainer", sys.executable, [
+        sys.executable, "-I", HOOK_FILE, "update-ldcache", "--folder", "/usr/local/nvidia/lib64",
+        "--folder", "/usr/local/nvidia/lib"])
+    code, out, err = generate(capsys, tmp_path, "--host-file", PCIE, "--dev-dir", str(dev),
+                              "--cdi-hook", "/usr/local/bin/gpu-isolator-cdi-hook")
+    [hook] = decode_spec(out.encode(), "json").container_edits.hooks
+    assert hook.path == "/usr/local/bin/gpu-isolator-cdi-hook" and hook.args[:2] == [hook.path, "update-ldcache"]
     assert document["devices"][0] == {"name": "0", "containerEdits": {"deviceNodes": [{
         "path": "/dev/nvidia0", "hostPath": str(dev / "nvidia0"), "type": "c", "major": 195, "minor": 0,
         "fileMode": 438, "permissions": "rwm"}]}}
@@ -91,6 +96,9 @@ def test_a_host_file_node_reads_no_fact_of_this_machine_unless_asked(capsys, tmp
     out, err = capsys.readouterr()
     assert code == 0, err
     assert os.listdir(volume / "bin") == ["nvidia-smi"]
+    mounts = decode_spec(out.encode(), "json").container_edits.mounts  # the binary at its usual path (R-DR-2)
+    assert [(m.host_path, m.container_path, m.options) for m in mounts[1:]] == [
+        (str(volume / "bin" / "nvidia-smi"), "/usr/bin/nvidia-smi", ["ro", "nosuid", "nodev", "bind"])]
 
 
 def test_a_host_file_node_with_mig_devices_needs_its_proc_dir_named(capsys, tmp_path) -> None:

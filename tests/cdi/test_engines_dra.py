@@ -1,7 +1,10 @@
 """Issue 37's proof with a real engine: podman, given the ``cdi_device_ids``
 that ``gpu-isolator dra-plugin`` answered for a 2-GPU claim, shows the
-container exactly those GPUs (and the control devices, the driver volume
-and ``NVIDIA_VISIBLE_DEVICES``), as the CDI tests check for the node spec.
+container exactly those GPUs (and the control devices and the driver
+volume), as the CDI tests check for the node spec; and (issue 42, R-DR-3)
+two containers of the claim, each given one request's devices as the
+kubelet does, each see only their own -- ``NVIDIA_VISIBLE_DEVICES``
+included, which is ``void`` (no list a container was not given).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ def test_podman_shows_a_prepared_two_gpu_claim_exactly_its_gpus(podman, gpu_dev,
     facts = own_facts(tmp_path)
     api = FakeApiServer().start()
     uid = str(uuid.uuid4())
-    api.add_claim("team", "two-gpus", [allocation_result("gpus", DRIVER, "node-p", "gpu-1"),
-                                       allocation_result("gpus", DRIVER, "node-p", "gpu-3")], uid=uid)
+    api.add_claim("team", "two-gpus", [allocation_result("first", DRIVER, "node-p", "gpu-1"),
+                                       allocation_result("second", DRIVER, "node-p", "gpu-3")], uid=uid)
     with plugin_directory() as sockets:
         plugin = DraPluginCommand([
             f"--host_file={PCIE}", f"--dev_dir={gpu_dev}", f"--ld_cache={facts['ld_cache']}",
@@ -42,11 +45,18 @@ def test_podman_shows_a_prepared_two_gpu_claim_exactly_its_gpus(podman, gpu_dev,
             answer = kubelet.prepare([("team", "two-gpus", uid)])[uid]
             ids = [i for device in answer["devices"] for i in device["cdi_device_ids"]]
             assert ids == [f"{DRIVER}/claim={uid}-gpu-1", f"{DRIVER}/claim={uid}-gpu-3"]
-            report = probed_with(podman, ids, gpu_dev, cdi)
+            report = probed_with(podman, ids, gpu_dev, cdi, env={"PATH": "/opt/conda/bin:/bin"})  # the whole claim
             assert_sees_exactly(report, [1, 3])
-            gpus = load_host_file(PCIE).gpus
-            assert report.env["NVIDIA_VISIBLE_DEVICES"] == f"{gpus[1].uuid},{gpus[3].uuid}"
+            assert report.env["PATH"] == "/opt/conda/bin:/bin" and "LD_LIBRARY_PATH" not in report.env  # R-DR-2
+            assert report.env["NVIDIA_VISIBLE_DEVICES"] == "void"
             assert "ro" in report.mounts["/usr/local/nvidia"]
+            gpus = load_host_file(PCIE).gpus
+            for request, minor, other in (("first", 1, 3), ("second", 3, 1)):  # a container per request
+                own = [i for d in answer["devices"] if d["request_names"] == [request] for i in d["cdi_device_ids"]]
+                report = probed_with(podman, own, gpu_dev, cdi)
+                assert_sees_exactly(report, [minor])
+                assert report.env["NVIDIA_VISIBLE_DEVICES"] == "void"
+                assert gpus[other].uuid not in " ".join(report.env.values()), (request, report.env)
             assert kubelet.unprepare([("team", "two-gpus", uid)]) == {uid: {}}
             assert os.listdir(cdi) == []  # nothing left behind
         finally:

@@ -37,11 +37,11 @@ def probe_args(*extra: str) -> list[str]:
     return ["/bin/sh", "/bin/probe", *GPU_PATHS, *CONTROL_PATHS, *HOST_PATHS, *extra]
 
 
-def probed_with(podman, devices: list[str], gpu_dev, cdi_dir) -> Any:
-    """The probe's report from a podman container given ``devices`` (CDI names) from ``cdi_dir``, the host's
-    fake GPU nodes mounted at /host-dev."""
+def probed_with(podman, devices: list[str], gpu_dev, cdi_dir, env: dict[str, str] | None = None) -> Any:
+    """The probe's report from a podman container given ``devices`` (CDI names) from ``cdi_dir`` and started
+    with ``env``, the host's fake GPU nodes mounted at /host-dev."""
     result = podman.run(podman.image, probe_args(), devices=devices, volumes=[f"{gpu_dev}:/host-dev:dev"],
-                        cdi_dir=str(cdi_dir))
+                        cdi_dir=str(cdi_dir), env=env)
     assert result.returncode == 0, result.stderr
     return parse_probe(result.stdout)
 
@@ -67,12 +67,12 @@ def test_podman_injects_the_generated_node_spec(podman, gpu_dev, tmp_path) -> No
     uuid2 = load_host_file(PCIE).gpus[2].uuid
     host_dev = f"{gpu_dev}:/host-dev:dev"
     for device, minors in (("nvidia.com/gpu=1", [1]), (f"nvidia.com/gpu={uuid2}", [2]), ("nvidia.com/gpu=all", [0, 1, 2, 3])):
-        result = podman.run(podman.image, probe_args(), devices=[device], volumes=[host_dev], cdi_dir=str(cdi_dir))
+        result = podman.run(podman.image, probe_args(), devices=[device], volumes=[host_dev], cdi_dir=str(cdi_dir),
+                            env={"PATH": "/opt/conda/bin:/bin"})
         assert result.returncode == 0, result.stderr
         report = parse_probe(result.stdout)
         assert_sees_exactly(report, minors)
-        assert report.env["LD_LIBRARY_PATH"] == "/usr/local/cuda/compat:/usr/local/nvidia/lib:/usr/local/nvidia/lib64"
-        assert report.env["PATH"].endswith(":/usr/local/nvidia/bin")
+        assert report.env["PATH"] == "/opt/conda/bin:/bin" and "LD_LIBRARY_PATH" not in report.env  # R-DR-2
         assert "NVIDIA_VISIBLE_DEVICES" not in report.env
         assert "ro" in report.mounts["/usr/local/nvidia"]
     assert os.listdir(cdi_dir) == ["nvidia.yaml"]

@@ -106,7 +106,7 @@ async def test_without_a_spec_dir_nothing_is_written_and_mesos_behaviour_stays(n
 
 
 @pytest.mark.asyncio
-async def test_a_rootfs_with_the_volume_puts_its_mount_and_env_in_the_spec(cdi_node, tmp_path) -> None:
+async def test_a_rootfs_with_the_volume_puts_its_mount_and_hook_in_the_spec(cdi_node, tmp_path) -> None:
     rootfs = tmp_path / "rootfs"
     rootfs.mkdir()
     manifest = ImageManifest(env=["PATH=/usr/bin"], labels=LABEL)
@@ -118,10 +118,13 @@ async def test_a_rootfs_with_the_volume_puts_its_mount_and_env_in_the_spec(cdi_n
         edits = spec_of(cdi_node, "c1").devices[0].container_edits
         assert [(m.host_path, m.container_path, m.options) for m in edits.mounts] == [
             (components.volume.host_path, "/usr/local/nvidia", ["rbind", "ro"])]
-        assert edits.env == [f"NVIDIA_VISIBLE_DEVICES={uuids(components)[0]}",
-                             "PATH=/usr/bin:/usr/local/nvidia/bin",
-                             "LD_LIBRARY_PATH=/usr/local/cuda/compat:/usr/local/nvidia/lib:/usr/local/nvidia/lib64"]
+        assert edits.env == [f"NVIDIA_VISIBLE_DEVICES={uuids(components)[0]}"]  # R-DR-2: the image's PATH stays
+        [hook] = edits.hooks  # the loader cache finds the volume's libraries instead
+        assert hook.args[-5:] == ["update-ldcache", "--folder", "/usr/local/nvidia/lib64", "--folder",
+                                  "/usr/local/nvidia/lib"]
+        assert info.environment["PATH"] == "/usr/bin:/usr/local/nvidia/bin"  # the Mesos launch info is as before
         assert [m["destination"] for m in info.to_oci()["mounts"]] == ["/usr/local/nvidia"]
+        assert "PATH=/usr/bin:/usr/local/nvidia/bin" in info.to_oci()["process"]["env"]
         await isolator.cleanup(ContainerID("c1"))
         assert ours(cdi_node) == []
 
@@ -301,7 +304,7 @@ async def test_recover_keeps_the_volume_part_of_a_spec_it_finds(cdi_node, tmp_pa
         await isolator.update(ContainerID("c1"), Resources.parse("gpus:2"))
         after = spec_of(cdi_node, "c1").devices[0].container_edits
         assert after.mounts == before.devices[0].container_edits.mounts
-        assert after.env[1:] == before.devices[0].container_edits.env[1:]
+        assert after.hooks == before.devices[0].container_edits.hooks and after.hooks
         await cdi_node.clean_all()
 
 

@@ -12,7 +12,7 @@ from actors import Gpu
 from actors.devices import DeviceRule
 from isolators import ContainerID, ContainerLaunchInfo
 from isolators.cdi import CONTAINER_KIND, container_device_name, container_grant, container_spec, encode_spec
-from isolators.cdi import merge_oci, spec_extras, validate_spec
+from isolators.cdi import DriverInjection, merge_oci, spec_extras, validate_spec
 from isolators import ContainerBindMount
 
 UUIDS = {Gpu.nvidia(i): f"GPU-{i:04d}" for i in range(4)}
@@ -121,19 +121,27 @@ def test_the_container_spec_is_one_device_from_the_same_grant() -> None:
     cid = ContainerID("train")
     grant = container_grant({Gpu.nvidia(0), Gpu.nvidia(1)}, UUIDS, CONTROL, "/tmp/dev",
                             volume=VOLUME, volume_env=VOLUME_ENV)
-    spec = validate_spec(container_spec(container_device_name(cid), grant))
+    injection = DriverInjection(program=("/opt/hook",), binaries=("nvidia-smi",))
+    spec = validate_spec(container_spec(container_device_name(cid), grant, injection))
     assert spec.kind == CONTAINER_KIND and spec.cdi_version == "0.5.0"  # hostPath differs from path
     assert spec.qualified_names() == ["gpu-isolator/container=train"]
     (device,) = spec.devices
     edits = device.container_edits
-    assert edits.env == ["NVIDIA_VISIBLE_DEVICES=GPU-0000,GPU-0001", "PATH=/usr/bin:/usr/local/nvidia/bin",
-                         "LD_LIBRARY_PATH=/usr/local/nvidia/lib64"]
+    assert edits.env == ["NVIDIA_VISIBLE_DEVICES=GPU-0000,GPU-0001"]  # R-DR-2: never PATH or LD_LIBRARY_PATH
     assert [(n.path, n.host_path, n.major, n.minor, n.permissions) for n in edits.device_nodes] == [
         (d.path, d.host_path, d.major, d.minor, "rwm") for d in grant.devices]
     assert [(m.host_path, m.container_path, m.options) for m in edits.mounts] == [
-        (VOLUME.host_path, "/usr/local/nvidia", ["rbind", "ro"])]
+        (VOLUME.host_path, "/usr/local/nvidia", ["rbind", "ro"]),
+        (f"{VOLUME.host_path}/bin/nvidia-smi", "/usr/bin/nvidia-smi", ["ro", "nosuid", "nodev", "bind"])]
+    assert [(h.hook_name, h.path, h.args) for h in edits.hooks] == [("createContainer", "/opt/hook", [
+        "/opt/hook", "update-ldcache", "--folder", "/usr/local/nvidia/lib64", "--folder", "/usr/local/nvidia/lib"])]
     assert spec.container_edits is None
     encode_spec(spec)
+    with pytest.raises(ValueError, match="needs its DriverInjection"):
+        container_spec("train", grant)
+    assert ContainerLaunchInfo(grant=grant).to_oci()["process"]["env"] == [  # the Mesos rendering keeps them
+        "NVIDIA_VISIBLE_DEVICES=GPU-0000,GPU-0001", "PATH=/usr/bin:/usr/local/nvidia/bin",
+        "LD_LIBRARY_PATH=/usr/local/nvidia/lib64"]
 
 
 def test_container_spec_declares_0_3_0_when_nodes_are_in_dev_and_the_name_starts_with_a_letter() -> None:
@@ -144,11 +152,12 @@ def test_container_spec_declares_0_3_0_when_nodes_are_in_dev_and_the_name_starts
     assert container_spec("4b1c", grant).cdi_version == "0.5.0"
 
 
-def test_spec_extras_read_back_the_volume_and_its_environment() -> None:
+def test_spec_extras_read_back_the_volume() -> None:
     grant = container_grant({Gpu.nvidia(1)}, UUIDS, CONTROL, "/tmp/dev", volume=VOLUME, volume_env=VOLUME_ENV)
-    mounts, env = spec_extras(container_spec("c1", grant))
-    assert mounts == (VOLUME,) and env == VOLUME_ENV
+    injection = DriverInjection(program=("/opt/hook",), binaries=("nvidia-smi",))
+    mounts, env = spec_extras(container_spec("c1", grant, injection))
+    assert mounts == (VOLUME,) and env == {}  # the binaries' mounts are the injection's; no env in a spec
     again = container_grant({Gpu.nvidia(1), Gpu.nvidia(2)}, UUIDS, CONTROL, "/tmp/dev", volume=mounts[0],
                             volume_env=env)
-    assert again.mounts == grant.mounts and list(again.environment)[1:] == list(grant.environment)[1:]
+    assert again.mounts == grant.mounts
     assert spec_extras(container_spec("c1", container_grant(set(), UUIDS, CONTROL, "/dev"))) == ((), {})

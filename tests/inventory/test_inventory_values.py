@@ -154,6 +154,8 @@ def test_flags_from_args_take_dashes_or_underscores():
         (["--resources"], "Failed to load flag 'resources': missing value"),
         (["--nvidia_usage_max_age=2hrs"], "Invalid '--nvidia_usage_max_age' 7200.0: expected seconds, from 0"),
         (["--nvidia_usage_max_age=soon"], "Failed to load flag 'nvidia_usage_max_age': Invalid duration 'soon'"),
+        (["--cdi_hook=bin/hook"], "Invalid '--cdi_hook' 'bin/hook': expected the absolute path of a program on the"
+                                  " host"),
     ],
 )
 def test_bad_flags_are_clear_errors(args, message):

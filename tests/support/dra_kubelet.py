@@ -10,6 +10,10 @@ Rules:
   returns the ``PluginInfo`` as a dict. ``prepare(claims, version)`` /
   ``unprepare`` call the driver over the endpoint (``claims``: (namespace,
   name, uid) triples) and return the response as a dict by uid.
+  ``restart(api, node)`` is what a kubelet restart does to a driver: its
+  connections close, the kubelet's DRA plugin manager deletes every
+  ResourceSlice of the node (``FakeApiServer.delete_slices``), and the
+  plugin watcher registers the driver again.
   ``watch_health(version)`` opens ``NodeWatchResources`` (``v1`` or
   ``v1alpha1``) on a thread; each list is kept by version;
   ``wait_health(predicate, version=...)`` waits (bounded, on a condition).
@@ -136,6 +140,12 @@ class FakeDraKubelet(MessageRecord):
         self.endpoint = info.endpoint
         self._channel = grpc.insecure_channel(unix_target(info.endpoint))
         return self.info
+
+    def restart(self, api: Any, node: str) -> dict:
+        """A kubelet restart (see module rules); the registration's ``PluginInfo``."""
+        self.close()
+        api.delete_slices(node)
+        return self.register()
 
     # -- the DRA calls -------------------------------------------------------------------
     def _stub(self, version: str) -> Any:

@@ -6,7 +6,10 @@ Rules:
   hierarchy); tests skip with it. CI installs ``podman runc
   busybox-static`` from Debian's packages.
 - ``build_rootfs(dir)`` is a tiny root filesystem: the static busybox and
-  the applets the probe uses. ``make_device_nodes(dir, nodes)`` mknods
+  the applets the probe uses. ``add_ldconfig(dir)`` copies the host's
+  ``ldconfig`` into it at ``/sbin/ldconfig`` (busybox has none), so
+  ``ldconfig -p`` in a container lists its loader cache;
+  ``ldconfig_skip_reason()`` says why it cannot (no static ldconfig). ``make_device_nodes(dir, nodes)`` mknods
   character devices (mode 0666) for the engines to grant.
 - ``PodmanEngine`` keeps everything it makes under its own directory:
   image storage (vfs), run root and temp dir, a ``containers.conf`` of its
@@ -62,8 +65,8 @@ from isolators.cdi import merge_oci
 
 __all__ = [
     "ENGINE_TIMEOUT", "PROBE", "ProbeReport", "PodmanEngine", "RuncEngine", "build_rootfs",
-    "busybox_path", "engine_skip_reason", "make_device_nodes", "parse_probe", "remove_cgroup_trees",
-    "RuncContainer", "cdi_fragment",
+    "busybox_path", "engine_skip_reason", "make_device_nodes", "add_ldconfig", "ldconfig_skip_reason",
+    "parse_probe", "remove_cgroup_trees", "RuncContainer", "cdi_fragment",
 ]
 
 ENGINE_TIMEOUT = 90.0
@@ -206,6 +209,25 @@ def build_rootfs(directory: str) -> str:
     return directory
 
 
+HOST_LDCONFIG = "/sbin/ldconfig"
+
+
+def ldconfig_skip_reason() -> str | None:
+    """Why the host's ldconfig cannot run in a busybox rootfs, or None (Debian's is static-pie)."""
+    if not os.path.isfile(HOST_LDCONFIG):
+        return f"no {HOST_LDCONFIG} on this host"
+    if not _is_static_elf(HOST_LDCONFIG):
+        return f"{HOST_LDCONFIG} is dynamically linked: it cannot run in a busybox rootfs"
+    return None
+
+
+def add_ldconfig(directory: str) -> str:
+    """The host's (static) ldconfig at ``<directory>/sbin/ldconfig``; returns ``directory``."""
+    os.makedirs(os.path.join(directory, "sbin"), exist_ok=True)
+    shutil.copy2(HOST_LDCONFIG, os.path.join(directory, "sbin", "ldconfig"))
+    return directory
+
+
 def make_device_nodes(directory: str, nodes: Mapping[str, tuple[int, int]]) -> dict[str, str]:
     """mknod each ``name -> (major, minor)`` as a character device (mode 0666); name -> path."""
     os.makedirs(directory, exist_ok=True)
@@ -319,8 +341,10 @@ class PodmanEngine:
         self.lines.append(shlex.join(["podman", *args]))
         return _run(argv, timeout, env)
 
-    def import_rootfs(self, rootfs: str, reference: str, timeout: float = ENGINE_TIMEOUT) -> str:
-        """``podman import`` a tar of ``rootfs`` as a local image; returns ``reference``."""
+    def import_rootfs(self, rootfs: str, reference: str, timeout: float = ENGINE_TIMEOUT, *,
+                      default: bool = True) -> str:
+        """``podman import`` a tar of ``rootfs`` as a local image; returns ``reference`` (``self.image``
+        from now on unless ``default`` is false)."""
         tar = os.path.join(self.directory, "rootfs.tar")
         with tarfile.open(tar, "w") as archive:
             archive.add(rootfs, arcname=".")
@@ -328,11 +352,13 @@ class PodmanEngine:
         os.unlink(tar)
         if result.returncode != 0:
             raise AssertionError(f"podman import failed ({result.returncode}): {result.stderr.strip()}")
-        self.image = reference
+        if default:
+            self.image = reference
         return reference
 
     def run_args(self, image: str, command: Sequence[str], *, devices: Iterable[str] = (),
-                 volumes: Iterable[str] = (), name: str | None = None) -> list[str]:
+                 volumes: Iterable[str] = (), name: str | None = None,
+                 env: Mapping[str, str] | None = None) -> list[str]:
         """The ``podman run`` arguments (after the global options) for one container."""
         args = ["run", "--rm", "--name", name or f"gpu-isolator-test-{uuid.uuid4().hex[:12]}",
                 "--runtime", "runc", "--network", "none", "--cgroup-parent", "/" + self.cgroup_parent,
@@ -341,19 +367,22 @@ class PodmanEngine:
             args += ["--device", device]
         for volume in volumes:
             args += ["-v", volume]
+        for key, value in (env or {}).items():
+            args += ["--env", f"{key}={value}"]
         return args + [image, *command]
 
     def run(self, image: str, command: Sequence[str], *, devices: Iterable[str] = (),
-            volumes: Iterable[str] = (), cdi_dir: str | None = None,
+            volumes: Iterable[str] = (), cdi_dir: str | None = None, env: Mapping[str, str] | None = None,
             timeout: float = ENGINE_TIMEOUT) -> subprocess.CompletedProcess:
         """Run a container to completion, with ``cdi_dir`` (default: the
-        engine's) as ``/var/run/cdi``; a failure is retried with debug logs to say why."""
+        engine's) as ``/var/run/cdi`` and ``env`` set by ``--env`` (as a user
+        starts it); a failure is retried with debug logs to say why."""
         devices, volumes = list(devices), list(volumes)
-        args = self.run_args(image, command, devices=devices, volumes=volumes)
+        args = self.run_args(image, command, devices=devices, volumes=volumes, env=env)
         result = self._call(args, timeout, cdi_dir=cdi_dir)
         if result.returncode != 0:
-            debug = self._call(self.run_args(image, command, devices=devices, volumes=volumes), timeout, True,
-                               cdi_dir=cdi_dir)
+            debug = self._call(self.run_args(image, command, devices=devices, volumes=volumes, env=env), timeout,
+                               True, cdi_dir=cdi_dir)
             reasons = [line for line in debug.stderr.splitlines() if "CDI" in line or "cdi" in line]
             result.stderr += "\n--- with --log-level=debug, CDI lines:\n" + "\n".join(reasons[-20:])
         return result

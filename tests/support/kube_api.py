@@ -10,13 +10,23 @@ Rules:
   ``PUT`` / ``DELETE`` one). Objects get ``metadata.uid``,
   ``resourceVersion`` (one counter) and ``creationTimestamp``; a ``PUT``
   whose ``resourceVersion`` is not the stored one is ``409 Conflict``; an
-  unknown object ``404 NotFound``, in the API's ``Status`` form.
+  unknown object ``404 NotFound``, in the API's ``Status`` form. A
+  ResourceSlice whose ``metadata.name`` is not a DNS subdomain of at most
+  253 characters is ``422 Invalid`` with the API server's wording.
 - The test sets the cluster's facts directly: ``add_claim(...)`` stores a
   ResourceClaim (with its ``status.allocation`` results), ``remove_claim``
   deletes one; ``slices(node)`` returns the stored slices.
 - ``delay_s`` makes every answer that late (a slow server); ``fail(n,
   code)`` answers the next n requests with that status; ``close()`` is a
   server that is down (open connections cut, new ones refused).
+- ResourceSlices can be watched (``GET`` the list with ``watch=true``,
+  ``fieldSelector`` as for a list): from ``resourceVersion`` on, or --
+  without one -- the current slices as ``ADDED`` events first; every later
+  create, replace and delete is an ``ADDED`` / ``MODIFIED`` / ``DELETED``
+  event (JSON lines, chunked), until ``timeoutSeconds`` (default 1800),
+  the client hangs up or the server closes. ``delete_slices(node)`` is
+  what a starting kubelet does: every slice of the node deleted (events
+  included).
 - ``requests`` records every request as ``(seq, method, path, query,
   summary)``; ``transcript(since)`` renders them one per line;
   ``wait_for(predicate)`` waits (bounded, on a condition notified by every
@@ -30,6 +40,8 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import re
+import select
 import socket
 import threading
 import time
@@ -42,12 +54,23 @@ from urllib.parse import parse_qs, urlsplit
 from .kubelet import Waitable
 
 GROUP = "/apis/resource.k8s.io/v1"
+_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_SUBDOMAIN = re.compile(rf"{_LABEL}(\.{_LABEL})*")
 WAIT = 20.0
 
 
 def _status(code: int, reason: str, message: str) -> dict:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
             "reason": reason, "code": code}
+
+
+def opaque_config(driver: str, parameters: dict, *, requests: list[str] | None = None,
+                  source: str = "FromClaim") -> dict:
+    """One ``status.allocation.devices.config[]`` entry with opaque parameters for ``driver``."""
+    entry: dict[str, Any] = {"source": source, "opaque": {"driver": driver, "parameters": parameters}}
+    if requests is not None:
+        entry["requests"] = requests
+    return entry
 
 
 def allocation_result(request: str, driver: str, pool: str, device: str, *, admin_access: bool | None = None,
@@ -71,6 +94,8 @@ class FakeApiServer(Waitable):
         self.claims: dict[tuple[str, str], dict] = {}
         self.resource_slices: dict[str, dict] = {}
         self.requests: list[tuple[int, str, str, str, str]] = []
+        self.events: list[tuple[int, str, dict]] = []
+        """Every ResourceSlice change as (resourceVersion, ADDED / MODIFIED / DELETED, object), for watches."""
         self.delay_s = 0.0
         self._failures: list[int] = []
         self._versions = itertools.count(1)
@@ -124,8 +149,9 @@ class FakeApiServer(Waitable):
         return meta
 
     def add_claim(self, namespace: str, name: str, results: list[dict] | None, *, uid: str | None = None,
-                  reserved_for: list[dict] | None = None) -> dict:
-        """Store a ResourceClaim (``results`` None: not allocated); the stored document."""
+                  reserved_for: list[dict] | None = None, config: list[dict] | None = None) -> dict:
+        """Store a ResourceClaim (``results`` None: not allocated; ``config``: the allocation's
+        ``devices.config`` entries); the stored document."""
         claim: dict[str, Any] = {
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": self._meta(name, namespace, uid),
             "spec": {"devices": {"requests": [
@@ -133,7 +159,10 @@ class FakeApiServer(Waitable):
                 for request in sorted({r["request"] for r in results or []}) or ["gpus"]]}},
         }
         if results is not None:
-            claim["status"] = {"allocation": {"devices": {"results": results}},
+            devices: dict[str, Any] = {"results": results}
+            if config:
+                devices["config"] = config
+            claim["status"] = {"allocation": {"devices": devices},
                                "reservedFor": reserved_for or [{"resource": "pods", "name": f"{name}-pod",
                                                                 "uid": str(uuid.uuid4())}]}
         with self._changed:
@@ -144,10 +173,60 @@ class FakeApiServer(Waitable):
         with self._changed:
             self.claims.pop((namespace, name), None)
 
+    def delete_slices(self, node: str) -> list[str]:
+        """What a kubelet does at start: delete every ResourceSlice of ``node`` (any driver); their names."""
+        with self._changed:
+            names = [name for name, s in self.resource_slices.items() if s["spec"].get("nodeName") == node]
+            for name in names:
+                self._slices("DELETE", name, {}, None)
+            self._record("DELETE", f"{GROUP}/resourceslices", f"fieldSelector=spec.nodeName%3D{node}",
+                         f"200 deleted {len(names)} slices (the kubelet)")
+        return names
+
     def slices(self, node: str | None = None) -> list[dict]:
         with self._changed:
             return [json.loads(json.dumps(s)) for s in self.resource_slices.values()
                     if node is None or s["spec"].get("nodeName") == node]
+
+    def _event(self, kind: str, document: dict) -> None:
+        self.events.append((int(document["metadata"]["resourceVersion"]), kind, json.loads(json.dumps(document))))
+        self._changed.notify_all()
+
+    # -- watches ------------------------------------------------------------------------
+    def watch_events(self, query: dict[str, list[str]], connection: socket.socket,
+                     send: Callable[[bytes], None]) -> None:
+        """Stream the slice events a ``watch=true`` list asks for (see module rules) until its
+        ``timeoutSeconds``, the client hangs up, or the server closes."""
+        fields = dict(term.partition("=")[::2] for selector in query.get("fieldSelector", [])
+                      for term in filter(None, selector.split(",")))
+        wanted = {"nodeName": fields.get("spec.nodeName"), "driver": fields.get("spec.driver")}
+
+        def matches(document: dict) -> bool:
+            return all(value is None or document["spec"].get(key) == value for key, value in wanted.items())
+
+        deadline = time.monotonic() + float(query.get("timeoutSeconds", ["1800"])[0])
+        with self._changed:
+            since = query.get("resourceVersion", [""])[0]
+            if since:
+                after = int(since)
+                pending = []
+            else:  # no version: the current state as ADDED events, then what follows
+                after = max([version for version, _, _ in self.events] + [0])
+                pending = [("ADDED", json.loads(json.dumps(s))) for s in self.resource_slices.values() if matches(s)]
+        while self._server is not None and time.monotonic() < deadline:
+            for kind, document in pending:
+                send((json.dumps({"type": kind, "object": document}) + "\n").encode())
+            with self._changed:
+                fresh = [(version, kind, document) for version, kind, document in self.events if version > after]
+                if not fresh:
+                    self._changed.wait(0.2)
+                    fresh = [(v, k, d) for v, k, d in self.events if v > after]
+            if fresh:
+                after = fresh[-1][0]
+            pending = [(kind, document) for _, kind, document in fresh if matches(document)]
+            readable, _, _ = select.select([connection], [], [], 0)
+            if readable and not connection.recv(1, socket.MSG_PEEK):
+                return  # the client hung up
 
     # -- records ------------------------------------------------------------------------
     def _record(self, method: str, path: str, query: str, summary: str) -> None:
@@ -204,13 +283,16 @@ class FakeApiServer(Waitable):
                     items = [s for s in items if s["metadata"].get("labels", {}).get(key) == value]
             return 200, {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSliceList",
                          "metadata": {"resourceVersion": str(next(self._versions))}, "items": items}
+        invalid = _invalid_name(body) if method in ("POST", "PUT") and body is not None else None
+        if invalid is not None:
+            return 422, invalid
         if name is None and method == "POST" and body is not None:
             new = body["metadata"]["name"]
             if new in self.resource_slices:
                 return 409, _status(409, "AlreadyExists", f'resourceslices.resource.k8s.io "{new}" already exists')
             body["metadata"] = {**body["metadata"], **self._meta(new)}
             self.resource_slices[new] = body
-            self._changed.notify_all()
+            self._event("ADDED", body)
             return 201, body
         stored = self.resource_slices.get(name) if name is not None else None
         if stored is None:
@@ -225,11 +307,27 @@ class FakeApiServer(Waitable):
                                 "resourceVersion": str(next(self._versions)),
                                 "creationTimestamp": stored["metadata"]["creationTimestamp"]}
             self.resource_slices[name] = body
+            self._event("MODIFIED", body)
             return 200, body
         if method == "DELETE":
             del self.resource_slices[name]
+            self._event("DELETED", {**stored, "metadata": {**stored["metadata"],
+                                                           "resourceVersion": str(next(self._versions))}})
             return 200, stored
         return 405, _status(405, "MethodNotAllowed", f"{method} on resourceslices")
+
+
+def _invalid_name(body: dict) -> dict | None:
+    """The API server's 422 for a ResourceSlice name that is no DNS subdomain of at most 253 characters."""
+    name = body.get("metadata", {}).get("name", "")
+    if len(name) > 253:
+        why = "must be no more than 253 characters"
+    elif not _SUBDOMAIN.fullmatch(name):
+        why = "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'"
+    else:
+        return None
+    return _status(422, "Invalid", f'ResourceSlice.resource.k8s.io "{name}" is invalid: metadata.name: Invalid value:'
+                                   f' "{name}": {why}')
 
 
 def _summary(method: str, code: int, body: dict | None, answer: dict) -> str:
@@ -275,6 +373,8 @@ def _handler(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             body = json.loads(raw) if raw else None
             if api.delay_s:
                 time.sleep(api.delay_s)
+            if parse_qs(url.query).get("watch") == ["true"] and url.path == f"{GROUP}/resourceslices":
+                return self._watch(url)
             code, answer = api.handle(self.command, url.path, parse_qs(url.query), body)
             api._record(self.command, url.path, url.query, _summary(self.command, code, body, answer))
             data = json.dumps(answer).encode()
@@ -286,6 +386,34 @@ def _handler(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(data)
             except OSError:
                 pass  # the client gave up (a slow server's timeout)
+
+        def _watch(self, url: Any) -> None:
+            with api._changed:
+                failure = api._failures.pop(0) if api._failures else None
+            api._record("GET", url.path, url.query, f"{failure or 200} watch")
+            if failure is not None:
+                data = json.dumps(_status(failure, "ServiceUnavailable", "the fake API server was told to fail"))
+                self.send_response(failure)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data.encode())
+                return
+
+            def send(data: bytes) -> None:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                api.watch_events(parse_qs(url.query), self.connection, send)
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError:
+                pass  # the client hung up, or the server was closed
+            self.close_connection = True
 
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _serve
 

@@ -26,7 +26,7 @@ from runtime import lazy_exports
 
 _EXPORTS = {
     "._names": ("DEFAULT_DRIVER_NAME", "DEFAULT_PLUGINS_DIR", "DEFAULT_REGISTRY_DIR", "PLUGIN_TYPE",
-                "SUPPORTED_VERSIONS", "check_driver_name", "dra_socket", "registration_socket"),
+                "SUPPORTED_VERSIONS", "check_driver_name", "check_node_name", "dra_socket", "registration_socket"),
     "._claims": ("ClaimPlan", "ClaimRef", "ClaimRefused", "PlannedDevice", "check_uid", "plan_claim"),
     "._claim_spec": ("claim_device_id", "claim_kind", "claim_spec_file", "render_claim_spec"),
     "._command": ("add_command",),
@@ -36,7 +36,7 @@ _EXPORTS = {
     "._prepared": ("CheckpointError", "PreparedClaim", "PreparedClaims", "PreparedDevice", "checkpoint_path",
                    "read_checkpoint", "write_checkpoint"),
     "._run": ("DraOptions", "DraSummary", "run_dra_plugin"),
-    "._slices": ("SlicePublishError", "SlicePublisher", "keep_published", "render_slice"),
+    "._slices": ("SlicePublishError", "SlicePublisher", "keep_published", "render_slice", "slice_name"),
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
@@ -49,9 +49,9 @@ if TYPE_CHECKING:
     from ._devices import DeviceFacts, DraCatalog, nvlink_islands, product_family, semver
     from ._kube import DraSetupError, api_failure, kube_client
     from ._names import (DEFAULT_DRIVER_NAME, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, PLUGIN_TYPE,
-                         SUPPORTED_VERSIONS, check_driver_name, dra_socket, registration_socket)
+                         SUPPORTED_VERSIONS, check_driver_name, check_node_name, dra_socket, registration_socket)
     from ._plugin import DRA_PLUGIN_ID, ClaimAnswer, DraPluginProcess
     from ._prepared import CheckpointError, PreparedClaim, PreparedClaims, PreparedDevice, checkpoint_path
     from ._prepared import read_checkpoint, write_checkpoint
     from ._run import DraOptions, DraSummary, run_dra_plugin
-    from ._slices import SlicePublishError, SlicePublisher, keep_published, render_slice
+    from ._slices import SlicePublishError, SlicePublisher, keep_published, render_slice, slice_name

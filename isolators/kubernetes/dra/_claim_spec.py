@@ -11,8 +11,18 @@ Rules (SPEC sections 13 and 21):
   its CDI id (``claim_device_id``) is what the kubelet hands the runtime
   (``cdi_device_ids``).
 - The spec's shared edits (applied once whichever of its devices a
-  container gets) hold the control devices, the driver volume's bind mount
-  and environment, and ``NVIDIA_VISIBLE_DEVICES`` = the claim's UUIDs.
+  container gets) hold the control devices, the driver volume
+  (``NodeFacts.injection``: its mount, its binaries at ``/usr/bin``, the
+  hook that updates the container's loader cache; no PATH or
+  LD_LIBRARY_PATH, R-DR-2), and ``NVIDIA_VISIBLE_DEVICES=void`` (R-DR-3). A
+  container of a claim may get only some of its devices (those of its own
+  requests): engines merge CDI ``env`` by key, the last device's value
+  winning, so no per-device value can list a container's devices when it
+  has more than one, and a claim-wide list would name devices the
+  container was not given -- which a node whose runtime is NVIDIA's
+  (legacy mode injects every GPU ``NVIDIA_VISIBLE_DEVICES`` names) would
+  then hand it. ``void`` is NVIDIA's own value for "the devices come
+  from CDI, inject none"; the container sees its devices by their nodes.
 - ``cdiVersion`` is the lowest its fields need (a uid may start with a
   digit: 0.5.0). Pure: no I/O (``isolators.cdi`` writes the file).
 """
@@ -25,10 +35,13 @@ import msgspec
 
 from actors.mig import Unit
 
-from ...cdi import CdiContainerEdits, CdiDevice, CdiSpec, NodeFacts, bind_mount, container_grant, control_device
-from ...cdi import device_node, encode_spec, required_version, validate_spec
+from ...cdi import CdiContainerEdits, CdiDevice, CdiSpec, NodeFacts, container_grant, control_device
+from ...cdi import VISIBLE_DEVICES, device_node, encode_spec, required_version, validate_spec
 
-__all__ = ["claim_kind", "claim_spec_prefix", "claim_spec_file", "claim_device_id", "render_claim_spec"]
+__all__ = ["VISIBLE_NONE_FROM_CDI", "claim_kind", "claim_spec_prefix", "claim_spec_file", "claim_device_id", "render_claim_spec"]
+
+VISIBLE_NONE_FROM_CDI = "void"
+"""``NVIDIA_VISIBLE_DEVICES`` of every claim container (see module rules)."""
 
 
 def claim_kind(driver: str) -> str:
@@ -57,12 +70,12 @@ def render_claim_spec(driver: str, uid: str, devices: Iterable[tuple[str, Unit]]
         grant = container_grant([unit], uuids, {}, dev_dir, caps=facts.caps)
         cdi_devices.append(CdiDevice(name=f"{uid}-{name}", container_edits=CdiContainerEdits(
             device_nodes=[device_node(node) for node in grant.devices])))
-    whole = container_grant([unit for _, unit in devices], uuids, {}, dev_dir, volume=facts.volume,
-                            volume_env=facts.volume_env, caps=facts.caps)
+    volume_edits = facts.injection.edits([facts.volume] if facts.volume is not None else [])
     shared = CdiContainerEdits(
-        env=[f"{key}={value}" for key, value in whole.environment.items()],
+        env=[f"{VISIBLE_DEVICES}={VISIBLE_NONE_FROM_CDI}"],
         device_nodes=[device_node(control_device(path, rule)) for path, rule in facts.control_devices.items()],
-        mounts=[bind_mount(mount) for mount in whole.mounts],
+        mounts=volume_edits.mounts,
+        hooks=volume_edits.hooks,
     )
     spec = CdiSpec(cdi_version="0.3.0", kind=claim_kind(driver), devices=cdi_devices, container_edits=shared)
     spec = validate_spec(msgspec.structs.replace(spec, cdi_version=required_version(spec)))

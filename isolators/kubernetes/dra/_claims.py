@@ -12,6 +12,11 @@ Rules (issue 37 item 3; SPEC section 21):
   again); it has no ``status.allocation``; none of its results is this
   driver's; a result of this driver names another node's pool (the pool is
   the node's name) or a device this node does not publish.
+- Opaque device configuration addressed to this driver
+  (``status.allocation.devices.config[].opaque.driver``, from the claim or
+  its DeviceClass) is refused, naming its source, requests and
+  parameters: this driver takes none, and a setting the user asked for
+  is never dropped silently. Configuration for other drivers is theirs.
 - Results of other drivers are ignored (their drivers prepare them). A
   result is shared when it has ``adminAccess`` or a ``shareID``
   (``PlannedDevice.admin_access`` / ``share_id``); see ``PreparedClaims``
@@ -21,6 +26,7 @@ Rules (issue 37 item 3; SPEC section 21):
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -97,6 +103,12 @@ def plan_claim(ref: ClaimRef, claim: Any, *, driver: str, node: str, catalog: Dr
     if allocation is None or results is None:
         raise ClaimRefused(f"{ref}: it is not allocated (no status.allocation): the scheduler has not given it"
                            f" devices; {NOTHING}")
+    refused = [_describe(config) for config in allocation.devices.config or []
+               if config.opaque is not None and config.opaque.driver == driver]
+    if refused:
+        raise ClaimRefused(f"{ref}: it holds opaque device configuration for driver {driver}, which takes none and"
+                           f" does not understand it: {'; '.join(refused)}. Remove it from the claim or its"
+                           f" DeviceClass; {NOTHING}")
     ours = [result for result in results if result.driver == driver]
     if not ours:
         drivers = sorted({result.driver for result in results})
@@ -113,3 +125,12 @@ def plan_claim(ref: ClaimRef, claim: Any, *, driver: str, node: str, catalog: Dr
     devices = [PlannedDevice(request=r.request, pool=r.pool, device=r.device, admin_access=bool(r.adminAccess),
                              share_id=r.shareID or None) for r in ours]
     return ClaimPlan(ref=ref, devices=devices)
+
+
+def _describe(config: Any) -> str:
+    """One opaque configuration entry in words: source, requests, parameters (cut at 120 characters)."""
+    parameters = json.dumps(config.opaque.parameters, sort_keys=True, separators=(",", ":"))
+    if len(parameters) > 120:
+        parameters = parameters[:117] + "..."
+    requests = ", ".join(config.requests) if config.requests else "all requests"
+    return f"{config.source} for {requests}: {parameters}"

@@ -62,13 +62,17 @@ def _usage(message: str) -> Exception:
 
 
 def _cmd_dra_plugin(args: argparse.Namespace) -> int:
-    from ._names import check_driver_name
+    from ._names import check_driver_name, check_node_name
     from ._run import DraOptions, DraSummary, run_dra_plugin
 
     node = args.node_name or os.environ.get("NODE_NAME")
     if not node:
         raise _usage("no node name: pass --node_name=NAME or set NODE_NAME (the DaemonSet sets it from"
                      " spec.nodeName)")
+    try:
+        check_node_name(node)
+    except ValueError as error:
+        raise _usage(f"--node_name: {error}") from None
     try:
         check_driver_name(args.driver_name)
     except ValueError as error:

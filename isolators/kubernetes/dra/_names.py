@@ -4,7 +4,9 @@ Rules (SPEC section 21):
 - ``DEFAULT_DRIVER_NAME`` is ``gpu.isolator.dev``; a driver name is a DNS
   subdomain (lower-case alphanumerics, ``-`` and ``.``, each label starting
   and ending alphanumeric, at most 63 characters as Kubernetes caps driver
-  names); ``check_driver_name`` refuses anything else with one line.
+  names); ``check_driver_name`` refuses anything else with one line. A
+  node name is a DNS subdomain of at most 253 characters (Kubernetes'
+  rule for Node objects); ``check_node_name`` refuses anything else.
 - The kubelet's plugin watcher reads ``DEFAULT_REGISTRY_DIR``
   (``/var/lib/kubelet/plugins_registry``); the driver serves its
   registration on ``<registry>/<driver>-reg.sock`` and its DRA service on
@@ -25,7 +27,7 @@ import re
 
 __all__ = [
     "DEFAULT_DRIVER_NAME", "DEFAULT_REGISTRY_DIR", "DEFAULT_PLUGINS_DIR", "PLUGIN_TYPE", "SUPPORTED_VERSIONS",
-    "MAX_DRIVER_NAME", "check_driver_name", "registration_socket", "dra_socket", "gpu_device_name",
+    "MAX_DRIVER_NAME", "MAX_NODE_NAME", "check_driver_name", "check_node_name", "registration_socket", "dra_socket", "gpu_device_name",
     "mig_device_name",
 ]
 
@@ -35,6 +37,7 @@ DEFAULT_PLUGINS_DIR = "/var/lib/kubelet/plugins"
 PLUGIN_TYPE = "DRAPlugin"
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 MAX_DRIVER_NAME = 63
+MAX_NODE_NAME = 253
 
 _LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _SUBDOMAIN = re.compile(rf"{_LABEL}(\.{_LABEL})*")
@@ -45,6 +48,14 @@ def check_driver_name(name: str) -> str:
     if not isinstance(name, str) or not _SUBDOMAIN.fullmatch(name) or len(name) > MAX_DRIVER_NAME:
         raise ValueError(f"Invalid driver name {name!r}: expected a DNS subdomain of at most {MAX_DRIVER_NAME}"
                          f" characters (lower-case letters, digits, '-' and '.'), e.g. {DEFAULT_DRIVER_NAME}")
+    return name
+
+
+def check_node_name(name: str) -> str:
+    """``name`` when it is a valid Kubernetes node name, else ``ValueError`` saying why."""
+    if not isinstance(name, str) or not _SUBDOMAIN.fullmatch(name) or len(name) > MAX_NODE_NAME:
+        raise ValueError(f"Invalid node name {name!r}: expected a DNS subdomain of at most {MAX_NODE_NAME}"
+                         " characters (lower-case letters, digits, '-' and '.'), as Kubernetes names its nodes")
     return name
 
 

@@ -15,7 +15,8 @@ Rules (issue 37; SPEC section 21):
   registration socket (``<registry>/<driver>-reg.sock``), so the plugin
   watcher never finds a driver it cannot dial. The ResourceSlice is
   published at once and kept current (``keep_published``): a restarted
-  driver republishes before the kubelet's 30 s grace ends. ``ready`` is
+  driver republishes before the kubelet's 30 s grace ends, and a slice a
+  restarted kubelet (or anyone else) deleted or changed is put back. ``ready`` is
   called once both sockets listen.
 - Sockets, registration and the run loop are the shared ones
   (``SocketServer``, ``PluginWatcherRegistration``, ``node_parts`` /

@@ -51,10 +51,12 @@ def test_the_daemonset_runs_the_plugin_with_pod_repairs_privileges_and_mounts() 
 
     needed = [args.device_plugin_dir, options["cdi_spec_dir"], options["dev_dir"],
               os.path.dirname(options["volume_dir"]), os.path.dirname(DEFAULT_POD_RESOURCES_SOCKET),
+              options["cdi_hook"],  # the specs' hook: installed by the pod where the host's runtime runs it
               "/sys/fs/cgroup", "/run/systemd", "/run/dbus/system_bus_socket",
               *(template.split("{id}", 1)[0].rstrip("/") for template in DEFAULT_CONFIG_TEMPLATES)]
     for path in needed:
         assert host_path_of(path) == path  # the host's own path, where the plugin looks for it
+    assert f'HOOK_FILE)\')" {options["cdi_hook"]} &&' in script
     for path in ("/sys/fs/cgroup", options["dev_dir"], args.device_plugin_dir):
         assert not mounted[path].readOnly, f"pod repair writes {path}"
     for template in DEFAULT_CONFIG_TEMPLATES:  # the runtimes' records: read only

@@ -21,6 +21,9 @@ DGX8 = Path(__file__).resolve().parents[2] / "inventory" / "data" / "dgx8-nvlink
     ([], "gpu-isolator dra-plugin: error: no node name: pass --node_name=NAME or set NODE_NAME"),
     (["--node_name=n", "--driver_name=GPU_Driver"], "--driver_name: Invalid driver name 'GPU_Driver': expected a DNS"
                                                     " subdomain of at most 63 characters"),
+    (["--node_name=Node_1"], "--node_name: Invalid node name 'Node_1': expected a DNS subdomain of at most 253"
+                              " characters"),
+    (["--node_name=" + "n" * 254], "--node_name: Invalid node name"),
     (["--node_name=n", "--credential=/x"], "--credential needs --listen HOST:PORT"),
     (["--node_name=n", "--api_timeout=0"], "--api_timeout must be > 0, got 0.0"),
 ])
@@ -121,3 +124,32 @@ def test_a_checkpointed_claim_on_a_device_gone_stays_prepared_until_unprepared(t
             kubelet.close()
             plugin.close()
             api.close()
+
+
+def test_a_node_with_a_253_character_name_gets_its_slice_under_a_valid_name(tmp_path: Path) -> None:
+    """R-DR-5: ``<node>-<driver>`` would be 270 characters, which the API server refuses (422); the driver
+    publishes under a shortened name that is still a DNS subdomain and names the node."""
+    from isolators.kubernetes.dra import slice_name
+    from tests.support.dra_kubelet import DraPluginCommand
+    from tests.support.kube_api import FakeApiServer
+    from tests.support.kubelet import plugin_directory
+
+    node = ".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61])
+    assert len(node) == 253
+    api = FakeApiServer().start()
+    with plugin_directory() as sockets:
+        plugin = DraPluginCommand([
+            f"--node_name={node}", f"--kubeconfig={api.kubeconfig(tmp_path / 'kubeconfig')}", f"--host_file={DGX8}",
+            f"--plugins_registry_dir={sockets}/registry", f"--plugins_dir={sockets}/plugins",
+            f"--work_dir={tmp_path}/work", f"--volume_dir={tmp_path}/volume", f"--cdi_spec_dir={tmp_path}"], tmp_path)
+        try:
+            plugin.start()
+            [published] = api.wait_for(lambda api: api.slices(node), "the node's slice", timeout=15)
+        finally:
+            plugin.close()
+            api.close()
+    name = published["metadata"]["name"]
+    assert name == slice_name(node, "gpu.isolator.dev") and len(name) == 253
+    assert name.startswith(node[:200]) and published["spec"]["pool"]["name"] == node
+    assert len(published["spec"]["devices"]) == 8
+    assert "422 Invalid" not in api.transcript()

@@ -1,11 +1,15 @@
 """The manifests under ``deploy/dra`` load into lightkube's typed models and
 agree with the driver: RBAC covers what it asks of the API server, the
-DaemonSet's options are the command's and its host paths are mounted, the
-DeviceClass and the claim template select and match attributes it publishes."""
+admission policy lets it write only its own node's slices (its CEL run on
+the slices the driver writes), the DaemonSet's options are the command's
+and its host paths are mounted, the DeviceClass and the claim template
+select and match attributes it publishes. (tests/docs validates every
+manifest under deploy/ against Kubernetes' schemas.)"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +30,8 @@ def test_every_manifest_loads_into_typed_models() -> None:
     kinds = {name: [type(o).__module__.rsplit(".", 1)[-1] + "." + type(o).__name__ for o in load(name)]
              for name in sorted(p.name for p in DEPLOY.glob("*.yaml"))}
     assert kinds == {
+        "admission-policy.yaml": ["admissionregistration_v1.ValidatingAdmissionPolicy",
+                                  "admissionregistration_v1.ValidatingAdmissionPolicyBinding"],
         "daemonset.yaml": ["apps_v1.DaemonSet"],
         "deviceclass.yaml": ["resource_v1.DeviceClass"],
         "rbac.yaml": ["core_v1.ServiceAccount", "rbac_authorization_v1.ClusterRole",
@@ -38,7 +44,7 @@ def test_rbac_grants_what_the_driver_asks_of_the_api_server() -> None:
     account, role, binding = load("rbac.yaml")
     verbs = {resource: set(rule.verbs) for rule in role.rules for resource in rule.resources
              if rule.apiGroups == ["resource.k8s.io"]}
-    assert verbs["resourceslices"] >= {"list", "create", "update", "delete"}  # SlicePublisher's requests
+    assert verbs["resourceslices"] >= {"list", "watch", "create", "update", "delete"}  # SlicePublisher's requests
     assert verbs["resourceclaims"] == {"get"}  # DraPluginProcess reads claims, nothing more
     assert (binding.roleRef.name, binding.subjects[0].name) == (role.metadata.name, account.metadata.name)
 
@@ -58,6 +64,9 @@ def test_the_daemonset_runs_the_command_with_its_options_and_mounts_its_paths() 
     for path in (args.plugins_registry_dir, args.plugins_dir, *extra.values()):
         assert path in mounted, path
     assert pod.serviceAccountName == "gpu-isolator-dra-plugin"
+    hook = next(option.split("=", 1)[1] for option in options if option.startswith("--cdi_hook="))
+    assert f'HOOK_FILE)\')" {hook} &&' in script  # the pod installs the hook file ...
+    assert hook.rsplit("/", 1)[0] in mounted  # ... on a host path: the runtime runs it on the host
 
 
 def test_the_claim_template_asks_two_gpus_on_one_nvlink_island_of_this_driver() -> None:
@@ -88,3 +97,93 @@ def test_the_docs_show_every_manifest_as_it_is() -> None:
     guide = DEPLOY.parents[1] / "docs" / "guides" / "dra.md"
     included = set(re.findall(r"```\{literalinclude\} \.\./\.\./deploy/dra/(\S+)\n", guide.read_text()))
     assert included == {manifest.name for manifest in DEPLOY.glob("*.yaml")}
+
+
+class AdmissionPolicy:
+    """``deploy/dra/admission-policy.yaml`` evaluated as the API server does: its match conditions, then its
+    variables in order, then its validations (cel-python evaluates the CEL)."""
+
+    def __init__(self) -> None:
+        import celpy
+        import yaml
+
+        self.celpy = celpy
+        policy, self.binding = yaml.safe_load_all((DEPLOY / "admission-policy.yaml").read_text())
+        self.policy = policy
+        spec = policy["spec"]
+        environment = celpy.Environment()
+        self.compiled = {expression: environment.program(environment.compile(expression)) for expression in
+                         [c["expression"] for c in spec["matchConditions"]] + [v["expression"] for v in spec["variables"]]
+                         + [v["expression"] for v in spec["validations"]]
+                         + [v["messageExpression"] for v in spec["validations"] if "messageExpression" in v]}
+
+    def _eval(self, expression: str, activation: dict) -> Any:
+        value = self.compiled[expression].evaluate(activation)
+        if isinstance(value, Exception):
+            raise AssertionError(f"{expression!r} failed: {value}")
+        return value
+
+    def review(self, operation: str, user: str, node: str | None, new: dict | None, old: dict | None) -> str | None:
+        """None when the policy does not apply or allows; else the denial's message."""
+        spec = self.policy["spec"]
+        rule = spec["matchConstraints"]["resourceRules"][0]
+        assert operation in rule["operations"] and rule["resources"] == ["resourceslices"]
+        extra = {"authentication.kubernetes.io/node-name": [node]} if node is not None else None
+        info: dict = {"username": user, **({"extra": extra} if extra else {})}
+        request = {"operation": operation, "userInfo": info}
+        activation = {"request": self.celpy.json_to_cel(request), "object": self.celpy.json_to_cel(new),
+                      "oldObject": self.celpy.json_to_cel(old)}
+        if not all(self._eval(c["expression"], activation) for c in spec["matchConditions"]):
+            return None
+        variables: dict = {}
+        for variable in spec["variables"]:
+            activation["variables"] = self.celpy.json_to_cel(variables)
+            variables[variable["name"]] = str(self._eval(variable["expression"], activation))
+        activation["variables"] = self.celpy.json_to_cel(variables)
+        for validation in spec["validations"]:
+            if not self._eval(validation["expression"], activation):
+                if "messageExpression" in validation:
+                    return str(self._eval(validation["messageExpression"], activation))
+                return " ".join(validation["message"].split())
+        return None
+
+
+def test_the_admission_policy_lets_the_driver_write_only_its_own_nodes_slices() -> None:
+    """R-DR-4, on the slice the driver writes (``render_slice``: ``spec.nodeName`` the node)."""
+    from isolators.kubernetes.dra import render_slice
+
+    policy = AdmissionPolicy()
+    account, _, _ = load("rbac.yaml")
+    driver = f"system:serviceaccount:{account.metadata.namespace}:{account.metadata.name}"
+    assert policy.binding["spec"] == {"policyName": policy.policy["metadata"]["name"], "validationActions": ["Deny"]}
+    catalog = catalog_of(Path(__file__).resolve().parents[2] / "inventory" / "data" / "dgx8-nvlink.toml")
+
+    def written(node: str) -> dict:
+        return render_slice(catalog, driver=DEFAULT_DRIVER_NAME, node=node, generation=1, unhealthy={}).to_dict()
+
+    own, other = written("node-a"), written("node-b")
+    cluster_wide = {**own, "spec": {k: v for k, v in own["spec"].items() if k != "nodeName"} | {"allNodes": True}}
+    denied = "gpu-isolator-dra-plugin on node node-a may write only that node's ResourceSlices, not"
+    assert policy.review("CREATE", driver, "node-a", own, None) is None
+    assert policy.review("UPDATE", driver, "node-a", own, own) is None
+    assert policy.review("DELETE", driver, "node-a", None, own) is None  # a stale slice of its own node
+    assert policy.review("CREATE", driver, "node-a", other, None) == f"{denied} one of node node-b"
+    assert policy.review("UPDATE", driver, "node-a", other, other) == f"{denied} one of node node-b"
+    assert policy.review("DELETE", driver, "node-a", None, other) == f"{denied} one of node node-b"
+    assert policy.review("UPDATE", driver, "node-a", own, other) is not None  # moving another node's slice here
+    assert policy.review("CREATE", driver, "node-a", cluster_wide, None) == f"{denied} a slice of no node"
+    assert policy.review("CREATE", driver, None, own, None) == (
+        "gpu-isolator-dra-plugin's token names no node: it must run in a pod on a node (projected service account"
+        " tokens carry the node's name from Kubernetes 1.32 on)")
+    assert policy.review("DELETE", "system:serviceaccount:kube-system:other", None, None, other) is None  # not ours
+
+
+def test_every_write_rbac_grants_on_slices_is_one_the_policy_judges() -> None:
+    _, role, _ = load("rbac.yaml")
+    policy = AdmissionPolicy().policy
+    verbs = {verb for rule in role.rules if "resourceslices" in rule.resources for verb in rule.verbs}
+    writes = verbs - {"get", "list", "watch"}
+    operation = {"create": "CREATE", "update": "UPDATE", "patch": "UPDATE", "delete": "DELETE",
+                 "deletecollection": "DELETE"}
+    judged = set(policy["spec"]["matchConstraints"]["resourceRules"][0]["operations"])
+    assert writes and {operation[verb] for verb in writes} <= judged

@@ -23,7 +23,7 @@ import pytest
 from actors.nvml import load_host_file
 
 from tests.support.dra_kubelet import DraPluginCommand, FakeDraKubelet
-from tests.support.kube_api import FakeApiServer, allocation_result
+from tests.support.kube_api import FakeApiServer, allocation_result, opaque_config
 from tests.support.kubelet import DGX8, flag_args, plugin_directory, plugin_node
 
 UUIDS = [gpu.uuid for gpu in load_host_file(DGX8).gpus]
@@ -93,6 +93,11 @@ def new_claim(dra: Deployment, devices: list[str], *, name: str | None = None, p
     return ("team", name, uid)
 
 
+def claim_requests(dra: Deployment) -> int:
+    """How many ResourceClaim requests the API server was sent (the slice's watch and lists aside)."""
+    return sum(1 for request in dra.api.requests if "/resourceclaims" in request[2])
+
+
 def test_it_registers_with_the_plugin_watcher_serving_both_dra_versions(dra: Deployment) -> None:
     info = dra.ready().register()  # a second registration (a kubelet restart) is answered alike
     endpoint = f"{dra.sockets}/plugins/{DRIVER}/dra.sock"
@@ -154,18 +159,19 @@ def test_a_two_gpu_claim_is_prepared_with_a_cdi_spec_named_by_its_uid(dra: Deplo
     assert [(d["name"], [n["path"] for n in d["containerEdits"]["deviceNodes"]]) for d in spec["devices"]] == [
         (f"{uid}-gpu-0", ["/dev/nvidia0"]), (f"{uid}-gpu-1", ["/dev/nvidia1"])]
     shared = spec["containerEdits"]
-    assert f"NVIDIA_VISIBLE_DEVICES={UUIDS[0]},{UUIDS[1]}" in shared["env"]
+    assert "NVIDIA_VISIBLE_DEVICES=void" in shared["env"]  # R-DR-3: the devices come from CDI, none by list
     assert {n["path"] for n in shared["deviceNodes"]} >= {"/dev/nvidiactl", "/dev/nvidia-uvm"}
     assert [m["containerPath"] for m in shared["mounts"]] == ["/usr/local/nvidia"]  # the driver volume
     assert uid in dra.prepared_uids()
     # Idempotent, in both wire versions, and without asking the API server again.
-    asked = len(dra.api.requests)
+    asked = claim_requests(dra)
     assert kubelet.prepare([ref], "v1beta1.DRAPlugin") == answer
     assert kubelet.prepare([ref]) == answer
-    assert len(dra.api.requests) == asked
+    assert claim_requests(dra) == asked
 
 
-@pytest.mark.parametrize("case", ["unknown", "uid", "unallocated", "other-node", "unknown-device", "other-driver"])
+@pytest.mark.parametrize("case", ["unknown", "uid", "unallocated", "other-node", "unknown-device", "other-driver",
+                                  "opaque-config"])
 def test_a_claim_that_cannot_be_prepared_is_refused_by_itself_naming_why(dra: Deployment, case: str) -> None:
     kubelet = dra.ready()
     good = new_claim(dra, ["gpu-7"])
@@ -181,6 +187,11 @@ def test_a_claim_that_cannot_be_prepared_is_refused_by_itself_naming_why(dra: De
         dra.api.add_claim("team", name, [allocation_result("gpus", DRIVER, NODE, "gpu-9")], uid=uid)
     elif case == "other-driver":
         dra.api.add_claim("team", name, [allocation_result("nic", "nic.example.com", NODE, "eth0")], uid=uid)
+    elif case == "opaque-config":  # R-DR-5: a setting this driver does not understand is never dropped silently
+        dra.api.add_claim("team", name, [allocation_result("gpus", DRIVER, NODE, "gpu-6")], uid=uid, config=[
+            opaque_config("nic.example.com", {"mtu": 9000}),  # another driver's: not ours to judge
+            opaque_config(DRIVER, {"apiVersion": "gpu.isolator.dev/v1", "kind": "GpuConfig", "sharing": "mps"},
+                          requests=["gpus"])])
     before = dra.specs()
     answer = kubelet.prepare([("team", name, uid), good])
     claim = f"claim team/{name} (uid {uid}): "
@@ -194,6 +205,9 @@ def test_a_claim_that_cannot_be_prepared_is_refused_by_itself_naming_why(dra: De
         "unknown-device": f"device gpu-9 is not one driver {DRIVER} publishes on node {NODE} (gpu-0, gpu-1, gpu-2,"
                           " ...)",
         "other-driver": f"none of its devices is driver {DRIVER}'s (allocated from: nic.example.com)",
+        "opaque-config": f"it holds opaque device configuration for driver {DRIVER}, which takes none and does not"
+                         ' understand it: FromClaim for gpus: {"apiVersion":"gpu.isolator.dev/v1","kind":"GpuConfig",'
+                         '"sharing":"mps"}. Remove it from the claim or its DeviceClass',
     }[case]
     assert answer[uid] == {"error": f"{claim}{why}; nothing was prepared"}
     assert answer[good[2]]["devices"][0]["device_name"] == "gpu-7"  # the other claim of the call is prepared
@@ -211,10 +225,10 @@ def test_a_reference_that_is_no_kubernetes_name_is_refused_before_any_request(
         dra: Deployment, namespace: str, name: str, why: str) -> None:
     kubelet = dra.ready()
     uid = str(uuid.uuid4())
-    asked = len(dra.api.requests)
+    asked = claim_requests(dra)
     answer = kubelet.prepare([(namespace, name, uid)])
     assert answer == {uid: {"error": f"claim uid {uid}: {why}; nothing was prepared"}}
-    assert len(dra.api.requests) == asked  # no path was built from it
+    assert claim_requests(dra) == asked  # no path was built from it
 
 
 def test_a_device_prepared_for_one_claim_is_refused_for_another_unless_shared(dra: Deployment) -> None:
@@ -312,6 +326,43 @@ def test_a_slow_api_server_fails_that_claim_and_nothing_else(dra: Deployment) ->
                                         " nothing was prepared"}}
     assert "devices" in kubelet.prepare([ref])[ref[2]]  # answered once the server is quick again
     kubelet.unprepare([ref])
+
+
+def test_the_slice_follows_the_api_server_without_a_driver_restart(dra: Deployment) -> None:
+    """R-DR-1: a kubelet restart deletes every slice of its node; an admin edits or deletes the slice; a
+    slice of this node and driver appears. Each time the API server holds the driver's slice again, within
+    one pass (its watch), and the driver process is the one that started."""
+    kubelet = dra.ready()
+    pid = dra.plugin.pid
+    [before] = dra.api.wait_for(lambda api: api.slices(NODE), "the slice")
+    devices = before["spec"]["devices"]
+
+    def slice_with(what: str, predicate: Any) -> dict:
+        return dra.api.wait_for(lambda api: [s for s in api.slices(NODE) if predicate(s)], what)[0]
+
+    assert kubelet.restart(dra.api, NODE)["name"] == DRIVER
+    back = slice_with("the slice back after a kubelet restart", lambda s: s["metadata"]["name"] == SLICE)
+    assert back["spec"]["devices"] == devices
+    assert back["spec"]["pool"]["generation"] > before["spec"]["pool"]["generation"]
+    dra.plugin.wait_log(f"ResourceSlice {SLICE} published again: it was gone from the API server (a kubelet"
+                        " restart deletes its node's slices)")
+    edited = json.loads(json.dumps(back))
+    edited["spec"]["devices"] = devices[:2]  # someone else's edit
+    assert dra.api.handle("PUT", f"/apis/resource.k8s.io/v1/resourceslices/{SLICE}", {}, edited)[0] == 200
+    again = slice_with("the edit undone", lambda s: len(s["spec"]["devices"]) == 8)
+    assert again["spec"]["devices"] == devices
+    assert again["spec"]["pool"]["generation"] > back["spec"]["pool"]["generation"]
+    foreign = json.loads(json.dumps(again))
+    foreign["metadata"] = {"name": f"{NODE}-someone-else"}
+    dra.api.handle("POST", "/apis/resource.k8s.io/v1/resourceslices", {}, foreign)
+    dra.api.wait_for(lambda api: [s["metadata"]["name"] for s in api.slices(NODE)] == [SLICE],
+                     "the other slice of this node and driver deleted")
+    dra.api.handle("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{SLICE}", {}, None)  # an admin's delete
+    slice_with("the slice back after a delete", lambda s: s["metadata"]["name"] == SLICE)
+    assert dra.plugin.pid == pid and dra.plugin.process.poll() is None  # never restarted
+    written = len(dra.api.events)
+    kubelet.register()  # nothing changed: the driver writes nothing
+    assert [kind for _, kind, _ in dra.api.events[written:]] == []
 
 
 def test_a_restarted_driver_republishes_at_once_and_keeps_its_claims_even_with_the_api_server_down(

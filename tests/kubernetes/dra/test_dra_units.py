@@ -143,19 +143,18 @@ def test_a_mig_claims_spec_holds_its_parent_and_its_two_capability_nodes() -> No
     import msgspec
 
     from actors.mig import read_mig_capabilities
-    from isolators.cdi import NodeFacts
+    from isolators.cdi import DriverInjection, NodeFacts
     from isolators.kubernetes.dra import render_claim_spec
 
     published = catalog("h200-mig.toml", nvidia_mig_strategy="mixed")
     proc = Path(__file__).resolve().parents[3] / "examples" / "h200-mig-proc"
-    facts = NodeFacts(control_devices={}, volume=None, volume_env={}, caps=read_mig_capabilities(str(proc)))
+    facts = NodeFacts(control_devices={}, volume=None, injection=DriverInjection(program=("/hook",)), caps=read_mig_capabilities(str(proc)))
     units = [(name, published.by_name[name].unit) for name in ("mig-0-3-0", "gpu-1")]
     spec = msgspec.json.decode(render_claim_spec("gpu.isolator.dev", "u-1", units, published.uuids, facts, "/dev"))
     assert [(d["name"], [n["path"] for n in d["containerEdits"]["deviceNodes"]]) for d in spec["devices"]] == [
         ("u-1-mig-0-3-0", ["/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap30", "/dev/nvidia-caps/nvidia-cap31"]),
         ("u-1-gpu-1", ["/dev/nvidia1"])]
-    assert spec["containerEdits"]["env"] == [
-        "NVIDIA_VISIBLE_DEVICES=" + ",".join(published.uuids[unit] for _, unit in sorted(units, key=lambda u: u[1]))]
+    assert spec["containerEdits"]["env"] == ["NVIDIA_VISIBLE_DEVICES=void"]  # R-DR-3: no claim-wide list
 
 
 def test_a_commit_whose_checkpoint_landed_is_done_even_when_a_gone_claims_spec_cannot_be_removed(
@@ -178,3 +177,20 @@ def test_a_commit_whose_checkpoint_landed_is_done_even_when_a_gone_claims_spec_c
     [message] = [r.getMessage() for r in caplog.records]
     assert message.startswith(f"Unprepared claims' CDI specs not all removed (Failed to remove CDI spec"
                               f" '{specs / stuck}': ") and message.endswith("); the next start removes them")
+
+
+def test_slice_names_are_dns_subdomains_of_at_most_253_characters_for_any_node() -> None:
+    import re
+
+    from isolators.kubernetes.dra import slice_name
+
+    subdomain = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+    assert slice_name("n1", "gpu.isolator.dev") == "n1-gpu.isolator.dev"  # the usual name, unchanged
+    long_a = ".".join(["a" * 63] * 3) + "." + "x" * 61
+    long_b = long_a[:-1] + "y"
+    for node in (long_a, long_b, "a" * 236 + "." + "b" * 16, "a" * 235 + "-b"):
+        name = slice_name(node, "gpu.isolator.dev")
+        assert len(name) <= 253 and subdomain.fullmatch(name), name
+        assert name == slice_name(node, "gpu.isolator.dev")  # stable across restarts
+    assert slice_name(long_a, "gpu.isolator.dev") != slice_name(long_b, "gpu.isolator.dev")
+    assert slice_name(long_a, "gpu.isolator.dev") != slice_name(long_a, "gpu2.isolator.dev")
