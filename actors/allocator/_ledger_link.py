@@ -114,10 +114,10 @@ def unit_names(inventory: NodeInventory, units: Iterable[Unit]) -> dict[Unit, Un
 class LedgerState:
     """What the allocator's node ledger link knows (``GpuAllocatorProcess.ledger_state``)."""
 
-    __slots__ = ("directory", "owner", "generation", "elsewhere", "inherited", "leased", "conflicts")
+    __slots__ = ("directory", "owner", "generation", "elsewhere", "inherited", "leased", "conflicts", "jobs")
 
     def __init__(self, directory: str, owner: str, generation: int, elsewhere: dict[Unit, LeaseConflict],
-                 inherited: frozenset[Unit], leased: frozenset[Unit], conflicts: int) -> None:
+                 inherited: frozenset[Unit], leased: frozenset[Unit], conflicts: int, jobs: int) -> None:
         self.directory = directory
         self.owner = owner
         self.generation = generation
@@ -130,6 +130,8 @@ class LedgerState:
         """Managed units this owner leases now (held, or kept a moment before returning)."""
         self.conflicts = conflicts
         """Grants refused so far because another owner held a unit."""
+        self.jobs = jobs
+        """Executor jobs the link has run (each one batch of file work)."""
 
     def __repr__(self) -> str:
         return (f"LedgerState({self.owner} in {self.directory}, generation {self.generation},"
@@ -177,6 +179,8 @@ class LedgerLink:
         self._waiters: list[Promise] = []
         self.conflicts = 0
         """Grants refused because another owner held a unit (the allocator counts them)."""
+        self.jobs = 0
+        """Executor jobs run so far."""
         self.epoch = 0
         self._tick_timer: Any = None
         self._running = False
@@ -352,7 +356,7 @@ class LedgerLink:
 
     def state(self) -> LedgerState:
         return LedgerState(self.path, self.owner, self.generation, dict(self.elsewhere), frozenset(self.inherited),
-                           frozenset(self.ours), self.conflicts)
+                           frozenset(self.ours), self.conflicts, self.jobs)
 
     # -- reconciling after a restart -------------------------------------------------
     def reclaimed(self, units: Iterable[Unit]) -> None:
@@ -411,6 +415,7 @@ class LedgerLink:
                     for promise in refreshes:
                         promise.set_value(None)
                     return
+                self.jobs += 1
                 try:
                     result = await self._executor.run(self.directory.apply, self.owner, batch)  # type: ignore[union-attr]
                 except Exception as error:  # noqa: BLE001 - a failed job: see the module rules

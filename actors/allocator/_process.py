@@ -73,7 +73,7 @@ Rules (R-AL-1..3; Mesos' ``NvidiaGpuAllocatorProcess``):
   names the unit's UUID, the owner and its holders (and counts
   ``ledger/conflicts``). Units other owners hold are not ``available()``;
   units the owner inherited from an earlier run are out of the pool until
-  ``reclaim``\ ed or ``release_unclaimed()``. What goes back
+  reclaimed or ``release_unclaimed()``. What goes back
   (``deallocate``, ``let_go``) is returned to the ledger by the link later.
   ``ledger_state()``, ``ledger_since(generation)`` and ``refresh_ledger()``
   tell who else holds what (the Kubernetes plugins' view).

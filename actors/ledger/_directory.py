@@ -11,7 +11,8 @@ Layout (SPEC R-NL-1..3)::
 
 Rules:
 - ``LedgerDirectory.open(path)`` makes the directory (0700) and its two
-  subdirectories if missing and opens them once: every later file is
+  subdirectories if missing (``create=False``: a missing directory is a
+  ``LedgerError``, for readers such as the operator's command) and opens them once: every later file is
   reached through those descriptors with ``O_NOFOLLOW``, never through a
   path again. A directory (or subdirectory, or the lock file) that is a
   symbolic link, not owned by this user, or writable by group or others is
@@ -137,11 +138,14 @@ class LedgerDirectory:
 
     # -- opening -------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str, timeout: float = LOCK_TIMEOUT) -> "LedgerDirectory":
-        """Make (if missing) and open the directory at ``path`` (see module rules)."""
+    def open(cls, path: str, timeout: float = LOCK_TIMEOUT, create: bool = True) -> "LedgerDirectory":
+        """Make (if missing and ``create``) and open the directory at ``path`` (see module rules)."""
         if not isinstance(path, str) or not os.path.isabs(path) or "\x00" in path:
             raise LedgerError(f"Invalid node ledger directory {path!r}: expected an absolute path")
         path = os.path.normpath(path)
+        if not create and not os.path.lexists(path):
+            raise LedgerError(f"There is no node ledger at {path}: no front door has run with it (--node_ledger"
+                              " names another?)")
         try:
             os.makedirs(path, mode=0o700, exist_ok=True)
         except OSError as error:
