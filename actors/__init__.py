@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime._lazy import lazy_exports
+from runtime import lazy_exports
 
 _EXPORTS = {
     ".allocator._handle": ("NvidiaGpuAllocator",),

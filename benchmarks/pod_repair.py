@@ -32,9 +32,9 @@ import msgspec
 
 from actors.devices import DeviceRule
 from actors.gpu import Gpu
-from isolators.kubelet import AssignedDevices, DeviceCatalog, OfferedDevice, PodRepair, PodResourcesClient
-from isolators.kubelet import ResourceOffer
-from isolators.kubelet.testing import FakePodResources, MemoryPodHost
+from isolators.kubernetes.device_plugin import DeviceCatalog, OfferedDevice, ResourceOffer
+from isolators.kubernetes.pod_repair import AssignedDevices, PodRepair, PodResourcesClient
+from isolators.kubernetes.pod_repair.testing import FakePodResources, MemoryPodHost
 
 from .reporting import emit, load_average, options
 
@@ -126,7 +126,8 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=20)
     parser.add_argument("--rest-seconds", type=float, default=30.0)
     args = parser.parse_args()
-    logging.getLogger("isolators.kubelet").setLevel(logging.ERROR)  # 100 repair lines a pass are not the figure
+    # 100 repair lines a pass are not the figure
+    logging.getLogger("isolators.kubernetes.pod_repair").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="k8s-bench-", dir="/tmp") as directory:
         load_before = load_average()
         figures = anyio.run(_passes, args.containers, args.passes, os.path.join(directory, "bench.sock"))

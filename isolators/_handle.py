@@ -35,33 +35,59 @@ class NvidiaGpuIsolator:
         self.devices = devices
 
     def supports_nesting(self) -> bool:
+        """True: nested containers share their top-level parent's GPUs (R-IS-2)."""
         return True
 
     def supports_standalone(self) -> bool:
+        """True: standalone containers (no executor) are isolated too (R-IS-2)."""
         return True
 
     def recover(self, states: list[ContainerState], orphans: set[ContainerID] | None = None) -> Future[None]:
+        """After an agent restart: ``states`` are the containers the agent knows
+        (they keep the GPUs their cgroups may use, read back from the kernel),
+        ``orphans`` those it does not (their GPUs stay out of the pool until
+        they are cleaned up). Every call issued after it waits for it."""
         return dispatch(self.pid, NvidiaGpuIsolatorProcess.recover, list(states), set(orphans or ()))
 
     def prepare(self, container_id: ContainerID, config: ContainerConfig) -> Future[ContainerLaunchInfo | None]:
+        """Grant the container the GPUs its ``config.resources`` ask for
+        (``gpus:N``; MIG profiles under ``mixed``), the best-connected free
+        ones, and write its device rules. The launch info (the driver volume
+        for a container with its own rootfs, CDI names with ``cdi_spec_dir``)
+        or None when the engine has nothing to do. Fails with
+        ``IsolatorError`` ("Requested N gpus but only M available",
+        "Container has already been prepared", ...) and then changes nothing."""
         return dispatch(self.pid, NvidiaGpuIsolatorProcess.prepare, container_id, config)
 
     def update(self, container_id: ContainerID, resources: Resources, limits: dict | None = None) -> Future[None]:
+        """Grow or shrink the container's GPUs to ``resources`` (the highest
+        minors go back first). All or nothing: a failed update changes nothing."""
         return dispatch(self.pid, NvidiaGpuIsolatorProcess.update, container_id, resources, limits)
 
     def usage(self, container_id: ContainerID) -> Future[ResourceStatistics]:
+        """NVML's readings for the container's GPUs, at most
+        ``flags.nvidia_usage_max_age`` seconds old."""
         return dispatch(self.pid, NvidiaGpuIsolatorProcess.usage, container_id)
 
     def cleanup(self, container_id: ContainerID) -> Future[None]:
+        """Remove the container's cgroup and return its GPUs (idempotent: an
+        unknown id is nothing to do). If processes remain, its GPUs are denied
+        to them first and the cgroup lingers until they exit."""
         return dispatch(self.pid, NvidiaGpuIsolatorProcess.cleanup, container_id)
 
     def watch(self, container_id: ContainerID) -> Future[ContainerLimitation]:
+        """Resolves with a ``ContainerLimitation`` when a GPU the container
+        holds becomes unhealthy (an Xid, an ECC error, NVML lost)."""
         return dispatch(self.pid, NvidiaGpuIsolatorProcess.watch, container_id)
 
     def reconcile(self) -> Future[list[Repair]]:
+        """Compare every container's device rules and CDI spec with what the
+        kernel and the spec directory hold, repair the difference, and return
+        the repairs made (R-DV-5)."""
         return dispatch(self.pid, NvidiaGpuIsolatorProcess.reconcile)
 
     def containers(self) -> Future[dict[str, list[int]]]:
+        """Every container the isolator holds, by id, with its GPUs' minors."""
         return dispatch(self.pid, NvidiaGpuIsolatorProcess.containers)
 
     def unit_rules(self) -> list[DeviceRule]:
@@ -71,6 +97,7 @@ class NvidiaGpuIsolator:
 
     @property
     def recovery_report(self) -> list[str]:
+        """What the last ``recover`` found, one line a container."""
         return list(self.process.recovery_report)
 
     async def close(self) -> None:

@@ -20,9 +20,9 @@ Commands:
 - ``ledger [--json]``, ``ledger release --owner OWNER``: the node ledger
   (``isolators._ledger_command``; SPEC section 22): which front door holds
   each unit of the node, and the operator's release of a dead one's.
-- ``kubelet-plugin``: the Kubernetes device plugin (``isolators.kubelet``;
+- ``kubelet-plugin``: the Kubernetes device plugin (``isolators.kubernetes.device_plugin``;
   SPEC section 18).
-- ``dra-plugin``: the Kubernetes DRA driver (``isolators.dra``; SPEC
+- ``dra-plugin``: the Kubernetes DRA driver (``isolators.kubernetes.dra``; SPEC
   section 21).
 - The churn benchmark is not a command: it lives in the source tree
   (``python -m benchmarks.churn`` from a checkout), not in the installed
@@ -156,14 +156,12 @@ def _parser() -> argparse.ArgumentParser:
     generate.set_defaults(func=_cmd_cdi_generate)
 
     from ._ledger_command import add_command as add_ledger_command
-    from .dra._command import add_command as add_dra_command
-    from .kubelet._command import add_command as add_kubelet_command
-    from .service._commands import add_commands  # serve, exec, status
+    from .kubernetes import add_commands as add_kubernetes_commands  # kubelet-plugin, dra-plugin
+    from .service import add_commands  # serve, exec, status
 
     add_commands(sub)
     add_ledger_command(sub)
-    add_kubelet_command(sub)
-    add_dra_command(sub)
+    add_kubernetes_commands(sub)
     return parser
 
 

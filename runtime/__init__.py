@@ -6,8 +6,8 @@ Rules of each concept are at the top of its module: ``_pid``, ``_future``,
 ``testing``; on the network (``Runtime(listen=...)``): ``_network``,
 ``_server``, ``_peers``, ``_http``; metrics: ``_metrics``.
 
-Names are imported when first used (``_lazy``, which every package's
-``__init__`` uses): a process that needs only ``runtime.Failure`` (a device
+Names are imported when first used (``lazy_exports``, which every
+package's ``__init__`` uses): a process that needs only ``runtime.Failure`` (a device
 worker process) does not import asyncio.
 """
 
@@ -23,7 +23,9 @@ _EXPORTS = {
     "._executor": ("Executor", "executor_jobs"),
     "._future": ("Future", "Promise", "await_all", "collect"),
     "._http": ("Limits", "Request", "Response"),
+    "._lazy": ("lazy_exports",),
     "._metrics": ("Counter", "Gauge", "Metrics", "MetricSet", "MetricTimer"),
+    "._network": ("parse_address",),
     "._pid": ("PID", "generate_id"),
     "._process": ("Process",),
     "._sequence": ("Sequence",),
@@ -40,7 +42,9 @@ if TYPE_CHECKING:
     from ._executor import Executor, executor_jobs
     from ._future import Future, Promise, await_all, collect
     from ._http import Limits, Request, Response
+    from ._lazy import lazy_exports
     from ._metrics import Counter, Gauge, Metrics, MetricSet, MetricTimer
+    from ._network import parse_address
     from ._pid import PID, generate_id
     from ._process import Process
     from ._sequence import Sequence

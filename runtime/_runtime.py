@@ -148,7 +148,8 @@ class Runtime:
         return self
 
     @property
-    def address(self) -> str | None:  # the bound ``host:port``; None when not listening
+    def address(self) -> str | None:
+        """The bound ``"host:port"`` (port 0 resolved to the one bound); None when not listening."""
         return self._network.address if self._network is not None else None
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -195,6 +196,7 @@ class Runtime:
 
     # -- processes --------------------------------------------------------
     def spawn(self, process: Process) -> PID:
+        """``runtime.spawn`` on this runtime: register and start ``process``."""
         if process._runtime is not None:
             raise Failure(f"Process {process.pid} was already spawned")
         pid = process._pid
@@ -221,6 +223,7 @@ class Runtime:
             proc._wake(proc)
 
     def dispatch(self, pid: PID, method: Callable[..., Any], args: tuple, kwargs: dict) -> Future:
+        """``runtime.dispatch`` on this runtime (``args`` and ``kwargs`` as given)."""
         proc = self._processes.get(pid)
         if proc is None and self._network is not None:
             proc = self._lookup(pid)
@@ -236,6 +239,7 @@ class Runtime:
         return future
 
     def terminate(self, pid: PID, inject: bool = True) -> None:
+        """``runtime.terminate`` on this runtime."""
         proc = self._processes.get(pid)
         if proc is None:
             proc = self._lookup(pid)
@@ -265,6 +269,7 @@ class Runtime:
         return proc._termination()
 
     def send(self, to: PID, name: str, body: Any, from_: PID | None = None) -> None:
+        """``runtime.send`` on this runtime; ``from_`` is the sender the receiver sees."""
         proc = self._processes.get(to)
         if proc is not None and proc._state is RUNNING and not self._filters:
             # the common case, a tell to a local running process: one mailbox
@@ -461,6 +466,7 @@ class Runtime:
         return True
 
     async def settle(self) -> None:
+        """Return once every process is idle (``Clock.settle`` on this runtime)."""
         quiet = 0
         while quiet < 4:
             await anyio.sleep(0)
@@ -471,6 +477,7 @@ class Runtime:
         return {str(pid): proc.stats() for pid, proc in self._processes.items()}
 
     def processes(self) -> list[PID]:
+        """The PIDs of the processes running now."""
         return list(self._processes)
 
 

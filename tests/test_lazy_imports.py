@@ -32,7 +32,8 @@ def test_the_device_worker_child_imports_its_backends_and_nothing_of_the_agent()
 
 
 @pytest.mark.parametrize("package", ["runtime", "actors", "actors.devices", "isolators", "isolators.service",
-                                     "isolators.dra"])
+                                     "isolators.kubernetes", "isolators.kubernetes.device_plugin",
+                                     "isolators.kubernetes.pod_repair", "isolators.kubernetes.dra"])
 def test_a_package_answers_for_its_exports_its_submodules_and_nothing_else(package: str) -> None:
     module = importlib.import_module(package)
     name = module.__all__[0]

@@ -8,7 +8,7 @@ one interned policy value (``_policy``), a pure emulator of the v1
 kernel's semantics (``_v1_emulator``), a compiler of policies to eBPF
 (``_device_program``), a judge of other agents' programs
 (``_foreign_program``: runc's, systemd's), and backends that only apply, each syscall through
-one seam (``_kernel``), driven in line, in a thread or in a device worker
+one seam (``_kernel``: ``KERNEL``, which pod repair's writes use too), driven in line, in a thread or in a device worker
 process of their own (``_drivers``, ``_worker``), every one applying an
 operation through the same function. Each module states its rules at the
 top. ``bpf`` offers the bpf(2) calls to tools that drive the kernel
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime._lazy import lazy_exports
+from runtime import lazy_exports
 
 _EXPORTS = {
     "._backend": ("DeviceBackend", "DeviceOperation", "validate_cgroup", "validate_cgroups_root"),
@@ -33,12 +33,13 @@ _EXPORTS = {
     "._detect": ("default_hierarchy", "detect_backend", "resolve_backend"),
     "._device_program": ("build_device_program", "program_instructions", "read_policy"),
     "._foreign_program": ("allowing", "program_allows", "program_grants"),
+    "._kernel": ("KERNEL", "Kernel", "kernel_error"),
     "._errors": ("AgentCrash", "DeviceControlError", "DeviceRuleError", "ForeignProgramsError",
                  "InvalidCgroupError", "KernelOperationError", "WorkerError"),
     "._memory": ("MemoryBackend",),
     "._policy": ("STANDARD_CONTAINER_DEVICES", "Policy", "apply_diff", "container_policy"),
     "._rules": ("DeviceRule", "is_granted", "normalize"),
-    "._v1_emulator": ("plan_writes", "v1_exceptions"),
+    "._v1_emulator": ("listed_access", "plan_writes", "v1_exceptions"),
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
@@ -52,9 +53,10 @@ if TYPE_CHECKING:
     from ._detect import default_hierarchy, detect_backend, resolve_backend
     from ._device_program import build_device_program, program_instructions, read_policy
     from ._foreign_program import allowing, program_allows, program_grants
+    from ._kernel import KERNEL, Kernel, kernel_error
     from ._errors import AgentCrash, DeviceControlError, DeviceRuleError, ForeignProgramsError
     from ._errors import InvalidCgroupError, KernelOperationError, WorkerError
     from ._memory import MemoryBackend
     from ._policy import STANDARD_CONTAINER_DEVICES, Policy, apply_diff, container_policy
     from ._rules import DeviceRule, is_granted, normalize
-    from ._v1_emulator import plan_writes, v1_exceptions
+    from ._v1_emulator import listed_access, plan_writes, v1_exceptions

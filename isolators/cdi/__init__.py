@@ -17,7 +17,7 @@ from ._container import spec_extras
 from ._document import SpecFormat, decode_spec, encode_spec, spec_format
 from ._files import CdiWriteError, apply_spec_changes, ensure_spec_file, is_temporary_name, list_spec_files
 from ._files import read_spec_files, remove_spec_file, write_spec_file
-from ._grant import VISIBLE_DEVICES, container_grant
+from ._grant import VISIBLE_DEVICES, container_grant, control_device
 from ._model import CdiContainerEdits, CdiDevice, CdiDeviceNode, CdiHook, CdiMount, CdiSpec
 from ._node import NODE_KIND, NodeFacts, generate_node_spec, node_spec, read_node_facts
 from ._oci import merge_oci
@@ -29,7 +29,7 @@ __all__ = [
     "container_qualified_name", "container_spec", "container_spec_file_name", "device_node", "spec_extras",
     "SpecFormat", "decode_spec", "encode_spec", "spec_format",
     "CdiWriteError", "apply_spec_changes", "ensure_spec_file", "is_temporary_name", "list_spec_files",
-    "read_spec_files", "remove_spec_file", "write_spec_file", "VISIBLE_DEVICES", "container_grant",
+    "read_spec_files", "remove_spec_file", "write_spec_file", "VISIBLE_DEVICES", "container_grant", "control_device",
     "CdiContainerEdits", "CdiDevice", "CdiDeviceNode", "CdiHook", "CdiMount", "CdiSpec",
     "NODE_KIND", "NodeFacts", "generate_node_spec", "node_spec", "read_node_facts", "merge_oci",
     "SUPPORTED_VERSIONS", "CdiSpecError", "is_valid_device_name", "required_version",

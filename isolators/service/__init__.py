@@ -30,12 +30,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime._lazy import lazy_exports
+from runtime import lazy_exports
 
 _EXPORTS = {
     "._admission": ("UserLimits",),
     "._caller": ("Caller", "ServiceError", "authorize"),
     "._client": ("DEFAULT_SOCKET", "LostService", "Refused", "SocketClient", "socket_path"),
+    "._commands": ("add_commands",),
     "._exec": ("exec_command",),
     "._launcher": ("SignalForwarder", "exit_code"),
     "._messages": ("SERVICE_ID", "CleanedUp", "Cleanup", "ContainerView", "Exited", "GrantedGpu", "MigDeviceView",
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from ._admission import UserLimits
     from ._caller import Caller, ServiceError, authorize
     from ._client import DEFAULT_SOCKET, LostService, Refused, SocketClient, socket_path
+    from ._commands import add_commands
     from ._exec import exec_command
     from ._launcher import SignalForwarder, exit_code
     from ._messages import *  # noqa: F403 -- its __all__, the names _EXPORTS lists for it

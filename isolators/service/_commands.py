@@ -140,7 +140,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not args.idle_timeout > 0:
         raise _usage(f"{PROG} serve: error: --idle_timeout must be > 0, got {args.idle_timeout}")
     if args.listen is not None:
-        from runtime._network import parse_address
+        from runtime import parse_address
 
         try:
             parse_address(args.listen)

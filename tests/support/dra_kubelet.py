@@ -34,8 +34,8 @@ from typing import Any, Callable
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from isolators.dra._api import DRA_VERSIONS, HEALTH_VERSIONS, registration, registration_rpc
-from isolators.kubelet._names import unix_target
+from isolators.kubernetes import unix_target
+from isolators.kubernetes._api import DRA_VERSIONS, HEALTH_VERSIONS, registration, registration_rpc
 
 from .kubelet import MessageRecord, PluginCommand
 
@@ -54,7 +54,7 @@ def catalog_of(host_file: str | os.PathLike[str], **flags: Any) -> Any:
     from actors.allocator import managed_units
     from actors.flags import Flags
     from actors.nvml import SimulatedNvml, read_inventory
-    from isolators.dra import DraCatalog
+    from isolators.kubernetes.dra import DraCatalog
 
     values = Flags(host_file=str(host_file), **flags)
     nvml = SimulatedNvml.from_file(str(host_file))

@@ -72,8 +72,9 @@ from typing import Any, Callable
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from isolators.kubelet._api import pb, rpc
-from isolators.kubelet._names import KUBELET_SOCKET, VERSION, unix_target
+from isolators.kubernetes import unix_target
+from isolators.kubernetes._api import pb, rpc
+from isolators.kubernetes.device_plugin import KUBELET_SOCKET, VERSION
 
 from .services import ROOT, read_line
 

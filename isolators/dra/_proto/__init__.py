@@ -1,1 +1,0 @@
-"""The DRA driver's generated gRPC modules (see ``generate.py``)."""

@@ -1,0 +1,95 @@
+"""How a Kubernetes front door runs: its node's parts, served until SIGTERM or SIGINT.
+
+Rules (R-K8-8; SPEC section 21):
+- ``node_parts(flags, listen, name)`` (an async context manager) is what
+  every front door runs on: the stop signals' receiver (opened first, so a
+  signal during the start is not lost), a runtime (listening at
+  ``listen`` for ``/metrics`` and the operator's routes), the components
+  (inventory, allocator with health and topology, volume: R-NV-1, so no
+  NVML and no host file is an ``IsolatorError``) and one executor for the
+  sockets' file work. On the way out the executor and the components
+  close, whatever happened.
+- ``serve_until_stopped(parts, process, tasks=, started=, ready=,
+  removing=)``: starts the ``started`` tasks (each reports ``started``,
+  e.g. a socket listening) one after the other, then the ``tasks``, calls
+  ``ready()``, and waits for the first of ``STOP_SIGNALS`` (logged:
+  "Stopping on SIGTERM: removing <removing>"); then every task is
+  cancelled (each socket removes its own file, nothing else) and the
+  front door's actor ``process`` terminated and waited for. It returns
+  normally: the command exits 0.
+- ``DEFAULT_CDI_SPEC_DIR`` (``/var/run/cdi``) is where a front door writes
+  its CDI specs when ``--cdi_spec_dir`` is not given.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, NamedTuple
+
+import anyio
+
+from actors.flags import Flags
+from runtime import PID, Executor, Runtime, terminate, wait
+
+__all__ = ["DEFAULT_CDI_SPEC_DIR", "STOP_SIGNALS", "NodeParts", "node_parts", "serve_until_stopped",
+           "stop_on_signal"]
+
+logger = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DEFAULT_CDI_SPEC_DIR = "/var/run/cdi"
+
+
+class NodeParts(NamedTuple):
+    """What a front door runs on (see module rules)."""
+
+    signals: Any
+    runtime: Runtime
+    components: Any
+    """``NvidiaComponents``: ``inventory``, ``allocator``, ``volume``."""
+    sockets: Executor
+
+
+@asynccontextmanager
+async def node_parts(flags: Flags, listen: str | None, name: str) -> AsyncIterator[NodeParts]:
+    """The signals, runtime, components and sockets' executor of a front door (see module rules)."""
+    from .._components import NvidiaComponents  # the agent's parts, imported once flags were read
+
+    with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        async with Runtime(listen=listen) as runtime:
+            components = await NvidiaComponents.create(flags)
+            sockets = Executor(1, name=f"{name}-sockets")
+            try:
+                yield NodeParts(signals, runtime, components, sockets)
+            finally:
+                sockets.shutdown(wait=False)
+                await components.close()
+
+
+async def stop_on_signal(signals: Any, removing: str) -> None:
+    """Return at the first of ``STOP_SIGNALS`` (an anyio signal receiver), saying so."""
+    async for signum in signals:
+        logger.info("Stopping on %s: removing %s", signal.Signals(signum).name, removing)
+        return
+
+
+async def serve_until_stopped(parts: NodeParts, process: PID, *, tasks: Sequence[Callable[[], Any]] = (),
+                              started: Sequence[Callable[..., Any]] = (), ready: Callable[[], None] | None = None,
+                              removing: str) -> None:
+    """Run the front door's tasks until SIGTERM or SIGINT, then stop them and ``process`` (see module rules)."""
+    try:
+        async with anyio.create_task_group() as group:
+            for start in started:
+                await group.start(start)
+            for task in tasks:
+                group.start_soon(task)
+            if ready is not None:
+                ready()
+            await stop_on_signal(parts.signals, removing)
+            group.cancel_scope.cancel()
+    finally:
+        terminate(process)
+        await wait(process)

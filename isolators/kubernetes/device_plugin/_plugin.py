@@ -1,0 +1,177 @@
+"""KubeletPluginProcess: the plugin's decisions, in one actor.
+
+Rules (R-K8-3, R-K8-4, R-K8-8, R-K8-9):
+- One process, id ``kubelet-plugin``, over the components' allocator (its
+  health and topology; nothing is allocated from it: under Kubernetes the
+  kubelet decides which pod holds a device, and the container runtime
+  applies the device rules from the CDI spec), the ``DeviceCatalog`` and
+  the node's facts (``NodeFacts``). The gRPC servicers translate messages
+  and ask it.
+- ``allocate(resource, requests)``: every container request is answered
+  (``allocate_answer``) or the whole call is refused; the CDI node spec is
+  made current (rewritten when missing or changed, one executor job)
+  before any name is handed out, so the names resolve when the runtime
+  creates the container. Counted: ``allocations`` (container requests
+  answered), ``allocation_failures`` (calls refused).
+- ``preferred(resource, requests)``: per request, ``plan_preferred`` then
+  the allocator's choice among those units.
+- ``registered(resource)`` counts a registration the kubelet accepted.
+- ``write_spec()`` writes the node spec (``gpu-isolator-node.json`` in
+  the CDI spec dir) when missing or different; ``create`` writes it, then
+  spawns the process, so a plugin that cannot write it never starts.
+- ``POST /kubelet-plugin/mark_healthy`` (the operator's recovery, R-K8-9):
+  without the bearer credential (``--credential``) 401 and nothing
+  changes; a plugin started without ``--credential`` answers 403 to
+  everyone; then only POST (405), a JSON body ``{"uuid": "<GPU or MIG
+  UUID>"}`` (400), a UUID this plugin offers (404); then the allocator's
+  ``mark_healthy``: 200 with ``{"uuid", "unit", "healthy": true,
+  "was_unhealthy"}``; the next ``ListAndWatch`` list shows it ``Healthy``.
+- ``POST /kubelet-plugin/repair`` (R-PR-4, the operator who just ran
+  ``systemctl daemon-reload``): the same credential checks as
+  ``mark_healthy`` (403 without ``--credential``, 401, 405); a plugin
+  started with ``--repair_pods=false`` answers 409; then one pass of the
+  ``PodRepair`` now (it waits for a pass under way): 200 with
+  ``{"checked": N, "repaired": [{"pod", "namespace", "container",
+  "gpus"}], "failed": [{..., "reason"}]}`` (and ``"waiting"`` when
+  PodResources did not answer).
+- Metrics (published in ``publish``, given back when it ends):
+  counters ``kubelet/registrations``, ``kubelet/allocations``,
+  ``kubelet/allocation_failures``; with pod repair ``kubelet/repair_passes``,
+  ``kubelet/pods_repaired``, ``kubelet/repair_failures``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+
+from actors import NvidiaGpuAllocator
+from runtime import Executor, MetricSet, Response, spawn
+
+from ...cdi import CdiWriteError, NodeFacts, ensure_spec_file
+from ...credential import BearerCredential
+from ._allocate import ContainerAnswer, allocate_answer
+from ._catalog import DeviceCatalog
+from .._errors import FAILED_PRECONDITION, PluginRequestError
+from .._operator import OperatorRoutes
+from ..pod_repair import PodRepair
+from ._preferred import plan_preferred
+
+__all__ = ["KubeletPluginProcess", "PLUGIN_ID", "NODE_SPEC_FILE"]
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_ID = "kubelet-plugin"
+NODE_SPEC_FILE = "gpu-isolator-node.json"
+
+
+class KubeletPluginProcess(OperatorRoutes):
+    """The kubelet plugin's decisions (see module rules)."""
+
+    def __init__(self, catalog: DeviceCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, spec: bytes, *,
+                 spec_dir: str, dev_dir: str, pass_device_specs: bool = False,
+                 credential: BearerCredential | None = None, repair: PodRepair | None = None) -> None:
+        super().__init__(PLUGIN_ID)
+        self.repair = repair
+        self.catalog = catalog
+        self.allocator = allocator
+        self.facts = facts
+        self.spec = spec
+        self.spec_dir = spec_dir
+        self.dev_dir = dev_dir
+        self.pass_device_specs = pass_device_specs
+        self.credential = credential
+        self.registrations = 0
+        self.allocations = 0
+        self.allocation_failures = 0
+        self.executor = Executor(1, name="kubelet-plugin")
+        """Blocking file work: the spec, the sockets' identities."""
+
+    @classmethod
+    async def create(cls, *args: Any, **kwargs: Any) -> "KubeletPluginProcess":
+        """The process (arguments as ``__init__``), spawned once its spec is written."""
+        plugin = cls(*args, **kwargs)
+        try:
+            await plugin.write_spec()  # before anything is served: a name handed out must resolve
+        except BaseException:
+            plugin.executor.shutdown(wait=False)
+            raise
+        spawn(plugin)
+        return plugin
+
+    def publish(self, metrics: MetricSet) -> None:
+        metrics.counter("kubelet/registrations", "registrations the kubelet accepted",
+                        read=lambda: self.registrations)
+        metrics.counter("kubelet/allocations", "container requests the plugin answered with devices",
+                        read=lambda: self.allocations)
+        metrics.counter("kubelet/allocation_failures", "Allocate calls the plugin refused",
+                        read=lambda: self.allocation_failures)
+        self.route("/repair", KubeletPluginProcess._repair_route,
+                   help="POST with the bearer credential: one pod repair pass now (after a systemctl daemon-reload)")
+        repair = self.repair
+        if repair is not None:
+            metrics.counter("kubelet/repair_passes", "pod repair passes run", read=lambda: repair.passes)
+            metrics.counter("kubelet/pods_repaired", "containers given back the GPU access a reload took",
+                            read=lambda: repair.repaired)
+            metrics.counter("kubelet/repair_failures", "containers pod repair could not judge or repair",
+                            read=lambda: repair.failures)
+
+    # -- the node spec -----------------------------------------------------------------
+    async def write_spec(self) -> str | None:
+        """Make the spec file hold the node spec: None when it did, else why it was written."""
+        state = await self.executor.run(ensure_spec_file, self.spec_dir, NODE_SPEC_FILE, self.spec)
+        if state is not None:
+            logger.info("Wrote the CDI node spec %s/%s (it was %s)", self.spec_dir, NODE_SPEC_FILE, state)
+        return state
+
+    # -- the kubelet's calls ---------------------------------------------------------------
+    def registered(self, resource: str) -> None:
+        self.registrations += 1
+
+    async def allocate(self, resource: str, requests: list[list[str]]) -> list[ContainerAnswer]:
+        """Answers for every container request, or the call refused (see module rules)."""
+        offer = self.catalog.by_resource[resource]
+        snapshot = await self.allocator.health_since(None)
+        try:
+            answers = [
+                allocate_answer(offer, ids, snapshot.unhealthy, uuids=self.catalog.uuids,
+                                control_devices=self.facts.control_devices, dev_dir=self.dev_dir,
+                                caps=self.facts.caps, pass_device_specs=self.pass_device_specs)
+                for ids in requests
+            ]
+            try:
+                await self.write_spec()
+            except CdiWriteError as error:
+                raise PluginRequestError(FAILED_PRECONDITION, f"{error}; the CDI device names would not resolve,"
+                                                              " so nothing was allocated") from error
+        except PluginRequestError as error:
+            self.allocation_failures += 1
+            logger.warning("Allocate for %s refused: %s", resource, error)
+            raise
+        self.allocations += len(answers)
+        for ids, answer in zip(requests, answers):
+            logger.info("Allocate for %s: %s -> %s", resource, ", ".join(ids), ", ".join(answer.cdi_devices))
+        return answers
+
+    async def preferred(self, resource: str, requests: list[tuple[list[str], list[str], int]]) -> list[list[str]]:
+        """The suggested IDs per request (see module rules)."""
+        offer = self.catalog.by_resource[resource]
+        plans = [plan_preferred(offer, available, must, size) for available, must, size in requests]
+        answers = []
+        for plan in plans:
+            chosen = await self.allocator.preferred(plan.candidates, plan.count, plan.include)
+            answers.append(plan.finish(chosen))
+        return answers
+
+    # -- the operator's routes -----------------------------------------------------------
+    async def _repair_route(self, request: Any) -> Response:
+        refused = self._operator_refusal(request, "run a pod repair", "")
+        if refused is not None:
+            return refused
+        if self.repair is None:
+            return Response.error(409, "pod repair is off (--repair_pods=false); restart the plugin without it")
+        logger.info("Operator at %s asked for a pod repair pass", request.client)
+        result = await self.repair.run_pass()
+        return Response.json(result.answer())
+

@@ -1,0 +1,118 @@
+"""``gpu-isolator kubelet-plugin``: the plugin until SIGTERM or SIGINT.
+
+Rules (R-K8-1, R-K8-8):
+- ``PluginOptions``: the plugin's own options (``--device_plugin_dir``,
+  ``--time_slicing_replicas``, ``--listen``, ``--credential``,
+  ``--pass_device_specs``) and pod repair's (``repair``: a
+  ``RepairOptions``, None with ``--repair_pods=false``); the isolator's
+  ``Flags`` come from ``--flags FILE`` and ``--name=value`` as for
+  ``serve``. The CDI spec dir is ``--cdi_spec_dir``, ``/var/run/cdi`` when
+  not given (the plugin answers CDI names, so it always writes the node
+  spec).
+- ``run_plugin(flags, options)``: the credential is read first (a file it
+  must not trust stops the start); then the node's parts (``node_parts``:
+  runtime at ``--listen``, components), the catalog, the node's facts and
+  spec (written before anything is served), the plugin actor, and one
+  ``resource_endpoint`` per resource. ``ready(summary)`` is called once
+  they run. On SIGTERM or SIGINT the endpoints stop (each removes its own
+  socket, nothing else), then the actor and the components; it returns
+  normally (exit 0).
+- No device rule is written and no isolator is started: the container
+  runtime applies the CDI spec's device nodes. The one exception is pod
+  repair (R-PR-1..5, on unless ``repair`` is None): ``node_repair`` over
+  the catalog, passing every ``repair.interval_s`` seconds (the first at
+  start, which also makes the ``/dev/char`` links) and on ``POST
+  /kubelet-plugin/repair``; it gives back only what a reload took from
+  containers holding this plugin's devices.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Callable
+
+import msgspec
+
+from actors.flags import Flags
+
+from ...cdi import encode_spec, read_node_facts
+from ...credential import BearerCredential
+from .._run import DEFAULT_CDI_SPEC_DIR, node_parts, serve_until_stopped
+from ..pod_repair import RepairOptions, node_repair
+from ._catalog import DeviceCatalog
+from ._endpoint import resource_endpoint
+from ._names import DEFAULT_DIR
+from ._plugin import NODE_SPEC_FILE, KubeletPluginProcess
+from ._servicer import DevicePluginServicer
+
+__all__ = ["PluginOptions", "PluginSummary", "run_plugin"]
+
+logger = logging.getLogger(__name__)
+
+
+class PluginOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """The plugin's own options (see module rules)."""
+
+    device_plugin_dir: str = DEFAULT_DIR
+    time_slicing_replicas: int = 1
+    listen: str | None = None
+    credential: str | None = None
+    pass_device_specs: bool = False
+    poll_interval: float = 1.0
+    """Seconds between checks that the kubelet has not restarted."""
+    repair: RepairOptions | None = RepairOptions()
+    """Pod repair's options; None: ``--repair_pods=false``."""
+
+
+class PluginSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What the plugin offers, once it runs (for the command's first line)."""
+
+    resources: dict[str, int]
+    """Resource name -> device IDs offered."""
+    device_plugin_dir: str
+    spec_file: str
+    address: str | None = None
+
+
+async def run_plugin(flags: Flags, options: PluginOptions,
+                     ready: Callable[[PluginSummary], None] | None = None) -> None:
+    """Run until SIGTERM or SIGINT (see module rules)."""
+    credential = BearerCredential.load(options.credential) if options.credential else None
+    spec_dir = flags.cdi_spec_dir or DEFAULT_CDI_SPEC_DIR
+    directory = os.path.abspath(options.device_plugin_dir)
+    async with node_parts(flags, options.listen, "kubelet") as parts:
+        components = parts.components
+        catalog = DeviceCatalog.build(components.allocator.pools(), components.inventory,
+                                      options.time_slicing_replicas)
+        facts = await read_node_facts(flags, components.inventory, components.volume)
+        spec = encode_spec(facts.spec(components.inventory, flags.dev_dir), "json")
+        repair = (await parts.sockets.run(node_repair, options.repair, catalog, facts, flags.dev_dir)  # stats mounts
+                  if options.repair is not None else None)
+        try:
+            plugin = await KubeletPluginProcess.create(
+                catalog, components.allocator, facts, spec, spec_dir=spec_dir, dev_dir=flags.dev_dir,
+                pass_device_specs=options.pass_device_specs, credential=credential, repair=repair)
+            endpoints = [
+                resource_endpoint(directory, offer, plugin.pid,
+                                  DevicePluginServicer(offer, plugin.pid, components.allocator), parts.sockets,
+                                  poll_s=options.poll_interval)
+                for offer in catalog.offers
+            ]
+            tasks = [endpoint.run for endpoint in endpoints]
+            if repair is not None and options.repair is not None:
+                tasks.append(functools.partial(repair.run, options.repair.interval_s))
+
+            def summary() -> None:
+                if ready is not None:
+                    ready(PluginSummary(
+                        resources={offer.resource: len(offer.devices) for offer in catalog.offers},
+                        device_plugin_dir=directory, spec_file=os.path.join(spec_dir, NODE_SPEC_FILE),
+                        address=parts.runtime.address if options.listen else None))
+
+            await serve_until_stopped(parts, plugin.pid, tasks=tasks, ready=summary,
+                                      removing="this plugin's sockets")
+        finally:
+            if repair is not None:
+                repair.close()

@@ -1,0 +1,335 @@
+"""DraPluginProcess: the DRA driver's decisions, in one actor.
+
+Rules (issue 37 items 3-5; SPEC section 21):
+- One process, id ``dra-plugin``, over the components' allocator (health;
+  nothing is allocated from it: the scheduler allocates, the container
+  runtime applies the CDI spec's device nodes), the ``DraCatalog``, the
+  node's CDI facts, the Kubernetes client and the ``PreparedClaims``
+  loaded from the checkpoint.
+- ``prepare(refs)`` answers every claim asked, by uid: a ``ClaimAnswer``
+  with devices, or with ``error`` naming the claim and why (one claim's
+  refusal never fails another). A uid already prepared is answered from
+  the table (no API request: idempotent, and a deleted claim or a restart
+  changes nothing). Otherwise the claim is read from the API server (all
+  of a call's claims at once, each bounded by the client's timeout; not
+  found, or the server down or slow, is that claim's error) and checked
+  (``plan_claim``); a device unhealthy now is refused unless the result
+  has admin access; a device prepared for another claim is refused unless
+  sharing allows it (``PreparedClaims.conflicts``; reserved meanwhile, so
+  concurrent prepares cannot both take it). Then the claim is committed
+  and only then answered.
+- A commit writes a CDI spec per new claim (``render_claim_spec``), then
+  the checkpoint of every claim prepared after it, then removes the specs
+  of unprepared claims: one executor job. Commits are queued and run one
+  at a time; a commit takes every change queued meanwhile (group commit:
+  100 concurrent prepares cost a few jobs, not 100), and the checkpoint it
+  writes is the table after all of them, so no claim answered prepared is
+  missing from it. The table changes only once its commit landed; a
+  failed write answers each claim of that commit with the error (specs
+  just written removed: nothing prepared, nothing lost).
+- ``unprepare(uids)``: a commit without them; their devices stay held
+  until it landed. A uid never prepared (or already unprepared) succeeds:
+  idempotent. A uid whose prepare is being committed is refused (try
+  again): answering done would leave it prepared once that commit lands.
+- ``create`` (restart): the checkpoint is read first (a malformed one stops
+  the start); spec files of prepared claims are rewritten when missing or
+  different, spec files of this driver's prefix no claim holds (a crash
+  between the two writes) are removed. A prepared claim holding a device
+  this node no longer publishes (a GPU gone, MIG reconfigured) stays
+  prepared with its spec left as it is, logged, until it is unprepared.
+- ``registered(ok, error)`` records what the kubelet's plugin watcher said.
+- Metrics: counters ``dra/prepares`` (claims prepared, repeats included),
+  ``dra/unprepares``, ``dra/prepare_failures`` (claims refused);
+  ``dra/registrations``.
+- ``POST /dra-plugin/mark_healthy`` is the device plugin's operator route
+  (the shared ``OperatorRoutes``: credential, body, 401/403/404, the
+  allocator's ``mark_healthy``); the slice loses the device's taint and
+  NodeWatchResources shows it healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+
+from actors import NvidiaGpuAllocator
+from runtime import Executor, Failure, MetricSet, spawn
+
+from ...cdi import CdiWriteError, NodeFacts, apply_spec_changes, list_spec_files, read_spec_files
+from ...credential import BearerCredential
+from .._operator import OperatorRoutes
+from ._claim_spec import claim_device_id, claim_spec_file, claim_spec_prefix, render_claim_spec
+from ._claims import ClaimPlan, ClaimRef, ClaimRefused, check_uid, plan_claim
+from ._devices import DraCatalog
+from ._kube import api_failure
+from ._prepared import (CheckpointError, PreparedClaim, PreparedClaims, PreparedDevice, read_checkpoint,
+                        write_checkpoint)
+
+__all__ = ["DraPluginProcess", "ClaimAnswer", "DRA_PLUGIN_ID"]
+
+logger = logging.getLogger(__name__)
+
+DRA_PLUGIN_ID = "dra-plugin"
+
+
+class ClaimAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer for one claim: its devices, or why not."""
+
+    devices: list[PreparedDevice] = []
+    error: str = ""
+
+
+def _restore(spec_dir: str, prefix: str, wanted: dict[str, bytes], kept: set[str]) -> tuple[list[str], list[str]]:
+    """At start: rewrite missing or changed claim specs, remove orphans, leave ``kept`` (blocking; one job)."""
+    present = read_spec_files(spec_dir, prefix)
+    writes = [(name, data) for name, data in wanted.items() if present.get(name) != data]
+    removals = [name for name in list_spec_files(spec_dir, prefix) if name not in wanted and name not in kept]
+    apply_spec_changes(spec_dir, writes, removals)
+    return [name for name, _ in writes], removals
+
+
+def _commit_files(spec_dir: str, writes: list[tuple[str, bytes]], checkpoint: str, data: bytes,
+                  removals: list[str]) -> None:
+    """One commit (blocking): the new claims' specs, then the checkpoint, then the gone claims' specs.
+    A failed checkpoint write removes the specs just written; once the checkpoint landed nothing fails the
+    commit (the gone claims' specs that could not be removed are orphans, removed at the next start)."""
+    apply_spec_changes(spec_dir, writes, [])
+    try:
+        write_checkpoint(checkpoint, data)
+    except CheckpointError:
+        apply_spec_changes(spec_dir, [], [name for name, _ in writes])
+        raise
+    try:  # the checkpoint landed: the commit is done; a spec left behind is removed at the next start
+        apply_spec_changes(spec_dir, [], removals)
+    except CdiWriteError as error:
+        logger.warning("Unprepared claims' CDI specs not all removed (%s); the next start removes them", error)
+
+
+class DraPluginProcess(OperatorRoutes):
+    """The DRA driver's decisions (see module rules)."""
+
+    def __init__(self, catalog: DraCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, client: Any, *,
+                 driver: str, node: str, spec_dir: str, dev_dir: str, checkpoint: str,
+                 prepared: list[PreparedClaim], credential: BearerCredential | None = None) -> None:
+        super().__init__(DRA_PLUGIN_ID)
+        self.catalog = catalog
+        self.allocator = allocator
+        self.facts = facts
+        self.client = client
+        self.driver = driver
+        self.node = node
+        self.spec_dir = spec_dir
+        self.dev_dir = dev_dir
+        self.checkpoint = checkpoint
+        self.table = PreparedClaims(prepared)
+        self.credential = credential
+        self.prepares = self.unprepares = self.prepare_failures = self.registrations = 0
+        self.executor = Executor(1, name="dra-plugin")
+        """Blocking file work: claim specs, the checkpoint."""
+        self._queue: list[tuple[list[PreparedClaim], list[PreparedClaim], asyncio.Future]] = []
+        self._committing = False
+
+    @classmethod
+    async def create(cls, catalog: DraCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, client: Any, *,
+                     driver: str, node: str, spec_dir: str, dev_dir: str, checkpoint: str,
+                     credential: BearerCredential | None = None) -> "DraPluginProcess":
+        """The process, spawned once the checkpoint is read and the claims' specs restored."""
+        executor = Executor(1, name="dra-plugin-start")
+        try:
+            prepared = await executor.run(read_checkpoint, checkpoint)
+            plugin = cls(catalog, allocator, facts, client, driver=driver, node=node, spec_dir=spec_dir,
+                         dev_dir=dev_dir, checkpoint=checkpoint, prepared=prepared, credential=credential)
+            wanted, kept = {}, set()
+            for claim in prepared:
+                name = claim_spec_file(driver, claim.ref.uid)
+                gone = [d.device for d in claim.devices if d.device not in catalog.by_name]
+                if gone:
+                    kept.add(name)
+                    logger.warning("Prepared %s holds %s, which this node no longer publishes: its spec is left as"
+                                   " it is until the kubelet unprepares it", claim.ref, ", ".join(gone))
+                else:
+                    wanted[name] = plugin._spec(claim.ref.uid, claim.devices)
+            written, removed = await executor.run(_restore, spec_dir, claim_spec_prefix(driver), wanted, kept)
+        finally:
+            executor.shutdown(wait=False)
+        if prepared or written or removed:
+            logger.info("Restored %d prepared claims from %s (specs rewritten: %s; orphans removed: %s)",
+                        len(prepared), checkpoint, ", ".join(written) or "none", ", ".join(removed) or "none")
+        spawn(plugin)
+        return plugin
+
+    def publish(self, metrics: MetricSet) -> None:
+        metrics.counter("dra/prepares", "claims prepared (repeats included)", read=lambda: self.prepares)
+        metrics.counter("dra/unprepares", "claims unprepared", read=lambda: self.unprepares)
+        metrics.counter("dra/prepare_failures", "claims the driver refused to prepare",
+                        read=lambda: self.prepare_failures)
+        metrics.counter("dra/registrations", "registrations the kubelet's plugin watcher accepted",
+                        read=lambda: self.registrations)
+
+    # -- the kubelet's calls ---------------------------------------------------------------
+    def registered(self, ok: bool, error: str) -> None:
+        if ok:
+            self.registrations += 1
+            logger.info("The kubelet registered driver %s", self.driver)
+        else:
+            logger.error("The kubelet refused to register driver %s: %s", self.driver, error)
+
+    def _spec(self, uid: str, devices: list[Any]) -> bytes:
+        units = [(d.device, self.catalog.by_name[d.device].unit) for d in devices]
+        return render_claim_spec(self.driver, uid, units, self.catalog.uuids, self.facts, self.dev_dir)
+
+    async def prepare(self, refs: list[ClaimRef]) -> dict[str, ClaimAnswer]:
+        """An answer for every claim (see module rules)."""
+        answers: dict[str, ClaimAnswer] = {}
+        asked = []
+        for ref in refs:
+            prepared = self.table.claims.get(ref.uid)
+            if prepared is not None:
+                answers[ref.uid] = ClaimAnswer(devices=prepared.devices)
+                continue
+            try:
+                check_uid(ref)
+            except ClaimRefused as refused:
+                answers[ref.uid] = self._refused(refused)
+                continue
+            asked.append(ref)
+        fetched = await asyncio.gather(*(self._read(ref) for ref in asked), return_exceptions=True)
+        unhealthy = (await self.allocator.health_since(None)).unhealthy if asked else {}
+        planned: list[ClaimPlan] = []
+        for ref, claim in zip(asked, fetched):
+            prepared = self.table.claims.get(ref.uid)  # prepared by a concurrent call meanwhile
+            if prepared is not None:
+                answers[ref.uid] = ClaimAnswer(devices=prepared.devices)
+                continue
+            try:
+                if isinstance(claim, BaseException):
+                    raise ClaimRefused(f"{ref}: cannot be read: {api_failure(claim)}; nothing was prepared")
+                plan = plan_claim(ref, claim, driver=self.driver, node=self.node, catalog=self.catalog)
+                sick = [f"{d.device} ({unhealthy[self.catalog.by_name[d.device].unit]})" for d in plan.devices
+                        if not d.admin_access and self.catalog.by_name[d.device].unit in unhealthy]
+                if sick:
+                    raise ClaimRefused(f"{ref}: device {', '.join(sick)} is unhealthy; nothing was prepared. Once"
+                                       " fixed an operator marks it healthy (POST /dra-plugin/mark_healthy)")
+                taken = self.table.conflicts(plan)
+                if taken:
+                    raise ClaimRefused(f"{ref}: device {', '.join(taken)} is not shared (no adminAccess or"
+                                       " shareID), so it cannot be prepared twice; nothing was prepared")
+            except ClaimRefused as refused:
+                answers[ref.uid] = self._refused(refused)
+                continue
+            self.table.reserve(plan)
+            planned.append(plan)
+        if planned:
+            answers.update(await self._write(planned))
+        return {ref.uid: answers[ref.uid] for ref in refs}
+
+    def _refused(self, refused: ClaimRefused) -> ClaimAnswer:
+        self.prepare_failures += 1
+        logger.warning("NodePrepareResources refused: %s", refused)
+        return ClaimAnswer(error=str(refused))
+
+    async def _read(self, ref: ClaimRef) -> Any:
+        from lightkube.resources.resource_v1 import ResourceClaim
+
+        return await self.client.get(ResourceClaim, ref.name, namespace=ref.namespace)
+
+    async def _write(self, plans: list[ClaimPlan]) -> dict[str, ClaimAnswer]:
+        claims = [PreparedClaim(ref=plan.ref, devices=[
+            PreparedDevice(request=d.request, pool=d.pool, device=d.device, admin_access=d.admin_access,
+                           share_id=d.share_id, cdi_device_ids=[claim_device_id(self.driver, plan.ref.uid, d.device)])
+            for d in plan.devices]) for plan in plans]
+        try:
+            await self._commit(claims, [])
+        except (CdiWriteError, CheckpointError) as error:
+            return {plan.ref.uid: self._refused(ClaimRefused(f"{plan.ref}: {error}; nothing was prepared"))
+                    for plan in plans}
+        answers = {}
+        for claim in claims:
+            self.prepares += 1
+            logger.info("Prepared %s: %s", claim.ref, ", ".join(i for d in claim.devices for i in d.cdi_device_ids))
+            answers[claim.ref.uid] = ClaimAnswer(devices=claim.devices)
+        return answers
+
+    async def _commit(self, adds: list[PreparedClaim], removes: list[PreparedClaim]) -> None:
+        """Make the files and the table hold ``adds`` and not ``removes`` (see module rules): queued, and
+        written by whichever call finds no commit running, with every change queued meanwhile (one job)."""
+        done = asyncio.get_running_loop().create_future()
+        self._queue.append((adds, removes, done))
+        if not self._committing:
+            self._committing = True
+            try:
+                while self._queue:
+                    batch, self._queue = self._queue, []
+                    added = [claim for adds, _, _ in batch for claim in adds]
+                    removed = [claim for _, removes, _ in batch for claim in removes]
+                    try:
+                        after = dict(self.table.claims)
+                        for claim in removed:
+                            after.pop(claim.ref.uid, None)
+                        after.update((claim.ref.uid, claim) for claim in added)
+                        writes = [(claim_spec_file(self.driver, c.ref.uid), self._spec(c.ref.uid, c.devices))
+                                  for c in added]
+                        removals = [claim_spec_file(self.driver, c.ref.uid) for c in removed]
+                        await self.executor.run(_commit_files, self.spec_dir, writes, self.checkpoint,
+                                                PreparedClaims(list(after.values())).encode(), removals)
+                    except (CdiWriteError, CheckpointError) as error:
+                        self._fail_commit(added, batch, error)
+                        continue
+                    except BaseException as error:  # anything else (a bug, cancellation): every waiter answered
+                        batch += self._queue
+                        self._queue = []
+                        self._fail_commit([claim for adds, _, _ in batch for claim in adds], batch, Failure(
+                            f"the commit of {len(batch)} claim change(s) was interrupted ({type(error).__name__}:"
+                            f" {error}); nothing was prepared, try again"))
+                        done.exception()  # this call raises its own error below: its answer is read
+                        raise
+                    for claim in removed:
+                        self.table.remove(claim.ref.uid)
+                    for claim in added:
+                        self.table.add(claim)
+                    for _, _, future in batch:
+                        future.set_result(None)
+            finally:
+                self._committing = False
+        await done
+
+    def _fail_commit(self, added: list[PreparedClaim], batch: list[Any], error: Exception) -> None:
+        """A commit that did not land: its claims' reservations go, each waiter gets ``error``."""
+        for claim in added:
+            self.table.release(claim.ref.uid)
+        for _, _, future in batch:
+            if not future.done():
+                future.set_exception(error)
+
+    async def unprepare(self, refs: list[ClaimRef]) -> dict[str, str]:
+        """uid -> error ("" when done) for every claim (see module rules)."""
+        answers: dict[str, str] = {}
+        gone: list[PreparedClaim] = []
+        for ref in refs:
+            try:
+                check_uid(ref)
+            except ClaimRefused as refused:
+                answers[ref.uid] = str(refused).replace("nothing was prepared", "nothing was unprepared")
+                continue
+            if ref.uid in self.table.reserved:  # its prepare is being committed: it would outlive this answer
+                answers[ref.uid] = (f"{ref}: it is being prepared right now; nothing was unprepared, try again once"
+                                    " that prepare answered")
+                continue
+            claim = self.table.claims.get(ref.uid)
+            if claim is not None:
+                gone.append(claim)
+            answers[ref.uid] = ""
+        if gone:
+            try:
+                await self._commit([], gone)
+            except (CdiWriteError, CheckpointError) as error:
+                for claim in gone:
+                    answers[claim.ref.uid] = f"{claim.ref}: {error}; it stays prepared"
+                return answers
+            for claim in gone:
+                self.unprepares += 1
+                logger.info("Unprepared %s", claim.ref)
+        return answers

@@ -1,0 +1,180 @@
+"""The DRA driver's pure parts: published devices and attributes, the slice, claim checks, the no-double-grant table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from isolators.kubernetes.dra import (ClaimPlan, ClaimRef, DraCatalog, PlannedDevice, PreparedClaims, check_driver_name,
+                           render_slice)
+from isolators.kubernetes import PluginSetupError
+from isolators.kubernetes.dra import (CheckpointError, PreparedClaim, product_family, read_checkpoint, semver,
+                                      write_checkpoint)
+
+from tests.support.dra_kubelet import catalog_of
+
+DATA = Path(__file__).resolve().parents[2] / "inventory" / "data"
+
+
+def catalog(node: str, **flags: object) -> DraCatalog:
+    return catalog_of(DATA / node, **flags)
+
+
+def test_mixed_mig_devices_are_published_by_minor_gpu_and_compute_instance() -> None:
+    published = catalog("h200-mig.toml", nvidia_mig_strategy="mixed", resources="mig-1g.18gb:1")
+    # Unit order: a MIG device by its parent's minor; GPU 1 is plain, GPU 3 has MIG on and no device yet.
+    assert [d.name for d in published.devices] == ["mig-0-1-0", "mig-0-2-0", "mig-0-3-0", "gpu-1", "mig-2-1-0",
+                                                   "mig-2-1-1"]
+    mig = published.by_name["mig-0-3-0"]
+    assert mig.uuid == "MIG-0f8b2f6c-1a11-5b2e-9c21-000000000003" and mig.memory_mib == 16896
+    attributes = mig.attributes
+    assert attributes["type"] == ("string", "mig") and attributes["profile"] == ("string", "1g.18gb")
+    assert attributes["parentUUID"] == ("string", "GPU-5f0c2a4e-0000-4000-8000-000000000000")
+    assert attributes["architecture"] == ("string", "Hopper")
+    assert attributes["cudaComputeCapability"] == ("version", "9.0.0")
+    assert attributes["driverVersion"] == ("version", "550.90.7")
+    assert published.unit_of_uuid(mig.uuid) == mig.unit and published.unit_of_uuid("GPU-nope") is None
+
+
+def test_islands_are_the_nvlink_components_and_gpus_without_links_are_their_own() -> None:
+    dgx = catalog("dgx8-nvlink.toml")
+    assert [d.attributes["nvlinkIsland"][1] for d in dgx.devices] == [0, 0, 0, 0, 1, 1, 1, 1]
+    pcie = catalog("pcie4.toml")
+    assert [d.attributes["nvlinkIsland"][1] for d in pcie.devices] == [0, 1, 2, 3]
+    assert pcie.devices[0].attributes["architecture"] == ("string", "Ampere")  # RTX A6000
+    assert pcie.devices[0].attributes["cudaComputeCapability"] == ("version", "8.6.0")
+
+
+@pytest.mark.parametrize("name, family", [
+    ("Tesla V100-SXM2-32GB", ("Volta", (7, 0))), ("NVIDIA A100-SXM4-80GB", ("Ampere", (8, 0))),
+    ("NVIDIA H100 80GB HBM3", ("Hopper", (9, 0))), ("NVIDIA L40S", ("Ada Lovelace", (8, 9))),
+    ("Tesla T4", ("Turing", (7, 5))), ("NVIDIA B200", ("Blackwell", (10, 0))), ("Mystery GPU", None),
+])
+def test_the_product_family_names_architecture_and_compute_capability(name: str, family: object) -> None:
+    assert product_family(name) == family
+
+
+def test_driver_versions_become_semver() -> None:
+    assert [semver(v) for v in ("535.161.08", "550.54", "570", "r535", "1.2.3.4")] == [
+        "535.161.8", "550.54.0", "570.0.0", None, None]
+
+
+def test_driver_names_are_dns_subdomains() -> None:
+    assert check_driver_name("gpu.isolator.dev") == "gpu.isolator.dev"
+    for bad in ("", "GPU.dev", "-gpu.dev", "gpu_isolator", "a" * 64, "gpu..dev"):
+        with pytest.raises(ValueError, match="expected a DNS subdomain"):
+            check_driver_name(bad)
+
+
+def test_the_slice_taints_an_unhealthy_device_and_is_the_api_json() -> None:
+    dgx = catalog("dgx8-nvlink.toml")
+    unit = dgx.by_name["gpu-2"].unit
+    document = render_slice(dgx, driver="gpu.isolator.dev", node="n1", generation=7,
+                            unhealthy={unit: "Xid 79 (fallen off the bus)"}).to_dict()
+    assert document["apiVersion"] == "resource.k8s.io/v1" and document["kind"] == "ResourceSlice"
+    assert document["metadata"] == {"name": "n1-gpu.isolator.dev"}
+    assert document["spec"]["pool"] == {"name": "n1", "generation": 7, "resourceSliceCount": 1}
+    tainted = {d["name"]: d.get("taints") for d in document["spec"]["devices"] if d.get("taints")}
+    assert tainted == {"gpu-2": [{"key": "gpu.isolator.dev/unhealthy", "value": "Xid-79-fallen-off-the-bus",
+                                  "effect": "NoSchedule"}]}
+    json.dumps(document)  # plain JSON
+
+
+def test_a_node_with_nothing_to_publish_is_a_setup_error() -> None:
+    inventory = SimpleNamespace(by_gpu=dict, by_mig=dict, gpus=[], driver_version="1", source="empty")
+    with pytest.raises(PluginSetupError, match=r"The node \(empty\) has nothing to publish"):
+        DraCatalog.build({"gpus": []}, inventory)
+
+
+def plan(uid: str, *devices: PlannedDevice) -> ClaimPlan:
+    return ClaimPlan(ref=ClaimRef("ns", f"claim-{uid}", uid), devices=list(devices))
+
+
+def d(device: str, **shared: object) -> PlannedDevice:
+    return PlannedDevice(request="r", pool="n1", device=device, **shared)
+
+
+@pytest.mark.parametrize("held, asked, allowed", [
+    (d("gpu-0"), d("gpu-0"), False),
+    (d("gpu-0"), d("gpu-1"), True),
+    (d("gpu-0"), d("gpu-0", admin_access=True), True),
+    (d("gpu-0", admin_access=True), d("gpu-0"), True),
+    (d("gpu-0", share_id="a"), d("gpu-0", share_id="b"), True),
+    (d("gpu-0", share_id="a"), d("gpu-0"), False),
+    (d("gpu-0"), d("gpu-0", share_id="b"), False),
+])
+def test_a_device_is_granted_twice_only_where_sharing_allows(held: PlannedDevice, asked: PlannedDevice,
+                                                             allowed: bool) -> None:
+    for prepared in (True, False):  # prepared, or still being prepared (reserved)
+        table = PreparedClaims()
+        if prepared:
+            table.add(PreparedClaim(ref=ClaimRef("ns", "first", "u1"), devices=[_prepared(held)]))
+        else:
+            table.reserve(plan("u1", held))
+        conflicts = table.conflicts(plan("u2", asked))
+        assert (conflicts == []) == allowed, (prepared, conflicts)
+        assert table.conflicts(plan("u1", held)) == []  # a claim never conflicts with itself
+
+
+def _prepared(device: PlannedDevice):
+    from isolators.kubernetes.dra import PreparedDevice
+
+    return PreparedDevice(request=device.request, pool=device.pool, device=device.device,
+                          admin_access=device.admin_access, share_id=device.share_id, cdi_device_ids=["x=y"])
+
+
+def test_the_checkpoint_round_trips_and_a_malformed_one_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "dra" / "drv" / "prepared-claims.json"
+    assert read_checkpoint(str(path)) == []
+    table = PreparedClaims()
+    claim = PreparedClaim(ref=ClaimRef("ns", "c", "u1"), devices=[_prepared(d("gpu-3", share_id="s"))])
+    write_checkpoint(str(path), table.encode([claim]))
+    assert read_checkpoint(str(path)) == [claim]
+    assert [p.name for p in path.parent.iterdir()] == ["prepared-claims.json"]  # no temporary left
+    path.write_text("{not json")
+    with pytest.raises(CheckpointError, match=f"The prepared-claims checkpoint {path} is malformed"):
+        read_checkpoint(str(path))
+
+
+def test_a_mig_claims_spec_holds_its_parent_and_its_two_capability_nodes() -> None:
+    import msgspec
+
+    from actors.mig import read_mig_capabilities
+    from isolators.cdi import NodeFacts
+    from isolators.kubernetes.dra import render_claim_spec
+
+    published = catalog("h200-mig.toml", nvidia_mig_strategy="mixed")
+    proc = Path(__file__).resolve().parents[3] / "examples" / "h200-mig-proc"
+    facts = NodeFacts(control_devices={}, volume=None, volume_env={}, caps=read_mig_capabilities(str(proc)))
+    units = [(name, published.by_name[name].unit) for name in ("mig-0-3-0", "gpu-1")]
+    spec = msgspec.json.decode(render_claim_spec("gpu.isolator.dev", "u-1", units, published.uuids, facts, "/dev"))
+    assert [(d["name"], [n["path"] for n in d["containerEdits"]["deviceNodes"]]) for d in spec["devices"]] == [
+        ("u-1-mig-0-3-0", ["/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap30", "/dev/nvidia-caps/nvidia-cap31"]),
+        ("u-1-gpu-1", ["/dev/nvidia1"])]
+    assert spec["containerEdits"]["env"] == [
+        "NVIDIA_VISIBLE_DEVICES=" + ",".join(published.uuids[unit] for _, unit in sorted(units, key=lambda u: u[1]))]
+
+
+def test_a_commit_whose_checkpoint_landed_is_done_even_when_a_gone_claims_spec_cannot_be_removed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Once the checkpoint is renamed into place the commit has happened (a restart finds the claims it
+    holds): a spec of an unprepared claim that cannot be removed is logged and left for the next start's
+    orphan cleanup, never reported as a failed commit (whose claims would be answered unprepared)."""
+    import logging
+
+    from isolators.kubernetes.dra._plugin import _commit_files
+
+    specs = tmp_path / "cdi"
+    specs.mkdir()
+    stuck = "gpu.isolator.dev-claim_5b0e8f2c-0000-4000-8000-000000007a11.json"
+    (specs / stuck).mkdir()  # unlink(2) refuses a directory: the removal fails
+    checkpoint = tmp_path / "work" / "dra-prepared.json"
+    with caplog.at_level(logging.WARNING, logger="isolators.kubernetes.dra._plugin"):
+        _commit_files(str(specs), [("gpu.isolator.dev-claim_new.json", b"{}")], str(checkpoint), b"new", [stuck])
+    assert checkpoint.read_bytes() == b"new" and (specs / "gpu.isolator.dev-claim_new.json").read_bytes() == b"{}"
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message.startswith(f"Unprepared claims' CDI specs not all removed (Failed to remove CDI spec"
+                              f" '{specs / stuck}': ") and message.endswith("); the next start removes them")
