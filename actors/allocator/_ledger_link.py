@@ -438,6 +438,8 @@ class LedgerLink:
         self._return_due = set()
         returns = tuple(sorted(self.names[unit].uuid for unit in due)) + tuple(sorted(self.ours_unmanaged))
         health, self._health = self._health, None
+        if health is not None:
+            self._reported = health
         batch = LeaseBatch(takes=tuple(take for take, _ in takes), rewrites=rewrites, returns=returns, health=health)
         if batch.empty() and not refreshes:
             return None, [], []
@@ -479,6 +481,7 @@ class LedgerLink:
         self._return_due |= due
         if batch.health is not None and self._health is None:
             self._health = batch.health
+            self._reported = {}
         logger.error("Node ledger %s: a job of %s failed: %s", self.path, self.owner, error)
         failure = AllocatorError(f"The node ledger {self.path} could not be changed: {error}")
         failure.__cause__ = error

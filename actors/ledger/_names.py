@@ -9,7 +9,8 @@ Rules (SPEC R-NL-1):
   made absolute, so two spellings of one directory are one owner).
 - ``check_owner`` and ``check_holder`` accept printable ASCII only (no
   control or bidirectional characters: the names are shown to operators),
-  an owner of at most 1024 characters and a holder of at most 256; anything
+  an owner and a holder of at most 1024 characters each (a pod's
+  ``namespace/name/container`` fits); anything
   else is a ``LedgerError`` naming the value. Names are checked before any
   path is built from them.
 - A unit is named by its UUID as NVML reports it (``GPU-…``, ``MIG-…``;
@@ -43,7 +44,7 @@ OWNER_SUFFIX = ".owner"
 _PRINTABLE = re.compile(r"[\x20-\x7e]+")
 _KEEP = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
 MAX_OWNER = 1024
-MAX_HOLDER = 256
+MAX_HOLDER = 1024
 MAX_UUID = 128
 
 
@@ -60,7 +61,7 @@ def check_owner(owner: object) -> str:
 
 
 def check_holder(holder: object) -> str:
-    """``holder`` if it is printable ASCII of at most 256 characters."""
+    """``holder`` if it is printable ASCII of at most 1024 characters."""
     if not isinstance(holder, str) or len(holder) > MAX_HOLDER or not _PRINTABLE.fullmatch(holder):
         raise LedgerError(f"Invalid node ledger holder {holder!r}: expected printable ASCII of at most"
                           f" {MAX_HOLDER} characters")
