@@ -284,11 +284,14 @@ class GpuAllocatorProcess(Process):
         if count == 0:
             return set()
         chosen = self._choose(available, count)
+        link = self.ledger_link
+        if link is not None and link.grant(chosen, holder):  # leased already: no file work (the churn's case)
+            link = None
         self.free.difference_update(chosen)
         self.allocated.update(chosen)
-        if self.ledger_link is None:
+        if link is None:
             return set(chosen)
-        return self._leased(set(chosen), holder, lambda: self.allocate_count(count, holder, _tries + 1), _tries)
+        return self._leased(set(chosen), lambda: self.allocate_count(count, holder, _tries + 1), _tries)
 
     def _short(self, name: str, count: int, available: set[Unit], pool: frozenset[Unit]) -> str:
         message = f"Requested {count} {name} but only {len(available)} available"
@@ -332,11 +335,14 @@ class GpuAllocatorProcess(Process):
         chosen: set[Unit] = set()
         for _name, units in picks:
             chosen.update(units)
+        link = self.ledger_link
+        if link is not None and link.grant(chosen, holder):
+            link = None
         self.free.difference_update(chosen)
         self.allocated.update(chosen)
-        if self.ledger_link is None or not chosen:
+        if link is None or not chosen:
             return chosen
-        return self._leased(chosen, holder, lambda: self.allocate_resources(demand, holder, _tries + 1), _tries)
+        return self._leased(chosen, lambda: self.allocate_resources(demand, holder, _tries + 1), _tries)
 
     def pool_of(self, unit: Unit) -> str | None:
         """The resource a managed unit counts under (None: not managed)."""
@@ -365,12 +371,14 @@ class GpuAllocatorProcess(Process):
             if missing & self._elsewhere and self.ledger_link is not None:
                 self.ledger_link.conflicts += 1
             raise AllocatorError(f"{format_gpus(missing)} are not available ({self._why(missing)})")
+        link = self.ledger_link
+        if link is not None and link.grant(wanted, holder):
+            link = None
         self.free.difference_update(wanted)
         self.allocated.update(wanted)
-        if self.ledger_link is None or not wanted:
+        if link is None or not wanted:
             return None
-        return self._leased(wanted, holder, lambda: self.allocate_gpus(wanted, holder, _tries + 1), _tries,
-                            value=None)
+        return self._leased(wanted, lambda: self.allocate_gpus(wanted, holder, _tries + 1), _tries, value=None)
 
     def reclaim(self, gpus: Iterable[Gpu], holders: dict[Unit, str] | None = None) -> Any:
         """Recovery's allocate: managed units a surviving container holds, whatever
@@ -387,9 +395,10 @@ class GpuAllocatorProcess(Process):
         if link is None or not wanted:
             return None
         link.reclaimed(wanted)
+        covered = True
         for unit in wanted:
-            link.use((unit,), (holders or {}).get(unit))
-        if link.covered(wanted):
+            covered = link.grant((unit,), (holders or {}).get(unit)) and covered
+        if covered:
             return None
         promise: Promise = Promise()
 
@@ -416,8 +425,7 @@ class GpuAllocatorProcess(Process):
         link = self.ledger_link
         if link is None or not taken:
             return taken
-        link.use(taken, holder)
-        if link.covered(taken):
+        if link.grant(taken, holder):
             return taken
         promise: Promise = Promise()
 
@@ -588,19 +596,12 @@ class GpuAllocatorProcess(Process):
         self.ledger_link.refresh().on_any(lambda _: promise.associate(_as_future(again)))  # type: ignore[union-attr]
         return promise.future
 
-    def _leased(self, units: set[Unit], holder: str | None, again: Callable[[], Any], tries: int,
-                value: Any = _SAME) -> Any:
-        """``units``, just taken from the pool for ``holder``: the grant's answer
-        once the ledger holds them (see module rules)."""
+    def _leased(self, units: set[Unit], again: Callable[[], Any], tries: int, value: Any = _SAME) -> Future:
+        """``units``, just taken from the pool (their holders given to the link,
+        which does not lease them all yet): the grant's answer once the
+        ledger holds them (see module rules)."""
         link = self.ledger_link
         answer = set(units) if value is _SAME else value
-        try:
-            link.use(units, holder)  # type: ignore[union-attr]
-        except Exception:
-            self._put_back(units)
-            raise
-        if link.covered(units):  # type: ignore[union-attr]
-            return answer
         promise: Promise = Promise()
 
         def on_result(result: Any) -> None:

@@ -19,6 +19,7 @@ from ._directory import LOCK_TIMEOUT, LedgerDirectory, LedgerView, OwnerLock
 from ._errors import LedgerError
 from ._lease import Lease, LeaseConflict, blocking
 from ._names import (
+    MAX_HOLDER,
     OWNER_KINDS,
     check_holder,
     check_owner,
@@ -33,6 +34,6 @@ __all__ = [
     "BatchResult", "LeaseBatch", "TakeRequest", "TakeResult", "decide",
     "DEFAULT_NODE_LEDGER", "NODE_LEDGER_ENV", "describe_node_ledger", "node_ledger_dir",
     "LOCK_TIMEOUT", "LedgerDirectory", "LedgerView", "OwnerLock", "LedgerError", "Lease", "LeaseConflict",
-    "blocking", "OWNER_KINDS", "check_holder", "check_owner", "dra_plugin_owner", "isolator_owner",
+    "blocking", "MAX_HOLDER", "OWNER_KINDS", "check_holder", "check_owner", "dra_plugin_owner", "isolator_owner",
     "kubelet_plugin_owner", "lease_file_name", "serve_owner",
 ]
