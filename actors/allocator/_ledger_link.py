@@ -438,7 +438,9 @@ class LedgerLink:
                     return
                 self.jobs += 1
                 try:
-                    result = await self._executor.run(self.directory.apply, self.owner, batch)  # type: ignore[union-attr]
+                    directory = self.directory
+                    assert directory is not None
+                    result = await self._executor.run(directory.apply, self.owner, batch)
                 except Exception as error:  # noqa: BLE001 - a failed job: see the module rules
                     self._failed(batch, takes, refreshes, error)
                     continue

@@ -255,7 +255,8 @@ class LedgerDirectory:
                     self._write(self._units, lease_file_name(uuid), _encode(lease))
             if batch.health is not None:
                 self._write_health(owner, batch.health)
-            alive = {name: self.owner_alive(name) for name in {lease.owner for lease in after.values()} if name != owner}
+            others = {lease.owner for lease in after.values()} - {owner}
+            alive = {name: self.owner_alive(name) for name in others}
         if any(result.conflicts for result in results):
             results = [
                 msgspec.structs.replace(result, conflicts=tuple(

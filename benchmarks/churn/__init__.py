@@ -62,6 +62,7 @@ from .workload import CALLS, GPUS, ChurnRun, churn
 
 __all__ = [
     "CpuClock", "CpuUse", "process_cpu_seconds", "floor_v1", "floor_v2", "HopCounter", "Hops", "census",
-    "lease_cost_us", "ledger_jobs", "node_ledger_dir", "removed", "Progress", "format_table", "peak_rss_mb", "worker_peak_rss_mb",
+    "lease_cost_us", "ledger_jobs", "node_ledger_dir", "removed",
+    "Progress", "format_table", "peak_rss_mb", "worker_peak_rss_mb",
     "ROOT_PREFIX", "main", "measure_backend", "summary_row", "CALLS", "GPUS", "ChurnRun", "churn",
 ]

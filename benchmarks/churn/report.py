@@ -106,7 +106,8 @@ def format_table(rows: list[dict[str, Any]], workers: int, device_worker: str = 
         lines.append(f"{name:<11} {row['lifecycles_per_s']:>12,.0f} {floor} {ratio}  {cells}"
                      f"  {row['peak_rss_mb']:>6.1f} MiB")
         if row.get("ledger") == "on":
-            versus = f"{row['ledger_ratio']:.3f} of the same backend with the ledger off; " if "ledger_ratio" in row else ""
+            versus = (f"{row['ledger_ratio']:.3f} of the same backend with the ledger off; "
+                      if "ledger_ratio" in row else "")
             lines.append(f"{'':<11} node ledger on: {versus}{row.get('ledger_jobs_per_lifecycle')} ledger jobs per"
                          " lifecycle")
         cpu = _cpu_line(row)

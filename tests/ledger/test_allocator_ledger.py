@@ -16,12 +16,12 @@ from actors.flags import Flags
 from actors.ledger import LedgerDirectory, LedgerError, isolator_owner, serve_owner
 from actors.mig import MigDevice
 from runtime import Runtime, current_runtime, terminate, wait
+from tests.support.ledger import BOUND, leases, until
 
 DATA = Path(__file__).resolve().parents[1] / "inventory" / "data"
 A = isolator_owner("/var/lib/agent-a")
 B = serve_owner("/run/gpu-isolator/gpu-isolator.sock")
 G = [Gpu(195, minor) for minor in range(4)]
-BOUND = 10.0
 
 
 @pytest.fixture
@@ -34,22 +34,6 @@ def host_file(tmp_path: Path) -> Path:
 async def allocator(host: Path, **flags: object) -> NvidiaGpuAllocator:
     f = Flags(host_file=str(host), gpu_allocation="lowest", nvidia_health_checks=False, **flags)
     return await NvidiaGpuAllocator.create(f, NvidiaGpuAllocator.resources(f))
-
-
-def leases(directory: Path) -> dict[str, tuple[str, tuple[str, ...]]]:
-    ledger = LedgerDirectory.open(str(directory))
-    try:
-        return {lease.device: (lease.owner, lease.holders) for lease in ledger.read().values()}
-    finally:
-        ledger.close()
-
-
-async def until(check, what: str) -> None:
-    """Wait (bounded) for the state ``check`` asserts."""
-    deadline = asyncio.get_running_loop().time() + BOUND
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, f"not within {BOUND} s: {what}"
-        await asyncio.sleep(0.005)
 
 
 @pytest.mark.asyncio

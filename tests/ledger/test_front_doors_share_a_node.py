@@ -1,48 +1,21 @@
 """SPEC 22 on the kernel: two isolator agents with different work directories on
 one node (the seed's "multiple containerizers") never hand out one GPU
 twice, and a refusal names unit, owner and holder (``serve`` beside an agent:
-tests/service/test_serve_ledger.py; the helpers here serve both)."""
+tests/service/test_serve_ledger.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from actors.ledger import LedgerDirectory, isolator_owner
+from actors.ledger import isolator_owner
 from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
 from runtime import Runtime
 from tests.support.kernel import KERNEL_BACKENDS
-
-REPO = Path(__file__).resolve().parents[2]
-BOUND = 10.0
+from tests.support.ledger import leases, until
 
 
 def gpus(count: int) -> ContainerConfig:
     return ContainerConfig(resources=Resources.parse(f"gpus:{count}"))
-
-
-def leases(directory: str) -> dict[str, tuple[str, tuple[str, ...]]]:
-    ledger = LedgerDirectory.open(directory)
-    try:
-        return {lease.device: (lease.owner, lease.holders) for lease in ledger.read().values()}
-    finally:
-        ledger.close()
-
-
-async def until(check, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + BOUND
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, f"not within {BOUND} s: {what}"
-        await asyncio.sleep(0.01)
-
-
-def ledger_command(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "isolators", "ledger", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=60)
 
 
 @pytest.mark.asyncio

@@ -95,8 +95,8 @@ async def main(config: dict[str, Any]) -> None:
     extra = {"device_worker": "process"}
     if config.get("ledger"):
         extra["node_ledger"] = config["ledger"]
-    node = SimulatedNode(config["dir"], config["backend"], host=config.get("host") or os.path.join(config["dir"], "host.json"),
-                         cgroups_root=config["root"], extra=extra)
+    host = config.get("host") or os.path.join(config["dir"], "host.json")
+    node = SimulatedNode(config["dir"], config["backend"], host=host, cgroups_root=config["root"], extra=extra)
     async with Runtime():
         _components, isolator = await node.start()
         known = [ContainerState(ContainerID(c)) for c in config["known"]]

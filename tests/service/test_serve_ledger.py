@@ -12,13 +12,17 @@ import signal
 import pytest
 
 from actors.ledger import isolator_owner, serve_owner
-from isolators import ContainerID, IsolatorError
+from isolators import ContainerConfig, ContainerID, IsolatorError, Resources
 from runtime import Runtime
-from tests.ledger.test_front_doors_share_a_node import gpus, ledger_command, leases, until
 from tests.support.kernel import KERNEL_BACKENDS
+from tests.support.ledger import ledger_command, leases, until
 from tests.support.services import ask
 
 SECRET = "test-bearer-secret"
+
+
+def gpus(count: int) -> ContainerConfig:
+    return ContainerConfig(resources=Resources.parse(f"gpus:{count}"))
 
 
 @pytest.mark.asyncio
