@@ -85,7 +85,7 @@ from typing import Any
 
 from actors.devices import DeviceControl, DeviceRule
 from actors.flags import Flags
-from actors.ledger import describe_node_ledger, isolator_owner, node_ledger_dir
+from actors.ledger import isolator_owner
 from actors.mig import MigCapabilityError, MigDevice, read_mig_capabilities
 from actors.resources import Resources
 from runtime import Executor, Future, Process, await_all, delay, spawn
@@ -109,18 +109,6 @@ from ._types import ContainerState, Repair, ResourceStatistics, check_container_
 from ._usage import UsageReader
 
 logger = logging.getLogger(__name__)
-
-
-async def _join_node_ledger(flags: Flags, components: NvidiaComponents, owner: str | None) -> None:
-    """Join the node ledger ``flags`` name as ``owner`` (SPEC R-NL-1), saying so at start."""
-    directory = node_ledger_dir(flags)
-    logger.info("%s", describe_node_ledger(flags))
-    if directory is None:
-        return
-    try:
-        await components.allocator.join_ledger(directory, owner or isolator_owner(flags.work_dir))
-    except Exception as error:
-        raise as_isolator_error(error) from error
 
 
 class NvidiaGpuIsolatorProcess(Process):
@@ -187,7 +175,7 @@ class NvidiaGpuIsolatorProcess(Process):
             raise IsolatorError(str(e)) from e
         finally:
             executor.shutdown(wait=False)
-        await _join_node_ledger(flags, components, ledger_owner)
+        await components.join_ledger(ledger_owner or isolator_owner(flags.work_dir))
         if devices is None:
             try:
                 devices = await DeviceControl.create(

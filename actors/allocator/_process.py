@@ -443,20 +443,20 @@ class GpuAllocatorProcess(Process):
 
     def hold(self, units: Iterable[Unit], holder: str) -> Any:
         """``holder`` holds exactly ``units`` (sharing any it already holds with
-        other holders of this owner): all or nothing (see module rules)."""
+        other holders of this owner): all or nothing (see module rules). Units
+        the owner inherited from an earlier run are held again (a front door
+        reconciling from its own truth: then ``release_unclaimed``)."""
         wanted = _as_gpu_set(units)
         link = self._link("hold")
         unmanaged = wanted - self.total
         if unmanaged:
             raise AllocatorError(f"{format_gpus(unmanaged)} are not managed by this allocator")
-        inherited = wanted & link.inherited
-        if inherited:
-            raise AllocatorError(f"{format_gpus(inherited)} are not available (leased by {link.owner} in an earlier"
-                                 " run and not recovered yet)")
+        inherited = wanted & link.inherited  # a front door reconciling from its own truth holds them again
         fresh = wanted & self.free
         self.free.difference_update(fresh)
-        self.allocated.update(fresh)
-        before = {unit: link.holders.get(unit, ()) for unit in wanted - fresh}
+        self.allocated.update(fresh | inherited)
+        link.reclaimed(inherited)
+        before = {unit: link.holders.get(unit, ()) for unit in wanted - fresh - inherited}
         link.add_holder(wanted, holder)
         if link.covered(wanted):
             return None
@@ -465,6 +465,10 @@ class GpuAllocatorProcess(Process):
         def on_result(result: Any) -> None:
             if isinstance(result, BaseException) or result.conflicts:
                 self._put_back(fresh)
+                self.allocated.difference_update(inherited)
+                link.inherited.update(inherited)
+                for unit in inherited:
+                    link.holders.pop(unit, None)
                 for unit, holders in before.items():
                     link.holders[unit] = holders
                 if isinstance(result, BaseException):

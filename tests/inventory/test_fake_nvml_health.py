@@ -132,7 +132,8 @@ def test_the_real_nvml_has_the_node_ledger_on_by_default(probe, health_job, tmp_
                            health_job("ledger_default", ledger_env="")], script=HEALTH_PROBE)
     assert on["state"] == {"node_ledger": str(ledger), "owner": f"isolator:{tmp_path / 'work'}"}
     assert len(on["leases"]) == 1 and on["leases"][0].startswith("GPU-")  # container a's GPU, by its UUID
-    assert on["said"] == [f"node ledger {ledger}: GPUs are shared with the other front doors of this node"]
+    assert on["said"] == [f"node ledger {ledger}: GPUs are shared with the other front doors of this node"
+                          f" (as isolator:{tmp_path / 'work'})"]
     assert off["state"] == {"node_ledger": None, "owner": None} and off["leases"] is None
     assert off["said"] == ["node ledger off ($GPU_ISOLATOR_NODE_LEDGER is empty): this front door does not"
                            " coordinate its GPUs with other front doors of this node; never run another beside it"]

@@ -246,3 +246,24 @@ async def test_health_the_owner_sees_is_reported_in_the_ledger(tmp_path: Path, h
         await until(lambda: reported() == {A: {a.info(G[3]).uuid: "Xid 79"}}, "the health report")
         assert current_runtime() is not None
         await a.close()
+
+
+@pytest.mark.asyncio
+async def test_a_plugin_reconciles_by_holding_again_what_its_own_truth_says(tmp_path: Path, host_file: Path) -> None:
+    """A front door without an isolator (the Kubernetes plugins) reconciles after a restart by holding again the
+    units its own truth assigns (PodResources, its checkpoint), then returning the rest."""
+    ledger = tmp_path / "ledger"
+    plugin_owner = "kubelet-plugin:nvidia.com/gpu"
+    async with Runtime():
+        before = await allocator(host_file)
+        await before.join_ledger(str(ledger), plugin_owner)
+        await before.hold({G[0], G[1]}, "pod-a")
+        terminate(before.pid)  # the plugin dies with its pods running
+        await wait(before.pid)
+        after = await allocator(host_file)
+        state = await after.join_ledger(str(ledger), plugin_owner, linger=0.01)
+        assert state.inherited == {G[0], G[1]}
+        await after.hold({G[0]}, "pod-a")  # still assigned; 195:1's pod is gone
+        assert await after.release_unclaimed() == ["195:1"]
+        await until(lambda: leases(ledger) == {"195:0": (plugin_owner, ("pod-a",))}, "195:1 went back")
+        await after.close()
