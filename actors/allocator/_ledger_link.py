@@ -34,7 +34,9 @@ Rules (SPEC R-NL-1..3; DESIGN.md "One node, one ledger"):
   process of that owner runs) and reads the ledger: units the owner leases
   from an earlier life are ``inherited``, out of the allocator's pool until
   the front door has reconciled from its own truth (``reclaim`` keeps those
-  its containers hold; ``release_unclaimed`` returns the rest).
+  its containers hold, and ``hold`` those a plugin's pods or claims hold;
+  ``release_unclaimed`` returns the rest, with any unit it leased then that
+  this allocator no longer manages).
 - After every job, ``ours`` is exactly what the ledger says the owner
   holds: a lease a failed job left behind is adopted (and returned once
   unused), so nothing leaks.
@@ -165,6 +167,8 @@ class LedgerLink:
         """Managed units whose lease names this owner (after the last job)."""
         self.ours_unmanaged: set[str] = set()
         """UUIDs this owner leases that this allocator does not manage (an earlier life's)."""
+        self._unmanaged_go = False
+        """``release_unclaimed`` ran: ``ours_unmanaged`` go back with the next job."""
         self.written: dict[Unit, tuple[str, ...]] = {}
         """The holders each of ``ours`` names in the ledger."""
         self.holders: dict[Unit, tuple[str, ...]] = {}
@@ -391,6 +395,10 @@ class LedgerLink:
         self.unused(units)
         self._return_due |= units
         unmanaged = set(self.ours_unmanaged)
+        self._unmanaged_go = True
+        if unmanaged:
+            logger.warning("Node ledger %s: %s leased %s in an earlier run, which it does not manage now: returned",
+                           self.path, self.owner, sorted(unmanaged))
         if units or unmanaged:
             self._start()
         return units, unmanaged
@@ -413,7 +421,7 @@ class LedgerLink:
             elif since <= self.epoch - 2:
                 self._return_due.add(unit)
         holders_due = self.epoch % HOLDER_TICKS == 0 and self._rewrites()
-        if self._return_due or holders_due or self._health is not None or self.ours_unmanaged:
+        if self._return_due or holders_due or self._health is not None or (self._unmanaged_go and self.ours_unmanaged):
             self._start()
         if self.idle_since or self._rewrites():
             self._wake()
@@ -459,7 +467,8 @@ class LedgerLink:
         rewrites = tuple(self.lease(unit) for unit in self._rewrites()
                          if unit not in due and self.names[unit].uuid not in taken)
         self._return_due = set()
-        returns = tuple(sorted(self.names[unit].uuid for unit in due)) + tuple(sorted(self.ours_unmanaged))
+        unmanaged = tuple(sorted(self.ours_unmanaged)) if self._unmanaged_go else ()
+        returns = tuple(sorted(self.names[unit].uuid for unit in due)) + unmanaged
         health, self._health = self._health, None
         if health is not None:
             self._reported = health

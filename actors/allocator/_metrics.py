@@ -7,6 +7,9 @@ Rules:
   allocators of the runtime (see ``runtime._metrics``).
 - All pulled: each reads the allocator's sets when a snapshot is taken;
   allocating costs nothing more.
+- ``publish_ledger(process)`` (an allocator that joined a node ledger,
+  SPEC R-NL-5): ``ledger/conflicts``, ``ledger/leases`` and
+  ``ledger/held_elsewhere``, pulled from its link, given back at finalize.
 - For whole GPUs (``allocator/gpus_*``) and MIG devices
   (``allocator/mig_devices_*``, 0 on a node without MIG): ``_total``
   managed, ``_free`` allocatable now (not allocated, healthy),

@@ -267,3 +267,22 @@ async def test_a_plugin_reconciles_by_holding_again_what_its_own_truth_says(tmp_
         assert await after.release_unclaimed() == ["195:1"]
         await until(lambda: leases(ledger) == {"195:0": (plugin_owner, ("pod-a",))}, "195:1 went back")
         await after.close()
+
+
+@pytest.mark.asyncio
+async def test_a_unit_leased_in_an_earlier_run_and_no_longer_managed_waits_for_recovery(
+        tmp_path: Path, host_file: Path) -> None:
+    ledger = tmp_path / "ledger"
+    async with Runtime():
+        before = await allocator(host_file)
+        await before.join_ledger(str(ledger), A)
+        await before.allocate({G[3]}, holder="c1")
+        terminate(before.pid)
+        await wait(before.pid)
+        fewer = await allocator(host_file, resources="gpus:2", nvidia_gpu_devices=[0, 1])  # reconfigured
+        await fewer.join_ledger(str(ledger), A, linger=0.01)
+        await fewer.allocate(1, holder="c2")  # jobs run, and keep 195:3 until recovery says
+        assert "195:3" in leases(ledger)
+        assert await fewer.release_unclaimed() == [before.info(G[3]).uuid]
+        await until(lambda: "195:3" not in leases(ledger), "the unmanaged unit went back after recovery")
+        await fewer.close()
