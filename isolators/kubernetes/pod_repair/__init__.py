@@ -8,7 +8,8 @@ the access given back) over a ``PodHost`` (``KernelPodHost``;
 ``testing.MemoryPodHost``); ``node_repair`` builds it for this node from
 ``RepairOptions``. Its pieces: ``_cgroups`` (kubepods names of both
 drivers, the runtime's record), ``_access`` (v1 lists, v2 programs:
-judged and widened), ``_systemd`` (the scope's ``DeviceAllow=``),
+judged and widened), ``_systemd`` (the scope's ``DeviceAllow=`` and
+systemd's reloads, over the system bus with ``dbus-fast``),
 ``_dev_char`` and ``_pod_resources`` (the kubelet's PodResources v1).
 Rules of each piece are at the top of its module.
 
@@ -32,7 +33,7 @@ _EXPORTS = {
                         "PodResourcesUnavailable"),
     "._repair": ("ContainerCheck", "FailedContainer", "ObservedContainer", "PodHost", "PodRepair", "RepairPass",
                  "RepairedContainer"),
-    "._systemd": ("SystemdRefused", "SystemdScopes"),
+    "._systemd": ("SYSTEMD_BUS_NAME", "SystemdRefused", "SystemdScopes", "device_allow_entries"),
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
@@ -49,4 +50,4 @@ if TYPE_CHECKING:
     from ._pod_resources import PodResourcesUnavailable
     from ._repair import ContainerCheck, FailedContainer, ObservedContainer, PodHost, PodRepair, RepairPass
     from ._repair import RepairedContainer
-    from ._systemd import SystemdRefused, SystemdScopes
+    from ._systemd import SYSTEMD_BUS_NAME, SystemdRefused, SystemdScopes, device_allow_entries

@@ -21,7 +21,14 @@ Rules:
   refuses)`` under its own name: the cgroup is never without the old
   rules, gets no fewer of its other devices, and no program is added or
   detached; an ancestor's programs are never touched (they are other
-  containers' too). Then it reads the kernel again and raises
+  containers' too). ``installed`` (a set the caller keeps per cgroup)
+  holds the ids of the replacements it attached: a named one still
+  attached with a program of the same name attached after it is a
+  replacement its original's owner has superseded (systemd, at a reload
+  while the plugin cannot reach it: it attaches its new program and
+  cannot detach the one replaced), so it is detached first: no reload
+  leaves one more program behind. An unnamed program (runc's) is never
+  judged so. Then it reads the kernel again and raises
   ``AccessError`` if anything is still missing (an ancestor refusing it
   says so). Returns what it did, one line each (for
   the log).
@@ -151,9 +158,10 @@ def missing_access(cgroup: ContainerCgroup, rules: Iterable[DeviceRule]) -> list
     return [rule for rule in rules if rule in refused]
 
 
-def give_access(cgroup: ContainerCgroup, rules: Iterable[DeviceRule]) -> list[str]:
+def give_access(cgroup: ContainerCgroup, rules: Iterable[DeviceRule], installed: set[int] | None = None) -> list[str]:
     """Give the rules back, nothing else (see module rules); what was done, one line each."""
     rules = list(rules)
+    installed = set() if installed is None else installed
     done: list[str] = []
     if cgroup.version == 1:
         path = os.path.join(cgroup.directory, "devices.allow")
@@ -174,7 +182,19 @@ def give_access(cgroup: ContainerCgroup, rules: Iterable[DeviceRule]) -> list[st
         try:
             flags, programs = _programs(cgroup, cgroup_fd)
             try:
+                detached: set[int] = set()
+                for index, program in enumerate(programs):
+                    successor = next((p for p in programs[index + 1:] if p.info.id not in installed
+                                      and p.info.name == program.info.name), None)
+                    if program.info.id in installed and program.info.name and successor is not None:
+                        KERNEL.run("BPF_PROG_DETACH", cgroup.directory, bpf.prog_detach, cgroup_fd, program.fd)
+                        installed.discard(program.info.id)
+                        detached.add(program.info.id)
+                        done.append(f"program {program.info.id} ({program.info.name}) detached: a replacement of"
+                                    f" ours that its owner superseded with {successor.info.id}")
                 for program in programs:
+                    if program.info.id in detached:
+                        continue
                     refused = _refused(cgroup, program, rules)
                     if not refused:
                         continue
@@ -190,6 +210,7 @@ def give_access(cgroup: ContainerCgroup, rules: Iterable[DeviceRule]) -> list[st
                         new_id = KERNEL.run("BPF_OBJ_GET_INFO_BY_FD", cgroup.directory, bpf.prog_info, new_fd).id
                     finally:
                         os.close(new_fd)
+                    installed.add(new_id)
                     done.append(f"program {program.info.id} ({name}) replaced by {new_id}: the same rules plus "
                                 + ", ".join(str(rule) for rule in refused))
             finally:

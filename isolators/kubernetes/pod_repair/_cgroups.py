@@ -23,7 +23,13 @@ Rules (R-PR-1, R-PR-3):
   ``io.kubernetes.container.name``; None for a missing or unreadable file,
   or a sandbox (pause) container. ``DEFAULT_CONFIG_TEMPLATES`` are where
   containerd (CRI and docker's moby namespace) and CRI-O keep it, ``{id}``
-  the container id.
+  the container id, and where the distributions that move containerd's
+  state keep it (R-PR-6): k3s and RKE2 (``/run/k3s/containerd``: k3s'
+  ``applyContainerdStateAndAddress``, which RKE2 runs too) and MicroK8s
+  (``--state ${SNAP_COMMON}/run/containerd``, SNAP_COMMON
+  ``/var/snap/microk8s/common``: its ``default-args/containerd``); each
+  containerd keeps a task's bundle at
+  ``<state>/io.containerd.runtime.v2.task/<namespace>/<id>``.
 - ``first_process(cgroup_dir)`` is a pid in the cgroup (None: empty or gone);
   ``gpu_nodes_in(root_dev)`` the character nodes named ``nvidia<digits>``
   and ``nvidia-caps/*`` in a container's ``/dev`` (``/proc/<pid>/root/dev``)
@@ -50,6 +56,8 @@ DEFAULT_CONFIG_TEMPLATES = (
     "/run/containerd/io.containerd.runtime.v2.task/k8s.io/{id}/config.json",
     "/run/containerd/io.containerd.runtime.v2.task/moby/{id}/config.json",
     "/run/containers/storage/overlay-containers/{id}/userdata/config.json",
+    "/run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io/{id}/config.json",
+    "/var/snap/microk8s/common/run/containerd/io.containerd.runtime.v2.task/k8s.io/{id}/config.json",
 )
 
 _UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"

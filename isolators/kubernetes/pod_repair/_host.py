@@ -17,18 +17,29 @@ Rules:
   (``gpu_nodes_in``), and the rules the kernel refuses in any of its
   cgroups (``missing_access``); errors (a cgroup gone, a program it cannot
   judge) are that container's ``error``, never the batch's.
-- ``repair(container, rules)``: where systemd manages the container's scope
-  (``SystemdScopes.unit_of``), first the durable repair, the rules added to
-  the scope's ``DeviceAllow=`` through D-Bus (a refusal is reported in the
-  actions and the repair goes on); then, in each of its cgroups, whatever
-  the kernel still refuses is given back directly (``give_access``, which
-  reads the kernel again after).
-- ``link_nodes(nodes)`` is ``ensure_char_links`` under ``dev_dir``.
+- ``repair(container, rules, through_systemd)`` gives back, in each of its
+  cgroups, whatever the kernel still refuses. ``through_systemd`` (the
+  caller has just added the rules to the scope's ``DeviceAllow=``):
+  systemd applies them with a program of its own, so the job waits for
+  the kernel to agree (reading it again every 20 ms, at most
+  ``settle_s``); then, on v1, what is still refused is written to
+  ``devices.allow`` (an addition, nothing to detach later); on v2 nothing
+  is written (a program replaced in place is one systemd can no longer
+  detach: every reload would leave one more) and what is still refused is
+  an ``AccessError`` naming it. Without systemd the kernel is written
+  directly (``give_access``, which reads the kernel again after), with the
+  ids of the replacements it attached to that cgroup kept while the
+  cgroup is seen, so one superseded by a reload is detached (no pile-up
+  where systemd manages the scope but cannot be reached).
+- ``link_nodes(nodes)`` is ``ensure_char_links`` under ``dev_dir``;
+  ``records_looked_in()`` names the config templates, for a failure's
+  reason.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 
 from actors.devices import DeviceRule, DeviceControlError
@@ -39,7 +50,6 @@ from ._access import AccessError, give_access, missing_access
 from ._cgroups import (DEFAULT_CONFIG_TEMPLATES, DEFAULT_KUBEPODS_ROOTS, ContainerCgroup, PodIdentity,
                            first_process, gpu_nodes_in, read_identity, scan_kubepods)
 from ._repair import ContainerCheck, ObservedContainer
-from ._systemd import SystemdRefused, SystemdScopes
 
 __all__ = ["KernelPodHost"]
 
@@ -49,13 +59,15 @@ class KernelPodHost:
 
     def __init__(self, hierarchies: Sequence[tuple[str, int]], roots: Sequence[str] = DEFAULT_KUBEPODS_ROOTS,
                  config_templates: Sequence[str] = DEFAULT_CONFIG_TEMPLATES, *, dev_dir: str = "/dev",
-                 proc_dir: str = "/proc", systemd: SystemdScopes | None = None) -> None:
+                 proc_dir: str = "/proc", settle_s: float = 2.0) -> None:
         self.hierarchies = tuple(hierarchies)
         self.roots = tuple(roots)
         self.config_templates = tuple(config_templates)
         self.dev_dir = dev_dir
         self.proc_dir = proc_dir
-        self.systemd = systemd or SystemdScopes()
+        self.settle_s = settle_s
+        self._installed: dict[str, set[int]] = {}
+        """cgroup directory -> ids of the programs ``give_access`` attached there (replacements of ours)."""
         self._identities: dict[str, PodIdentity | None] = {}
 
     def survey(self) -> list[ObservedContainer]:
@@ -64,6 +76,8 @@ class KernelPodHost:
             for cgroup in scan_kubepods(mount, version, self.roots):
                 cgroups.setdefault(cgroup.container_id, []).append(cgroup)
         known = self._identities
+        present = {cgroup.directory for found in cgroups.values() for cgroup in found}
+        self._installed = {directory: ids for directory, ids in self._installed.items() if directory in present}
         self._identities = {cid: known.get(cid) or self._identity(cid) for cid in cgroups}
         return [ObservedContainer(container_id=cid, pod_uid=found[0].pod_uid, cgroups=tuple(found),
                                   identity=self._identities[cid])
@@ -92,19 +106,27 @@ class KernelPodHost:
             return ContainerCheck(dev_nodes=nodes, error=str(error))
         return ContainerCheck(dev_nodes=nodes, missing=tuple(missing))
 
-    def repair(self, container: ObservedContainer, rules: Sequence[DeviceRule]) -> list[str]:
+    def repair(self, container: ObservedContainer, rules: Sequence[DeviceRule], *,
+               through_systemd: bool = False) -> list[str]:
         done = []
-        unit = next((u for u in map(self.systemd.unit_of, container.cgroups) if u), None)
-        if unit is not None:
-            try:
-                done.append(self.systemd.allow(unit, rules, self.dev_dir))
-            except SystemdRefused as error:
-                done.append(f"{error}; the kernel is written directly, until the next reload")
         try:
+            if through_systemd:
+                deadline = time.monotonic() + self.settle_s
+                while any(missing_access(cgroup, rules) for cgroup in container.cgroups):
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.02)
             for cgroup in container.cgroups:
                 refused = missing_access(cgroup, rules)
-                if refused:
-                    done += [f"{cgroup.path}: {line}" for line in give_access(cgroup, refused)]
+                if not refused:
+                    continue
+                if through_systemd and cgroup.version == 2:
+                    raise AccessError(
+                        f"after systemd took DeviceAllow= the kernel still refuses {', '.join(map(str, refused))} on"
+                        f" {cgroup.directory} within {self.settle_s:g} s; its programs were left as they are (systemd"
+                        " manages the scope: a program replaced in place is one it cannot detach)")
+                installed = self._installed.setdefault(cgroup.directory, set())
+                done += [f"{cgroup.path}: {line}" for line in give_access(cgroup, refused, installed)]
         except DeviceControlError as error:
             raise AccessError(f"{error}; what was written before it stays (each write only adds the container's"
                               " own devices)") from error
@@ -112,3 +134,6 @@ class KernelPodHost:
 
     def link_nodes(self, nodes: Sequence[ContainerDevice]) -> CharLinks:
         return ensure_char_links(self.dev_dir, nodes)
+
+    def records_looked_in(self) -> str:
+        return ", ".join(self.config_templates)

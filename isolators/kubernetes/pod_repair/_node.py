@@ -9,10 +9,16 @@ Rules (R-PR-1):
   container's OCI config, ``{id}`` its id).
 - ``node_repair(options, catalog, facts, dev_dir)`` (blocking: it stats
   the mounts; run it on an executor) is a ``PodRepair`` of ``catalog``'s
-  units over the kubelet's PodResources socket and a ``KernelPodHost`` of
-  the v1 devices hierarchy and the cgroup2 mount that exist; it logs at
-  INFO where it looks, or warns when no hierarchy is there (it will check
-  and repair no pod; mount /sys/fs/cgroup from the host).
+  units over the kubelet's PodResources socket, a ``KernelPodHost`` of
+  the v1 devices hierarchy and the cgroup2 mount that exist, and
+  ``SystemdScopes`` on the system bus (connected by ``PodRepair.start``).
+  It logs at INFO where it looks, or warns when no hierarchy is there (it
+  will check and repair no pod; mount /sys/fs/cgroup from the host); and
+  the runtime state directories it reads the containers' records from
+  (each template's directory above ``{id}``), saying which exist and
+  which do not (a WARNING when none does: no container can be joined;
+  mount the runtime's state directory or name it with
+  ``--container_config``) (R-PR-6).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from ._cgroups import DEFAULT_CONFIG_TEMPLATES, DEFAULT_KUBEPODS_ROOTS
 from ._host import KernelPodHost
 from ._pod_resources import DEFAULT_POD_RESOURCES_SOCKET, PodResourcesClient
 from ._repair import PodRepair
+from ._systemd import SystemdScopes
 
 __all__ = ["RepairOptions", "node_repair"]
 
@@ -66,5 +73,16 @@ def node_repair(options: RepairOptions, catalog: UnitCatalog, facts: NodeFacts, 
         logger.warning("Pod repair finds no cgroup hierarchy to look in (neither a v1 devices hierarchy nor a"
                        " cgroup2 mount under /sys/fs/cgroup): it will check and repair no pod; mount them in the"
                        " plugin's container (/sys/fs/cgroup from the host)")
+    state_dirs = list(dict.fromkeys(os.path.dirname(template.split("{id}", 1)[0])
+                                    for template in options.container_configs))
+    there = [directory for directory in state_dirs if os.path.isdir(directory)]
+    listed = ", ".join(f"{directory} ({'exists' if directory in there else 'absent'})" for directory in state_dirs)
+    if there:
+        logger.info("Pod repair reads the containers' runtime records (OCI configs) in: %s", listed)
+    else:
+        logger.warning("Pod repair finds none of the runtime state directories it reads the containers' records in:"
+                       " %s; no container can be joined to its pod, so none is repaired: mount the runtime's state"
+                       " directory in the plugin's container, or name it with --container_config", listed)
     return PodRepair(catalog, PodResourcesClient(options.pod_resources_socket), host,
-                     control_devices=facts.control_devices, dev_dir=dev_dir, caps=facts.caps)
+                     control_devices=facts.control_devices, dev_dir=dev_dir, caps=facts.caps,
+                     systemd=SystemdScopes())

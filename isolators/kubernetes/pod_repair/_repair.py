@@ -14,18 +14,32 @@ Rules:
     nothing granted;
   - its identity joined to its cgroups through the runtime's record (the
     OCI config's pod uid must be the cgroup's: another one, or none, is a
-    failure, nothing granted; containers without a record are not
-    touched); more than one live container of one name → failed;
+    failure, nothing granted); none of the node's pod containers joined
+    to it while some have no record (or no pod container found at all)
+    → failed, the reason naming where records were looked for
+    (``PodHost.records_looked_in``: R-PR-6); more than one live container
+    of one name → failed;
   - checked (one ``PodHost.check_all`` job for every candidate): the
     GPU and capability nodes its own ``/dev`` holds (of the numbers this
     plugin offers) must be exactly those of its units, else failed
     ("the sources disagree"), nothing granted; a container with no process
     left is skipped;
+  - prevention (R-PR-7), with ``systemd`` connected: the first time the
+    plugin sees a container whose scope systemd manages
+    (``SystemdScopes.unit_of``, asked once a container), the rules of its
+    grant are added to the scope's ``DeviceAllow=`` (runtime), so a reload
+    keeps them (logged at INFO; a refusal is logged once and tried again
+    next pass);
   - the rules of its grant (``container_grant``: its GPUs' nodes, MIG
     capability nodes, the control devices, as the CDI spec gives them)
-    that the kernel refuses are given back (``PodHost.repair``, one
-    executor job per container): logged at WARNING naming pod, namespace,
-    container, GPUs (UUIDs), cgroup and what was written.
+    that the kernel refuses are given back, one executor job per
+    container (``PodHost.repair``): where systemd manages the scope,
+    through systemd (``DeviceAllow=`` again: systemd applies its record
+    with a program of its own and detaches its previous one; the job then
+    waits, bounded, for the kernel to agree, R-PR-8), else in the kernel
+    directly; logged at WARNING naming pod, namespace, container, GPUs
+    (UUIDs), cgroup and what was written. systemd refusing is a failure,
+    nothing written.
 - Nothing else is ever touched: not a container without this plugin's
   devices, not a device the container was not given.
 - The result (``RepairPass``) is what ``POST /kubelet-plugin/repair``
@@ -34,13 +48,19 @@ Rules:
   Counters: ``passes``, ``repaired`` (containers given access back),
   ``failures`` (a failure is counted and logged when it first appears,
   not again each pass while it lasts).
-- ``run(interval_s)`` passes until cancelled, the first at once;
-  ``close()`` shuts its executor and closes the lister.
+- ``start()`` (once, before the first pass; ``run`` calls it) connects
+  ``systemd`` and logs what repair can do on this node (R-PR-6); a
+  ``Reloading(false)`` from systemd wakes ``run`` for a pass at once.
+- ``run(interval_s)`` passes until cancelled, the first at once, then
+  every ``interval_s`` seconds or at once after a systemd reload;
+  ``close()`` shuts its executor, closes the lister and disconnects
+  systemd.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -60,6 +80,7 @@ from ._access import AccessError
 from ._dev_char import CharLinks
 from ._cgroups import ContainerCgroup, PodIdentity
 from ._pod_resources import AssignedDevices, PodResourcesUnavailable
+from ._systemd import SystemdRefused, SystemdScopes
 
 __all__ = ["ContainerCheck", "FailedContainer", "ObservedContainer", "PodHost", "PodRepair", "RepairPass",
            "RepairedContainer"]
@@ -92,9 +113,12 @@ class PodHost(Protocol):
 
     def check_all(self, items: Sequence[tuple[ObservedContainer, Sequence[DeviceRule]]]) -> list[ContainerCheck]: ...
 
-    def repair(self, container: ObservedContainer, rules: Sequence[DeviceRule]) -> list[str]: ...
+    def repair(self, container: ObservedContainer, rules: Sequence[DeviceRule], *,
+               through_systemd: bool = False) -> list[str]: ...
 
     def link_nodes(self, nodes: Sequence[ContainerDevice]) -> CharLinks: ...
+
+    def records_looked_in(self) -> str: ...
 
 
 class PodResourcesLister(Protocol):
@@ -145,10 +169,17 @@ class PodRepair:
 
     def __init__(self, catalog: UnitCatalog, lister: PodResourcesLister, host: PodHost, *,
                  control_devices: dict[str, DeviceRule], dev_dir: str, caps: MigCapabilities | None = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, systemd: SystemdScopes | None = None) -> None:
         self.catalog = catalog
         self.lister = lister
         self.host = host
+        self.systemd = systemd
+        self._started = False
+        self._wake: anyio.Event | None = None
+        self._units: dict[str, str | None] = {}
+        """Container id -> the scope systemd manages for it (None: not systemd's), asked once a container."""
+        self._prevented: set[str] = set()
+        """Container ids whose scope's DeviceAllow= holds their grant (R-PR-7)."""
         self.control_devices = control_devices
         self.dev_dir = dev_dir
         self.caps = caps
@@ -178,12 +209,34 @@ class PodRepair:
         close = getattr(self.lister, "close", None)
         if close is not None:
             close()
+        if self.systemd is not None:
+            self.systemd.close()
+
+    async def start(self) -> None:
+        """Connect systemd and say what repair can do on this node (see module rules); once."""
+        if self._started:
+            return
+        self._started = True
+        self._wake = anyio.Event()
+        if self.systemd is None:
+            return
+        reason = await self.systemd.connect()
+        level, line = self.systemd.status_line(reason, self.systemd.address)
+        logger.log(level, line)
+        if reason is None:
+            self.systemd.on_reload(self._reloaded)
+
+    def _reloaded(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
 
     # -- one pass --------------------------------------------------------------------------
     async def run(self, interval_s: float) -> None:
         """Passes every ``interval_s`` seconds until cancelled; a pass that
         raises is logged (once while it fails the same way) and counted in
-        ``repair_failures``, and the next one runs as usual."""
+        ``repair_failures``, and the next one runs as usual. A systemd
+        reload that finished starts the next pass at once."""
+        await self.start()
         while True:
             try:
                 await self.run_pass()
@@ -192,7 +245,10 @@ class PodRepair:
                 self._report_once(("pass", type(error).__name__, str(error)), logging.ERROR,
                                   "Pod repair pass failed: %s: %s; the plugin keeps serving its GPUs and tries"
                                   " again every %s s", type(error).__name__, error, interval_s)
-            await anyio.sleep(interval_s)
+            with anyio.move_on_after(interval_s):
+                assert self._wake is not None
+                await self._wake.wait()
+            self._wake = anyio.Event()
 
     async def run_pass(self) -> RepairPass:
         async with self._lock:
@@ -224,17 +280,24 @@ class PodRepair:
         if not wanted:
             return result
         observed = await self.executor.run(self.host.survey)
+        present = {container.container_id for container in observed}
+        self._units = {cid: unit for cid, unit in self._units.items() if cid in present}
+        self._prevented &= present
         by_name: dict[tuple[str, str, str], list[ObservedContainer]] = {}
         for container in observed:
             if container.identity is not None:
                 key = (container.identity.namespace, container.identity.pod, container.identity.container)
                 by_name.setdefault(key, []).append(container)
+        unrecorded = [container for container in observed if container.identity is None]
         candidates: list[tuple[_Wanted, ObservedContainer, tuple[DeviceRule, ...], set[tuple[int, int]]]] = []
         for key, want in wanted.items():
             if want.problem is not None:
                 self._fail(result, want, want.problem)
                 continue
             found = by_name.get(key, [])
+            if not found and (unrecorded or not observed):
+                self._fail(result, want, self._unjoined(bool(unrecorded)))
+                continue
             joined = [c for c in found if c.identity is not None and c.identity.pod_uid == c.pod_uid]
             for container in found:
                 if container not in joined:
@@ -273,10 +336,22 @@ class PodRepair:
                                          f" (nodes {_numbers(expected)}), {where}'s /dev holds"
                                          f" {_numbers(seen) or 'none of them'}; nothing granted")
                 continue
+            unit = await self._unit_of(container)
+            done_now = None
+            if unit is not None and container.container_id not in self._prevented:
+                done_now = await self._prevent(want, container, unit, rules)
             if not check.missing:
                 continue
             try:
-                actions = await self.executor.run(self.host.repair, container, check.missing)
+                actions = []
+                if unit is not None:
+                    actions.append(done_now or await self._systemd().allow(unit, check.missing, self.dev_dir))
+                actions += await self.executor.run(functools.partial(
+                    self.host.repair, container, check.missing, through_systemd=unit is not None))
+            except SystemdRefused as error:
+                self._fail(result, want, f"{where}: {error}; nothing written (systemd manages its scope, so its device"
+                                         " program is replaced by systemd alone)")
+                continue
             except AccessError as error:
                 self._fail(result, want, f"{where}: {error}")
                 continue
@@ -288,6 +363,43 @@ class PodRepair:
                            ", ".join(want.gpus), ", ".join(str(rule) for rule in check.missing),
                            "; ".join(actions) or "nothing to write")
         return result
+
+    def _systemd(self) -> SystemdScopes:
+        assert self.systemd is not None
+        return self.systemd
+
+    async def _unit_of(self, container: ObservedContainer) -> str | None:
+        """The scope systemd manages for the container (asked once a container), or None."""
+        if self.systemd is None or not self.systemd.connected:
+            return None
+        if container.container_id not in self._units:
+            units = [await self.systemd.unit_of(cgroup) for cgroup in container.cgroups]
+            self._units[container.container_id] = next((unit for unit in units if unit), None)
+        return self._units[container.container_id]
+
+    async def _prevent(self, want: _Wanted, container: ObservedContainer, unit: str,
+                       rules: Sequence[DeviceRule]) -> str | None:
+        """The grant added to the scope's DeviceAllow= (R-PR-7); what was done, or None when systemd refused."""
+        try:
+            done = await self._systemd().allow(unit, rules, self.dev_dir)
+        except SystemdRefused as error:
+            self._report_once(("prevent", container.container_id, str(error)), logging.WARNING,
+                              "Could not add pod %s/%s container %s's GPUs (%s) to its scope's DeviceAllow=: %s; a"
+                              " daemon-reload may take them (pod repair gives them back); tried again next pass",
+                              want.namespace, want.pod, want.container, ", ".join(want.gpus), error)
+            return None
+        self._prevented.add(container.container_id)
+        logger.info("Pod %s/%s container %s (%s, GPUs %s): %s, so that a daemon-reload keeps them", want.namespace,
+                    want.pod, want.container, container.container_id[:12], ", ".join(want.gpus), done)
+        return done
+
+    def _unjoined(self, unrecorded: bool) -> str:
+        if unrecorded:
+            return (f"no runtime record names it: some of this node's pod containers have no record in"
+                    f" {self.host.records_looked_in()}, so which one it is cannot be told; nothing checked (name the"
+                    " runtime's place with --container_config)")
+        return ("no pod container found: no cgroup of a pod's container under the kubepods roots the plugin reads"
+                " (its start-up log names them; --kubepods_root); nothing checked")
 
     def _wanted(self, assigned: Sequence[AssignedDevices]) -> dict[tuple[str, str, str], _Wanted]:
         wanted: dict[tuple[str, str, str], _Wanted] = {}

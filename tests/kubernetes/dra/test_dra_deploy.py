@@ -13,15 +13,13 @@ from isolators.cli import _parser
 from isolators.kubernetes.dra import DEFAULT_DRIVER_NAME
 
 from tests.support.dra_kubelet import catalog_of
+from tests.support.manifests import load_manifests
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "dra"
 
 
 def load(name: str) -> list:
-    from lightkube.codecs import load_all_yaml
-
-    with open(DEPLOY / name) as handle:
-        return load_all_yaml(handle)
+    return load_manifests(DEPLOY / name)
 
 
 def test_every_manifest_loads_into_typed_models() -> None:

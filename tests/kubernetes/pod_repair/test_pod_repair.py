@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 import msgspec
@@ -29,7 +29,9 @@ from actors.gpu import Gpu
 from isolators.kubernetes.device_plugin import DeviceCatalog, OfferedDevice, ResourceOffer
 from isolators.kubernetes.pod_repair import (AssignedDevices, PodRepair, PodResourcesClient, ensure_char_links,
                                              parse_container_cgroup, read_identity)
-from isolators.kubernetes.pod_repair.testing import FakePodResources, MemoryPodHost
+from isolators.kubernetes.pod_repair import SystemdScopes
+from isolators.kubernetes.pod_repair.testing import (FakePodResources, MemoryPodHost, StandInScope, SystemdStandIn,
+                                                     rules_of)
 
 from tests.support.services import ROOT
 
@@ -359,28 +361,238 @@ def test_repair_pods_false_runs_no_pass_and_the_route_says_so(tmp_path: Path) ->
             plugin.close()
 
 
-def test_a_systemd_scope_gets_its_devices_through_set_unit_properties() -> None:
-    from isolators.kubernetes.pod_repair import ContainerCgroup, SystemdRefused, SystemdScopes
+# -- nothing silent (R-PR-6) -------------------------------------------------------------------
 
-    calls: list[list[str]] = []
 
-    def busctl(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess:
-        calls.append(argv)
-        return subprocess.CompletedProcess(argv, 1 if "bad.scope" in argv else 0, "", "Unit bad.scope not loaded.")
+@pytest.mark.asyncio
+async def test_a_container_whose_runtime_record_is_missing_fails_naming_where_it_looked(
+        pod_resources: FakePodResources, caplog: pytest.LogCaptureFixture) -> None:
+    """PodResources names a container holding this plugin's GPU, its cgroup is there, but the runtime's record of
+    it is nowhere the plugin looks (containerd with another state dir): a failure of the pass naming where it
+    looked, and one log line while it lasts, not `checked: 0, failed: []`."""
+    host = MemoryPodHost()
+    repair = repair_on(pod_resources, host)
+    lost = host.add("ml", "train-0", "cuda", repair.nodes_of([Gpu(195, 0)]), recorded=False)
+    host.reload(lost.container_id)
+    pod_resources.assignments = [assign("ml", "train-0", "cuda", UUIDS[0])]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        first = await repair.run_pass()
+        again = await repair.run_pass()
+    reason = ("no runtime record names it: some of this node's pod containers have no record in memory, so which"
+              " one it is cannot be told; nothing checked (name the runtime's place with --container_config)")
+    assert msgspec.to_builtins(first.answer()) == {"checked": 0, "repaired": [], "failed": [
+        {"pod": "train-0", "namespace": "ml", "container": "cuda", "gpus": [UUIDS[0]], "reason": reason}]}
+    assert [f.reason for f in again.failed] == [reason] and host.writes == []
+    logged = [r.getMessage() for r in caplog.records if "left pod" in r.getMessage()]
+    assert logged == [f"Pod repair left pod ml/train-0 container cuda (GPUs {UUIDS[0]}) alone: {reason}"]
+    assert repair.failures == 1
+    # No pod container at all under the roots: said too.
+    host.containers.clear()
+    assert [f.reason for f in (await repair.run_pass()).failed] == [
+        "no pod container found: no cgroup of a pod's container under the kubepods roots the plugin reads (its"
+        " start-up log names them; --kubepods_root); nothing checked"]
+    repair.close()
 
-    scope = f"cri-containerd-{CID}.scope"
-    systemd = SystemdScopes(present=True, busctl="/usr/bin/busctl", run=busctl)
-    in_scope = ContainerCgroup(hierarchy="/sys/fs/cgroup", version=2, pod_uid=POD_UID, container_id=CID,
-                               path=f"kubepods.slice/kubepods-pod{POD_UID.replace('-', '_')}.slice/{scope}")
-    cgroupfs = ContainerCgroup(hierarchy="/sys/fs/cgroup", version=2, pod_uid=POD_UID, container_id=CID,
-                               path=f"kubepods/pod{POD_UID}/{CID}")
-    assert systemd.unit_of(in_scope) == scope and systemd.unit_of(cgroupfs) is None
-    assert SystemdScopes(present=False, busctl="/usr/bin/busctl").unit_of(in_scope) is None
-    rules = [DeviceRule.parse("c 195:0 rwm"), DeviceRule.parse("c 195:255 rwm")]
-    assert systemd.allow(scope, rules, "/dev") == (f"systemd {scope}: DeviceAllow= /dev/char/195:0 rwm,"
-                                                   " /dev/char/195:255 rwm (runtime)")
-    assert calls[0] == ["/usr/bin/busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-                        "org.freedesktop.systemd1.Manager", "SetUnitProperties", "sba(sv)", scope, "true", "1",
-                        "DeviceAllow", "a(ss)", "2", "/dev/char/195:0", "rwm", "/dev/char/195:255", "rwm"]
-    with pytest.raises(SystemdRefused, match="systemd refused DeviceAllow= on bad.scope: Unit bad.scope not loaded."):
-        systemd.allow("bad.scope", rules, "/dev")
+
+def test_the_start_log_names_the_runtime_state_dirs_it_reads_k3s_rke2_and_microk8s_among_them(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from isolators.kubernetes.pod_repair import RepairOptions, node_repair
+
+    facts = SimpleNamespace(control_devices=CONTROL, caps=None)
+    with caplog.at_level(logging.INFO, logger="isolators.kubernetes.pod_repair._node"):
+        node_repair(RepairOptions(), catalog(), facts, "/dev").close()  # type: ignore[arg-type]
+    line = next(r for r in caplog.records if "runtime state directories" in r.getMessage()
+                or "runtime records" in r.getMessage()).getMessage()
+    for directory in ("/run/containerd/io.containerd.runtime.v2.task/k8s.io",
+                      "/run/containerd/io.containerd.runtime.v2.task/moby",
+                      "/run/containers/storage/overlay-containers",
+                      "/run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io",  # k3s and RKE2
+                      "/var/snap/microk8s/common/run/containerd/io.containerd.runtime.v2.task/k8s.io"):
+        assert f"{directory} ({'exists' if os.path.isdir(directory) else 'absent'})" in line
+    caplog.clear()
+    (tmp_path / "k8s.io").mkdir()
+    options = RepairOptions(container_configs=(str(tmp_path / "k8s.io" / "{id}" / "config.json"),
+                                               str(tmp_path / "absent" / "{id}" / "config.json")))
+    with caplog.at_level(logging.INFO, logger="isolators.kubernetes.pod_repair._node"):
+        node_repair(options, catalog(), facts, "/dev").close()  # type: ignore[arg-type]
+    assert (f"Pod repair reads the containers' runtime records (OCI configs) in: {tmp_path / 'k8s.io'} (exists),"
+            f" {tmp_path / 'absent'} (absent)") in caplog.messages
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="isolators.kubernetes.pod_repair._node"):
+        node_repair(RepairOptions(container_configs=(str(tmp_path / "absent" / "{id}"),)), catalog(), facts,
+                    "/dev").close()  # type: ignore[arg-type]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "state directories" in r.getMessage()]
+    assert [r.getMessage() for r in warned] == [
+        f"Pod repair finds none of the runtime state directories it reads the containers' records in:"
+        f" {tmp_path / 'absent'} (absent); no container can be joined to its pod, so none is repaired: mount the"
+        " runtime's state directory in the plugin's container, or name it with --container_config"]
+
+
+# -- systemd on the system bus (R-PR-6, R-PR-7) ---------------------------------------------------
+
+
+@pytest.fixture
+def system_bus() -> Iterator[str]:
+    from tests.support.system_bus import dbus_skip_reason, private_bus
+
+    reason = dbus_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    directory = tempfile.mkdtemp(prefix="k8s-bus-", dir="/tmp")
+    try:
+        with private_bus(directory) as address:
+            yield address
+    finally:
+        for name in os.listdir(directory):
+            os.unlink(os.path.join(directory, name))
+        os.rmdir(directory)
+
+
+def memory_systemd(host: MemoryPodHost) -> "Callable[[StandInScope], None]":
+    """What systemd's record does to a memory container when applied: its device rules become the record's."""
+    def apply(scope: StandInScope) -> None:
+        for record in host.containers.values():
+            if scope.unit == record.cgroup_path.rsplit("/", 1)[-1]:
+                record.granted = set(rules_of(scope.device_allow))
+    return apply
+
+
+@pytest.mark.asyncio
+async def test_the_start_log_says_what_repair_can_do_on_this_node(system_bus: str, tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        nobody = PodRepair(catalog(), PodResourcesClient("/nonexistent"), MemoryPodHost(), control_devices=CONTROL,
+                           dev_dir="/dev", systemd=SystemdScopes(f"unix:path={tmp_path}/no-bus", timeout_s=5))
+        await nobody.start()
+        nobody.close()
+        no_systemd = PodRepair(catalog(), PodResourcesClient("/nonexistent"), MemoryPodHost(),
+                               control_devices=CONTROL, dev_dir="/dev", systemd=SystemdScopes(system_bus, timeout_s=5))
+        await no_systemd.start()
+        no_systemd.close()
+        stand_in = SystemdStandIn(system_bus).start()
+        try:
+            reached = PodRepair(catalog(), PodResourcesClient("/nonexistent"), MemoryPodHost(),
+                                control_devices=CONTROL, dev_dir="/dev", systemd=SystemdScopes(system_bus, timeout_s=5))
+            await reached.start()
+            reached.close()
+        finally:
+            stand_in.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Pod repair")]
+    systemd_runs = os.path.isdir("/run/systemd/system")
+    assert lines[0].startswith("Pod repair cannot use systemd although it runs on this node: the system bus at"
+                               if systemd_runs else "Pod repair finds no systemd on this node (/run/systemd/system is"
+                               f" absent; the system bus at unix:path={tmp_path}/no-bus cannot be reached")
+    if systemd_runs:
+        assert lines[0].endswith("Mount the host's /run/dbus (the system bus socket) in the plugin's container to"
+                                 " have the durable repair")
+    else:
+        assert lines[0].endswith("): containers' device rules are the runtime's (the cgroupfs driver), so repair"
+                                 " writes the kernel directly")
+    assert f"the system bus at {system_bus} has no systemd on it (org.freedesktop.DBus.Error.NameHasNoOwner" in lines[1]
+    assert lines[2] == (f"Pod repair reaches systemd on the system bus ({system_bus}): a GPU container's scope gets its"
+                        " GPU and control nodes in DeviceAllow= (runtime) when the plugin first sees it, so a"
+                        " daemon-reload keeps them, and systemd's Reloading signal starts a pass at once")
+
+
+@pytest.mark.asyncio
+async def test_a_gpu_containers_scope_gets_its_nodes_in_device_allow_when_first_seen_so_a_reload_keeps_them(
+        pod_resources: FakePodResources, system_bus: str, caplog: pytest.LogCaptureFixture) -> None:
+    host = MemoryPodHost()
+    stand_in = SystemdStandIn(system_bus, apply=memory_systemd(host)).start()
+    repair = PodRepair(catalog(), PodResourcesClient(pod_resources.socket, timeout_s=5), host,
+                       control_devices=CONTROL, dev_dir="/dev", systemd=SystemdScopes(system_bus, timeout_s=5))
+    try:
+        train = host.add("ml", "train-0", "cuda", repair.nodes_of([Gpu(195, 0), Gpu(195, 2)]), scope=True)
+        plain = host.add("web", "front", "nginx", [], scope=True)
+        unmanaged = host.add("ml", "train-1", "cuda", repair.nodes_of([Gpu(195, 1)]))  # cgroupfs names
+        unit = train.cgroup_path.rsplit("/", 1)[-1]
+        for record in (train, plain):  # the scopes as runc left them: no GPU in systemd's record
+            stand_in.add_scope(record.cgroup_path.rsplit("/", 1)[-1], "/" + record.cgroup_path)
+        pod_resources.assignments = [assign("ml", "train-0", "cuda", UUIDS[0], UUIDS[2]),
+                                     assign("ml", "train-1", "cuda", UUIDS[1])]
+        await repair.start()
+        with caplog.at_level(logging.INFO, logger=LOGGER):
+            first = await repair.run_pass()
+            second = await repair.run_pass()
+        assert (first.checked, first.repaired, first.failed) == (2, [], [])
+        assert (second.checked, second.repaired, second.failed) == (2, [], [])
+        allowed = [("/dev/char/195:0", "rwm"), ("/dev/char/195:2", "rwm"), ("/dev/char/195:255", "rwm"),
+                   ("/dev/char/235:0", "rwm")]
+        # The calls systemd got: the unit looked up once, its DeviceAllow= set once (runtime), nothing for the
+        # GPU-less container or the one systemd does not manage.
+        assert stand_in.calls == [("GetUnit", (unit,)), ("SetUnitProperties", (unit, True, [("DeviceAllow", allowed)]))]
+        assert stand_in.scopes[unit].device_allow == allowed
+        line = next(m for m in caplog.messages if m.startswith("Pod ml/train-0"))
+        assert line == (f"Pod ml/train-0 container cuda ({train.container_id[:12]}, GPUs {UUIDS[0]}, {UUIDS[2]}):"
+                        f" systemd {unit}: DeviceAllow= /dev/char/195:0 rwm, /dev/char/195:2 rwm, /dev/char/195:255"
+                        " rwm, /dev/char/235:0 rwm (runtime), so that a daemon-reload keeps them")
+        stand_in.reload()  # systemd re-applies every scope's record: the GPUs are in it now
+        assert train.granted == train.given and plain.granted == set()
+        after = await repair.run_pass()
+        assert (after.repaired, host.writes, repair.repaired) == ([], [], 0)
+    finally:
+        repair.close()
+        stand_in.close()
+
+
+@pytest.mark.asyncio
+async def test_systemds_reloading_signal_starts_a_pass_at_once_and_access_comes_back_through_systemd(
+        pod_resources: FakePodResources, system_bus: str) -> None:
+    """A container the plugin first sees after a reload took its GPUs (its scope's record never had them): the
+    Reloading(false) signal starts a pass at once (the interval is an hour), and the GPUs come back through
+    systemd (its record, then its program), nothing written to the kernel by the plugin."""
+    import anyio
+
+    host = MemoryPodHost()
+    stand_in = SystemdStandIn(system_bus, apply=memory_systemd(host)).start()
+    repair = PodRepair(catalog(), PodResourcesClient(pod_resources.socket, timeout_s=5), host,
+                       control_devices=CONTROL, dev_dir="/dev", systemd=SystemdScopes(system_bus, timeout_s=5))
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as group:
+                group.start_soon(repair.run, 3600)
+                while repair.passes < 1:
+                    await anyio.sleep(0.01)
+                train = host.add("ml", "train-0", "cuda", repair.nodes_of([Gpu(195, 0)]), scope=True)
+                unit = train.cgroup_path.rsplit("/", 1)[-1]
+                stand_in.add_scope(unit, "/" + train.cgroup_path)
+                pod_resources.assignments = [assign("ml", "train-0", "cuda", UUIDS[0])]
+                await anyio.to_thread.run_sync(stand_in.reload)
+                while repair.repaired < 1:
+                    await anyio.sleep(0.01)
+                group.cancel_scope.cancel()
+        assert repair.passes == 2 and train.granted == train.given and host.writes == []
+        assert stand_in.calls == [("GetUnit", (unit,)), ("SetUnitProperties", (unit, True, [("DeviceAllow", [
+            ("/dev/char/195:0", "rwm"), ("/dev/char/195:255", "rwm"), ("/dev/char/235:0", "rwm")])]))]
+    finally:
+        repair.close()
+        stand_in.close()
+
+
+@pytest.mark.asyncio
+async def test_a_scope_systemd_refuses_is_a_failure_and_nothing_is_written(
+        pod_resources: FakePodResources, system_bus: str) -> None:
+    host = MemoryPodHost()
+    stand_in = SystemdStandIn(system_bus, apply=memory_systemd(host)).start()
+    repair = PodRepair(catalog(), PodResourcesClient(pod_resources.socket, timeout_s=5), host,
+                       control_devices=CONTROL, dev_dir="/dev", systemd=SystemdScopes(system_bus, timeout_s=5))
+    try:
+        train = host.add("ml", "train-0", "cuda", repair.nodes_of([Gpu(195, 0)]), scope=True)
+        unit = train.cgroup_path.rsplit("/", 1)[-1]
+        stand_in.add_scope(unit, "/" + train.cgroup_path)
+        pod_resources.assignments = [assign("ml", "train-0", "cuda", UUIDS[0])]
+        await repair.start()
+        assert (await repair.run_pass()).failed == []  # prevention: its GPUs in the record
+        host.reload(train.container_id)
+        del stand_in.scopes[unit]  # the unit is gone from systemd (as a scope that ended)
+        result = await repair.run_pass()
+        assert [f.reason for f in result.failed] == [
+            f"container {train.container_id[:12]}: systemd refused DeviceAllow= on {unit}:"
+            f" org.freedesktop.systemd1.NoSuchUnit: Unit {unit} not loaded.; nothing written (systemd manages its"
+            " scope, so its device program is replaced by systemd alone)"]
+        assert host.writes == [] and train.granted == set()
+    finally:
+        repair.close()
+        stand_in.close()

@@ -19,6 +19,12 @@ mount) stays EPERM; a container without this plugin's GPUs keeps its rules and i
 log line names pod, container and GPU, and the counters count it. And, on the kernel alone: a cgroup that
 vanished is named and nothing is written; a device program that does more than a device program needs (a
 helper call) is named, not judged, and stays attached as it was.
+
+Where systemd manages the scope (SPEC 23, R-PR-7, R-PR-8), a systemd stand-in on a private system bus
+(``SystemdStandIn``, the real ``dbus-daemon``) applies a scope's record as systemd does on v2
+(``SystemdDevicePrograms``: its new program attached with ``BPF_F_ALLOW_MULTI``, its previous one detached): its
+``Reloading`` signal starts the plugin's pass at once, access comes back through systemd, and 100 reloads leave
+runc's program and systemd's, nothing more. Without the bus, 100 reloads repaired in the kernel leave the same two.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from isolators.kubernetes.pod_repair.testing import FakePodResources
 from isolators.simulated_node import SimulatedNode
 
 from tests.support.engines import (RuncEngine, build_rootfs, cdi_fragment, engine_skip_reason, make_device_nodes,
-                                   parse_probe)
+                                   parse_probe, remove_cgroup_trees)
 from tests.support.foreign_programs import runc_style_program
 from tests.support.kernel import V1_HIERARCHY, V2_HIERARCHY, bpf_unusable
 from tests.support.kubelet import PluginCommand, flag_args, plugin_directory, write_credential
@@ -318,3 +324,149 @@ def test_an_ancestors_program_that_refuses_is_judged_and_never_touched() -> None
     finally:
         os.rmdir(cgroup.directory)
         os.rmdir(parent)
+
+
+def test_through_systemd_on_v2_a_reload_starts_the_repair_and_100_reloads_pile_up_no_program(
+        tmp_path: Path) -> None:
+    """R-PR-7, R-PR-8 on cgroup v2, against a systemd stand-in on a private system bus: the container's scope is
+    as runc leaves it (runc's program in place of systemd's first; systemd's record without the GPU, the link
+    having been missing at the start). A reload that the plugin has not yet seen the container for takes the GPU;
+    systemd's Reloading signal starts a pass at once (the interval is an hour), and access comes back through
+    systemd: its record gets the GPU and control nodes, systemd attaches its new program and detaches its previous
+    one; the plugin replaces no program. Then 100 reloads, each a systemd-shaped program attached with
+    BPF_F_ALLOW_MULTI and its predecessor detached as systemd does, each followed by the pass it starts: the
+    cgroup holds runc's program and systemd's, nothing more, and inside the container its GPU and the control
+    device stay reachable, another pod's GPU not."""
+    from isolators.kubernetes.pod_repair.testing import SystemdStandIn, rules_of
+
+    from tests.support.foreign_programs import SystemdDevicePrograms
+    from tests.support.system_bus import dbus_skip_reason, private_bus
+
+    reason = _skip_reason(2) or dbus_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    node = Node(tmp_path, 2)
+    programs = SystemdDevicePrograms()
+    units: dict[str, ContainerCgroup] = {}
+
+    def apply(scope) -> None:  # systemd applying the scope's record: its defaults and DeviceAllow=
+        programs.apply(units[scope.unit].directory, STANDARD + rules_of(scope.device_allow))
+
+    with plugin_directory() as directory, private_bus(str(directory)) as address:
+        stand_in = SystemdStandIn(address, apply=apply).start()
+        pods = FakePodResources(str(directory / "pod-resources.sock")).start()
+        args = flag_args(node.node.flag_values(cdi_spec_dir=str(node.cdi))) + [
+            f"--device_plugin_dir={directory}", "--listen=127.0.0.1:0", "--repair_interval=3600",
+            f"--pod_resources_socket={pods.socket}", f"--kubepods_root={node.runc.cgroup_parent}/kubepods.slice",
+            f"--container_config={node.runc.directory}/bundles/{{id}}/config.json"]
+        plugin = PluginCommand(args, node.base, env={"DBUS_SYSTEM_BUS_ADDRESS": address})
+        try:
+            plugin.start()
+            plugin.wait_log("isolators.kubernetes.pod_repair._repair", timeout=30)  # the first pass: connected
+            first_passes = plugin.metrics()["kubelet_repair_passes_total"]
+            spec = json.loads((node.cdi / "gpu-isolator-node.json").read_text())
+            uuids = [device["name"] for device in spec["devices"] if device["name"].startswith("GPU-")]
+            train = node.start("train", "ml", "train-0", "cuda", [f"{GPU}={uuids[0]}"])
+            control = [DeviceRule("c", major, minor, "rwm") for major, minor in CONTROL_NODES.values()]
+            runc_program = attach_runc_program(train, STANDARD + [DeviceRule("c", 195, 0, "rwm")] + control)
+            unit = train.path.rsplit("/", 1)[-1]
+            units[unit] = train
+            stand_in.add_scope(unit, "/" + train.path)  # runc left the GPU out of systemd's record
+            paths = ["/dev/nvidia0", "/dev/nvidiactl", "/host-dev/nvidia1"]
+            assert node.probe("train", *paths) == {
+                "/dev/nvidia0": "ENXIO", "/dev/nvidiactl": "ENXIO", "/host-dev/nvidia1": "EPERM"}
+
+            # A reload before the plugin knows the container (PodResources refusing): the GPU is gone.
+            pods.refuse(grpc.StatusCode.UNAVAILABLE, "paused by the test")
+            stand_in.reload()
+            wait_for(lambda: pods.refused >= 1, "the pass systemd's reload started (refused at List)")
+            assert node.probe("train", *paths) == {
+                "/dev/nvidia0": "EPERM", "/dev/nvidiactl": "EPERM", "/host-dev/nvidia1": "EPERM"}
+            pods.refuse(None)
+            pods.assignments = [
+                AssignedDevices(namespace="ml", pod="train-0", container="cuda", resource=GPU, ids=(uuids[0],)),
+                AssignedDevices(namespace="ml", pod="train-1", container="cuda", resource=GPU, ids=(uuids[1],))]
+            stand_in.reload()  # the next reload's signal: a pass at once, an hour before the interval's
+            log = plugin.wait_log("Repaired pod ml/train-0 container cuda", timeout=20)
+            assert node.probe("train", *paths) == {
+                "/dev/nvidia0": "ENXIO", "/dev/nvidiactl": "ENXIO", "/host-dev/nvidia1": "EPERM"}
+            line = next(line for line in log.splitlines() if "Repaired pod" in line)
+            assert line.endswith(f"the kernel refused c 195:0 rwm, c 195:255 rwm, c 235:0 rwm; systemd {unit}:"
+                                 f" DeviceAllow= {node.node.dev_dir}/char/195:0 rwm, {node.node.dev_dir}/char/195:255"
+                                 f" rwm, {node.node.dev_dir}/char/235:0 rwm (runtime)")
+            assert "replaced by" not in log
+            [(_, runtime, [(_, allowed)])] = stand_in.wait_calls("SetUnitProperties", 1)
+            assert runtime is True and rules_of(allowed) == [DeviceRule("c", 195, 0, "rwm")] + control
+            assert attached(train) == [runc_program, programs_id(programs, train)]
+
+            for reload in range(100):
+                passes = plugin.metrics()["kubelet_repair_passes_total"]
+                stand_in.reload()
+                wait_for(lambda: plugin.metrics()["kubelet_repair_passes_total"] > passes,
+                         f"the pass reload {reload + 1} started")
+                assert len(attached(train)) == 2, f"after reload {reload + 1}: programs {attached(train)}"
+            assert attached(train) == [runc_program, programs_id(programs, train)]
+            assert node.probe("train", *paths) == {
+                "/dev/nvidia0": "ENXIO", "/dev/nvidiactl": "ENXIO", "/host-dev/nvidia1": "EPERM"}
+            metrics = plugin.metrics()
+            assert metrics["kubelet_pods_repaired_total"] == 1 and metrics["kubelet_repair_failures_total"] == 0
+            assert metrics["kubelet_repair_passes_total"] >= first_passes + 102
+            assert len(stand_in.wait_calls("SetUnitProperties", 1)) == 1 and "replaced by" not in plugin.log()
+            assert f"Pod repair reaches systemd on the system bus ({address})" in plugin.log()
+        finally:
+            plugin.close()
+            pods.close()
+            stand_in.close()
+            programs.close()
+            node.runc.close()
+
+
+def programs_id(programs, cgroup: ContainerCgroup) -> int:
+    return bpf.prog_info(programs.attached[cgroup.directory]).id
+
+
+def test_without_the_bus_100_reloads_repaired_in_the_kernel_leave_runc_and_systemd_one_program_each(
+        tmp_path: Path) -> None:
+    """Where systemd manages the scope but the plugin cannot reach it (no bus in its container), the repair
+    replaces systemd's program in place; at the next reload systemd attaches its new one and cannot detach the
+    replaced one. 100 such reloads, each repaired: the repair detaches its own superseded replacement, so the
+    cgroup keeps runc's program and one of systemd's (widened), and a child in the cgroup opens the GPU and the
+    control device past the device cgroup, never another GPU."""
+    from isolators.kubernetes.pod_repair import KernelPodHost, ObservedContainer
+
+    from tests.support.foreign_programs import SystemdDevicePrograms
+    from tests.support.probes import DENIED, GRANTED, DeviceProbe, mknod_nodes
+
+    reason = _skip_reason(2)
+    if reason:
+        pytest.skip(reason)
+    parent = f"gpu-isolator-test-{uuid.uuid4().hex[:12]}"
+    pod_uid, container_id = str(uuid.uuid4()), uuid.uuid4().hex * 2
+    cgroup = ContainerCgroup(hierarchy=V2_HIERARCHY, version=2, pod_uid=pod_uid, container_id=container_id,
+                             path=f"{parent}/{kubepods_path(2, pod_uid, container_id)}")
+    os.makedirs(cgroup.directory)
+    nodes = mknod_nodes(str(tmp_path), [("c", 195, 0), ("c", 195, 1), ("c", 195, 255), ("c", 235, 0)])
+    grant = [DeviceRule("c", 195, 0, "rwm"), DeviceRule("c", 195, 255, "rwm"), DeviceRule("c", 235, 0, "rwm")]
+    programs = SystemdDevicePrograms()
+    probe = DeviceProbe()
+    try:
+        runc_program = attach_runc_program(cgroup, STANDARD + grant)
+        container = ObservedContainer(container_id=container_id, pod_uid=pod_uid, cgroups=(cgroup,))
+        host = KernelPodHost([(V2_HIERARCHY, 2)], (f"{parent}/kubepods.slice",), dev_dir=str(tmp_path))
+        probe.move_to(cgroup.directory)
+        for reload in range(100):
+            programs.apply(cgroup.directory, STANDARD)  # systemd's record: runc left the GPU out of it
+            assert probe.access(nodes[("c", 195, 0)]) == DENIED
+            [checked] = host.check_all([(container, grant)])
+            assert checked.missing == tuple(grant)
+            done = host.repair(container, checked.missing)
+            assert len(attached(cgroup)) == 2, f"after reload {reload + 1}: {attached(cgroup)}"
+            assert len(done) == (1 if reload == 0 else 2), done  # after the first: one detached, one replaced
+        assert attached(cgroup)[0] == runc_program
+        assert [probe.access(nodes[node]) for node in (("c", 195, 0), ("c", 195, 255), ("c", 235, 0))] == [GRANTED] * 3
+        assert probe.access(nodes[("c", 195, 1)]) == DENIED
+        assert "detached: a replacement of ours that its owner superseded with" in done[0]
+    finally:
+        probe.close()
+        programs.close()
+        remove_cgroup_trees(parent)
