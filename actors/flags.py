@@ -43,6 +43,11 @@ Rules:
   1, NVML's own longest sample period for utilisation; 0: never) is how
   old the NVML readings a ``usage`` answers with may be: readings taken
   that recently are answered at once, with no NVML call (R-IS-5).
+- ``node_ledger`` (SPEC R-NL-1) is the node ledger's directory, absolute;
+  ``""`` (``--node_ledger=``) turns it off; unset (None) is the default
+  ``actors.ledger.node_ledger_dir`` resolves (the environment's
+  ``GPU_ISOLATOR_NODE_LEDGER`` or ``/run/gpu-isolator/ledger`` on the real
+  NVML, none on a simulated node).
 - Validation runs on every construction (``__post_init__``), so a Flags
   value that exists is a valid one.
 """
@@ -201,6 +206,11 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Where the node's kernel facts are read: the MIG capability facts
     (``driver/nvidia-caps/mig-minors``, ``devices``) and the ``nvidia-uvm``
     major (``devices``); tests point it at files of their own."""
+    node_ledger: str | None = None
+    """The node ledger every front door of the node shares (SPEC R-NL-1): a
+    directory (absolute), ``""`` for none, None for the default
+    (``actors.ledger.node_ledger_dir``: ``$GPU_ISOLATOR_NODE_LEDGER`` or
+    ``/run/gpu-isolator/ledger`` on the real NVML, none on a simulated node)."""
 
     def __post_init__(self) -> None:
         _check_choice("nvidia_mig_strategy", self.nvidia_mig_strategy)
@@ -249,6 +259,14 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise FlagsError("Invalid '--dev_dir': it must not be empty")
         if not self.proc_dir:
             raise FlagsError("Invalid '--proc_dir': it must not be empty")
+        if self.node_ledger is not None and self.node_ledger != "" and (
+            not isinstance(self.node_ledger, str) or not self.node_ledger.startswith("/")
+            or "\x00" in self.node_ledger
+        ):
+            raise FlagsError(
+                f"Invalid '--node_ledger' {self.node_ledger!r}: expected an absolute directory (the default is"
+                " /run/gpu-isolator/ledger on a node with NVIDIA's driver), or an empty value to turn it off"
+            )
         if self.cdi_spec_dir is not None and (
             not isinstance(self.cdi_spec_dir, str) or not self.cdi_spec_dir.startswith("/")
             or "\x00" in self.cdi_spec_dir

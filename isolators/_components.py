@@ -13,8 +13,19 @@ Rules (Mesos ``gpu/components.hpp``):
   nothing is spawned or written. The library never invents GPUs.
 - The allocator may be shared by several isolators; the components hold no
   per-container state.
+- ``join_ledger(owner)``: the front door these components serve joins the
+  node ledger ``flags`` name (SPEC R-NL-1; ``actors.ledger.node_ledger_dir``:
+  on by default on the real NVML, off on a simulated node unless given) as
+  ``owner`` (``actors.ledger.isolator_owner(work_dir)``,
+  ``serve_owner(socket)``, ``kubelet_plugin_owner(resource)``,
+  ``dra_plugin_owner(driver)``), saying at start where the ledger is or that
+  it is off; from then on the allocator takes and returns its leases. A
+  failure (another process of that owner runs, an untrusted directory) is
+  an ``IsolatorError`` naming it. The isolator's ``create`` calls it; a
+  front door without an isolator (the Kubernetes plugins) calls it itself.
 - ``close()`` terminates what it spawned and shuts NVML down (an agent
-  restart drops them).
+  restart drops them); the allocator first returns the leases no holder
+  has and releases the owner's lock.
 """
 
 from __future__ import annotations
@@ -24,11 +35,13 @@ import logging
 import msgspec
 
 from actors import NvidiaGpuAllocator, NvidiaVolume
+from actors.allocator import LedgerState
 from actors.flags import Flags
+from actors.ledger import describe_node_ledger, node_ledger_dir
 from actors.nvml import NodeInventory, NvmlError, NvmlService, NvmlUnavailable
 from actors.resources import Resources
 
-from ._errors import IsolatorError
+from ._errors import IsolatorError, as_isolator_error
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +77,20 @@ class NvidiaComponents(msgspec.Struct):
             await nvml.close()
             raise
         return cls(flags, resources, allocator, volume, nvml, inventory)
+
+    async def join_ledger(self, owner: str) -> LedgerState | None:
+        """Join the node ledger of ``self.flags`` as ``owner`` (see module rules);
+        its state as joined, None when the ledger is off."""
+        directory = node_ledger_dir(self.flags)
+        if directory is None:  # turned off on the real NVML: a warning; a simulated node has none by default
+            simulated = self.flags.host_file is not None and self.flags.node_ledger is None
+            logger.log(logging.INFO if simulated else logging.WARNING, "%s", describe_node_ledger(self.flags))
+            return None
+        logger.info("%s (as %s)", describe_node_ledger(self.flags), owner)
+        try:
+            return await self.allocator.join_ledger(directory, owner)
+        except Exception as error:
+            raise as_isolator_error(error) from error
 
     async def close(self) -> None:
         """Terminate the component actors and shut NVML down."""

@@ -57,6 +57,15 @@ Rules (Mesos ``gpu/isolator.cpp``, plus what Mesos never finished):
   unit: every free one is held back for them (the quarantine, shown as
   theirs), and so is every one released, until the last of them is
   cleaned up; they can only be cleaned up.
+- The node ledger (SPEC 22): ``create`` joins the ledger ``flags`` name
+  (``actors.ledger.node_ledger_dir``; on by default on the real NVML) as
+  ``isolator:<work_dir>`` (``serve`` passes ``serve:<socket>``) before the
+  actor exists, and says at start where it is or that it is off. Every
+  grant names its container as the holder; a unit another front door of
+  the node holds is refused by the allocator (an ``IsolatorError`` naming
+  the unit's UUID, that owner and its holder). ``recover`` reclaims what
+  the kernel says each container holds (with its holder) and then returns
+  every unit this owner leased in an earlier run that no container holds.
 - ``usage`` (R-IS-5) and ``watch`` (R-IS-9) answer for the units held now;
   usage from readings at most ``flags.nvidia_usage_max_age`` old at once
   (``_usage``), else after one NVML read.
@@ -76,6 +85,7 @@ from typing import Any
 
 from actors.devices import DeviceControl, DeviceRule
 from actors.flags import Flags
+from actors.ledger import isolator_owner
 from actors.mig import MigCapabilityError, MigDevice, read_mig_capabilities
 from actors.resources import Resources
 from runtime import Executor, Future, Process, await_all, delay, spawn
@@ -146,13 +156,14 @@ class NvidiaGpuIsolatorProcess(Process):
     # -- construction -----------------------------------------------------
     @classmethod
     async def create(cls, flags: Flags, components: NvidiaComponents,
-                     devices: DeviceControl | None = None) -> Any:
-        """Check flags, record control devices (off the loop), pick the device
-        backend, spawn; the handle (``NvidiaGpuIsolator``).
+                     devices: DeviceControl | None = None, *, ledger_owner: str | None = None) -> Any:
+        """Check flags, record control devices (off the loop), join the node
+        ledger, pick the device backend, spawn; the handle (``NvidiaGpuIsolator``).
 
         ``devices``: a device control to use instead of building one from the
         flags (tests inject a ``FaultInjectingBackend`` this way); the
-        isolator's ``close()`` terminates it either way."""
+        isolator's ``close()`` terminates it either way. ``ledger_owner``: the
+        node ledger owner this front door is (default ``isolator:<work_dir>``)."""
         from ._handle import NvidiaGpuIsolator
 
         host_numbers = dict(components.inventory.control_devices) if components.inventory.kind == "simulated" else None
@@ -168,6 +179,7 @@ class NvidiaGpuIsolatorProcess(Process):
             raise IsolatorError(str(e)) from e
         finally:
             executor.shutdown(wait=False)
+        await components.join_ledger(ledger_owner or isolator_owner(flags.work_dir))
         if devices is None:
             try:
                 devices = await DeviceControl.create(
@@ -228,7 +240,8 @@ class NvidiaGpuIsolatorProcess(Process):
         touched = False  # whether units were taken and the kernel asked for anything
         configured = False  # whether it answered: the cgroup grants exactly ``units``
         try:
-            units: set = set(await self.allocator.allocate_resources(demand)) if any(demand.values()) else set()
+            units: set = (set(await self.allocator.allocate_resources(demand, container_id.value))
+                          if any(demand.values()) else set())
             if units:
                 self.ledger.hold(container_id, units)
             touched = True
@@ -324,7 +337,7 @@ class NvidiaGpuIsolatorProcess(Process):
         surplus = self.catalog.surplus(held, demand)
         if not wanted and not surplus:
             return
-        extra: set = set(await self.allocator.allocate_resources(wanted)) if wanted else set()
+        extra: set = set(await self.allocator.allocate_resources(wanted, container_id.value)) if wanted else set()
         self.ledger.withhold(container_id, extra)  # its grant is under way: the kernel may have it from now on
         keep = (held - surplus) | extra
         try:
@@ -437,7 +450,9 @@ class NvidiaGpuIsolatorProcess(Process):
         for cid in plan.missing:
             logger.warning("Container %s: couldn't find the cgroup '%s' for recovery", cid, cid.path())
         if plan.claim:
-            await self.allocator.reclaim(plan.claim)
+            holders = {unit: container.container_id.value for container in plan.containers
+                       for unit in container.gpus}
+            await self.allocator.reclaim(plan.claim, holders)
         recovered: list[tuple[ContainerID, str]] = []
         for container in plan.containers:
             cid = container.container_id
@@ -459,6 +474,10 @@ class NvidiaGpuIsolatorProcess(Process):
                 self._report(f"Container {cid}: recovery repaired its device rules: {line}")
             if failed is not None:
                 self._report(f"Container {cid}: recovery {failed.description}")
+        returned = await self.allocator.release_unclaimed()
+        if returned:
+            logger.info("Recovery: units %s this front door leased in the node ledger before it stopped, held by no"
+                        " container now, went back", returned)
         unknown = [cid for cid in self.records if self.ledger.reaching.get(cid) is Reach.UNKNOWN_STATE]
         known = {cid: self.ledger.held(cid) for cid in self.records if cid not in unknown}
         try:

@@ -17,6 +17,9 @@ Commands:
   volume copies no library or binary of this machine.
 - ``serve``, ``exec``, ``status``: the isolator as a service and its
   clients (``isolators.service``; SPEC section 16).
+- ``ledger [--json]``, ``ledger release --owner OWNER``: the node ledger
+  (``isolators._ledger_command``; SPEC section 22): which front door holds
+  each unit of the node, and the operator's release of a dead one's.
 - ``kubelet-plugin``: the Kubernetes device plugin (``isolators.kubernetes.device_plugin``;
   SPEC section 18).
 - ``dra-plugin``: the Kubernetes DRA driver (``isolators.kubernetes.dra``; SPEC
@@ -156,10 +159,12 @@ def _parser() -> argparse.ArgumentParser:
                           help="write the spec to PATH (atomically; e.g. /etc/cdi/nvidia.yaml) instead of stdout")
     generate.set_defaults(func=_cmd_cdi_generate)
 
+    from ._ledger_command import add_command as add_ledger_command
     from .kubernetes import add_commands as add_kubernetes_commands  # kubelet-plugin, dra-plugin
     from .service import add_commands  # serve, exec, status
 
     add_commands(sub)
+    add_ledger_command(sub)
     add_kubernetes_commands(sub)
     return parser
 

@@ -13,7 +13,9 @@
   built once with gcc into ``libnvidia-ml.so.1``; skips when gcc is absent.
 - Every test is watched (``tests.support.host_facts``): opening the host's
   ``/etc/ld.so.cache`` or ``/proc/devices`` fails it unless it is marked
-  ``@pytest.mark.host_facts`` (it reads the host's own on purpose).
+  ``@pytest.mark.host_facts`` (it reads the host's own on purpose); so does
+  touching the host's node ledger (``/run/gpu-isolator/ledger``), or making
+  it from a child process: a test's front doors have a ledger of their own.
 """
 
 from __future__ import annotations
@@ -38,12 +40,18 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(autouse=True)
 def _reads_no_host_facts(request: pytest.FixtureRequest) -> Iterator[None]:
     host_facts.forget()
+    ledger_existed = host_facts.ledger_before()
     yield
     seen = host_facts.opened()
     host_facts.forget()
     if seen and request.node.get_closest_marker(host_facts.MARKER) is None:
         pytest.fail(f"the test opened the host's {sorted(set(seen))}: give its node its own"
-                    " (SimulatedNode's ld_cache and proc_dir) or mark it host_facts", pytrace=False)
+                    " (SimulatedNode's ld_cache and proc_dir; --node_ledger for a front door on the real NVML)"
+                    " or mark it host_facts", pytrace=False)
+    if host_facts.ledger_made(ledger_existed):
+        pytest.fail(f"a front door of the test (a child process?) made the host's node ledger"
+                    f" {host_facts.HOST_LEDGER}: give each front door on the real NVML a ledger of its own"
+                    " (--node_ledger / Flags.node_ledger)", pytrace=False)
 
 
 @pytest.fixture

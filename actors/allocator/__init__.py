@@ -4,11 +4,14 @@ The handle, ``NvidiaGpuAllocator`` (``resources(flags)``, ``create``,
 ``allocate``/``deallocate``/``available``), is exported by ``actors``;
 ``GpuAllocatorProcess`` is the actor; ``HealthMonitorProcess`` feeds it NVML
 health events;
-``allocate_best``/``PairScores`` the topology scoring. Rules of each piece
+``allocate_best``/``PairScores`` the topology scoring; ``LedgerState`` what
+the allocator's node ledger link knows (``_ledger_link``: the one place a
+front door takes and returns leases, SPEC 22). Rules of each piece
 are at the top of its module.
 """
 
 from ._errors import AllocatorError, format_gpus
+from ._ledger_link import LINGER, LedgerState
 from ._monitor import HealthMonitorProcess
 from ._process import AllocatorState, GpuAllocatorProcess, GpuHealth, HealthSnapshot
 from ._mig_resources import managed_units, mig_resource_names
@@ -16,7 +19,7 @@ from ._resources import enumerate_indices, gpu_resources
 from ._topology import NVLINK_WEIGHT, PCIE_POINTS, PairScores, allocate_best, pair_score
 
 __all__ = [
-    "AllocatorError", "format_gpus", "HealthMonitorProcess", "AllocatorState",
+    "AllocatorError", "format_gpus", "LINGER", "LedgerState", "HealthMonitorProcess", "AllocatorState",
     "GpuAllocatorProcess", "GpuHealth", "HealthSnapshot", "enumerate_indices", "gpu_resources", "managed_units",
     "mig_resource_names",
     "NVLINK_WEIGHT", "PCIE_POINTS", "PairScores", "allocate_best", "pair_score",

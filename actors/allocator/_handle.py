@@ -29,6 +29,14 @@ Rules (R-AL-1, SPEC section 11; Mesos' ``NvidiaGpuAllocator``):
   ``HealthMonitorProcess`` feeding the allocator; units on GPUs NVML cannot
   report on (every unit when checks are off or the event set cannot be
   made) are listed as ``unwatched`` in ``state()``.
+- The node ledger (SPEC 22; the process's rules): ``join_ledger(directory,
+  owner)`` once, before the first grant; grants then name their
+  ``holder`` (``allocate(…, holder=)``, ``allocate_resources(…, holder=)``,
+  ``reclaim(units, holders)``, ``take_free(holder)``; ``hold(units,
+  holder)`` and ``let_go(holder, units)`` for front doors whose holders
+  share units); ``release_unclaimed()`` once the front door has recovered;
+  ``ledger_state()``, ``ledger_since(generation)`` and ``refresh_ledger()``
+  say what other owners hold.
 - ``close()`` stops the health monitor (never waiting out NVML's wait in
   progress), terminates the process and, if ``create`` opened NVML, shuts
   it down. Leaving a ``Runtime`` scope terminates the processes too.
@@ -40,7 +48,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from runtime import PID, Future, dispatch, spawn, terminate, wait
+from runtime import PID, Future, ProcessTerminated, dispatch, spawn, terminate, wait
 
 from actors.flags import Flags
 from actors.gpu import Gpu, GpuInfo
@@ -49,6 +57,7 @@ from actors.nvml import Nvml, NodeInventory, NvmlError, NvmlService
 from actors.resources import Resources
 
 from ._errors import AllocatorError
+from ._ledger_link import LedgerState
 from ._monitor import HealthMonitorProcess
 from ._process import AllocatorState, GpuAllocatorProcess, GpuHealth, HealthSnapshot
 from ._mig_resources import managed_units, needs_inventory
@@ -183,11 +192,12 @@ class NvidiaGpuAllocator:
             return self.inventory.by_mig().get(unit)
         return self.inventory.by_gpu().get(unit)
 
-    def allocate(self, request: int | Iterable[Gpu]) -> Future[Any]:
+    def allocate(self, request: int | Iterable[Gpu], holder: str | None = None) -> Future[Any]:
         """``allocate(count) -> Future[set[Gpu]]`` (best-connected available GPUs);
-        ``allocate(gpus) -> Future[None]`` (exactly those)."""
+        ``allocate(gpus) -> Future[None]`` (exactly those); ``holder``: who
+        holds them (named in the node ledger)."""
         if isinstance(request, int) and not isinstance(request, bool):
-            return dispatch(self.pid, GpuAllocatorProcess.allocate_count, request)
+            return dispatch(self.pid, GpuAllocatorProcess.allocate_count, request, holder)
         if isinstance(request, (Gpu, MigDevice)):
             return Future.failed(
                 AllocatorError(f"allocate() takes a set of GPUs, got the single GPU {request}")
@@ -196,12 +206,12 @@ class NvidiaGpuAllocator:
             return Future.failed(
                 AllocatorError(f"allocate() takes a count or a set of GPUs, got {request!r}")
             )
-        return dispatch(self.pid, GpuAllocatorProcess.allocate_gpus, frozenset(request))
+        return dispatch(self.pid, GpuAllocatorProcess.allocate_gpus, frozenset(request), holder)
 
-    def allocate_resources(self, demand: dict[str, int]) -> Future[set[Unit]]:
+    def allocate_resources(self, demand: dict[str, int], holder: str | None = None) -> Future[set[Unit]]:
         """Units for several resources at once, all or nothing:
         ``{"gpus": 1, "mig-1g.18gb": 2}`` (R-MG-3; see the process's rules)."""
-        return dispatch(self.pid, GpuAllocatorProcess.allocate_resources, dict(demand))
+        return dispatch(self.pid, GpuAllocatorProcess.allocate_resources, dict(demand), holder)
 
     def pools(self) -> dict[str, set[Unit]]:
         """Resource name -> the units managed under it (sync)."""
@@ -211,13 +221,56 @@ class NvidiaGpuAllocator:
         """Return GPUs; fails naming any not allocated."""
         return dispatch(self.pid, GpuAllocatorProcess.deallocate, frozenset(gpus))
 
-    def reclaim(self, gpus: Iterable[Gpu]) -> Future[None]:
-        """Recovery: take GPUs a surviving container holds, whatever their health."""
-        return dispatch(self.pid, GpuAllocatorProcess.reclaim, frozenset(gpus))
+    def reclaim(self, gpus: Iterable[Gpu], holders: dict[Unit, str] | None = None) -> Future[None]:
+        """Recovery: take GPUs a surviving container holds, whatever their health
+        (``holders``: unit -> its holder, for the node ledger)."""
+        return dispatch(self.pid, GpuAllocatorProcess.reclaim, frozenset(gpus), dict(holders or {}))
 
-    def take_free(self) -> Future[set[Unit]]:
-        """Take every unit not allocated, healthy or not, in one call; the units taken."""
-        return dispatch(self.pid, GpuAllocatorProcess.take_free)
+    def take_free(self, holder: str | None = None) -> Future[set[Unit]]:
+        """Take every unit not allocated (healthy or not, and no other front door's),
+        in one call; the units taken."""
+        return dispatch(self.pid, GpuAllocatorProcess.take_free, holder)
+
+    # ------------------------------------------------------------ the node ledger
+
+    def join_ledger(self, directory: str, owner: str, linger: float | None = None) -> Future[LedgerState]:
+        """Take and return leases in the node ledger at ``directory`` as ``owner``
+        (``actors.ledger.isolator_owner`` …) from now on; the ledger as joined.
+        Fails with ``actors.ledger.LedgerError`` when another process of that
+        owner runs or the directory cannot be trusted."""
+        if linger is None:
+            return dispatch(self.pid, GpuAllocatorProcess.join_ledger, directory, owner)
+        return dispatch(self.pid, GpuAllocatorProcess.join_ledger, directory, owner, linger)
+
+    def hold(self, units: Iterable[Unit], holder: str) -> Future[None]:
+        """``holder`` holds exactly ``units`` (shared with other holders of this
+        owner), all or none; refused naming unit, owner and holder when another
+        front door holds one (the plugins' Allocate and prepare)."""
+        return dispatch(self.pid, GpuAllocatorProcess.hold, frozenset(units), holder)
+
+    def let_go(self, holder: str, units: Iterable[Unit] | None = None) -> Future[set[Unit]]:
+        """``holder`` holds ``units`` (None: all of its units) no more; the units
+        no holder keeps (returned to the node ledger shortly)."""
+        return dispatch(self.pid, GpuAllocatorProcess.let_go, holder,
+                        frozenset(units) if units is not None else None)
+
+    def release_unclaimed(self) -> Future[list[str]]:
+        """After recovery: return every unit leased in an earlier run and not
+        reclaimed; what went back."""
+        return dispatch(self.pid, GpuAllocatorProcess.release_unclaimed)
+
+    def ledger_state(self) -> Future[LedgerState | None]:
+        """What the node ledger link knows: other owners' units, inherited ones (None: no ledger)."""
+        return dispatch(self.pid, GpuAllocatorProcess.ledger_state)
+
+    def ledger_since(self, generation: int | None) -> Future[LedgerState]:
+        """The ``LedgerState`` once the units other owners hold changed after
+        ``generation`` (None: now); discard to stop waiting."""
+        return dispatch(self.pid, GpuAllocatorProcess.ledger_since, generation)
+
+    def refresh_ledger(self) -> Future[LedgerState]:
+        """Read the node ledger again now (one executor job); the ``LedgerState`` then."""
+        return dispatch(self.pid, GpuAllocatorProcess.refresh_ledger)
 
     def available(self) -> Future[set[Gpu]]:
         """The GPUs that may be handed out now (free and healthy)."""
@@ -258,8 +311,12 @@ class NvidiaGpuAllocator:
         return dispatch(self.pid, GpuAllocatorProcess.preferred, frozenset(candidates), count, frozenset(include))
 
     async def close(self) -> None:
-        """Stop health monitoring, terminate the allocator process (and NVML,
-        when ``create`` opened it)."""
+        """Stop health monitoring, return unused node ledger leases, terminate the
+        allocator process (and NVML, when ``create`` opened it)."""
+        try:
+            await dispatch(self.pid, GpuAllocatorProcess.leave_ledger)
+        except ProcessTerminated:
+            pass
         monitor, self.monitor = self.monitor, None
         if monitor is not None:
             terminate(monitor)

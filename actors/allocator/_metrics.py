@@ -7,6 +7,9 @@ Rules:
   allocators of the runtime (see ``runtime._metrics``).
 - All pulled: each reads the allocator's sets when a snapshot is taken;
   allocating costs nothing more.
+- ``publish_ledger(process)`` (an allocator that joined a node ledger,
+  SPEC R-NL-5): ``ledger/conflicts``, ``ledger/leases`` and
+  ``ledger/held_elsewhere``, pulled from its link, given back at finalize.
 - For whole GPUs (``allocator/gpus_*``) and MIG devices
   (``allocator/mig_devices_*``, 0 on a node without MIG): ``_total``
   managed, ``_free`` allocatable now (not allocated, healthy),
@@ -41,4 +44,20 @@ def publish(process: "GpuAllocatorProcess") -> MetricSet:
                       f"{what} held by containers")
         metrics.gauge(f"allocator/{kind}_unhealthy", lambda units=units: len(units & process.unhealthy.keys()),
                       f"{what} withheld as unhealthy (allocated or not)")
+    return metrics
+
+
+def publish_ledger(process: "GpuAllocatorProcess") -> MetricSet:
+    """The node ledger's metrics of an allocator that joined one (SPEC R-NL-5):
+    ``ledger/conflicts`` (grants refused because another owner of the node held
+    a unit), ``ledger/leases`` (units this owner leases now) and
+    ``ledger/held_elsewhere`` (managed units other owners hold). All pulled."""
+    metrics = MetricSet(current_runtime().metrics)
+    link = process.ledger_link
+    metrics.counter("ledger/conflicts", "grants refused because another front door of the node held a unit",
+                    read=lambda: link.conflicts if link is not None else 0)
+    metrics.gauge("ledger/leases", lambda: len(link.ours) if link is not None else 0,
+                  "units this front door leases in the node ledger")
+    metrics.gauge("ledger/held_elsewhere", lambda: len(link.elsewhere) if link is not None else 0,
+                  "units other front doors of the node hold")
     return metrics

@@ -61,6 +61,22 @@ Rules (R-AL-1..3; Mesos' ``NvidiaGpuAllocatorProcess``):
   memoised (churn asks the same question again and again).
 - Metrics (``_metrics``: GPUs and MIG devices total, free, allocated,
   unhealthy) are published at initialize and given back at finalize.
+- The node ledger (SPEC 22; ``_ledger_link``): once ``join_ledger(directory,
+  owner)`` has run, this process is the one place its front door takes and
+  returns leases. Every grant (``allocate_count``, ``allocate_resources``,
+  ``allocate_gpus``, ``reclaim``, ``take_free``, ``hold``) names its
+  ``holder`` and is answered only once the ledger holds the owner's lease
+  on each unit (at once when it holds them already; else a Future, after
+  one executor job shared by every grant pending then). A unit another
+  owner holds is never handed out: a count picks other units (one re-read
+  of the ledger first when short), named units are refused, and a refusal
+  names the unit's UUID, the owner and its holders (and counts
+  ``ledger/conflicts``). Units other owners hold are not ``available()``;
+  units the owner inherited from an earlier run are out of the pool until
+  reclaimed or ``release_unclaimed()``. What goes back
+  (``deallocate``, ``let_go``) is returned to the ledger by the link later.
+  ``ledger_state()``, ``ledger_since(generation)`` and ``refresh_ledger()``
+  tell who else holds what (the Kubernetes plugins' view).
 """
 
 from __future__ import annotations
@@ -81,6 +97,7 @@ from actors.nvml import HealthEvent, NodeInventory
 
 from . import _metrics
 from ._errors import AllocatorError, format_gpus
+from ._ledger_link import LINGER, LedgerLink, LedgerState, unit_names
 from ._topology import PairScores, allocate_best
 
 __all__ = ["GpuAllocatorProcess", "GpuHealth", "AllocatorState", "HealthSnapshot"]
@@ -88,6 +105,9 @@ __all__ = ["GpuAllocatorProcess", "GpuHealth", "AllocatorState", "HealthSnapshot
 logger = logging.getLogger(__name__)
 
 _MEMO_SIZE = 256
+
+_SAME: Any = object()
+"""``_leased``'s default answer: the units granted."""
 
 
 class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,6 +143,13 @@ class AllocatorState(msgspec.Struct, frozen=True, kw_only=True):
     unwatched: list[str] = []
     """Units handed out though nobody watches their health (no NVML events
     for their GPU, or health checks off), as ``"195:3"`` / ``"195:0/gi1/ci0"``."""
+    node_ledger: str | None = None
+    """The node ledger joined (None: none)."""
+    ledger_owner: str | None = None
+    held_elsewhere: dict[str, str] = {}
+    """Units another owner of the node holds: ``"195:3"`` -> who and for whom."""
+    inherited: list[str] = []
+    """Units this owner leased in an earlier run, out of the pool until recovered."""
 
 
 class GpuAllocatorProcess(Process):
@@ -178,6 +205,11 @@ class GpuAllocatorProcess(Process):
         self.unwatched = frozenset(u for gpu in unknown for u in self._units_of.get(gpu, ()))
         """Units on GPUs whose health NVML does not report (every unit without a monitor)."""
         self._metrics: MetricSet | None = None
+        self.ledger_link: LedgerLink | None = None
+        """The node ledger this allocator takes and returns leases in (None: none joined)."""
+        self._elsewhere: frozenset[Unit] = frozenset()
+        """Managed units another owner of the node holds (not available)."""
+        self._ledger_metrics: MetricSet | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -187,6 +219,10 @@ class GpuAllocatorProcess(Process):
     def finalize(self) -> None:
         if self._metrics is not None:
             self._metrics.close()
+        if self._ledger_metrics is not None:
+            self._ledger_metrics.close()
+        if self.ledger_link is not None:
+            self.ledger_link.shutdown()
         for _gpus, promise in self._watchers:
             promise.fail(ProcessTerminated(f"GPU allocator {self.pid} terminated"))
         self._watchers.clear()
@@ -197,7 +233,10 @@ class GpuAllocatorProcess(Process):
     # ------------------------------------------------------------ queries
 
     def available(self) -> set[Gpu]:
-        return self.free - self.unhealthy.keys()
+        available = self.free - self.unhealthy.keys()
+        if self._elsewhere:
+            available -= self._elsewhere
+        return available
 
     def allocated_gpus(self) -> set[Gpu]:
         return set(self.allocated)
@@ -217,37 +256,60 @@ class GpuAllocatorProcess(Process):
             mig_allocated=_mig_devices(self.allocated),
             pools={name: len(units & available) for name, units in sorted(self.pools.items())},
             unwatched=[str(unit) for unit in sorted(self.unwatched)],
+            **self._ledger_fields(),
         )
+
+    def _ledger_fields(self) -> dict[str, Any]:
+        link = self.ledger_link
+        if link is None:
+            return {}
+        return {"node_ledger": link.path, "ledger_owner": link.owner,
+                "held_elsewhere": {str(unit): conflict.describe() for unit, conflict in sorted(link.elsewhere.items())},
+                "inherited": [str(unit) for unit in sorted(link.inherited)]}
 
     # ------------------------------------------------------------ allocation
 
-    def allocate_count(self, count: int) -> set[Gpu]:
+    def allocate_count(self, count: int, holder: str | None = None, _tries: int = 0) -> Any:
+        """``count`` available GPUs for ``holder``: the set (or, while the node
+        ledger takes their leases, a Future of it)."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise AllocatorError(f"Requested {count!r} gpus: the count must be a non-negative integer")
         available = self.available()
         if not self._whole_is_total:
             available &= self._whole
         if len(available) < count:
+            if self._may_refresh(self._whole, _tries):
+                return self._after_refresh(lambda: self.allocate_count(count, holder, _tries + 1))
             raise AllocatorError(self._short("gpus", count, available, self._whole))
         if count == 0:
             return set()
         chosen = self._choose(available, count)
+        link = self.ledger_link
+        if link is not None and link.grant(chosen, holder):  # leased already: no file work (the churn's case)
+            link = None
         self.free.difference_update(chosen)
         self.allocated.update(chosen)
-        return set(chosen)
+        if link is None:
+            return set(chosen)
+        return self._leased(set(chosen), lambda: self.allocate_count(count, holder, _tries + 1), _tries)
 
     def _short(self, name: str, count: int, available: set[Unit], pool: frozenset[Unit]) -> str:
         message = f"Requested {count} {name} but only {len(available)} available"
-        withheld = len((self.free & pool) - available)
+        withheld = len((self.free & pool) - self._elsewhere - available)
         if withheld:
             message += f" ({withheld} more withheld as unhealthy)"
+        elsewhere = sorted(pool & self._elsewhere)
+        if elsewhere and self.ledger_link is not None:
+            self.ledger_link.conflicts += 1
+            described = "; ".join(self.ledger_link.elsewhere[unit].describe() for unit in elsewhere)
+            message += f" ({len(elsewhere)} more held by other front doors of this node: {described})"
         return message
 
-    def allocate_resources(self, demand: dict[str, int]) -> set[Unit]:
+    def allocate_resources(self, demand: dict[str, int], holder: str | None = None, _tries: int = 0) -> Any:
         """Units for several resources at once (``{"gpus": 1, "mig-1g.18gb": 2}``),
-        all or nothing (see module rules)."""
+        all or nothing, for ``holder`` (see module rules): the set, or a Future of it."""
         if len(demand) == 1 and "gpus" in demand and "gpus" in self.pools:  # the common case: one count of gpus
-            return self.allocate_count(demand["gpus"])
+            return self.allocate_count(demand["gpus"], holder, _tries)
         wanted: list[tuple[str, int]] = []
         for name, count in demand.items():
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
@@ -266,14 +328,21 @@ class GpuAllocatorProcess(Process):
             pool = self.pools[name]
             free = available & pool
             if len(free) < count:
+                if self._may_refresh(pool, _tries):
+                    return self._after_refresh(lambda: self.allocate_resources(demand, holder, _tries + 1))
                 raise AllocatorError(self._short(name, count, free, pool))
             picks.append((name, self._choose(free, count) if name == "gpus" else tuple(sorted(free)[:count])))
         chosen: set[Unit] = set()
         for _name, units in picks:
             chosen.update(units)
+        link = self.ledger_link
+        if link is not None and link.grant(chosen, holder):
+            link = None
         self.free.difference_update(chosen)
         self.allocated.update(chosen)
-        return chosen
+        if link is None or not chosen:
+            return chosen
+        return self._leased(chosen, lambda: self.allocate_resources(demand, holder, _tries + 1), _tries)
 
     def pool_of(self, unit: Unit) -> str | None:
         """The resource a managed unit counts under (None: not managed)."""
@@ -293,28 +362,139 @@ class GpuAllocatorProcess(Process):
             self._memo.move_to_end(key)
         return chosen
 
-    def allocate_gpus(self, gpus: Iterable[Gpu]) -> None:
+    def allocate_gpus(self, gpus: Iterable[Gpu], holder: str | None = None, _tries: int = 0) -> Any:
         wanted = _as_gpu_set(gpus)
         missing = wanted - self.available()
         if missing:
+            if self._may_refresh(missing, _tries):
+                return self._after_refresh(lambda: self.allocate_gpus(wanted, holder, _tries + 1))
+            if missing & self._elsewhere and self.ledger_link is not None:
+                self.ledger_link.conflicts += 1
             raise AllocatorError(f"{format_gpus(missing)} are not available ({self._why(missing)})")
+        link = self.ledger_link
+        if link is not None and link.grant(wanted, holder):
+            link = None
         self.free.difference_update(wanted)
         self.allocated.update(wanted)
+        if link is None or not wanted:
+            return None
+        return self._leased(wanted, lambda: self.allocate_gpus(wanted, holder, _tries + 1), _tries, value=None)
 
-    def reclaim(self, gpus: Iterable[Gpu]) -> None:
+    def reclaim(self, gpus: Iterable[Gpu], holders: dict[Unit, str] | None = None) -> Any:
+        """Recovery's allocate: managed units a surviving container holds, whatever
+        their health; with a node ledger, their leases too (``holders``: unit ->
+        its holder), or inherited ones kept."""
         wanted = _as_gpu_set(gpus)
-        missing = wanted - self.free
+        link = self.ledger_link
+        inherited = link.inherited & wanted if link is not None else set()
+        missing = wanted - self.free - inherited
         if missing:
             raise AllocatorError(f"{format_gpus(missing)} are not available ({self._why(missing)})")
         self.free.difference_update(wanted)
         self.allocated.update(wanted)
+        if link is None or not wanted:
+            return None
+        link.reclaimed(wanted)
+        covered = True
+        for unit in wanted:
+            covered = link.grant((unit,), (holders or {}).get(unit)) and covered
+        if covered:
+            return None
+        promise: Promise = Promise()
 
-    def take_free(self) -> set[Unit]:
-        """Every unit not allocated (healthy or not), now allocated; the units."""
-        taken = set(self.free)
-        self.free.clear()
+        def on_result(result: Any) -> None:
+            if isinstance(result, BaseException):
+                promise.fail(result)
+                return
+            if result.conflicts:  # the kernel already grants them: say so loudly, keep them
+                link.conflicts += 1
+                logger.error("Node ledger %s: units recovered from the kernel are held by another front door too"
+                             " (two front doors grant them): %s", link.path,
+                             "; ".join(conflict.describe() for conflict in result.conflicts))
+            promise.set_value(None)
+
+        link.take(wanted, True, on_result)
+        return promise.future
+
+    def take_free(self, holder: str | None = None) -> Any:
+        """Every unit not allocated (healthy or not) that no other owner of the
+        node holds, now allocated; the units (or a Future of them)."""
+        taken = set(self.free) - self._elsewhere
+        self.free.difference_update(taken)
         self.allocated.update(taken)
-        return taken
+        link = self.ledger_link
+        if link is None or not taken:
+            return taken
+        if link.grant(taken, holder):
+            return taken
+        promise: Promise = Promise()
+
+        def on_result(result: Any) -> None:
+            if isinstance(result, BaseException):
+                self._put_back(taken)
+                promise.fail(result)
+                return
+            kept = {link.unit_of[uuid] for uuid in result.taken}
+            self._put_back(taken - kept)
+            promise.set_value(kept)
+
+        link.take(taken, True, on_result)
+        return promise.future
+
+    def hold(self, units: Iterable[Unit], holder: str) -> Any:
+        """``holder`` holds exactly ``units`` (sharing any it already holds with
+        other holders of this owner): all or nothing (see module rules). Units
+        the owner inherited from an earlier run are held again (a front door
+        reconciling from its own truth: then ``release_unclaimed``)."""
+        wanted = _as_gpu_set(units)
+        link = self._link("hold")
+        unmanaged = wanted - self.total
+        if unmanaged:
+            raise AllocatorError(f"{format_gpus(unmanaged)} are not managed by this allocator")
+        inherited = wanted & link.inherited  # a front door reconciling from its own truth holds them again
+        fresh = wanted & self.free
+        self.free.difference_update(fresh)
+        self.allocated.update(fresh | inherited)
+        link.reclaimed(inherited)
+        before = {unit: link.holders.get(unit, ()) for unit in wanted - fresh - inherited}
+        link.add_holder(wanted, holder)
+        if link.covered(wanted):
+            return None
+        promise: Promise = Promise()
+
+        def on_result(result: Any) -> None:
+            if isinstance(result, BaseException) or result.conflicts:
+                self._put_back(fresh)
+                self.allocated.difference_update(inherited)
+                link.inherited.update(inherited)
+                for unit in inherited:
+                    link.holders.pop(unit, None)
+                for unit, holders in before.items():
+                    link.holders[unit] = holders
+                if isinstance(result, BaseException):
+                    promise.fail(result)
+                    return
+                self.ledger_link.conflicts += 1  # type: ignore[union-attr]
+                promise.fail(AllocatorError(_refused(result.conflicts)))
+                return
+            promise.set_value(None)
+
+        link.take(wanted, False, on_result)
+        return promise.future
+
+    def let_go(self, holder: str, units: Iterable[Unit] | None = None) -> set[Unit]:
+        """``holder`` holds ``units`` (None: every unit) no more; the units no holder
+        keeps are back in the pool (the ledger gets them back later); those units."""
+        link = self._link("let_go")
+        candidates = _as_gpu_set(units) if units is not None else set(link.holders)
+        freed = set()
+        for unit in candidates:
+            if holder in link.holders.get(unit, ()) and link.remove_holder(unit, holder):
+                freed.add(unit)
+        self.allocated.difference_update(freed)
+        self.free.update(freed)
+        link.unused(freed)
+        return freed
 
     def deallocate(self, gpus: Iterable[Gpu]) -> None:
         returned = _as_gpu_set(gpus)
@@ -326,17 +506,133 @@ class GpuAllocatorProcess(Process):
             raise AllocatorError(f"{format_gpus(missing)} are not allocated ({'; '.join(reasons)})")
         self.allocated.difference_update(returned)
         self.free.update(returned)
+        if self.ledger_link is not None:
+            self.ledger_link.unused(returned)
 
     def _why(self, gpus: set[Gpu]) -> str:
         reasons = []
+        link = self.ledger_link
         for gpu in sorted(gpus):
             if gpu not in self.total:
                 reasons.append(f"{gpu} is not managed by this allocator")
             elif gpu in self.allocated:
                 reasons.append(f"{gpu} is allocated")
+            elif link is not None and gpu in link.inherited:
+                reasons.append(f"{gpu} is leased by {link.owner} in an earlier run and not recovered yet")
+            elif link is not None and gpu in self._elsewhere:
+                reasons.append(link.elsewhere[gpu].describe())
             elif gpu in self.unhealthy:
                 reasons.append(f"{gpu} is unhealthy: {self.unhealthy[gpu]}")
         return "; ".join(reasons)
+
+    # ------------------------------------------------------------ the node ledger
+
+    async def join_ledger(self, directory: str, owner: str, linger: float = LINGER) -> LedgerState:
+        """Take and return this allocator's leases in the node ledger at
+        ``directory`` as ``owner`` from now on (see module rules)."""
+        link = self.ledger_link
+        if link is not None:
+            if link.owner == owner and link.path == directory:
+                return link.state()
+            raise AllocatorError(f"This allocator already holds its units in the node ledger {link.path} as"
+                                 f" {link.owner}; it cannot join {directory} as {owner}")
+        if self.inventory is None:
+            raise AllocatorError("The node ledger names units by their UUIDs: an allocator without the NVML"
+                                 " inventory cannot join one")
+        link = LedgerLink(self, owner, unit_names(self.inventory, self.total), linger)
+        self.ledger_link = link
+        try:
+            await link.open(directory)
+        except BaseException:
+            self.ledger_link = None
+            for unit in link.inherited:
+                self.free.add(unit)
+            link.shutdown()
+            raise
+        self._ledger_metrics = _metrics.publish_ledger(self)
+        if self.unhealthy:
+            link.report_health(self.unhealthy)
+        return link.state()
+
+    async def leave_ledger(self) -> None:
+        """Return the units no holder has and release the owner's lock (the
+        allocator is closing); the leases of held units stay."""
+        link = self.ledger_link
+        if link is not None:
+            await link.close()
+
+    def ledger_state(self) -> LedgerState | None:
+        return self.ledger_link.state() if self.ledger_link is not None else None
+
+    def ledger_since(self, generation: int | None) -> Future:
+        """A ``LedgerState`` once what other owners hold changed after ``generation`` (None: now)."""
+        return self._link("ledger_since").since(generation)
+
+    def refresh_ledger(self) -> Future:
+        """Read the ledger again (one job); then the current ``LedgerState``."""
+        link = self._link("refresh_ledger")
+        return link.refresh().then(lambda _: link.state())
+
+    def release_unclaimed(self) -> list[str]:
+        """Recovery is done: every unit inherited from an earlier run and not
+        reclaimed goes back (see module rules); what went back, as text."""
+        link = self.ledger_link
+        if link is None:
+            return []
+        units, unmanaged = link.release_unclaimed()
+        return [str(unit) for unit in sorted(units)] + sorted(unmanaged)
+
+    def elsewhere_changed(self, units: frozenset[Unit]) -> None:
+        """The link learnt which managed units other owners hold."""
+        self._elsewhere = units
+
+    def _link(self, call: str) -> LedgerLink:
+        if self.ledger_link is None:
+            raise AllocatorError(f"{call}: this allocator has joined no node ledger (join_ledger first)")
+        return self.ledger_link
+
+    def _may_refresh(self, wanted: Iterable[Unit], tries: int) -> bool:
+        """Short because other owners held units when last seen: read the ledger once more first."""
+        return self.ledger_link is not None and tries == 0 and not self._elsewhere.isdisjoint(wanted)
+
+    def _after_refresh(self, again: Callable[[], Any]) -> Future:
+        promise: Promise = Promise()
+        self.ledger_link.refresh().on_any(lambda _: promise.associate(_as_future(again)))  # type: ignore[union-attr]
+        return promise.future
+
+    def _leased(self, units: set[Unit], again: Callable[[], Any], tries: int, value: Any = _SAME) -> Future:
+        """``units``, just taken from the pool (their holders given to the link,
+        which does not lease them all yet): the grant's answer once the
+        ledger holds them (see module rules)."""
+        link = self.ledger_link
+        answer = set(units) if value is _SAME else value
+        promise: Promise = Promise()
+
+        def on_result(result: Any) -> None:
+            if isinstance(result, BaseException):
+                self._put_back(units)
+                promise.fail(result)
+                return
+            if not result.conflicts:
+                promise.set_value(answer)
+                return
+            self._put_back(units)
+            if tries < len(self.total):  # other units may do (a count), or the refusal names who holds them
+                promise.associate(_as_future(again))
+            else:
+                link.conflicts += 1  # type: ignore[union-attr]
+                promise.fail(AllocatorError(_refused(result.conflicts)))
+
+        link.take(units, False, on_result)  # type: ignore[union-attr]
+        return promise.future
+
+    def _put_back(self, units: Iterable[Unit]) -> None:
+        """Units a grant took from the pool but could not lease: back in the pool."""
+        units = set(units) & self.allocated
+        self.allocated.difference_update(units)
+        self.free.update(units)
+        if self.ledger_link is not None:
+            self.ledger_link.unused(units)
 
     # ------------------------------------------------------------ health
 
@@ -378,6 +674,8 @@ class GpuAllocatorProcess(Process):
             return
         self._health_dirty = False
         self.health_generation += 1
+        if self.ledger_link is not None:
+            self.ledger_link.report_health(self.unhealthy)
         waiters, self._health_waiters = self._health_waiters, []
         if waiters:
             snapshot = self._health_snapshot()
@@ -454,6 +752,20 @@ class GpuAllocatorProcess(Process):
             raise AllocatorError(f"Expected a Gpu or a MigDevice, got {gpu!r}")
         if gpu not in self.total:
             raise AllocatorError(f"GPU {gpu} is not managed by this allocator")
+
+
+def _as_future(fn: Callable[[], Any]) -> Future:
+    """``fn()`` as a Future (its value, the Future it returned, or its failure)."""
+    try:
+        value = fn()
+    except Exception as error:
+        return Future.failed(error)
+    return value if isinstance(value, Future) else Future.ready(value)
+
+
+def _refused(conflicts: Iterable[Any]) -> str:
+    """A grant refused because another owner of the node holds its units."""
+    return "Held by another front door of this node: " + "; ".join(c.describe() for c in conflicts)
 
 
 def _queued(waiting: Callable[[], list[Any]], entry: Any, promise: Promise) -> Future:

@@ -45,18 +45,24 @@ Rules of the measurement:
   (``--no-progress``).
 - Only public names of the project are used.
 
+- ``--ledger both`` measures each backend with the node ledger off and on
+  in the same run (``ledger``: its directory, its jobs, one lease's cost).
+
 Run: ``python -m benchmarks.churn [--workers 64] [--seconds 5] [--repeat 3]
-[--backends memory,cgroups_v1,cgroups_v2]`` (``run.main``).
+[--backends memory,cgroups_v1,cgroups_v2] [--ledger off|on|both]`` (``run.main``).
 """
 
 from .cpu import CpuClock, CpuUse, process_cpu_seconds
 from .floor import floor_v1, floor_v2
 from .hops import HopCounter, Hops, census
+from .ledger import lease_cost_us, ledger_jobs, node_ledger_dir, removed
 from .report import Progress, format_table, peak_rss_mb, worker_peak_rss_mb
 from .run import ROOT_PREFIX, main, measure_backend, summary_row
 from .workload import CALLS, GPUS, ChurnRun, churn
 
 __all__ = [
-    "CpuClock", "CpuUse", "process_cpu_seconds", "floor_v1", "floor_v2", "HopCounter", "Hops", "census", "Progress", "format_table", "peak_rss_mb", "worker_peak_rss_mb",
+    "CpuClock", "CpuUse", "process_cpu_seconds", "floor_v1", "floor_v2", "HopCounter", "Hops", "census",
+    "lease_cost_us", "ledger_jobs", "node_ledger_dir", "removed",
+    "Progress", "format_table", "peak_rss_mb", "worker_peak_rss_mb",
     "ROOT_PREFIX", "main", "measure_backend", "summary_row", "CALLS", "GPUS", "ChurnRun", "churn",
 ]

@@ -13,6 +13,9 @@ Rules:
   (``prepare 1 (worker 1)``: one hop, a round trip to the device worker;
   ``executor``: jobs in an executor thread; ``thread``: other threads'
   wake-ups); a skipped backend says why.
+- A row with the node ledger on is named ``<backend>+ledger`` and says its
+  ratio to the same backend with the ledger off and the ledger's jobs per
+  lifecycle.
 - ``peak_rss_mb()``: this process's high-water mark; ``worker_peak_rss_mb()``:
   the largest high-water mark among this process's children (the device
   worker; None when there is none).
@@ -99,8 +102,14 @@ def format_table(rows: list[dict[str, Any]], workers: int, device_worker: str = 
         cells = "  ".join(
             f"{row['latency_us'][c]['p50']:>10,.0f} / {row['latency_us'][c]['p99']:>9,.0f}" for c in CALLS
         )
-        lines.append(f"{row['backend']:<11} {row['lifecycles_per_s']:>12,.0f} {floor} {ratio}  {cells}"
+        name = row["backend"] + ("+ledger" if row.get("ledger") == "on" else "")
+        lines.append(f"{name:<11} {row['lifecycles_per_s']:>12,.0f} {floor} {ratio}  {cells}"
                      f"  {row['peak_rss_mb']:>6.1f} MiB")
+        if row.get("ledger") == "on":
+            versus = (f"{row['ledger_ratio']:.3f} of the same backend with the ledger off; "
+                      if "ledger_ratio" in row else "")
+            lines.append(f"{'':<11} node ledger on: {versus}{row.get('ledger_jobs_per_lifecycle')} ledger jobs per"
+                         " lifecycle")
         cpu = _cpu_line(row)
         if cpu:
             lines.append(f"{'':<11} {cpu}")

@@ -23,6 +23,17 @@ Rules:
   threads, the device worker process; ``floor_cpu_us_per_lifecycle`` and
   ``floor_cached_cpu_us_per_lifecycle``) is the median of each figure over
   the repetitions.
+- The node ledger (SPEC 22; ``--ledger off|on|both``, default off): with
+  ``on`` every repetition's node has a node ledger of its own (a fresh
+  directory under ``/dev/shm`` when that is a memory filesystem, as
+  ``/run`` is on a real node; else under the temp dir), removed after it.
+  ``both`` measures each backend with the ledger off, then on, in the same
+  run: the ``on`` row has ``ledger: "on"``, ``ledger_ratio`` (its median
+  lifecycles/s over the ``off`` row's; the bar is 0.95) and
+  ``ledger_jobs_per_lifecycle`` (the ledger's executor jobs per lifecycle
+  in the timed run). The JSON's ``lease_us`` (``ledger.lease_cost_us``)
+  is the file work of one lease taken and returned, alone in its batch:
+  what a grant pays when its front door does not hold the unit's lease yet.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ from runtime import Runtime
 
 from .floor import floor_v1, floor_v2
 from .hops import HopCounter, census
+from .ledger import lease_cost_us, ledger_jobs, node_ledger_dir, removed
 from .report import Progress, format_table, peak_rss_mb, worker_peak_rss_mb
 from .workload import GPUS, ChurnRun, churn
 
@@ -60,11 +72,13 @@ def _control_rules(node: SimulatedNode) -> list[DeviceRule]:
 
 
 async def measure_backend(backend: str, args: argparse.Namespace, cgroups_root: str,
-                          progress: Progress, workers: int | None = None) -> dict[str, Any]:
+                          progress: Progress, workers: int | None = None, ledger: bool = False) -> dict[str, Any]:
     """``--repeat`` repetitions of (floor, isolator) on one backend with
-    ``workers`` workers (default: the first of ``args.workers``); the summary row."""
+    ``workers`` workers (default: the first of ``args.workers``), the node
+    ledger on when ``ledger``; the summary row."""
     if workers is None:
         workers = args.workers[0] if isinstance(args.workers, list) else args.workers
+    jobs: list[float] = []
     runs: list[ChurnRun] = []
     floors: list[ChurnRun] = []
     cached_floors: list[ChurnRun] = []
@@ -72,10 +86,13 @@ async def measure_backend(backend: str, args: argparse.Namespace, cgroups_root: 
     hierarchy = default_hierarchy(backend)
     warmup = min(0.5, max(0.05, args.seconds / 10))
     for rep in range(args.repeat):
-        tag = f"{backend} {workers}w {rep + 1}/{args.repeat}"
-        async with Runtime():
-            node = SimulatedNode(backend=backend, gpus=GPUS, cgroups_root=cgroups_root,
-                                 extra={"device_worker": args.device_worker})
+        tag = f"{backend}{' ledger' if ledger else ''} {workers}w {rep + 1}/{args.repeat}"
+        ledger_dir = node_ledger_dir() if ledger else None
+        extra: dict[str, Any] = {"device_worker": args.device_worker}
+        if ledger_dir is not None:
+            extra["node_ledger"] = os.path.join(ledger_dir, "ledger")
+        async with Runtime(), removed(ledger_dir):
+            node = SimulatedNode(backend=backend, gpus=GPUS, cgroups_root=cgroups_root, extra=extra)
             async with node:
                 if hierarchy is not None:
                     control = _control_rules(node)
@@ -91,13 +108,19 @@ async def measure_backend(backend: str, args: argparse.Namespace, cgroups_root: 
                     progress.show(f"{tag} hop census", 0.0, 0, force=True)
                     per_verb = {f"gpus:{gpus}": await census(node.isolator, hops, gpus, CENSUS_LIFECYCLES)
                                 for gpus in (1, 0)}
+                    jobs_before = await ledger_jobs(node)
                     run = await churn(node.isolator, workers, seconds=args.seconds, hops=hops,
                                       progress=lambda f, n: progress.show(f"{tag} isolator", f, n))
+                    if ledger and run.lifecycles:
+                        jobs.append((await ledger_jobs(node) - jobs_before) / run.lifecycles)
                 run.hops_per_verb = per_verb
                 runs.append(run)
                 worker_rss.append(worker_peak_rss_mb())
     progress.clear()
     row = summary_row(backend, runs, floors, cached_floors, worker_rss)
+    if ledger:
+        row["ledger"] = "on"
+        row["ledger_jobs_per_lifecycle"] = round(statistics.median(jobs), 4) if jobs else None
     return {"backend": row.pop("backend"), "workers": workers, **row}
 
 
@@ -176,6 +199,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat", type=int, default=3, help="repetitions; the median is reported (default 3)")
     parser.add_argument("--device-worker", choices=DEVICE_WORKERS, default="process",
                         help="where the kernel device work runs (the isolator's --device_worker; default process)")
+    parser.add_argument("--ledger", choices=("off", "on", "both"), default="off",
+                        help="the node ledger: off (default), on, or both (off then on, each backend; the on row"
+                             " says its ratio to off)")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     parser.add_argument("--cgroups-root", default=None,
@@ -201,7 +227,15 @@ async def _measure_all(backends: list[str], args: argparse.Namespace, cgroups_ro
             if reason is not None:
                 rows.append({"backend": backend, "workers": workers, "skipped": reason})
                 continue
-            rows.append(await measure_backend(backend, args, cgroups_root, progress, workers))
+            off = None
+            if args.ledger in ("off", "both"):
+                off = await measure_backend(backend, args, cgroups_root, progress, workers)
+                rows.append(off)
+            if args.ledger in ("on", "both"):
+                on = await measure_backend(backend, args, cgroups_root, progress, workers, ledger=True)
+                if off is not None and off["lifecycles_per_s"]:
+                    on["ledger_ratio"] = round(on["lifecycles_per_s"] / off["lifecycles_per_s"], 3)
+                rows.append(on)
     return rows
 
 
@@ -258,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kernel": platform.release(),
         "cpus": os.cpu_count(),
         "peak_rss_mb_before": start_rss,
+        "ledger": args.ledger,
+        **({"lease_us": lease_cost_us()} if args.ledger != "off" else {}),
         "results": rows,
     }))
     return 0

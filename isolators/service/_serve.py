@@ -12,7 +12,9 @@ Rules (SPEC R-SV-1, R-SC-1, R-SC-6..8):
   ``/metrics`` when given; nothing else is reachable over TCP without the
   credential), the isolator's components, the isolator and the service
   process (which recovers and confines first: see
-  ``GpuIsolatorService``) with its front door. It calls ``ready(service)``
+  ``GpuIsolatorService``) with its front door. The isolator joins the node
+  ledger (SPEC 22) as ``serve:<socket>``: its GPUs are shared with every
+  other front door of the node. It calls ``ready(service)``
   once it serves, and returns on SIGTERM or SIGINT: the front door, the
   service, the isolator (and its device worker) and the components stop;
   no container is cleaned up, so commands keep running under their
@@ -35,6 +37,7 @@ import anyio
 import msgspec
 
 from actors.flags import Flags
+from actors.ledger import serve_owner
 from runtime import Runtime, terminate, wait
 
 from ._client import DEFAULT_SOCKET
@@ -133,7 +136,8 @@ async def serve(flags: Flags, options: ServeOptions | None = None, *,
             async with Runtime(listen=options.listen):
                 components = await NvidiaComponents.create(flags)
                 try:
-                    isolator = await NvidiaGpuIsolatorProcess.create(flags, components)
+                    isolator = await NvidiaGpuIsolatorProcess.create(flags, components,
+                                                                     ledger_owner=serve_owner(path))
                     try:
                         service = await GpuIsolatorService.create(
                             flags, components, isolator, options.poll_interval,

@@ -35,7 +35,7 @@ from actors.flags import DEVICE_WORKERS, KERNEL_BACKENDS
 TINY = ["--seconds", "0.05", "--repeat", "1", "--no-progress"]
 CALLS = {"prepare", "usage", "update", "cleanup"}
 JSON_FIELDS = {"benchmark", "workers", "gpu_workers", "seconds", "repeat", "device_worker", "python", "kernel",
-               "cpus", "peak_rss_mb_before", "results", "worker_counts"}
+               "cpus", "peak_rss_mb_before", "results", "worker_counts", "ledger"}
 ROW_FIELDS = {"backend", "lifecycles_per_s", "runs_per_s", "latency_us", "peak_rss_mb", "worker_peak_rss_mb",
               "lifecycles", "gpu_lifecycles", "device_ops_per_batch", "errors", "cpu_us_per_lifecycle",
               "workers", "hops_per_lifecycle", "hops_per_verb"}
@@ -156,6 +156,19 @@ def test_memory_run_reports_every_figure(capsys: Any) -> None:
     # in memory nothing goes to a device worker, and a container without GPUs wakes the loop from nowhere
     assert all(f["worker_round_trips"] == 0 for calls in row["hops_per_verb"].values() for f in calls.values())
     assert all(f["hops"] == 0 for f in row["hops_per_verb"]["gpus:0"].values())
+
+
+def test_the_ledger_on_and_off_in_one_run_reports_its_ratio_jobs_and_one_leases_cost(capsys: Any) -> None:
+    """SPEC 22's cost figures: each backend with the node ledger off, then on (a ledger of its own)."""
+    report = run_json(capsys, "--backends", "memory", "--workers", "2", "--ledger", "both")
+    assert report["ledger"] == "both" and report["lease_us"] > 0
+    off, on = report["results"]
+    assert set(off) == ROW_FIELDS and set(on) == ROW_FIELDS | {"ledger", "ledger_ratio", "ledger_jobs_per_lifecycle"}
+    assert on["ledger"] == "on" and on["errors"] == 0 and on["lifecycles"] > 0
+    assert on["ledger_ratio"] == round(on["lifecycles_per_s"] / off["lifecycles_per_s"], 3)
+    assert on["ledger_jobs_per_lifecycle"] >= 0
+    assert churn.main([*TINY, "--backends", "memory", "--workers", "2", "--ledger", "on"]) == 0
+    assert "memory+ledger" in capsys.readouterr().out
 
 
 def test_cpu_readings_count_this_thread_this_process_and_a_child() -> None:

@@ -215,7 +215,7 @@ def test_inspect_simulated_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     (["run", "x.yaml", "--backend", "gpu"], "gpu-isolator run: error: argument --backend: invalid choice: 'gpu'"),
     (["inspect", "--host-file"], "gpu-isolator inspect: error: argument --host-file: expected one argument"),
     (["demo", "extra"], "gpu-isolator: error: unrecognized arguments: extra"),
-    (["bench"], "gpu-isolator: error: argument COMMAND: invalid choice: 'bench' (choose from 'demo', 'run', 'inspect', 'cdi', 'serve', 'exec', 'status', 'kubelet-plugin', 'dra-plugin')"),
+    (["bench"], "gpu-isolator: error: argument COMMAND: invalid choice: 'bench' (choose from 'demo', 'run', 'inspect', 'cdi', 'serve', 'exec', 'status', 'ledger', 'kubelet-plugin', 'dra-plugin')"),
     (["run", "/no/such/script.yaml"], "gpu-isolator: error: Cannot read script '/no/such/script.yaml'"),
 ])
 def test_bad_arguments(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

@@ -59,6 +59,7 @@ def health_job(probe, tmp_path: Path):
                 "dev_dir": str(dev),
                 "runtime_dir": str(tmp_path / "run"),
                 "work_dir": str(tmp_path / "work"),
+                "node_ledger": str(tmp_path / "ledger"),  # the real NVML has one by default: the test's own
                 "volume_dir": str(tmp_path / "volume"),
                 "ld_cache": own_cache, "proc_dir": str(proc),  # the node's, never the host's
                 "cgroups_root": f"gpu-isolator-test-{uuid.uuid4().hex[:12]}",
@@ -121,3 +122,18 @@ def test_no_driver_is_an_isolator_error_naming_nvml(probe, health_job):
         "cause": "NvmlUnavailable",
         "actors": 0,
     }
+
+
+def test_the_real_nvml_has_the_node_ledger_on_by_default(probe, health_job, tmp_path):
+    """SPEC R-NL-1: no --node_ledger on the real NVML (the fake library here): the default ledger,
+    which $GPU_ISOLATOR_NODE_LEDGER sets (a directory of the test's own, never /run); empty: off."""
+    ledger = tmp_path / "env-ledger"
+    [on, off] = probe.run([health_job("ledger_default", ledger_env=str(ledger)),
+                           health_job("ledger_default", ledger_env="")], script=HEALTH_PROBE)
+    assert on["state"] == {"node_ledger": str(ledger), "owner": f"isolator:{tmp_path / 'work'}"}
+    assert len(on["leases"]) == 1 and on["leases"][0].startswith("GPU-")  # container a's GPU, by its UUID
+    assert on["said"] == [f"node ledger {ledger}: GPUs are shared with the other front doors of this node"
+                          f" (as isolator:{tmp_path / 'work'})"]
+    assert off["state"] == {"node_ledger": None, "owner": None} and off["leases"] is None
+    assert off["said"] == ["node ledger off ($GPU_ISOLATOR_NODE_LEDGER is empty): this front door does not"
+                           " coordinate its GPUs with other front doors of this node; never run another beside it"]

@@ -32,6 +32,7 @@ def test_the_kernel_scenario_on_the_real_bindings(backend, probe, tmp_path, node
         "host_file": None, "dev_dir": dev_dir, "proc_dir": proc_dir, "device_backend": backend,
         "cgroups_hierarchy": hierarchy_of(backend), "cgroups_root": root, "nvidia_mig_strategy": "mixed",
         "work_dir": str(tmp_path / "work"), "runtime_dir": str(tmp_path / "run"),
+        "node_ledger": str(tmp_path / "ledger"),  # the real NVML has one by default: the test's own
         "volume_dir": str(tmp_path / "volume"), "gpu_allocation": "lowest",
         "ld_cache": write_ld_cache(tmp_path / "ld.so.cache"),  # the node's own, never the host's
     }

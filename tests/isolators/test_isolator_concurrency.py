@@ -132,8 +132,8 @@ async def test_different_containers_do_not_wait_for_each_other(memory_node) -> N
         gate = runtime.Promise()
         original = components.allocator.allocate_resources
 
-        def slow_allocate(request):
-            return gate.future.then(lambda _: original(request))
+        def slow_allocate(request, holder=None):
+            return gate.future.then(lambda _: original(request, holder))
 
         components.allocator.allocate_resources = slow_allocate
         update = isolator.update(ContainerID("a"), Resources.parse("gpus:2"))

@@ -148,6 +148,7 @@ async def check_isolator(out: str, uuids: list[str]) -> None:
 
     base = "/tmp/gpucheck/api"
     flags = Flags(runtime_dir=f"{base}/run", work_dir=f"{base}/work", volume_dir=f"{base}/volume",
+                  node_ledger=f"{base}/ledger",
                   cgroups_root="gpu-isolator-gpucheck", ld_cache=LD_CACHE, dev_dir=DEV_DIR,
                   device_backend=BACKEND)
     async with Runtime():
@@ -255,7 +256,7 @@ def check_serve_exec(out: str, uuids: list[str]) -> None:
          "127.0.0.1:5052",
          "--cgroups_root=gpu-isolator-gpucheck-serve", f"--runtime_dir={base}/run", f"--work_dir={base}/work",
          f"--volume_dir={base}/volume", f"--ld_cache={LD_CACHE}", f"--dev_dir={DEV_DIR}",
-         f"--device_backend={BACKEND}"],
+         f"--device_backend={BACKEND}", f"--node_ledger={base}/ledger"],
         stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + TIMEOUT

@@ -2,7 +2,9 @@
 
 Run as ``python -m tests.reliability.fault_agent CONFIG`` (a JSON object:
 ``dir``, ``backend``, ``root``, ``round``, ``workers``, ``gpu_workers``,
-``known``, ``final``, ``seed``). It builds the node's isolator (device
+``known``, ``final``, ``seed``; optionally ``host``, the host file when it is
+not ``<dir>/host.json``, and ``ledger``, the node ledger it shares with the
+node's other front doors). It builds the node's isolator (device
 worker process, the node's cgroups root and work directory), recovers the
 ``known`` containers, cleans them up, and then runs ``workers`` concurrent
 lifecycles (prepare, sometimes a growing and a shrinking update, cleanup)
@@ -90,8 +92,11 @@ async def worker(isolator: Any, config: dict[str, Any], index: int) -> None:
 
 
 async def main(config: dict[str, Any]) -> None:
-    node = SimulatedNode(config["dir"], config["backend"], host=os.path.join(config["dir"], "host.json"),
-                         cgroups_root=config["root"], extra={"device_worker": "process"})
+    extra = {"device_worker": "process"}
+    if config.get("ledger"):
+        extra["node_ledger"] = config["ledger"]
+    host = config.get("host") or os.path.join(config["dir"], "host.json")
+    node = SimulatedNode(config["dir"], config["backend"], host=host, cgroups_root=config["root"], extra=extra)
     async with Runtime():
         _components, isolator = await node.start()
         known = [ContainerState(ContainerID(c)) for c in config["known"]]

@@ -20,8 +20,8 @@ Rules:
   stderr).
 - ``fake_nvml_node(base, lib, spec)``: the options and environment of a
   command (``kubelet-plugin``, ``dra-plugin``) on the fake NVML with no
-  host file -- mknod'ed control devices (root), proc, ld.so.cache, volume
-  and CDI dirs under ``base`` -- and the events file the fake's
+  host file -- mknod'ed control devices (root), proc, ld.so.cache, volume,
+  CDI and node ledger dirs under ``base`` -- and the events file the fake's
   ``nvmlEventSetWait_v2`` reads; ``raise_event(events, *fields)`` appends
   one event line (``xid <index> <code>``, ``error 999 <n>``).
 """
@@ -82,7 +82,8 @@ def fake_nvml_node(base: Path, lib: Path, spec: HostSpec) -> tuple[list[str], di
     events = base / "events"
     events.write_text("")
     options = [f"--dev_dir={dev}", f"--proc_dir={base / 'proc'}", f"--ld_cache={write_ld_cache(base / 'ld.so.cache')}",
-               f"--volume_dir={base / 'volume'}", f"--cdi_spec_dir={base / 'cdi'}", "--nvidia_health_wait=0.2"]
+               f"--volume_dir={base / 'volume'}", f"--cdi_spec_dir={base / 'cdi'}", "--nvidia_health_wait=0.2",
+               f"--node_ledger={base / 'ledger'}"]  # the real NVML has a node ledger by default: the test's own
     env = {"LD_LIBRARY_PATH": str(lib.parent), "FAKE_NVML_CONFIG": str(config), "FAKE_NVML_EVENTS": str(events),
            "FAKE_NVML_FAIL": ""}
     return options, env, events

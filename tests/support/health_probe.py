@@ -163,7 +163,33 @@ async def no_driver_scenario(job: dict) -> dict:
     return {"type": None}
 
 
+async def ledger_default_scenario(job: dict) -> dict:
+    """The real NVML with no --node_ledger: the ledger is on, where the environment says (SPEC R-NL-1)."""
+    from isolators import ContainerConfig, ContainerID, Flags, NvidiaComponents, NvidiaGpuIsolatorProcess, Resources
+    from runtime import Runtime
+
+    os.environ["GPU_ISOLATOR_NODE_LEDGER"] = job["ledger_env"]
+    dirs = {name: value for name, value in job["dirs"].items() if name != "node_ledger"}
+    flags = Flags(host_file=None, device_backend="memory", gpu_allocation="lowest", nvidia_health_wait=0.2, **dirs)
+    out: dict[str, Any] = {}
+    async with Runtime():
+        components = await NvidiaComponents.create(flags)
+        isolator = await NvidiaGpuIsolatorProcess.create(flags, components)
+        await isolator.recover([], set())
+        await isolator.prepare(ContainerID("a"), ContainerConfig(resources=Resources.parse("gpus:1")))
+        units = os.path.join(job["ledger_env"], "units")
+        out["leases"] = sorted(os.listdir(units)) if os.path.isdir(units) else None
+        out["state"] = {"node_ledger": (await components.allocator.state()).node_ledger,
+                        "owner": (await components.allocator.state()).ledger_owner}
+        out["said"] = [line for line in job["logs"].lines if line.startswith("node ledger")]
+        await isolator.cleanup(ContainerID("a"))
+        await isolator.close()
+        await components.close()
+    return out
+
+
 SCENARIOS = {
+    "ledger_default": ledger_default_scenario,
     "isolator": isolator_scenario,
     "wait_errors": wait_errors_scenario,
     "no_driver": no_driver_scenario,

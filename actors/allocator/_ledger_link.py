@@ -1,0 +1,571 @@
+"""LedgerLink: the allocator's part that takes and returns its node ledger leases.
+
+Rules (SPEC R-NL-1..3; DESIGN.md "One node, one ledger"):
+- Owned by the allocator process once it joins a ledger
+  (``GpuAllocatorProcess.join_ledger``), it is the only code that asks the
+  node ledger (``actors.ledger.LedgerDirectory``) for anything. Every file
+  call runs in the link's own executor (one thread: jobs land in the order
+  made), ONE job per batch: the grants, holder changes and returns pending
+  when a job starts go together (group commit, as device control's thread
+  driver does), never a job per lease.
+- Take before any effect: a grant is answered only once the ledger holds
+  the owner's lease on each of its units (written and synced). A unit the
+  owner leases already (and is not returning) is answered at once, with no
+  file work: the owner keeps its lease while it uses the unit again and
+  again (container churn costs no ledger work).
+- Return after: a unit the allocator got back (``deallocate``, ``let_go``:
+  the isolator does so only once the kernel no longer grants it) stays
+  leased, with no holder, until a tick finds it unused for a whole
+  ``linger`` period (between one and two periods after its last holder let
+  it go); that tick's job returns it. Ticks run on the runtime Clock while
+  there is something to write. The holders a lease names are written by the
+  next job, and by a job of their own at most every ``HOLDER_TICKS`` ticks
+  while they change: under churn they lag the allocator by at most 0.2 s
+  (one job each 0.2 s, not one each tick).
+- Conflicts: a take of a unit another owner holds (or of a MIG device whose
+  parent GPU it holds, or a GPU one of whose MIG devices it holds) writes
+  nothing of that take, and its ``on_result`` hears the conflicts (the
+  allocator then refuses naming unit, owner and holder, or picks other
+  units for a count). What other owners hold is ``elsewhere``: kept out of
+  the allocator's ``available()`` until a job sees it free (every job reads
+  every lease; ``refresh()`` runs one). A change of ``elsewhere`` adds one
+  to ``generation`` and answers ``since(generation)`` waiters.
+- Crashes (R-NL-3): opening takes the owner's lock (refused while another
+  process of that owner runs) and reads the ledger: units the owner leases
+  from an earlier life are ``inherited``, out of the allocator's pool until
+  the front door has reconciled from its own truth (``reclaim`` keeps those
+  its containers hold, and ``hold`` those a plugin's pods or claims hold;
+  ``release_unclaimed`` returns the rest, with any unit it leased then that
+  this allocator no longer manages).
+- After every job, ``ours`` is exactly what the ledger says the owner
+  holds: a lease a failed job left behind is adopted (and returned once
+  unused), so nothing leaks.
+- A job that fails (the ledger unreadable, its mutex held past the bound)
+  fails the grants in it (nothing was answered; the units go back to the
+  allocator's pool) and keeps its returns and holder changes for the next
+  tick.
+- ``close()``: a last job returns every unit leased with no holder, then the
+  owner lock is released. The leases of units still held stay (their
+  containers run on; the owner's next start reconciles them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from runtime import Executor, Future, ProcessTerminated, Promise, delay, dispatch
+
+from actors.ledger import (
+    BatchResult,
+    Lease,
+    LeaseBatch,
+    LeaseConflict,
+    LedgerDirectory,
+    OwnerLock,
+    TakeRequest,
+    TakeResult,
+    blocking,
+    MAX_HOLDER,
+    check_holder,
+    check_owner,
+)
+from actors.mig import MigDevice, Unit
+from actors.nvml import NodeInventory
+
+from ._errors import AllocatorError
+
+if TYPE_CHECKING:
+    from ._process import GpuAllocatorProcess
+
+__all__ = ["LedgerLink", "LedgerState", "UnitName", "unit_names", "LINGER"]
+
+logger = logging.getLogger(__name__)
+
+LINGER = 0.02
+"""Seconds a unit stays leased, unused, before it goes back (between one and two of them)."""
+HOLDER_TICKS = 10
+"""Ticks between jobs that only bring the holders a lease names up to date."""
+
+
+class UnitName(NamedTuple):
+    """How the node ledger names one unit."""
+
+    uuid: str
+    parent: str | None
+    """The parent GPU's UUID (a MIG device), else None."""
+    device: str
+
+
+def unit_names(inventory: NodeInventory, units: Iterable[Unit]) -> dict[Unit, UnitName]:
+    """The ledger names of ``units``, from the NVML inventory (UUIDs)."""
+    gpus = inventory.by_gpu()
+    migs = inventory.by_mig()
+    names: dict[Unit, UnitName] = {}
+    for unit in units:
+        if isinstance(unit, MigDevice):
+            info = migs.get(unit)
+            parent = gpus.get(unit.parent)
+            if info is None or parent is None:
+                raise AllocatorError(f"MIG device {unit} is not in the NVML inventory: the node ledger cannot name it")
+            names[unit] = UnitName(info.uuid, parent.uuid, str(unit))
+        else:
+            gpu = gpus.get(unit)
+            if gpu is None:
+                raise AllocatorError(f"GPU {unit} is not in the NVML inventory: the node ledger cannot name it")
+            names[unit] = UnitName(gpu.uuid, None, str(unit))
+    return names
+
+
+class LedgerState:
+    """What the allocator's node ledger link knows (``GpuAllocatorProcess.ledger_state``)."""
+
+    __slots__ = ("directory", "owner", "generation", "elsewhere", "inherited", "leased", "conflicts", "jobs")
+
+    def __init__(self, directory: str, owner: str, generation: int, elsewhere: dict[Unit, LeaseConflict],
+                 inherited: frozenset[Unit], leased: frozenset[Unit], conflicts: int, jobs: int) -> None:
+        self.directory = directory
+        self.owner = owner
+        self.generation = generation
+        """Changes of ``elsewhere`` so far."""
+        self.elsewhere = elsewhere
+        """Each managed unit another owner keeps from this one -> the lease in the way."""
+        self.inherited = inherited
+        """Units this owner leases from an earlier life, not reconciled yet."""
+        self.leased = leased
+        """Managed units this owner leases now (held, or kept a moment before returning)."""
+        self.conflicts = conflicts
+        """Grants refused so far because another owner held a unit."""
+        self.jobs = jobs
+        """Executor jobs the link has run (each one batch of file work)."""
+
+    def __repr__(self) -> str:
+        return (f"LedgerState({self.owner} in {self.directory}, generation {self.generation},"
+                f" elsewhere {sorted(map(str, self.elsewhere))}, inherited {sorted(map(str, self.inherited))})")
+
+
+OnResult = Callable[[TakeResult], Any]
+"""Called on the allocator with a take's result (or an AllocatorError when its job failed)."""
+
+
+class LedgerLink:
+    """The allocator's leases in one node ledger (see module rules)."""
+
+    def __init__(self, allocator: "GpuAllocatorProcess", owner: str, names: dict[Unit, UnitName],
+                 linger: float = LINGER) -> None:
+        self.allocator = allocator
+        self.owner = check_owner(owner)
+        self.names = names
+        self.unit_of = {name.uuid: unit for unit, name in names.items()}
+        self.linger = linger
+        self.directory: LedgerDirectory | None = None
+        self.path = ""
+        self._lock: OwnerLock | None = None
+        self._executor = Executor(1, name="node-ledger")
+        self.ours: set[Unit] = set()
+        """Managed units whose lease names this owner (after the last job)."""
+        self.ours_unmanaged: set[str] = set()
+        """UUIDs this owner leases that this allocator does not manage (an earlier life's)."""
+        self._unmanaged_go = False
+        """``release_unclaimed`` ran: ``ours_unmanaged`` go back with the next job."""
+        self.written: dict[Unit, tuple[str, ...]] = {}
+        """The holders each of ``ours`` names in the ledger."""
+        self.holders: dict[Unit, tuple[str, ...]] = {}
+        """The holders of each unit the allocator has handed out (what the ledger should say)."""
+        self.idle_since: dict[Unit, int] = {}
+        """Units of ``ours`` the allocator has back: the tick they went idle in."""
+        self.inherited: set[Unit] = set()
+        self.returning: set[Unit] = set()
+        """Units a job in flight returns."""
+        self._return_due: set[Unit] = set()
+        self._takes: list[tuple[TakeRequest, OnResult]] = []
+        self._refreshes: list[Promise] = []
+        self._health: dict[str, str] | None = None
+        self._reported: dict[str, str] = {}
+        self.elsewhere: dict[Unit, LeaseConflict] = {}
+        self.generation = 0
+        self._waiters: list[Promise] = []
+        self.conflicts = 0
+        """Grants refused because another owner held a unit (the allocator counts them)."""
+        self.jobs = 0
+        """Executor jobs run so far."""
+        self.epoch = 0
+        self._tick_timer: Any = None
+        self._running = False
+        self._opened = False
+        self._closing = False
+
+    # -- opening and closing -------------------------------------------------------
+    async def open(self, path: str) -> None:
+        """Open the ledger, take the owner's lock, learn what the owner inherits (see module rules)."""
+        self.directory, self._lock, leases = await self._executor.run(_open, path, self.owner)
+        self.path = self.directory.path
+        self._opened = True
+        allocator = self.allocator
+        for uuid, lease in leases.items():
+            if lease.owner != self.owner:
+                continue
+            unit = self.unit_of.get(uuid)
+            if unit is None:
+                self.ours_unmanaged.add(uuid)
+                continue
+            self.ours.add(unit)
+            self.written[unit] = lease.holders
+            if unit in allocator.free:
+                allocator.free.discard(unit)
+                self.inherited.add(unit)
+        self._learn(leases, {})
+        if self.inherited or self.ours_unmanaged:
+            logger.warning("Node ledger %s: %s still leases %s from an earlier run; they stay out of the pool until"
+                           " it has recovered its containers", self.path, self.owner,
+                           sorted([str(u) for u in self.inherited] + sorted(self.ours_unmanaged)))
+        allocated = [unit for unit in allocator.allocated if unit not in self.ours]
+        if allocated:  # handed out before the ledger was joined: lease them too
+            self.take(allocated, True, self._unleased)
+        self._start()
+
+    def _unleased(self, result: Any) -> None:
+        if isinstance(result, BaseException) or result.conflicts:
+            logger.error("Node ledger %s: units handed out before joining could not all be leased: %s", self.path,
+                         result if isinstance(result, BaseException) else
+                         "; ".join(c.describe() for c in result.conflicts))
+
+    async def close(self) -> None:
+        """Return the units no holder has, release the owner lock (see module rules)."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._tick_timer is not None:
+            self._tick_timer.cancel()
+            self._tick_timer = None
+        if self._opened:
+            self._return_due |= {u for u in self.ours if u not in self.allocator.allocated and u not in self.inherited}
+            try:
+                while self._running:
+                    await self._idle()
+                self._running = True
+                await self._run()
+            except Exception as error:  # the leases stay: the next start reconciles them
+                logger.error("Node ledger %s: could not return the unused units at close: %s", self.path, error)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Release the owner lock and the files at once (the process ends)."""
+        self._closing = True
+        if self._tick_timer is not None:
+            self._tick_timer.cancel()
+            self._tick_timer = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if self.directory is not None:
+            self.directory.close()
+            self.directory = None
+        self._executor.shutdown(wait=False)
+        error = ProcessTerminated(f"GPU allocator {self.allocator.pid} left the node ledger")
+        for _take, on_result in self._takes:
+            on_result(error)
+        self._takes.clear()
+        for promise in [*self._refreshes, *self._waiters]:
+            promise.fail(error)
+        self._refreshes.clear()
+        self._waiters.clear()
+
+    async def _idle(self) -> None:
+        promise: Promise = Promise()
+        self._refreshes.append(promise)
+        await promise.future
+
+    # -- grants ----------------------------------------------------------------------
+    def grant(self, units: Iterable[Unit], holder: str | None) -> bool:
+        """The allocator hands ``units`` to ``holder`` (None: nobody in
+        particular); whether the owner leases every one already (and returns
+        none of them): then the grant needs no job. An invalid holder raises
+        before anything changes. The churn's path: kept short."""
+        if holder is None:
+            holders: tuple[str, ...] = ()
+        elif type(holder) is str and holder.isascii() and holder.isprintable() and 0 < len(holder) <= MAX_HOLDER:
+            holders = (holder,)
+        else:
+            holders = (check_holder(holder),)  # raises, naming it
+        covered = self._opened
+        ours, returning, mine, idle, due = self.ours, self.returning, self.holders, self.idle_since, self._return_due
+        for unit in units:
+            mine[unit] = holders
+            if idle:
+                idle.pop(unit, None)
+            if due:
+                due.discard(unit)
+            if covered and (unit not in ours or unit in returning):
+                covered = False
+        if self._tick_timer is None:
+            self._wake()
+        return covered
+
+    def add_holder(self, units: Iterable[Unit], holder: str) -> None:
+        """``holder`` shares ``units`` with their other holders (inside this owner)."""
+        check_holder(holder)
+        for unit in units:
+            current = self.holders.get(unit, ())
+            if holder not in current:
+                self.holders[unit] = (*current, holder)
+            self.idle_since.pop(unit, None)
+            self._return_due.discard(unit)
+        self._wake()
+
+    def remove_holder(self, unit: Unit, holder: str) -> bool:
+        """``holder`` lets go of ``unit``; whether no holder is left."""
+        left = tuple(h for h in self.holders.get(unit, ()) if h != holder)
+        self.holders[unit] = left
+        self._wake()
+        return not left
+
+    def covered(self, units: Iterable[Unit]) -> bool:
+        """Whether every unit is leased to the owner and not being returned (a grant needs no job)."""
+        if not self._opened:
+            return False
+        ours, returning = self.ours, self.returning
+        return all(unit in ours and unit not in returning for unit in units)
+
+    def unused(self, units: Iterable[Unit]) -> None:
+        """The allocator has ``units`` back: returned once unused for a while."""
+        mine, ours, idle, epoch = self.holders, self.ours, self.idle_since, self.epoch
+        for unit in units:
+            mine.pop(unit, None)
+            if unit in ours:
+                idle[unit] = epoch
+        if self._tick_timer is None:
+            self._wake()
+
+    def lease(self, unit: Unit) -> Lease:
+        """The lease ``unit`` would be written with now."""
+        name = self.names[unit]
+        return Lease(unit=name.uuid, owner=self.owner, holders=self.holders.get(unit, ()), parent=name.parent,
+                     device=name.device)
+
+    def take(self, units: Iterable[Unit], partial: bool, on_result: OnResult) -> None:
+        """Queue a take of ``units`` (with the holders ``grant`` gave them) for the
+        next job; ``on_result`` hears how it went, on the allocator."""
+        request = TakeRequest(leases=tuple(self.lease(unit) for unit in sorted(units)), partial=partial)
+        self._takes.append((request, on_result))
+        self._start()
+
+    def refresh(self) -> Future[None]:
+        """Read the ledger again now (one job): ``elsewhere`` as it is."""
+        promise: Promise = Promise()
+        self._refreshes.append(promise)
+        self._start()
+        return promise.future
+
+    def report_health(self, unhealthy: dict[Unit, str]) -> None:
+        """The units this owner holds unhealthy, for the operator's ``ledger`` (written by the next job)."""
+        report = {self.names[unit].uuid: reason for unit, reason in unhealthy.items() if unit in self.names}
+        if report != self._reported:
+            self._health = report
+            self._start()
+
+    def blocked(self, unit: Unit) -> LeaseConflict | None:
+        """Why another owner keeps ``unit`` from this one (None: nothing known)."""
+        return self.elsewhere.get(unit)
+
+    def since(self, generation: int | None) -> Future:
+        """A ``LedgerState`` once ``generation`` is not the current one."""
+        if generation is None or generation != self.generation:
+            return Future.ready(self.state())
+        promise: Promise = Promise()
+        self._waiters.append(promise)
+        promise.on_discard(lambda: self._waiters.remove(promise) if promise in self._waiters else None)
+        return promise.future
+
+    def state(self) -> LedgerState:
+        return LedgerState(self.path, self.owner, self.generation, dict(self.elsewhere), frozenset(self.inherited),
+                           frozenset(self.ours), self.conflicts, self.jobs)
+
+    # -- reconciling after a restart -------------------------------------------------
+    def reclaimed(self, units: Iterable[Unit]) -> None:
+        """Recovery kept ``units`` (inherited ones are no longer inherited)."""
+        self.inherited.difference_update(units)
+
+    def release_unclaimed(self) -> tuple[set[Unit], set[str]]:
+        """Every inherited unit not reclaimed goes back to the allocator's pool
+        (and to the ledger once unused); the units, and the unmanaged UUIDs returned."""
+        units, self.inherited = self.inherited, set()
+        self.allocator.free.update(units)
+        self.unused(units)
+        self._return_due |= units
+        unmanaged = set(self.ours_unmanaged)
+        self._unmanaged_go = True
+        if unmanaged:
+            logger.warning("Node ledger %s: %s leased %s in an earlier run, which it does not manage now: returned",
+                           self.path, self.owner, sorted(unmanaged))
+        if units or unmanaged:
+            self._start()
+        return units, unmanaged
+
+    # -- jobs ----------------------------------------------------------------------------
+    def _wake(self) -> None:
+        """Something will need writing: keep the tick going."""
+        if self._tick_timer is None and self._opened and not self._closing:
+            self._tick_timer = delay(self.linger, self.allocator.pid, _tick)
+
+    def tick(self) -> None:
+        self._tick_timer = None
+        self.epoch += 1
+        allocated = self.allocator.allocated
+        for unit, since in list(self.idle_since.items()):
+            if unit not in self.ours:
+                del self.idle_since[unit]
+            elif unit in allocated or unit in self.inherited:
+                continue
+            elif since <= self.epoch - 2:
+                self._return_due.add(unit)
+        holders_due = self.epoch % HOLDER_TICKS == 0 and self._rewrites()
+        if self._return_due or holders_due or self._health is not None or (self._unmanaged_go and self.ours_unmanaged):
+            self._start()
+        if self.idle_since or self._rewrites():
+            self._wake()
+
+    def _rewrites(self) -> list[Unit]:
+        holders, written = self.holders, self.written
+        return [unit for unit in self.ours if holders.get(unit, ()) != written.get(unit, ())]
+
+    def _start(self) -> None:
+        if not self._running and self._opened and self.directory is not None:
+            self._running = True
+            dispatch(self.allocator.pid, _run_jobs)
+
+    async def _run(self) -> None:
+        """Jobs until nothing is pending (one at a time)."""
+        try:
+            while True:
+                batch, takes, refreshes = self._next_batch()
+                if batch is None:
+                    for promise in refreshes:
+                        promise.set_value(None)
+                    return
+                self.jobs += 1
+                try:
+                    directory = self.directory
+                    assert directory is not None
+                    result = await self._executor.run(directory.apply, self.owner, batch)
+                except Exception as error:  # noqa: BLE001 - a failed job: see the module rules
+                    self._failed(batch, takes, refreshes, error)
+                    continue
+                self._done(result, takes)
+                for promise in refreshes:
+                    promise.set_value(None)
+        finally:
+            self._running = False
+
+    def _next_batch(self) -> tuple[LeaseBatch | None, list[tuple[TakeRequest, OnResult]], list[Promise]]:
+        takes, self._takes = self._takes, []
+        refreshes, self._refreshes = self._refreshes, []
+        taken = {lease.unit for take, _ in takes for lease in take.leases}
+        due = {unit for unit in self._return_due if unit in self.ours and unit not in self.allocator.allocated
+               and unit not in self.inherited}
+        rewrites = tuple(self.lease(unit) for unit in self._rewrites()
+                         if unit not in due and self.names[unit].uuid not in taken)
+        self._return_due = set()
+        unmanaged = tuple(sorted(self.ours_unmanaged)) if self._unmanaged_go else ()
+        returns = tuple(sorted(self.names[unit].uuid for unit in due)) + unmanaged
+        health, self._health = self._health, None
+        if health is not None:
+            self._reported = health
+        batch = LeaseBatch(takes=tuple(take for take, _ in takes), rewrites=rewrites, returns=returns, health=health)
+        if batch.empty() and not refreshes:
+            return None, [], []
+        self.returning = due
+        return batch, takes, refreshes
+
+    def _done(self, result: BatchResult, takes: list[tuple[TakeRequest, OnResult]]) -> None:
+        self.returning = set()
+        ours: set[Unit] = set()
+        unmanaged: set[str] = set()
+        for uuid, lease in result.leases.items():
+            if lease.owner != self.owner:
+                continue
+            unit = self.unit_of.get(uuid)
+            if unit is None:
+                unmanaged.add(uuid)
+                continue
+            ours.add(unit)
+            self.written[unit] = lease.holders
+        for unit in self.ours - ours:
+            self.written.pop(unit, None)
+            self.idle_since.pop(unit, None)
+        allocated = self.allocator.allocated
+        for unit in ours - self.ours:  # adopted (a lease an earlier job left): returned once unused
+            if unit not in allocated and unit not in self.inherited:
+                self.idle_since.setdefault(unit, self.epoch)
+        self.ours = ours
+        self.ours_unmanaged = unmanaged - set(self.unit_of)
+        self._learn(result.leases, result.alive)
+        for (_take, on_result), outcome in zip(takes, result.takes):
+            on_result(outcome)
+        if self.idle_since or self._rewrites():
+            self._wake()
+
+    def _failed(self, batch: LeaseBatch, takes: list[tuple[TakeRequest, OnResult]], refreshes: list[Promise],
+                error: BaseException) -> None:
+        self.returning = set()
+        due = {self.unit_of[uuid] for uuid in batch.returns if uuid in self.unit_of}
+        self._return_due |= due
+        if batch.health is not None and self._health is None:
+            self._health = batch.health
+            self._reported = {}
+        logger.error("Node ledger %s: a job of %s failed: %s", self.path, self.owner, error)
+        failure = AllocatorError(f"The node ledger {self.path} could not be changed: {error}")
+        failure.__cause__ = error
+        for _take, on_result in takes:
+            on_result(failure)
+        for promise in refreshes:
+            promise.fail(failure)
+        self._wake()
+
+    def _learn(self, leases: dict[str, Lease], alive: dict[str, bool]) -> None:
+        """What other owners hold, per managed unit."""
+        elsewhere: dict[Unit, LeaseConflict] = {}
+        for unit, name in self.names.items():
+            found = blocking(leases, name.uuid, name.parent, self.owner)
+            if found:
+                lease = found[0]
+                elsewhere[unit] = LeaseConflict(unit=name.uuid, device=name.device, lease=lease,
+                                                alive=alive.get(lease.owner))
+        if elsewhere != self.elsewhere:
+            self.elsewhere = elsewhere
+            self.allocator.elsewhere_changed(frozenset(elsewhere))
+            self.generation += 1
+            waiters, self._waiters = self._waiters, []
+            if waiters:
+                state = self.state()
+                for promise in waiters:
+                    promise.set_value(state)
+
+
+def _open(path: str, owner: str) -> tuple[LedgerDirectory, OwnerLock, dict[str, Lease]]:
+    """In the executor: open the directory, take the owner's lock, read every lease."""
+    directory = LedgerDirectory.open(path)
+    try:
+        lock = directory.hold_owner(owner)
+        try:
+            return directory, lock, directory.read()
+        except BaseException:
+            lock.release()
+            raise
+    except BaseException:
+        directory.close()
+        raise
+
+
+def _tick(process: "GpuAllocatorProcess") -> None:
+    link = process.ledger_link
+    if link is not None:
+        link.tick()
+
+
+async def _run_jobs(process: "GpuAllocatorProcess") -> None:
+    link = process.ledger_link
+    if link is not None:
+        await link._run()
+

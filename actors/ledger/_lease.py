@@ -1,0 +1,92 @@
+"""A lease: one unit of the node held by one owner, for its holders.
+
+Rules (SPEC R-NL-1, R-NL-2):
+- ``Lease`` is what one lease file holds: the unit's UUID, the ``owner``
+  (``<kind>:<name>``), the ``holders`` inside that owner (container ids,
+  claim uids, pods; empty while the owner keeps a unit it no longer uses
+  and is about to return), ``parent`` (the GPU's UUID for a MIG device,
+  None for a whole GPU) and ``device`` (``195:3``, ``195:0/gi1/ci0``: for
+  people). A msgspec Struct, encoded as JSON.
+- Conflicts: a unit is held by at most one owner; a MIG device and its
+  parent GPU conflict. ``blocking(leases, uuid, parent, owner)`` lists the
+  leases of *other* owners that keep ``owner`` from taking the unit: the
+  unit's own lease, the parent GPU's lease (a MIG device), or the leases of
+  the GPU's MIG devices (a whole GPU).
+- ``LeaseConflict`` is one refusal: the unit asked for and the lease in
+  the way, with whether its owner runs (None: not known).
+  ``describe()`` is the text every refusal uses, naming the unit (UUID),
+  the owner and its holders, and what to do when the owner is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+
+__all__ = ["Lease", "LeaseConflict", "blocking"]
+
+
+class Lease(msgspec.Struct, frozen=True, kw_only=True):
+    """One unit held by one owner (see module rules)."""
+
+    unit: str
+    """The unit's UUID (``GPU-…`` or ``MIG-…``)."""
+    owner: str
+    holders: tuple[str, ...] = ()
+    parent: str | None = None
+    """The parent GPU's UUID when the unit is a MIG device."""
+    device: str = ""
+    """The unit as people write it: ``195:3`` or ``195:0/gi1/ci0``."""
+
+    def named(self) -> str:
+        """``GPU-… (195:3)``."""
+        return f"{self.unit} ({self.device})" if self.device else self.unit
+
+    def held_for(self) -> str:
+        """``for c1, c2``, or what an empty holder list means."""
+        if self.holders:
+            return "for " + ", ".join(self.holders)
+        return "with no holder (its owner keeps it for a moment before returning it, or is recovering)"
+
+
+class LeaseConflict(msgspec.Struct, frozen=True, kw_only=True):
+    """A unit that could not be taken, and the lease in the way."""
+
+    unit: str
+    """The UUID asked for."""
+    device: str = ""
+    lease: Lease
+    alive: bool | None = None
+    """Whether the lease's owner runs (its lock is held); None: not known."""
+
+    def describe(self) -> str:
+        asked = f"{self.unit} ({self.device})" if self.device else self.unit
+        if self.alive is None:
+            state = ""
+        elif self.alive:
+            state = " (running)"
+        else:
+            state = (" (not running: its units wait for it to restart and reconcile, or for"
+                     f" 'gpu-isolator ledger release --owner {self.lease.owner}')")
+        if self.lease.unit == self.unit:
+            return f"{asked} is held by {self.lease.owner}{state} {self.lease.held_for()}"
+        return (f"{asked} conflicts with {self.lease.named()}, held by {self.lease.owner}{state}"
+                f" {self.lease.held_for()}")
+
+
+def blocking(leases: Mapping[str, Lease], uuid: str, parent: str | None, owner: str) -> list[Lease]:
+    """The leases of other owners that keep ``owner`` from taking ``uuid`` (see module rules)."""
+    found = []
+    own = leases.get(uuid)
+    if own is not None and own.owner != owner:
+        found.append(own)
+    if parent is not None:
+        above = leases.get(parent)
+        if above is not None and above.owner != owner:
+            found.append(above)
+    else:
+        for lease in leases.values():
+            if lease.parent == uuid and lease.owner != owner:
+                found.append(lease)
+    return found
