@@ -9,16 +9,18 @@ Rules:
   (``FakePodResources``, ``sockets/pod-resources.sock``), the fake DRA
   kubelet (``FakeDraKubelet``, ``sockets/registry`` and
   ``sockets/plugins``) and the fake API server (``FakeApiServer``), and
-  the two commands (``device_plugin``: ``gpu-isolator kubelet-plugin
-  --repair_pods=false``; ``dra_plugin``: ``gpu-isolator dra-plugin`` of
+  the two commands (``device_plugin``: ``gpu-isolator kubelet-plugin``,
+  ``--repair_pods=false`` unless ``repair_pods``, with
+  ``device_plugin_options``; ``dra_plugin``: ``gpu-isolator dra-plugin`` of
   driver ``DRIVER`` on node ``NODE``), each with ``--node_ledger=ledger``,
   ``--listen`` on loopback and passes of ``pass_s`` seconds. Nothing runs
-  until ``start()``: the fakes, then both plugins (each registered).
+  until ``start(dra=True)``: the fakes, then both plugins (each
+  registered; the device plugin alone with ``dra=False``).
   ``restart_device_plugin()`` / ``restart_dra_plugin()`` start one again
   after it stopped or was killed (``kill_device_plugin()`` /
   ``kill_dra_plugin()``: SIGKILL), registered again.
 - What the kubelet and the scheduler do, as they do it:
-  ``allocate(pod, ids)`` is the kubelet's ``Allocate`` for one container
+  ``allocate(pod, ids, resource=GPU)`` is the kubelet's ``Allocate`` for one container
   (``<pod>/gpu``) of namespace ``ns`` and, once it answered, the
   assignment PodResources lists from then on (a refusal raises the
   ``grpc.RpcError`` and assigns nothing); ``remove_pod(pod)`` is the pod
@@ -63,7 +65,8 @@ class KubeNode:
     """One Kubernetes node: both plugins and the fakes around them (see module rules)."""
 
     def __init__(self, base: Path, sockets: Path, host_file: str | os.PathLike[str], ledger: str, *,
-                 pass_s: float = 0.2, allocate_grace_s: float | None = None) -> None:
+                 pass_s: float = 0.2, allocate_grace_s: float | None = None, repair_pods: bool = False,
+                 device_plugin_options: tuple[str, ...] = ()) -> None:
         from isolators.simulated_node import SimulatedNode
 
         self.base = Path(base)
@@ -82,8 +85,9 @@ class KubeNode:
             "--listen=127.0.0.1:0", f"--poll_interval={pass_s}"]
         grace = [f"--allocate_grace={allocate_grace_s}"] if allocate_grace_s is not None else []
         self.device_plugin_args = common + [
-            f"--device_plugin_dir={self.sockets / 'device-plugins'}", "--repair_pods=false",
-            f"--repair_interval={pass_s}", f"--pod_resources_socket={self.pod_resources.socket}", *grace]
+            f"--device_plugin_dir={self.sockets / 'device-plugins'}", f"--repair_pods={str(repair_pods).lower()}",
+            f"--repair_interval={pass_s}", f"--pod_resources_socket={self.pod_resources.socket}", *grace,
+            *device_plugin_options]
         self.dra_plugin_args = common + [
             f"--plugins_registry_dir={self.sockets / 'registry'}", f"--plugins_dir={self.sockets / 'plugins'}",
             f"--node_name={NODE}", f"--kubeconfig={self.base / 'kubeconfig'}", "--api_timeout=5"]
@@ -93,14 +97,15 @@ class KubeNode:
         self._started = False
 
     # -- running ---------------------------------------------------------------------------
-    def start(self) -> "KubeNode":
+    def start(self, dra: bool = True) -> "KubeNode":
         self.api.start()
         self.api.kubeconfig(self.base / "kubeconfig")
         self.pod_resources.start()
         self.kubelet.start()
         self._started = True
         self.restart_device_plugin()
-        self.restart_dra_plugin()
+        if dra:
+            self.restart_dra_plugin()
         return self
 
     def restart_device_plugin(self, timeout: float = 60.0) -> PluginCommand:
@@ -139,11 +144,11 @@ class KubeNode:
         self.api.close()
 
     # -- the kubelet and the scheduler -------------------------------------------------------
-    def allocate(self, pod: str, ids: list[str]) -> Any:
+    def allocate(self, pod: str, ids: list[str], resource: str = GPU) -> Any:
         """The kubelet's Allocate for ``pod``'s container, then its assignment in PodResources."""
-        answer = self.kubelet.allocate(GPU, ids)
+        answer = self.kubelet.allocate(resource, ids)
         self.pod_resources.assignments = [*self.pod_resources.assignments, AssignedDevices(
-            namespace=NAMESPACE, pod=pod, container="gpu", resource=GPU, ids=tuple(ids))]
+            namespace=NAMESPACE, pod=pod, container="gpu", resource=resource, ids=tuple(ids))]
         return answer
 
     def remove_pod(self, pod: str) -> None:
