@@ -25,7 +25,8 @@ Rules (R-K8-3, R-K8-4, R-K8-8, R-K8-9):
   ledger (``refresh_ledger``: what other front doors took or returned
   shows in ``ListAndWatch`` within a pass). With neither the ledger nor
   repair there is no pass. A List that fails with the ledger on and
-  repair off is logged once while it lasts.
+  repair off, or a re-read of the ledger that fails, is logged once while
+  it lasts.
 - ``preferred(resource, requests)``: per request, ``plan_preferred`` then
   the allocator's choice among those units.
 - ``registered(resource)`` counts a registration the kubelet accepted.
@@ -62,6 +63,7 @@ from typing import Any
 
 
 from actors import NvidiaGpuAllocator
+from actors.allocator import AllocatorError
 from runtime import Executor, MetricSet, Response, spawn
 
 from ...cdi import CdiWriteError, NodeFacts, ensure_spec_file
@@ -97,6 +99,7 @@ class KubeletPluginProcess(OperatorRoutes):
         self._pass_lock = asyncio.Lock()
         self._pass_executor = Executor(1, name="kubelet-plugin-pass")
         self._waiting: str | None = None
+        self._ledger_failing: str | None = None
         self.catalog = catalog
         self.allocator = allocator
         self.facts = facts
@@ -225,8 +228,21 @@ class KubeletPluginProcess(OperatorRoutes):
                 await self.leases.reconcile(assigned, started)
             result = await self.repair.run_pass(assigned) if self.repair is not None else None
             if self.leases is not None:
-                await self.allocator.refresh_ledger()
+                await self._refresh_ledger()
             return result
+
+    async def _refresh_ledger(self) -> None:
+        """One re-read of the node ledger; a failure is logged once while it lasts (the next pass tries again)."""
+        try:
+            await self.allocator.refresh_ledger()
+        except AllocatorError as error:
+            if self._ledger_failing != str(error):
+                logger.error("Reading the node ledger failed (%s); the next pass tries again", error)
+            self._ledger_failing = str(error)
+        else:
+            if self._ledger_failing is not None:
+                logger.info("The node ledger reads again")
+            self._ledger_failing = None
 
     # -- the operator's routes -----------------------------------------------------------
     async def _repair_route(self, request: Any) -> Response:

@@ -275,7 +275,7 @@ class DraPluginProcess(OperatorRoutes):
         for plan, future in holds:
             try:
                 await future
-            except AllocatorError as error:
+            except Exception as error:  # noqa: BLE001 - another front door holds a unit, or the ledger failed
                 self.table.release(plan.ref.uid)
                 answers[plan.ref.uid] = self._refused(ClaimRefused(f"{plan.ref}: {error}; nothing was prepared"))
                 continue
