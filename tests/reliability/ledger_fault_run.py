@@ -11,8 +11,9 @@ PodResources, the fake DRA kubelet and API server). A thread plays the
 kubelet and the scheduler for the plugins (``KubeDriver``): pods given one
 GPU by ``Allocate`` (recorded in PodResources once answered) and removed,
 claims of one GPU prepared and unprepared -- each naming a GPU no pod or
-claim of its own holds, as the kubelet and the scheduler would, but
-without regard to what the others hold. Every front door asks for more
+claim of its own holds, as the kubelet and the scheduler would: half the
+time one the plugin offers now (its last ``ListAndWatch`` list, the
+slice), else any (a kubelet or scheduler that had not heard yet). Every front door asks for more
 GPUs than are free, so grants are refused all the time. At random moments
 a front door is SIGKILLed (and started again, recovering what it held),
 or the node is judged.
@@ -218,8 +219,9 @@ class KubeDriver(threading.Thread):
     def _allocate(self) -> None:
         import grpc
 
-        free = sorted(set(self.kube.uuids.values()) - set(self.pods.values()))
-        uuid_ = self.rng.choice(free)
+        free = set(self.kube.uuids.values()) - set(self.pods.values())
+        offered = {uuid_ for uuid_, health in self.kube.listed().items() if health == "Healthy"} & free
+        uuid_ = self.rng.choice(sorted(offered if offered and self.rng.random() < 0.5 else free))
         pod = f"p{self._n}"
         self._n += 1
         try:
@@ -239,8 +241,9 @@ class KubeDriver(threading.Thread):
     def _prepare(self) -> None:
         import grpc
 
-        held = {device for _, device in [*self.claims.values(), *self.unsure.values()]}
-        device = self.rng.choice(sorted(set(self.kube.uuids) - held))
+        free = set(self.kube.uuids) - {device for _, device in [*self.claims.values(), *self.unsure.values()]}
+        offered = set(self.kube.slice_devices()) & free
+        device = self.rng.choice(sorted(offered if offered and self.rng.random() < 0.5 else free))
         claim = self.kube.claim([device])
         with self.lock:
             self.unsure[claim[2]] = (claim, device)

@@ -170,16 +170,15 @@ class KubeNode:
 
     # -- what each one offers and holds -----------------------------------------------------
     def listed(self) -> dict[str, str]:
-        lists = self.kubelet.stream(GPU).lists
+        streams = self.kubelet.streams.get(GPU)
+        lists = streams[-1].lists if streams else []
         return {device_id: health for device_id, health, _ in lists[-1]} if lists else {}
 
     def wait_listed(self, predicate: Callable[[dict[str, str]], bool], what: str, timeout: float = WAIT) -> dict:
         """The device plugin's newest list once ``predicate`` holds for it (bounded)."""
         def now() -> dict[str, str] | None:
-            streams = self.kubelet.streams.get(GPU)
-            listed = {device_id: health for device_id, health, _ in streams[-1].lists[-1]} if (
-                streams and streams[-1].lists) else None
-            return listed if listed is not None and predicate(listed) else None
+            listed = self.listed()
+            return listed if listed and predicate(listed) else None
 
         return self.kubelet._wait(now, what, timeout)
 
