@@ -278,11 +278,17 @@ async def keep_published(publisher: SlicePublisher, allocator: Any, *, retry_max
 
 
 async def _follow_view(allocator: Any, wanted: _Wanted) -> None:
+    """Wake the publishing loop when what the slice shows changes: the health, or which units other front doors
+    hold (not who holds them for whom: that changes with their churn, the slice does not)."""
     from .._ledger_watch import offer_views
 
+    shown = None
     async for view in offer_views(allocator):
-        wanted.view = view
-        wanted.changed()
+        now = (view.unhealthy, frozenset(view.elsewhere))
+        if now != shown:
+            shown = now
+            wanted.view = view
+            wanted.changed()
 
 
 async def _follow_api_server(publisher: SlicePublisher, wanted: _Wanted, resync_s: float, retry_max_s: float) -> None:
