@@ -24,9 +24,9 @@ Rules (R-K8-3, R-K8-4, R-K8-8, R-K8-9):
   pass's answer; None without repair), then one re-read of the node
   ledger (``refresh_ledger``: what other front doors took or returned
   shows in ``ListAndWatch`` within a pass). With neither the ledger nor
-  repair there is no pass. A List that fails with the ledger on and
-  repair off, or a re-read of the ledger that fails, is logged once while
-  it lasts.
+  repair there is no pass. A List that fails with the ledger on (the
+  units Allocate took stay leased meanwhile), or a re-read of the ledger
+  that fails, is logged once while it lasts.
 - ``preferred(resource, requests)``: per request, ``plan_preferred`` then
   the allocator's choice among those units.
 - ``registered(resource)`` counts a registration the kubelet accepted.
@@ -216,13 +216,14 @@ class KubeletPluginProcess(OperatorRoutes):
                 assigned: Any = await self._pass_executor.run(self.lister.list)
             except PodResourcesUnavailable as error:
                 assigned = error
-                if self.repair is None and self._waiting is None:
+                if self.leases is not None and self._waiting is None:
                     logger.warning("The node ledger waits for the kubelet's PodResources API to learn which pods hold"
                                    " this plugin's units: %s; they stay leased meanwhile", error)
                 self._waiting = str(error)
             else:
-                if self.repair is None and self._waiting is not None:
-                    logger.info("The kubelet's PodResources API answers again")
+                if self.leases is not None and self._waiting is not None:
+                    logger.info("The kubelet's PodResources API answers again: the node ledger gets back what no"
+                                " pod holds")
                 self._waiting = None
             if self.leases is not None and not isinstance(assigned, PodResourcesUnavailable):
                 await self.leases.reconcile(assigned, started)
