@@ -24,8 +24,10 @@ by every DRA driver:
 - ``_command``: the commands' shared options and errors; ``add_commands``
   adds ``kubelet-plugin`` and ``dra-plugin`` to the CLI;
 - ``_health_watch``: the allocator's health as an async iterator
-  (``health_snapshots``), the one fan-out of ``ListAndWatch``,
-  ``NodeWatchResources`` and the slice's taints;
+  (``health_snapshots``: ``NodeWatchResources``);
+- ``_ledger_watch``: what a front door may offer, health and the node
+  ledger together (``offer_views``: ``ListAndWatch``, the slice) and the
+  ledger re-read each pass (``refresh_ledger_every``);
 - ``_errors``: ``PluginRequestError`` (a refused request, with its gRPC
   status) and ``PluginSetupError`` (a start that cannot be);
 - ``_proto`` / ``_api``: every .proto the kubelet speaks, the committed
@@ -53,6 +55,7 @@ _EXPORTS = {
     "._command": ("front_door_flags", "front_door_parser", "usage_error"),
     "._errors": ("FAILED_PRECONDITION", "INVALID_ARGUMENT", "PluginRequestError", "PluginSetupError"),
     "._health_watch": ("health_snapshots",),
+    "._ledger_watch": ("OfferView", "offer_views", "refresh_ledger_every"),
     "._operator": ("MarkHealthy", "OperatorRoutes"),
     "._registration": ("KubeletRegistration", "PluginWatcherRegistration"),
     "._run": ("DEFAULT_CDI_SPEC_DIR", "STOP_SIGNALS", "NodeParts", "node_parts", "serve_until_stopped",
@@ -78,6 +81,7 @@ if TYPE_CHECKING:
     from ._command import front_door_flags, front_door_parser, usage_error
     from ._errors import FAILED_PRECONDITION, INVALID_ARGUMENT, PluginRequestError, PluginSetupError
     from ._health_watch import health_snapshots
+    from ._ledger_watch import OfferView, offer_views, refresh_ledger_every
     from ._operator import MarkHealthy, OperatorRoutes
     from ._registration import KubeletRegistration, PluginWatcherRegistration
     from ._run import DEFAULT_CDI_SPEC_DIR, STOP_SIGNALS, NodeParts, node_parts, serve_until_stopped, stop_on_signal

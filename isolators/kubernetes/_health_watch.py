@@ -6,9 +6,10 @@ Rules (R-K8-2; SPEC section 21):
   turning unhealthy, the node's health unknown, a unit marked healthy
   again). A consumer that stops (a cancelled stream: the kubelet's side
   gone) discards the allocator Future it waited on.
-- The one health watch of the Kubernetes front doors: the device plugin's
-  ``ListAndWatch``, the DRA driver's ``NodeWatchResources`` and its
-  ResourceSlice taints all read it.
+- The DRA driver's ``NodeWatchResources`` reads it; what a front door may
+  offer (health and the node ledger together: the device plugin's
+  ``ListAndWatch``, the DRA driver's ResourceSlice) is ``_ledger_watch``'s
+  ``offer_views``.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ Rules:
 - The test sets the cluster's facts directly: ``add_claim(...)`` stores a
   ResourceClaim (with its ``status.allocation`` results), ``remove_claim``
   deletes one; ``slices(node)`` returns the stored slices.
+- A client that hangs up mid-request (a driver killed) is not printed
+  as an error.
 - ``delay_s`` makes every answer that late (a slow server); ``fail(n,
   code)`` answers the next n requests with that status; ``close()`` is a
   server that is down (open connections cut, new ones refused).
@@ -105,7 +107,7 @@ class FakeApiServer(Waitable):
 
     # -- the server ---------------------------------------------------------------------
     def start(self) -> "FakeApiServer":
-        server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        server = _Server(("127.0.0.1", 0), _handler(self))
         server.daemon_threads = True
         self._server = server
         self.address = f"127.0.0.1:{server.server_address[1]}"
@@ -345,6 +347,16 @@ def _summary(method: str, code: int, body: dict | None, answer: dict) -> str:
         meta = answer["metadata"]
         return f"{code} claim {meta['namespace']}/{meta['name']} uid {meta['uid']}"
     return str(code)
+
+
+class _Server(ThreadingHTTPServer):
+    """A client that dies mid-request (a driver SIGKILLed) is what a server sees every day: not printed."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
 
 
 def _handler(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:

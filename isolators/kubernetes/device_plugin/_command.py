@@ -9,9 +9,13 @@ Rules (R-K8-1):
   ``Flags`` field (``--host_file=``, ``--dev_dir=``, ``--cdi_spec_dir=``,
   ``--nvidia_mig_strategy=`` ...), read by ``service_flags``.
 - Pod repair (R-PR-1): ``--repair_pods`` (on; ``--repair_pods=false``
-  turns it off), ``--repair_interval=S`` (5), ``--pod_resources_socket=PATH``,
-  ``--kubepods_root=PATH``, ``--container_config=TEMPLATE`` (repeatable:
-  where the runtime keeps a container's OCI config, ``{id}`` its id).
+  turns it off), ``--repair_interval=S`` (5: the plugin's pass, whose one
+  PodResources List serves pod repair and the node ledger),
+  ``--pod_resources_socket=PATH``, ``--kubepods_root=PATH``,
+  ``--container_config=TEMPLATE`` (repeatable: where the runtime keeps a
+  container's OCI config, ``{id}`` its id). The hidden
+  ``--allocate_grace=S`` (10) is how long an Allocate's units wait for
+  PodResources to name them before they go back (tests shorten it).
 - Bad options exit 2 with one line (``--credential`` without ``--listen``,
   replicas below 1, an interval not above 0, a template without ``{id}``,
   an unknown flag). It logs at INFO on stderr and prints
@@ -32,7 +36,7 @@ __all__ = ["add_command"]
 
 def add_command(sub: Any) -> None:
     from ..pod_repair import DEFAULT_POD_RESOURCES_SOCKET
-    from ._names import DEFAULT_DIR
+    from ._names import ALLOCATE_GRACE_S, DEFAULT_DIR
 
     plugin = front_door_parser(
         sub, "kubelet-plugin",
@@ -56,7 +60,10 @@ def add_command(sub: Any) -> None:
                         help="give running pods back the GPU access a systemd daemon-reload took (default true;"
                              " --repair_pods=false turns it off)")
     plugin.add_argument("--repair_interval", "--repair-interval", metavar="SECONDS", type=float, default=5.0,
-                        help="seconds between pod repair passes (default 5)")
+                        help="seconds between the plugin's passes: one PodResources List each, for pod repair and"
+                             " for returning to the node ledger the GPUs no pod holds any more (default 5)")
+    plugin.add_argument("--allocate_grace", "--allocate-grace", metavar="SECONDS", type=float,
+                        default=ALLOCATE_GRACE_S, help=argparse.SUPPRESS)
     plugin.add_argument("--pod_resources_socket", "--pod-resources-socket", metavar="PATH",
                         default=DEFAULT_POD_RESOURCES_SOCKET,
                         help=f"the kubelet's PodResources socket (default {DEFAULT_POD_RESOURCES_SOCKET})")
@@ -93,6 +100,8 @@ def _cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     options = PluginOptions(device_plugin_dir=args.device_plugin_dir, time_slicing_replicas=args.time_slicing_replicas,
                             listen=args.listen, credential=args.credential,
                             pass_device_specs=args.pass_device_specs, poll_interval=args.poll_interval,
+                            pass_interval=args.repair_interval, pod_resources_socket=args.pod_resources_socket,
+                            allocate_grace=args.allocate_grace,
                             repair=RepairOptions(interval_s=args.repair_interval,
                                                  pod_resources_socket=args.pod_resources_socket,
                                                  kubepods_root=args.kubepods_root, container_configs=templates)

@@ -8,12 +8,15 @@ Rules (SPEC section 18):
 - A resource ``vendor/name`` is served on ``gpu-isolator-<name>.sock``
   (``socket_name``): ``nvidia.com/gpu`` on ``gpu-isolator-gpu.sock``,
   ``nvidia.com/mig-1g.18gb`` on ``gpu-isolator-mig-1g.18gb.sock``.
+- ``ALLOCATE_GRACE_S`` (10): how long the units an ``Allocate`` took in
+  the node ledger wait for PodResources to name them before they go back
+  (``PodLeases``; ``--allocate_grace``, hidden).
 - No gRPC here: the CLI reads these names while parsing any command.
 """
 
 from __future__ import annotations
 
-__all__ = ["VERSION", "HEALTHY", "UNHEALTHY", "DEFAULT_DIR", "KUBELET_SOCKET", "MAX_ID_LENGTH", "SOCKET_PREFIX",
+__all__ = ["ALLOCATE_GRACE_S", "VERSION", "HEALTHY", "UNHEALTHY", "DEFAULT_DIR", "KUBELET_SOCKET", "MAX_ID_LENGTH", "SOCKET_PREFIX",
            "socket_name"]
 
 VERSION = "v1beta1"
@@ -22,6 +25,7 @@ UNHEALTHY = "Unhealthy"
 DEFAULT_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET = "kubelet.sock"
 MAX_ID_LENGTH = 63
+ALLOCATE_GRACE_S = 10.0
 SOCKET_PREFIX = "gpu-isolator-"
 
 

@@ -11,8 +11,22 @@ Rules (R-K8-3, R-K8-4, R-K8-8, R-K8-9):
   (``allocate_answer``) or the whole call is refused; the CDI node spec is
   made current (rewritten when missing or changed, one executor job)
   before any name is handed out, so the names resolve when the runtime
-  creates the container. Counted: ``allocations`` (container requests
+  creates the container; with the node ledger (``leases``, SPEC R-NL-4)
+  the units of every request are then taken (``PodLeases.take``: all or
+  none, a unit another front door holds refuses the call naming unit,
+  owner and holder). Counted: ``allocations`` (container requests
   answered), ``allocation_failures`` (calls refused).
+- ``run_pass()`` is the plugin's pass (``PodLeases`` and pod repair's,
+  never two at once): ONE PodResources ``List`` (``lister``, on an
+  executor of its own), its answer given to the node ledger's
+  ``PodLeases.reconcile`` (when the ledger is on and the List answered),
+  then to pod repair (``PodRepair.run_pass``: its ``RepairPass`` is the
+  pass's answer; None without repair), then one re-read of the node
+  ledger (``refresh_ledger``: what other front doors took or returned
+  shows in ``ListAndWatch`` within a pass). With neither the ledger nor
+  repair there is no pass. A List that fails with the ledger on (the
+  units Allocate took stay leased meanwhile), or a re-read of the ledger
+  that fails, is logged once while it lasts.
 - ``preferred(resource, requests)``: per request, ``plan_preferred`` then
   the allocator's choice among those units.
 - ``registered(resource)`` counts a registration the kubelet accepted.
@@ -30,7 +44,7 @@ Rules (R-K8-3, R-K8-4, R-K8-8, R-K8-9):
   ``systemctl daemon-reload``): the same credential checks as
   ``mark_healthy`` (403 without ``--credential``, 401, 405); a plugin
   started with ``--repair_pods=false`` answers 409; then one pass of the
-  ``PodRepair`` now (it waits for a pass under way): 200 with
+  plugin's pass now (it waits for a pass under way): 200 with
   ``{"checked": N, "repaired": [{"pod", "namespace", "container",
   "gpus"}], "failed": [{..., "reason"}]}`` (and ``"waiting"`` when
   PodResources did not answer).
@@ -42,11 +56,14 @@ Rules (R-K8-3, R-K8-4, R-K8-8, R-K8-9):
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any
 
 
 from actors import NvidiaGpuAllocator
+from actors.allocator import AllocatorError
 from runtime import Executor, MetricSet, Response, spawn
 
 from ...cdi import CdiWriteError, NodeFacts, ensure_spec_file
@@ -55,7 +72,8 @@ from ._allocate import ContainerAnswer, allocate_answer
 from ._catalog import DeviceCatalog
 from .._errors import FAILED_PRECONDITION, PluginRequestError
 from .._operator import OperatorRoutes
-from ..pod_repair import PodRepair
+from ..pod_repair import PodRepair, PodResourcesUnavailable, RepairPass
+from ._leases import PodLeases
 from ._preferred import plan_preferred
 
 __all__ = ["KubeletPluginProcess", "PLUGIN_ID", "NODE_SPEC_FILE"]
@@ -71,9 +89,17 @@ class KubeletPluginProcess(OperatorRoutes):
 
     def __init__(self, catalog: DeviceCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, spec: bytes, *,
                  spec_dir: str, dev_dir: str, pass_device_specs: bool = False,
-                 credential: BearerCredential | None = None, repair: PodRepair | None = None) -> None:
+                 credential: BearerCredential | None = None, repair: PodRepair | None = None,
+                 leases: PodLeases | None = None, lister: Any = None) -> None:
         super().__init__(PLUGIN_ID)
         self.repair = repair
+        self.leases = leases
+        self.lister = lister if lister is not None else (repair.lister if repair is not None else None)
+        """PodResources ``List`` (blocking): the pass's one call."""
+        self._pass_lock = asyncio.Lock()
+        self._pass_executor = Executor(1, name="kubelet-plugin-pass")
+        self._waiting: str | None = None
+        self._ledger_failing: str | None = None
         self.catalog = catalog
         self.allocator = allocator
         self.facts = facts
@@ -95,10 +121,19 @@ class KubeletPluginProcess(OperatorRoutes):
         try:
             await plugin.write_spec()  # before anything is served: a name handed out must resolve
         except BaseException:
-            plugin.executor.shutdown(wait=False)
+            plugin.close()
             raise
         spawn(plugin)
         return plugin
+
+    def close(self) -> None:
+        """Shut its executors down (it ends with the command)."""
+        self.executor.shutdown(wait=False)
+        self._pass_executor.shutdown(wait=False)
+
+    def finalize(self) -> None:
+        super().finalize()
+        self._pass_executor.shutdown(wait=False)
 
     def publish(self, metrics: MetricSet) -> None:
         metrics.counter("kubelet/registrations", "registrations the kubelet accepted",
@@ -145,6 +180,9 @@ class KubeletPluginProcess(OperatorRoutes):
             except CdiWriteError as error:
                 raise PluginRequestError(FAILED_PRECONDITION, f"{error}; the CDI device names would not resolve,"
                                                               " so nothing was allocated") from error
+            if self.leases is not None:  # taken in the node ledger before the kubelet hears of them
+                await self.leases.take(resource, [(ids, self.catalog.units_of(resource, ids) or [])
+                                                  for ids in requests])
         except PluginRequestError as error:
             self.allocation_failures += 1
             logger.warning("Allocate for %s refused: %s", resource, error)
@@ -164,6 +202,49 @@ class KubeletPluginProcess(OperatorRoutes):
             answers.append(plan.finish(chosen))
         return answers
 
+    # -- the pass ----------------------------------------------------------------------------
+    @property
+    def has_pass(self) -> bool:
+        """Whether the plugin runs passes (the node ledger or pod repair needs them)."""
+        return self.lister is not None and (self.leases is not None or self.repair is not None)
+
+    async def run_pass(self) -> RepairPass | None:
+        """One pass: one PodResources List for the node ledger and pod repair (see module rules)."""
+        async with self._pass_lock:
+            started = time.monotonic()
+            try:
+                assigned: Any = await self._pass_executor.run(self.lister.list)
+            except PodResourcesUnavailable as error:
+                assigned = error
+                if self.leases is not None and self._waiting is None:
+                    logger.warning("The node ledger waits for the kubelet's PodResources API to learn which pods hold"
+                                   " this plugin's units: %s; they stay leased meanwhile", error)
+                self._waiting = str(error)
+            else:
+                if self.leases is not None and self._waiting is not None:
+                    logger.info("The kubelet's PodResources API answers again: the node ledger gets back what no"
+                                " pod holds")
+                self._waiting = None
+            if self.leases is not None and not isinstance(assigned, PodResourcesUnavailable):
+                await self.leases.reconcile(assigned, started)
+            result = await self.repair.run_pass(assigned) if self.repair is not None else None
+            if self.leases is not None:
+                await self._refresh_ledger()
+            return result
+
+    async def _refresh_ledger(self) -> None:
+        """One re-read of the node ledger; a failure is logged once while it lasts (the next pass tries again)."""
+        try:
+            await self.allocator.refresh_ledger()
+        except AllocatorError as error:
+            if self._ledger_failing != str(error):
+                logger.error("Reading the node ledger failed (%s); the next pass tries again", error)
+            self._ledger_failing = str(error)
+        else:
+            if self._ledger_failing is not None:
+                logger.info("The node ledger reads again")
+            self._ledger_failing = None
+
     # -- the operator's routes -----------------------------------------------------------
     async def _repair_route(self, request: Any) -> Response:
         refused = self._operator_refusal(request, "run a pod repair", "")
@@ -172,6 +253,7 @@ class KubeletPluginProcess(OperatorRoutes):
         if self.repair is None:
             return Response.error(409, "pod repair is off (--repair_pods=false); restart the plugin without it")
         logger.info("Operator at %s asked for a pod repair pass", request.client)
-        result = await self.repair.run_pass()
+        result = await self.run_pass()
+        assert result is not None
         return Response.json(result.answer())
 

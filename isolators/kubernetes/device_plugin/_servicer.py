@@ -6,11 +6,13 @@ Rules (R-K8-1..4):
 - ``GetDevicePluginOptions``: ``get_preferred_allocation_available`` true,
   ``pre_start_required`` false. ``PreStartContainer`` answers empty.
 - ``ListAndWatch``: the whole list at once, then the whole list again after
-  every change of the allocator's health generation that changes this
-  resource's list (``health_since``): a unit turning unhealthy, NVML's
-  health becoming unknown (every unit), and a unit marked healthy again.
-  A cancelled stream (the kubelet's side gone) stops waiting (its
-  allocator Future discarded); a new stream starts from the current health.
+  every change that changes this resource's list (``offer_views``): a
+  unit turning unhealthy, NVML's health becoming unknown (every unit), a
+  unit marked healthy again, and (SPEC R-NL-4) a unit another front door
+  of the node takes in the node ledger (``Unhealthy``: the kubelet must
+  not schedule a pod on it) or gives back (``Healthy`` again). A
+  cancelled stream (the kubelet's side gone) stops waiting (its allocator
+  Futures discarded); a new stream starts from the current view.
 - ``GetPreferredAllocation`` / ``Allocate``: each container request of the
   call (the kubelet sends one; all are handled); a ``PluginRequestError``
   aborts the call with its status code and message; any other failure
@@ -31,7 +33,7 @@ from .._api import pb, rpc
 from ._names import HEALTHY, UNHEALTHY
 from ._catalog import ResourceOffer
 from .._errors import PluginRequestError
-from .._health_watch import health_snapshots
+from .._ledger_watch import offer_views
 from ._plugin import KubeletPluginProcess
 
 __all__ = ["DevicePluginServicer", "list_response"]
@@ -63,13 +65,17 @@ class DevicePluginServicer(rpc.DevicePluginServicer):
         sent = None
         logger.info("ListAndWatch for %s: a stream opened", self.offer.resource)
         try:
-            async for snapshot in health_snapshots(self.allocator):
-                listing = self.offer.listing(snapshot.unhealthy)
+            async for view in offer_views(self.allocator):
+                listing = self.offer.listing(view.withheld())
                 if listing != sent:
                     sent = listing
                     unhealthy = [device_id for device_id, healthy, _ in listing if not healthy]
-                    logger.info("ListAndWatch for %s: %d devices, unhealthy: %s", self.offer.resource,
-                                len(listing), ", ".join(unhealthy) or "none")
+                    elsewhere = [device.id for device in self.offer.devices if device.unit in view.elsewhere
+                                 and device.unit not in view.unhealthy]
+                    logger.info("ListAndWatch for %s: %d devices, unhealthy: %s%s", self.offer.resource,
+                                len(listing), ", ".join(unhealthy) or "none",
+                                f" (held by another front door of this node: {', '.join(elsewhere)})"
+                                if elsewhere else "")
                     yield list_response(listing)
         finally:
             logger.info("ListAndWatch for %s: the stream ended", self.offer.resource)

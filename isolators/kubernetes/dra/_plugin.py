@@ -16,8 +16,13 @@ Rules (issue 37 items 3-5; SPEC section 21):
   (``plan_claim``); a device unhealthy now is refused unless the result
   has admin access; a device prepared for another claim is refused unless
   sharing allows it (``PreparedClaims.conflicts``; reserved meanwhile, so
-  concurrent prepares cannot both take it). Then the claim is committed
-  and only then answered.
+  concurrent prepares cannot both take it). With the node ledger
+  (``ledger``, SPEC R-NL-2/4) its devices' units are then taken for the
+  claim (``allocator.hold(units, uid)``: holders inside this driver share,
+  as adminAccess and shareID results do; a unit another front door of
+  the node holds refuses the claim naming unit, owner and holder). Then
+  the claim is committed and only then answered; a commit that fails lets
+  go of what it took.
 - A commit writes a CDI spec per new claim (``render_claim_spec``), then
   the checkpoint of every claim prepared after it, then removes the specs
   of unprepared claims: one executor job. Commits are queued and run one
@@ -28,7 +33,8 @@ Rules (issue 37 items 3-5; SPEC section 21):
   failed write answers each claim of that commit with the error (specs
   just written removed: nothing prepared, nothing lost).
 - ``unprepare(uids)``: a commit without them; their devices stay held
-  until it landed. A uid never prepared (or already unprepared) succeeds:
+  until it landed, and only then are their units let go in the node
+  ledger (``let_go(uid)``). A uid never prepared (or already unprepared) succeeds:
   idempotent. A uid whose prepare is being committed is refused (try
   again): answering done would leave it prepared once that commit lands.
 - ``create`` (restart): the checkpoint is read first (a malformed one stops
@@ -37,6 +43,11 @@ Rules (issue 37 items 3-5; SPEC section 21):
   between the two writes) are removed. A prepared claim holding a device
   this node no longer publishes (a GPU gone, MIG reconfigured) stays
   prepared with its spec left as it is, logged, until it is unprepared.
+  With the node ledger (R-NL-3) the checkpoint is the truth the driver
+  reconciles from: every prepared claim holds its units again (claim uid
+  as holder), then ``release_unclaimed`` returns what the last run leased
+  and no claim holds; a unit the ledger refuses (another front door holds
+  it: two grants) is logged at ERROR and the claim stays prepared.
 - ``registered(ok, error)`` records what the kubelet's plugin watcher said.
 - Metrics: counters ``dra/prepares`` (claims prepared, repeats included),
   ``dra/unprepares``, ``dra/prepare_failures`` (claims refused);
@@ -56,6 +67,7 @@ from typing import Any
 import msgspec
 
 from actors import NvidiaGpuAllocator
+from actors.allocator import AllocatorError
 from runtime import Executor, Failure, MetricSet, spawn
 
 from ...cdi import CdiWriteError, NodeFacts, apply_spec_changes, list_spec_files, read_spec_files
@@ -113,8 +125,11 @@ class DraPluginProcess(OperatorRoutes):
 
     def __init__(self, catalog: DraCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, client: Any, *,
                  driver: str, node: str, spec_dir: str, dev_dir: str, checkpoint: str,
-                 prepared: list[PreparedClaim], credential: BearerCredential | None = None) -> None:
+                 prepared: list[PreparedClaim], credential: BearerCredential | None = None,
+                 ledger: bool = False) -> None:
         super().__init__(DRA_PLUGIN_ID)
+        self.ledger = ledger
+        """The allocator joined the node ledger: claims take and let go of their units there."""
         self.catalog = catalog
         self.allocator = allocator
         self.facts = facts
@@ -135,13 +150,15 @@ class DraPluginProcess(OperatorRoutes):
     @classmethod
     async def create(cls, catalog: DraCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, client: Any, *,
                      driver: str, node: str, spec_dir: str, dev_dir: str, checkpoint: str,
-                     credential: BearerCredential | None = None) -> "DraPluginProcess":
-        """The process, spawned once the checkpoint is read and the claims' specs restored."""
+                     credential: BearerCredential | None = None, ledger: bool = False) -> "DraPluginProcess":
+        """The process, spawned once the checkpoint is read, the claims' specs restored and (``ledger``) their
+        units held again in the node ledger."""
         executor = Executor(1, name="dra-plugin-start")
         try:
             prepared = await executor.run(read_checkpoint, checkpoint)
             plugin = cls(catalog, allocator, facts, client, driver=driver, node=node, spec_dir=spec_dir,
-                         dev_dir=dev_dir, checkpoint=checkpoint, prepared=prepared, credential=credential)
+                         dev_dir=dev_dir, checkpoint=checkpoint, prepared=prepared, credential=credential,
+                         ledger=ledger)
             wanted, kept = {}, set()
             for claim in prepared:
                 name = claim_spec_file(driver, claim.ref.uid)
@@ -158,8 +175,30 @@ class DraPluginProcess(OperatorRoutes):
         if prepared or written or removed:
             logger.info("Restored %d prepared claims from %s (specs rewritten: %s; orphans removed: %s)",
                         len(prepared), checkpoint, ", ".join(written) or "none", ", ".join(removed) or "none")
+        if ledger:
+            await plugin._reconcile_ledger(prepared)
         spawn(plugin)
         return plugin
+
+    async def _reconcile_ledger(self, prepared: list[PreparedClaim]) -> None:
+        """At start: every prepared claim holds its units again, then the rest of the last run's go back."""
+        holds = [(claim, self.allocator.hold(units, claim.ref.uid)) for claim in prepared
+                 if (units := self._units(claim.devices))]
+        for claim, future in holds:
+            try:
+                await future
+            except AllocatorError as error:
+                logger.error("Prepared %s holds units the node ledger refuses to this driver: %s. Two front doors"
+                             " granted one GPU; find which one must give it back", claim.ref, error)
+        returned = await self.allocator.release_unclaimed()
+        if returned:
+            logger.info("Reconciled with the checkpoint: units leased by the last run that no prepared claim holds"
+                        " went back to the node ledger: %s", ", ".join(returned))
+
+    def _units(self, devices: list[Any]) -> list[Any]:
+        """The units of ``devices`` this node still publishes (one each)."""
+        return list(dict.fromkeys(self.catalog.by_name[d.device].unit for d in devices
+                                  if d.device in self.catalog.by_name))
 
     def publish(self, metrics: MetricSet) -> None:
         metrics.counter("dra/prepares", "claims prepared (repeats included)", read=lambda: self.prepares)
@@ -222,9 +261,26 @@ class DraPluginProcess(OperatorRoutes):
                 continue
             self.table.reserve(plan)
             planned.append(plan)
+        if planned and self.ledger:
+            planned = await self._take(planned, answers)
         if planned:
             answers.update(await self._write(planned))
         return {ref.uid: answers[ref.uid] for ref in refs}
+
+    async def _take(self, planned: list[ClaimPlan], answers: dict[str, ClaimAnswer]) -> list[ClaimPlan]:
+        """Each plan's units taken in the node ledger for its claim; the plans that got them (the others
+        refused, their reservation released)."""
+        holds = [(plan, self.allocator.hold(self._units(plan.devices), plan.ref.uid)) for plan in planned]
+        taken = []
+        for plan, future in holds:
+            try:
+                await future
+            except Exception as error:  # noqa: BLE001 - another front door holds a unit, or the ledger failed
+                self.table.release(plan.ref.uid)
+                answers[plan.ref.uid] = self._refused(ClaimRefused(f"{plan.ref}: {error}; nothing was prepared"))
+                continue
+            taken.append(plan)
+        return taken
 
     def _refused(self, refused: ClaimRefused) -> ClaimAnswer:
         self.prepare_failures += 1
@@ -244,6 +300,7 @@ class DraPluginProcess(OperatorRoutes):
         try:
             await self._commit(claims, [])
         except (CdiWriteError, CheckpointError) as error:
+            await self._let_go([plan.ref.uid for plan in plans])
             return {plan.ref.uid: self._refused(ClaimRefused(f"{plan.ref}: {error}; nothing was prepared"))
                     for plan in plans}
         answers = {}
@@ -332,4 +389,12 @@ class DraPluginProcess(OperatorRoutes):
             for claim in gone:
                 self.unprepares += 1
                 logger.info("Unprepared %s", claim.ref)
+            await self._let_go([claim.ref.uid for claim in gone])
         return answers
+
+    async def _let_go(self, uids: list[str]) -> None:
+        """The claims ``uids`` hold their units no more (the node ledger gets back what no claim holds)."""
+        if not self.ledger:
+            return
+        for future in [self.allocator.let_go(uid) for uid in uids]:
+            await future

@@ -8,15 +8,21 @@ Rules (issue 37; SPEC section 21):
   are read first (either one bad stops the start: ``DraSetupError``, exit
   2, nothing served); then a runtime (``--listen``: ``/metrics`` and the
   operator's route), the components (inventory, allocator with health,
-  volume: no NVML and no host file is an ``IsolatorError``), the catalog,
-  the node's CDI facts, the process (checkpoint read, claims' specs
-  restored), then the DRA socket (``<plugins_dir>/<driver>/dra.sock``:
+  volume: no NVML and no host file is an ``IsolatorError``), the node
+  ledger joined as ``dra-plugin:<driver>`` (SPEC R-NL-1: on by default on
+  the real NVML; another running process of that owner stops the start),
+  the catalog, the node's CDI facts, the process (checkpoint read,
+  claims' specs restored, their units held again in the ledger and the
+  rest of the last run's returned: R-NL-3), then the DRA socket (``<plugins_dir>/<driver>/dra.sock``:
   DRAPlugin v1 and v1beta1, DRAResourceHealth v1 and v1alpha1) and only then the
   registration socket (``<registry>/<driver>-reg.sock``), so the plugin
   watcher never finds a driver it cannot dial. The ResourceSlice is
   published at once and kept current (``keep_published``): a restarted
   driver republishes before the kubelet's 30 s grace ends, and a slice a
-  restarted kubelet (or anyone else) deleted or changed is put back. ``ready`` is
+  restarted kubelet (or anyone else) deleted or changed is put back; a
+  unit another front door takes in the node ledger leaves the slice, and
+  comes back once returned, within one ``--poll_interval`` (the ledger is
+  read again each interval: ``refresh_ledger_every``). ``ready`` is
   called once both sockets listen.
 - Sockets, registration and the run loop are the shared ones
   (``SocketServer``, ``PluginWatcherRegistration``, ``node_parts`` /
@@ -76,7 +82,10 @@ async def run_dra_plugin(flags: Flags, options: DraOptions, ready: Callable[[Dra
     """Run until SIGTERM or SIGINT (see module rules)."""
     from runtime import dispatch
 
+    from actors.ledger import dra_plugin_owner
+
     from .._api import DRA_VERSIONS, HEALTH_VERSIONS, registration_rpc
+    from .._ledger_watch import refresh_ledger_every
     from .._registration import PluginWatcherRegistration
     from .._sockets import SocketServer, check_socket_path
     from ._devices import DraCatalog
@@ -96,11 +105,13 @@ async def run_dra_plugin(flags: Flags, options: DraOptions, ready: Callable[[Dra
     try:
         async with node_parts(flags, options.listen, "dra") as parts:
             components = parts.components
+            ledger = await components.join_ledger(dra_plugin_owner(driver))
             catalog = DraCatalog.build(components.allocator.pools(), components.inventory)
             facts = await read_node_facts(flags, components.inventory, components.volume)
             plugin = await DraPluginProcess.create(
                 catalog, components.allocator, facts, client, driver=driver, node=node, spec_dir=spec_dir,
-                dev_dir=flags.dev_dir, checkpoint=checkpoint_path(flags.work_dir, driver), credential=credential)
+                dev_dir=flags.dev_dir, checkpoint=checkpoint_path(flags.work_dir, driver), credential=credential,
+                ledger=ledger is not None)
 
             def add_dra(server: object) -> None:
                 for version, (_, rpc) in DRA_VERSIONS.items():
@@ -127,7 +138,9 @@ async def run_dra_plugin(flags: Flags, options: DraOptions, ready: Callable[[Dra
                                      address=parts.runtime.address if options.listen else None))
 
             await serve_until_stopped(parts, plugin.pid, started=[dra.run, reg.run],
-                                      tasks=[functools.partial(keep_published, publisher, components.allocator)],
+                                      tasks=[functools.partial(keep_published, publisher, components.allocator),
+                                             functools.partial(refresh_ledger_every, components.allocator,
+                                                               options.poll_interval)],
                                       ready=summary, removing="this driver's sockets")
     finally:
         await client.close()

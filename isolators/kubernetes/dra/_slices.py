@@ -10,13 +10,17 @@ Rules (SPEC section 21):
   longer, the name is its first characters, ``-`` and 16 hex digits of
   the SHA-256 of node and driver (stable across restarts, different for
   two nodes that share the kept prefix).
+- A device whose unit another front door of the node holds in the node
+  ledger (``elsewhere``: SPEC R-NL-4) is left out of the slice: the
+  scheduler must not allocate it to a claim; it is published again once
+  the ledger shows it free.
 - An unhealthy device keeps its place and carries one taint
   ``<driver>/unhealthy`` (effect ``NoSchedule``: no new claim gets it; the
   value is the reason as a label value), the v1 API's way (the
   ``DRADeviceTaints`` gate) rather than withdrawing it; a device that
   recovers (health or the operator's ``mark_healthy``) is published again
   without the taint.
-- ``SlicePublisher.publish(unhealthy)`` makes the API server hold exactly
+- ``SlicePublisher.publish(unhealthy, elsewhere)`` makes the API server hold exactly
   this driver's slice of the node: it lists the slices of this node and
   driver (field selectors ``spec.nodeName``, ``spec.driver``); when its
   own is missing, differs from what it would write (compared on what the
@@ -30,7 +34,9 @@ Rules (SPEC section 21):
   (the content is recomputed each time, so a retry publishes the newest
   state).
 - R-DR-1, the slice follows the API server: ``keep_published`` publishes
-  at start, after every change of the allocator's health, and after every
+  at start, after every change of the allocator's health or of what other
+  front doors hold in the node ledger (``offer_views``; the driver
+  re-reads the ledger each ``--poll_interval``), and after every
   change to this node's and driver's slices that this driver did not make
   -- a deletion (a kubelet restart deletes every slice of its node; an
   admin), an edit, another slice appearing -- seen by a watch from the
@@ -48,7 +54,7 @@ import hashlib
 import logging
 import re
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from actors.mig import Unit
@@ -91,7 +97,7 @@ def _label_value(reason: str) -> str:
 
 
 def render_slice(catalog: DraCatalog, *, driver: str, node: str, generation: int,
-                 unhealthy: Mapping[Unit, str]) -> Any:
+                 unhealthy: Mapping[Unit, str], elsewhere: Collection[Unit] = ()) -> Any:
     """The node's ResourceSlice (a lightkube model; see module rules)."""
     from lightkube.models.meta_v1 import ObjectMeta
     from lightkube.models.resource_v1 import (Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool,
@@ -100,6 +106,8 @@ def render_slice(catalog: DraCatalog, *, driver: str, node: str, generation: int
 
     devices = []
     for device in catalog.devices:
+        if device.unit in elsewhere:
+            continue
         reason = unhealthy.get(device.unit)
         devices.append(Device(
             name=device.name,
@@ -149,14 +157,14 @@ class SlicePublisher:
         """The field selector of this node's and driver's slices."""
         return {"spec.nodeName": self.node, "spec.driver": self.driver}
 
-    async def publish(self, unhealthy: Mapping[Unit, str]) -> bool:
+    async def publish(self, unhealthy: Mapping[Unit, str], elsewhere: Collection[Unit] = ()) -> bool:
         """Make the API server hold exactly this driver's current slice of the node; True when it wrote."""
         try:
-            return await self._reconcile(unhealthy)
+            return await self._reconcile(unhealthy, elsewhere)
         except Exception as error:  # noqa: BLE001 - the API server's answer or the transport's, in one line
             raise SlicePublishError(f"Cannot publish ResourceSlice {self.name}: {_failure(error)}") from error
 
-    async def _reconcile(self, unhealthy: Mapping[Unit, str]) -> bool:
+    async def _reconcile(self, unhealthy: Mapping[Unit, str], elsewhere: Collection[Unit]) -> bool:
         from lightkube.resources.resource_v1 import ResourceSlice
 
         listing = self.client.list(ResourceSlice, fields=self.selector)
@@ -164,13 +172,13 @@ class SlicePublisher:
         self.listed = _version_of(listing)
         ours = next((s for s in found if s.metadata.name == self.name), None)
         wanted = render_slice(self.catalog, driver=self.driver, node=self.node, generation=self.generation,
-                              unhealthy=unhealthy)
+                              unhealthy=unhealthy, elsewhere=elsewhere)
         wrote, first = False, not self._written
         if ours is None or not self.generation or _essence(ours) != _essence(wanted):
             highest = [s.spec.pool.generation for s in found if s.spec.pool is not None and s.spec.pool.name == self.node]
             self.generation = max(highest + [self.generation]) + 1
             wanted = render_slice(self.catalog, driver=self.driver, node=self.node, generation=self.generation,
-                                  unhealthy=unhealthy)
+                                  unhealthy=unhealthy, elsewhere=elsewhere)
             if ours is None:
                 stored = await self.client.create(wanted)
             else:
@@ -180,7 +188,7 @@ class SlicePublisher:
             wrote = True
             self._log(("created" if ours is None else "replaced") if first else
                       "published again: it was gone from the API server (a kubelet restart deletes its node's"
-                      " slices)" if ours is None else "replaced", unhealthy)
+                      " slices)" if ours is None else "replaced", unhealthy, elsewhere)
         for stale in found:
             if stale.metadata.name != self.name:
                 await self.client.delete(ResourceSlice, stale.metadata.name)
@@ -195,10 +203,14 @@ class SlicePublisher:
             return kind != "DELETED"  # another slice of this node and driver appeared: stale, to delete
         return kind == "DELETED" or resource_slice.metadata.resourceVersion not in self._written
 
-    def _log(self, what: str, unhealthy: Mapping[Unit, str]) -> None:
-        tainted = [d.name for d in self.catalog.devices if d.unit in unhealthy]
-        logger.info("ResourceSlice %s %s: pool %s generation %d, %d devices, tainted: %s", self.name, what,
-                    self.node, self.generation, len(self.catalog.devices), ", ".join(tainted) or "none")
+    def _log(self, what: str, unhealthy: Mapping[Unit, str], elsewhere: Collection[Unit]) -> None:
+        tainted = [d.name for d in self.catalog.devices if d.unit in unhealthy and d.unit not in elsewhere]
+        left_out = [d.name for d in self.catalog.devices if d.unit in elsewhere]
+        logger.info("ResourceSlice %s %s: pool %s generation %d, %d devices, tainted: %s%s", self.name, what,
+                    self.node, self.generation, len(self.catalog.devices) - len(left_out),
+                    ", ".join(tainted) or "none",
+                    f"; left out (held by another front door of this node): {', '.join(left_out)}" if left_out
+                    else "")
 
 
 def _failure(error: BaseException) -> str:
@@ -222,12 +234,13 @@ def _version_of(listing: Any) -> str | None:
 
 
 class _Wanted:
-    """What the publishing loop is asked to do: the newest health, and a wake-up (coalesced)."""
+    """What the publishing loop is asked to do: the newest view (health, the node ledger), and a wake-up
+    (coalesced)."""
 
     def __init__(self) -> None:
         import anyio
 
-        self.unhealthy: Mapping[Unit, str] | None = None
+        self.view: Any = None
         self.wake = anyio.Event()
         self.first = anyio.Event()
 
@@ -237,23 +250,24 @@ class _Wanted:
 
 async def keep_published(publisher: SlicePublisher, allocator: Any, *, retry_max_s: float = 8.0,
                          published: Any = None, resync_s: float = 60.0) -> None:
-    """Publish now, then after every health change and every change someone else makes to this node's
-    slices, until cancelled (``published``: called after each write; see module rules)."""
+    """Publish now, then after every change of health or of the node ledger and every change someone else
+    makes to this node's slices, until cancelled (``published``: called after each write; see module rules)."""
     import anyio
 
     wanted = _Wanted()
     async with anyio.create_task_group() as group:
-        group.start_soon(_follow_health, allocator, wanted)
+        group.start_soon(_follow_view, allocator, wanted)
         group.start_soon(_follow_api_server, publisher, wanted, resync_s, retry_max_s)
         while True:
             await wanted.wake.wait()
             wanted.wake = anyio.Event()
-            if wanted.unhealthy is None:
+            if wanted.view is None:
                 continue
             backoff = 1.0
             while True:
+                view = wanted.view
                 try:
-                    if await publisher.publish(wanted.unhealthy) and published is not None:
+                    if await publisher.publish(view.unhealthy, view.elsewhere) and published is not None:
                         published()
                     wanted.first.set()
                     break
@@ -263,12 +277,18 @@ async def keep_published(publisher: SlicePublisher, allocator: Any, *, retry_max
                     backoff = min(retry_max_s, backoff * 2)
 
 
-async def _follow_health(allocator: Any, wanted: _Wanted) -> None:
-    from .._health_watch import health_snapshots
+async def _follow_view(allocator: Any, wanted: _Wanted) -> None:
+    """Wake the publishing loop when what the slice shows changes: the health, or which units other front doors
+    hold (not who holds them for whom: that changes with their churn, the slice does not)."""
+    from .._ledger_watch import offer_views
 
-    async for snapshot in health_snapshots(allocator):
-        wanted.unhealthy = snapshot.unhealthy
-        wanted.changed()
+    shown = None
+    async for view in offer_views(allocator):
+        now = (view.unhealthy, frozenset(view.elsewhere))
+        if now != shown:
+            shown = now
+            wanted.view = view
+            wanted.changed()
 
 
 async def _follow_api_server(publisher: SlicePublisher, wanted: _Wanted, resync_s: float, retry_max_s: float) -> None:

@@ -7,9 +7,11 @@ Rules (R-PR-1):
   mount; None tries ``kubepods.slice`` and ``kubepods``) and
   ``container_configs`` (``--container_config``: where the runtime keeps a
   container's OCI config, ``{id}`` its id).
-- ``node_repair(options, catalog, facts, dev_dir)`` (blocking: it stats
-  the mounts; run it on an executor) is a ``PodRepair`` of ``catalog``'s
-  units over the kubelet's PodResources socket, a ``KernelPodHost`` of
+- ``node_repair(options, catalog, facts, dev_dir, lister=None)``
+  (blocking: it stats the mounts; run it on an executor) is a
+  ``PodRepair`` of ``catalog``'s units over the kubelet's PodResources
+  socket (``lister``: the front door's own client of it, else one made
+  here), a ``KernelPodHost`` of
   the v1 devices hierarchy and the cgroup2 mount that exist, and
   ``SystemdScopes`` on the system bus (connected by ``PodRepair.start``).
   It logs at INFO where it looks, or warns when no hierarchy is there (it
@@ -52,7 +54,8 @@ class RepairOptions(msgspec.Struct, frozen=True, kw_only=True):
     """Where the runtime keeps a container's OCI config, ``{id}`` its id."""
 
 
-def node_repair(options: RepairOptions, catalog: UnitCatalog, facts: NodeFacts, dev_dir: str) -> PodRepair:
+def node_repair(options: RepairOptions, catalog: UnitCatalog, facts: NodeFacts, dev_dir: str,
+                lister: PodResourcesClient | None = None) -> PodRepair:
     """The pod repair over this node's hierarchies (see module rules)."""
     from actors.devices import default_hierarchy
 
@@ -83,6 +86,6 @@ def node_repair(options: RepairOptions, catalog: UnitCatalog, facts: NodeFacts, 
         logger.warning("Pod repair finds none of the runtime state directories it reads the containers' records in:"
                        " %s; no container can be joined to its pod, so none is repaired: mount the runtime's state"
                        " directory in the plugin's container, or name it with --container_config", listed)
-    return PodRepair(catalog, PodResourcesClient(options.pod_resources_socket), host,
+    return PodRepair(catalog, lister or PodResourcesClient(options.pod_resources_socket), host,
                      control_devices=facts.control_devices, dev_dir=dev_dir, caps=facts.caps,
                      systemd=SystemdScopes())

@@ -6,7 +6,9 @@ Rules:
   each refusal logged once; so at start and whenever nodes change); one
   PodResources ``List`` (``AssignedDevices``; a failure is logged once
   while it lasts, the pass answers ``waiting`` and checks nothing, the
-  plugin keeps serving); the node's pod
+  plugin keeps serving) -- or the answer of the List its front door
+  made for the whole pass (``run_pass(assigned)``: the device plugin
+  shares its one List a pass with the node ledger); the node's pod
   containers surveyed (``PodHost.survey``: their cgroups under the kubepods
   roots and the identity their runtime recorded); then, for each container
   that the kubelet says holds device IDs of a resource this plugin offers:
@@ -51,8 +53,10 @@ Rules:
 - ``start()`` (once, before the first pass; ``run`` calls it) connects
   ``systemd`` and logs what repair can do on this node (R-PR-6); a
   ``Reloading(false)`` from systemd wakes ``run`` for a pass at once.
-- ``run(interval_s)`` passes until cancelled, the first at once, then
-  every ``interval_s`` seconds or at once after a systemd reload;
+- ``run(interval_s, one_pass=None)`` passes until cancelled, the first
+  at once, then every ``interval_s`` seconds or at once after a systemd
+  reload (``one_pass``: the front door's own pass, which calls
+  ``run_pass(assigned)``; default ``run_pass()``);
   ``close()`` shuts its executor, closes the lister and disconnects
   systemd.
 """
@@ -62,7 +66,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -231,7 +235,7 @@ class PodRepair:
             self._wake.set()
 
     # -- one pass --------------------------------------------------------------------------
-    async def run(self, interval_s: float) -> None:
+    async def run(self, interval_s: float, one_pass: Callable[[], Awaitable[Any]] | None = None) -> None:
         """Passes every ``interval_s`` seconds until cancelled; a pass that
         raises is logged (once while it fails the same way) and counted in
         ``repair_failures``, and the next one runs as usual. A systemd
@@ -239,7 +243,7 @@ class PodRepair:
         await self.start()
         while True:
             try:
-                await self.run_pass()
+                await (one_pass or self.run_pass)()
             except Exception as error:  # a repair problem never takes the device plugin down
                 self.failures += 1
                 self._report_once(("pass", type(error).__name__, str(error)), logging.ERROR,
@@ -250,13 +254,16 @@ class PodRepair:
                 await self._wake.wait()
             self._wake = anyio.Event()
 
-    async def run_pass(self) -> RepairPass:
+    async def run_pass(self, assigned: Sequence[AssignedDevices] | PodResourcesUnavailable | None = None
+                       ) -> RepairPass:
+        """One pass (see module rules); ``assigned``: the answer (or failure) of the front door's List for this
+        pass, None to List here."""
         async with self._lock:
-            result = await self._pass()
+            result = await self._pass(assigned)
             self.passes += 1
             return result
 
-    async def _pass(self) -> RepairPass:
+    async def _pass(self, listed: Sequence[AssignedDevices] | PodResourcesUnavailable | None) -> RepairPass:
         links = await self.executor.run(self.host.link_nodes, self.all_nodes)
         for link in links.made:
             logger.info("Made %s, so that systemd keeps this device in the pods' device rules", link)
@@ -265,7 +272,9 @@ class PodRepair:
                               "Left %s alone: %s; systemd cannot resolve the node through it, so a daemon-reload"
                               " may drop it from pods (pod repair gives it back)", link, why)
         try:
-            assigned = await self.executor.run(self.lister.list)
+            if isinstance(listed, PodResourcesUnavailable):
+                raise listed
+            assigned = listed if listed is not None else await self.executor.run(self.lister.list)
         except PodResourcesUnavailable as error:
             if self._waiting is None:
                 logger.warning("Pod repair waits for the kubelet's PodResources API: %s; the plugin keeps serving"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from actors.ledger import DEFAULT_NODE_LEDGER
 from isolators.cli import _parser
 from isolators.kubernetes.pod_repair import DEFAULT_CONFIG_TEMPLATES, DEFAULT_POD_RESOURCES_SOCKET
 
@@ -36,6 +37,7 @@ def test_the_daemonset_runs_the_plugin_with_pod_repairs_privileges_and_mounts() 
     args, extra = _parser().parse_known_args(command)
     assert args.command == "kubelet-plugin" and args.repair_pods == "true"
     options = dict(option.lstrip("-").split("=", 1) for option in extra)
+    assert "node_ledger" not in options
     assert pod.hostPID is True and container.securityContext.privileged is True
     mounted = {mount.mountPath: mount for mount in container.volumeMounts}
     volumes = {volume.name: volume for volume in pod.volumes}
@@ -52,6 +54,7 @@ def test_the_daemonset_runs_the_plugin_with_pod_repairs_privileges_and_mounts() 
     needed = [args.device_plugin_dir, options["cdi_spec_dir"], options["dev_dir"],
               os.path.dirname(options["volume_dir"]), os.path.dirname(DEFAULT_POD_RESOURCES_SOCKET),
               options["cdi_hook"],  # the specs' hook: installed by the pod where the host's runtime runs it
+              DEFAULT_NODE_LEDGER,  # shared with every front door of the node, found with no flag (R-NL-1)
               "/sys/fs/cgroup", "/run/systemd", "/run/dbus/system_bus_socket",
               *(template.split("{id}", 1)[0].rstrip("/") for template in DEFAULT_CONFIG_TEMPLATES)]
     for path in needed:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from actors.ledger import DEFAULT_NODE_LEDGER
 from isolators.cli import _parser
 from isolators.kubernetes.dra import DEFAULT_DRIVER_NAME
 
@@ -33,6 +34,7 @@ def test_every_manifest_loads_into_typed_models() -> None:
         "admission-policy.yaml": ["admissionregistration_v1.ValidatingAdmissionPolicy",
                                   "admissionregistration_v1.ValidatingAdmissionPolicyBinding"],
         "daemonset.yaml": ["apps_v1.DaemonSet"],
+        "deviceclass-nvidia-gpu.yaml": ["resource_v1.DeviceClass"],
         "deviceclass.yaml": ["resource_v1.DeviceClass"],
         "rbac.yaml": ["core_v1.ServiceAccount", "rbac_authorization_v1.ClusterRole",
                       "rbac_authorization_v1.ClusterRoleBinding"],
@@ -63,6 +65,10 @@ def test_the_daemonset_runs_the_command_with_its_options_and_mounts_its_paths() 
     mounted = {m.mountPath for m in container.volumeMounts}
     for path in (args.plugins_registry_dir, args.plugins_dir, *extra.values()):
         assert path in mounted, path
+    # the node ledger: the host's, where every front door of the node finds it with no flag (SPEC R-NL-1)
+    ledger = next(m for m in container.volumeMounts if m.mountPath == DEFAULT_NODE_LEDGER)
+    assert next(v for v in pod.volumes if v.name == ledger.name).hostPath.path == DEFAULT_NODE_LEDGER
+    assert not any(option.startswith("--node_ledger") for option in options)
     assert pod.serviceAccountName == "gpu-isolator-dra-plugin"
     hook = next(option.split("=", 1)[1] for option in options if option.startswith("--cdi_hook="))
     assert f'HOOK_FILE)\')" {hook} &&' in script  # the pod installs the hook file ...
@@ -81,6 +87,16 @@ def test_the_claim_template_asks_two_gpus_on_one_nvlink_island_of_this_driver() 
     assert constraint.matchAttribute == f"{DEFAULT_DRIVER_NAME}/nvlinkIsland"  # an attribute the slice carries
     assert pod.spec.resourceClaims[0].resourceClaimTemplateName == template.metadata.name
     assert pod.spec.containers[0].resources.claims[0].name == pod.spec.resourceClaims[0].name
+
+
+def test_pods_asking_nvidia_com_gpu_are_served_whole_gpus_of_this_driver() -> None:
+    """R-NL-6: the DeviceClass of the migration (KEP-5004's ``extendedResourceName``) selects what the
+    driver's own class selects: whole GPUs of this driver."""
+    [device_class] = load("deviceclass.yaml")
+    [extended] = load("deviceclass-nvidia-gpu.yaml")
+    assert extended.spec.extendedResourceName == "nvidia.com/gpu"
+    assert extended.metadata.name != device_class.metadata.name
+    assert extended.spec.selectors == device_class.spec.selectors
 
 
 @pytest.mark.parametrize("attribute", ["nvlinkIsland", "type"])
