@@ -259,29 +259,15 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise FlagsError("Invalid '--dev_dir': it must not be empty")
         if not self.proc_dir:
             raise FlagsError("Invalid '--proc_dir': it must not be empty")
-        if self.node_ledger is not None and self.node_ledger != "" and (
-            not isinstance(self.node_ledger, str) or not self.node_ledger.startswith("/")
-            or "\x00" in self.node_ledger
-        ):
-            raise FlagsError(
-                f"Invalid '--node_ledger' {self.node_ledger!r}: expected an absolute directory (the default is"
-                " /run/gpu-isolator/ledger on a node with NVIDIA's driver), or an empty value to turn it off"
-            )
-        if self.cdi_spec_dir is not None and (
-            not isinstance(self.cdi_spec_dir, str) or not self.cdi_spec_dir.startswith("/")
-            or "\x00" in self.cdi_spec_dir
-        ):
-            raise FlagsError(
-                f"Invalid '--cdi_spec_dir' {self.cdi_spec_dir!r}: expected an absolute path (container"
-                " engines read /etc/cdi and /var/run/cdi), or leave it unset to write no CDI specs"
-            )
-        if self.cdi_hook is not None and (
-            not isinstance(self.cdi_hook, str) or not self.cdi_hook.startswith("/") or "\x00" in self.cdi_hook
-        ):
-            raise FlagsError(
-                f"Invalid '--cdi_hook' {self.cdi_hook!r}: expected the absolute path of a program on the host"
-                " (e.g. /usr/local/bin/gpu-isolator-cdi-hook), or leave it unset for this installation's own"
-            )
+        _check_absolute("node_ledger", None if self.node_ledger == "" else self.node_ledger,
+                        "an absolute directory (the default is /run/gpu-isolator/ledger on a node with NVIDIA's"
+                        " driver), or an empty value to turn it off")
+        _check_absolute("cdi_spec_dir", self.cdi_spec_dir,
+                        "an absolute path (container engines read /etc/cdi and /var/run/cdi), or leave it unset to"
+                        " write no CDI specs")
+        _check_absolute("cdi_hook", self.cdi_hook,
+                        "the absolute path of a program on the host (e.g. /usr/local/bin/gpu-isolator-cdi-hook),"
+                        " or leave it unset for this installation's own")
 
     # ------------------------------------------------------------- queries
 
@@ -363,6 +349,12 @@ _CHOICES = {
     "device_worker": DEVICE_WORKERS,
     "nvidia_mig_strategy": MIG_STRATEGIES,
 }
+
+
+def _check_absolute(name: str, value: Any, expected: str) -> None:
+    """``--name``, when set, must be an absolute path (no NUL); else one error saying what is ``expected``."""
+    if value is not None and (not isinstance(value, str) or not value.startswith("/") or "\x00" in value):
+        raise FlagsError(f"Invalid '--{name}' {value!r}: expected {expected}")
 
 
 def _check_choice(name: str, value: Any) -> None:
