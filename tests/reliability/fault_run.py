@@ -44,7 +44,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from actors.devices import default_hierarchy
 from isolators.simulated_node import SimulatedNode, backend_unavailable, remove_cgroup_tree
@@ -420,6 +420,20 @@ def run(backend: str, rounds: int, seed: int, workers: int = 32, gpu_workers: in
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def run_backends(benchmark: str, seed: int, backends: str, run_one: Callable[[str], Any],
+                 line: Callable[[Any], str], failed: Callable[[Any], bool]) -> int:
+    """A fault run's command: ``run_one(backend)`` for each backend, one summary
+    ``line`` each, then the JSON of every run; exit 1 when any ``failed``."""
+    results = []
+    for backend in backends.split(","):
+        started = time.monotonic()
+        figures = run_one(backend)
+        results.append(figures)
+        print(f"{backend}: {line(figures)} in {time.monotonic() - started:.0f} s", flush=True)
+    print(json.dumps({"benchmark": benchmark, "seed": seed, "results": [asdict(r) for r in results]}))
+    return 1 if any(failed(r) for r in results) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", default="cgroups_v1,cgroups_v2")
@@ -428,22 +442,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=32)
     parser.add_argument("--agent-log", help="keep the agents' log lines here (one file per backend: PATH.<backend>)")
     args = parser.parse_args(argv)
-    results = []
-    for backend in args.backends.split(","):
-        started = time.monotonic()
-        figures = run(backend, args.rounds, args.seed, workers=args.workers, log=sys.stderr,
-                      agent_log_copy=f"{args.agent_log}.{backend}" if args.agent_log else None)
-        results.append(figures)
-        print(f"{backend}: {figures.rounds} rounds, {figures.lifecycles} lifecycles, {figures.worker_kills} worker"
-              f" kills, {figures.worker_stops} worker stops, {figures.agent_kills} agent kills"
-              f" ({figures.agent_kills_with_worker_stopped} with the worker stopped; {figures.fenced_when_continued}"
-              f" workers fenced when continued), {figures.judgements}"
-              f" judgements: {figures.double_grants} double grants, {figures.hangs} hangs, {figures.leaks} leaks,"
-              f" {figures.wrong_error_types} wrong error types"
-              f" ({figures.failed_calls} calls failed, as faults make them) in {time.monotonic() - started:.0f} s",
-              flush=True)
-    print(json.dumps({"benchmark": "random_fault_run", "seed": args.seed, "results": [asdict(r) for r in results]}))
-    return 0 if all(not (r.double_grants or r.hangs or r.leaks or r.wrong_error_types) for r in results) else 1
+    return run_backends(
+        "random_fault_run", args.seed, args.backends,
+        lambda backend: run(backend, args.rounds, args.seed, workers=args.workers, log=sys.stderr,
+                            agent_log_copy=f"{args.agent_log}.{backend}" if args.agent_log else None),
+        lambda figures: (
+            f"{figures.rounds} rounds, {figures.lifecycles} lifecycles, {figures.worker_kills} worker"
+            f" kills, {figures.worker_stops} worker stops, {figures.agent_kills} agent kills"
+            f" ({figures.agent_kills_with_worker_stopped} with the worker stopped; {figures.fenced_when_continued}"
+            f" workers fenced when continued), {figures.judgements}"
+            f" judgements: {figures.double_grants} double grants, {figures.hangs} hangs, {figures.leaks} leaks,"
+            f" {figures.wrong_error_types} wrong error types ({figures.failed_calls} calls failed, as faults"
+            " make them)"),
+        lambda r: bool(r.double_grants or r.hangs or r.leaks or r.wrong_error_types),
+    )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ Counted:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -55,7 +54,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -64,7 +63,7 @@ from actors.devices import default_hierarchy
 from actors.ledger import Lease, dra_plugin_owner, isolator_owner, serve_owner
 from actors.nvml import load_host_file
 from isolators.simulated_node import SimulatedNode, backend_unavailable, remove_cgroup_tree
-from tests.reliability.fault_run import START_BOUND, Agent, Judge
+from tests.reliability.fault_run import START_BOUND, Agent, Judge, run_backends
 from tests.reliability.fault_run import Ledger as AgentEvents
 from tests.reliability.fault_run import _signal, _wait_stopped
 from isolators.kubernetes.device_plugin import PLUGIN_OWNER
@@ -591,21 +590,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=43)
     args = parser.parse_args(argv)
-    results = []
-    for backend in args.backends.split(","):
-        started = time.monotonic()
-        figures = run(backend, args.steps, args.seed, log=sys.stderr)
-        results.append(figures)
-        print(f"{backend}: seed {figures.seed}, {figures.steps} steps, {figures.judgements} judgements,"
-              f" {figures.agent_kills} agent kills, {figures.serve_kills} serve kills, {figures.plugin_kills} plugin"
-              f" kills, {figures.lifecycles} agent lifecycles, {figures.serve_lifecycles} serve lifecycles,"
-              f" {figures.pod_lifecycles} pods, {figures.claim_lifecycles} claims, {figures.refused_grants} grants refused"
-              f" (another front door held the units): {figures.double_grants} double grants,"
-              f" {figures.unleased_grants} unleased grants, {figures.hangs} hangs, {figures.leaks} leaks,"
-              f" {figures.wrong_error_types} wrong error types in {time.monotonic() - started:.0f} s", flush=True)
-    print(json.dumps({"benchmark": "ledger_fault_run", "seed": args.seed, "results": [asdict(r) for r in results]}))
-    return 0 if all(not (r.double_grants or r.unleased_grants or r.hangs or r.leaks or r.wrong_error_types)
-                    for r in results) else 1
+    return run_backends(
+        "ledger_fault_run", args.seed, args.backends,
+        lambda backend: run(backend, args.steps, args.seed, log=sys.stderr),
+        lambda figures: (
+            f"seed {figures.seed}, {figures.steps} steps, {figures.judgements} judgements,"
+            f" {figures.agent_kills} agent kills, {figures.serve_kills} serve kills, {figures.plugin_kills} plugin"
+            f" kills, {figures.lifecycles} agent lifecycles, {figures.serve_lifecycles} serve lifecycles,"
+            f" {figures.pod_lifecycles} pods, {figures.claim_lifecycles} claims, {figures.refused_grants} grants"
+            f" refused (another front door held the units): {figures.double_grants} double grants,"
+            f" {figures.unleased_grants} unleased grants, {figures.hangs} hangs, {figures.leaks} leaks,"
+            f" {figures.wrong_error_types} wrong error types"),
+        lambda r: bool(r.double_grants or r.unleased_grants or r.hangs or r.leaks or r.wrong_error_types),
+    )
 
 
 if __name__ == "__main__":
