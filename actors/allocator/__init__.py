@@ -2,7 +2,8 @@
 
 The handle, ``NvidiaGpuAllocator`` (``resources(flags)``, ``create``,
 ``allocate``/``deallocate``/``available``), is exported by ``actors``;
-``GpuAllocatorProcess`` is the actor; ``HealthMonitorProcess`` feeds it NVML
+``GpuAllocatorProcess`` is the actor (its health calls in ``_health``, its
+node-ledger calls in ``_ledger_calls``); ``HealthMonitorProcess`` feeds it NVML
 health events;
 ``allocate_best``/``PairScores`` the topology scoring; ``LedgerState`` what
 the allocator's node ledger link knows (``_ledger_link``: the one place a
@@ -11,9 +12,10 @@ are at the top of its module.
 """
 
 from ._errors import AllocatorError, format_gpus
+from ._health import GpuHealth, HealthSnapshot
 from ._ledger_link import LINGER, LedgerState
 from ._monitor import HealthMonitorProcess
-from ._process import AllocatorState, GpuAllocatorProcess, GpuHealth, HealthSnapshot
+from ._process import AllocatorState, GpuAllocatorProcess
 from ._mig_resources import managed_units, mig_resource_names
 from ._resources import enumerate_indices, gpu_resources
 from ._topology import NVLINK_WEIGHT, PCIE_POINTS, PairScores, allocate_best, pair_score

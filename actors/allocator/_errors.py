@@ -6,6 +6,8 @@ Rules:
   cannot be honoured (R-AL-1); the message carries the offending value.
 - ``format_gpus`` writes a set of GPUs the way every message does:
   ``{195:1, 195:999}``, sorted.
+- ``unit_set`` checks that every value a caller passes is a unit (a
+  ``Gpu`` or a ``MigDevice``) before any call looks at it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from collections.abc import Iterable
 from runtime import Failure
 
 from actors.gpu import Gpu
+from actors.mig import MigDevice, Unit
 
-__all__ = ["AllocatorError", "format_gpus"]
+__all__ = ["AllocatorError", "format_gpus", "unit_set"]
 
 
 class AllocatorError(Failure):
@@ -26,3 +29,13 @@ class AllocatorError(Failure):
 def format_gpus(gpus: Iterable[Gpu]) -> str:
     """``{195:0, 195:3}`` (sorted)."""
     return "{" + ", ".join(str(gpu) for gpu in sorted(set(gpus))) + "}"
+
+
+def unit_set(gpus: Iterable[Unit]) -> set[Unit]:
+    """The units passed, as a set; anything else fails naming it."""
+    result = set()
+    for gpu in gpus:
+        if not isinstance(gpu, (Gpu, MigDevice)):
+            raise AllocatorError(f"Expected Gpu or MigDevice values, got {gpu!r}")
+        result.add(gpu)
+    return result

@@ -59,7 +59,8 @@ from actors.resources import Resources
 from ._errors import AllocatorError
 from ._ledger_link import LedgerState
 from ._monitor import HealthMonitorProcess
-from ._process import AllocatorState, GpuAllocatorProcess, GpuHealth, HealthSnapshot
+from ._health import GpuHealth, HealthSnapshot
+from ._process import AllocatorState, GpuAllocatorProcess
 from ._mig_resources import managed_units, needs_inventory
 from ._resources import gpu_resources
 from ._topology import PairScores
