@@ -48,10 +48,9 @@ def add_command(sub: Any) -> None:
                         help="a simulated node (TOML or JSON host file) instead of this machine's GPUs")
     ledger.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     ledger.set_defaults(func=_cmd_ledger)
-    from .cli import _Parser
+    from .cli import _commands
 
-    actions = ledger.add_subparsers(dest="ledger_command", metavar="COMMAND", parser_class=_Parser)
-    actions.required = False
+    actions = _commands(ledger, "ledger_command", required=False)
     release = actions.add_parser(
         "release", help="return every unit of a front door that does not run any more",
         description="Return every unit the node ledger says OWNER holds. Refused while OWNER runs (a process"

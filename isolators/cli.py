@@ -78,6 +78,11 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
 
 
+def _commands(parser: argparse.ArgumentParser, dest: str, required: bool = True) -> Any:
+    """``parser``'s sub-commands, each a ``_Parser`` (its usage errors name it)."""
+    return parser.add_subparsers(dest=dest, metavar="COMMAND", parser_class=_Parser, required=required)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
@@ -87,8 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log what the isolator does (INFO) to stderr")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    sub.required = True
+    sub = _commands(parser, "command")
 
     demo = sub.add_parser(
         "demo", help="run the built-in demo on a simulated 8-GPU node (no root, no GPU)",
@@ -126,8 +130,7 @@ def _parser() -> argparse.ArgumentParser:
         description="CDI (Container Device Interface) specs: what podman, containerd, CRI-O and Docker read"
                     " from /etc/cdi and /var/run/cdi to inject devices.",
     )
-    cdi_sub = cdi.add_subparsers(dest="cdi_command", metavar="COMMAND", parser_class=_Parser)
-    cdi_sub.required = True
+    cdi_sub = _commands(cdi, "cdi_command")
     generate = cdi_sub.add_parser(
         "generate", help="the node's static CDI spec (kind nvidia.com/gpu)",
         description="Write the node's static CDI spec, kind nvidia.com/gpu: one device per GPU named by its"

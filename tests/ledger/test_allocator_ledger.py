@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from actors import Gpu, NvidiaGpuAllocator
-from actors.allocator import AllocatorError
+from actors.allocator import LINGER, AllocatorError
 from actors.flags import Flags
 from actors.ledger import LedgerDirectory, LedgerError, isolator_owner, serve_owner
 from actors.mig import MigDevice
@@ -36,12 +36,18 @@ async def allocator(host: Path, **flags: object) -> NvidiaGpuAllocator:
     return await NvidiaGpuAllocator.create(f, NvidiaGpuAllocator.resources(f))
 
 
+async def joined(host: Path, ledger: Path, owner: str, linger: float = LINGER) -> NvidiaGpuAllocator:
+    """An allocator of the host file's node that joined ``ledger`` as ``owner``."""
+    made = await allocator(host)
+    await made.join_ledger(str(ledger), owner, linger=linger)
+    return made
+
+
 @pytest.mark.asyncio
 async def test_a_grant_is_answered_once_its_leases_are_written(tmp_path: Path, host_file: Path) -> None:
     ledger = tmp_path / "ledger"
     async with Runtime():
-        a = await allocator(host_file)
-        await a.join_ledger(str(ledger), A)
+        a = await joined(host_file, ledger, A)
         assert await a.allocate(2, holder="c1") == {G[0], G[1]}
         assert leases(ledger) == {"195:0": (A, ("c1",)), "195:1": (A, ("c1",))}
         assert await a.allocate({G[3]}, holder="c2") is None
@@ -54,9 +60,7 @@ async def test_two_owners_never_hold_one_unit_and_the_refusal_names_unit_owner_a
         tmp_path: Path, host_file: Path) -> None:
     ledger = tmp_path / "ledger"
     async with Runtime() as runtime:
-        a, b = await allocator(host_file), await allocator(host_file)
-        await a.join_ledger(str(ledger), A)
-        await b.join_ledger(str(ledger), B)
+        a, b = await joined(host_file, ledger, A), await joined(host_file, ledger, B)
         uuids = {gpu: a.info(gpu).uuid for gpu in G}
         assert await a.allocate(2, holder="c1") == {G[0], G[1]}
         # b chose 195:0 first (lowest), learnt from the ledger who holds it, and picked others
@@ -87,9 +91,8 @@ async def test_churn_on_one_unit_costs_no_file_work_and_an_unused_unit_goes_back
         tmp_path: Path, host_file: Path) -> None:
     ledger = tmp_path / "ledger"
     async with Runtime():
-        a, b = await allocator(host_file), await allocator(host_file)
-        await a.join_ledger(str(ledger), A, linger=3600)  # no tick in this test's life: only grants make jobs
-        await b.join_ledger(str(ledger), B, linger=0.01)
+        a = await joined(host_file, ledger, A, linger=3600)  # no tick in this test's life: only grants make jobs
+        b = await joined(host_file, ledger, B, linger=0.01)
         assert await b.allocate({G[0]}, holder="exec-1") is None
         jobs = (await b.ledger_state()).jobs
         for n in range(20):  # the unit stays leased between its uses: no job at all
@@ -110,9 +113,7 @@ async def test_a_dead_owners_units_wait_for_it_and_its_next_start_reconciles_the
         tmp_path: Path, host_file: Path) -> None:
     ledger = tmp_path / "ledger"
     async with Runtime():
-        a, b = await allocator(host_file), await allocator(host_file)
-        await a.join_ledger(str(ledger), A)
-        await b.join_ledger(str(ledger), B)
+        a, b = await joined(host_file, ledger, A), await joined(host_file, ledger, B)
         assert await a.allocate({G[0]}, holder="c1") is None
         assert await a.allocate({G[1]}, holder="c2") is None
         terminate(a.pid)  # the agent dies: no leave, its leases stay
@@ -189,9 +190,8 @@ async def test_holders_share_units_inside_one_owner_and_a_hold_is_all_or_nothing
         tmp_path: Path, host_file: Path) -> None:
     ledger = tmp_path / "ledger"
     async with Runtime():
-        plugin, agent = await allocator(host_file), await allocator(host_file)
-        await plugin.join_ledger(str(ledger), "kubelet-plugin:nvidia.com/gpu", linger=0.01)
-        await agent.join_ledger(str(ledger), A)
+        plugin = await joined(host_file, ledger, "kubelet-plugin:nvidia.com/gpu", linger=0.01)
+        agent = await joined(host_file, ledger, A)
         await agent.allocate({G[2]}, holder="c1")
         await plugin.hold({G[0]}, "pod-a")
         await plugin.hold({G[0], G[1]}, "pod-b")  # time slicing: pod-a and pod-b share 195:0
@@ -232,8 +232,7 @@ async def test_a_front_door_hears_when_what_others_hold_changes(tmp_path: Path, 
 async def test_health_the_owner_sees_is_reported_in_the_ledger(tmp_path: Path, host_file: Path) -> None:
     ledger = tmp_path / "ledger"
     async with Runtime():
-        a = await allocator(host_file)
-        await a.join_ledger(str(ledger), A)
+        a = await joined(host_file, ledger, A)
         await a.mark_unhealthy(G[3], "Xid 79")
 
         def reported() -> dict:
