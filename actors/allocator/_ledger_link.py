@@ -40,10 +40,16 @@ Rules (SPEC R-NL-1..3; DESIGN.md "One node, one ledger"):
 - After every job, ``ours`` is exactly what the ledger says the owner
   holds: a lease a failed job left behind is adopted (and returned once
   unused), so nothing leaks.
-- A job that fails (the ledger unreadable, its mutex held past the bound)
-  fails the grants in it (nothing was answered; the units go back to the
-  allocator's pool) and keeps its returns and holder changes for the next
-  tick.
+- A job that fails (the ledger unreadable or full, its mutex held past the
+  bound) fails the grants in it (nothing was answered; the units go back to
+  the allocator's pool) and keeps its returns and holder changes. The link
+  then backs off: no job runs until a retry after ``RETRY_FIRST`` seconds,
+  doubling up to ``RETRY_MOST`` while jobs keep failing (a grant or a
+  refresh asked meanwhile still runs its own job: its caller hears the
+  error). The retry re-reads the ledger even with nothing to write, so a
+  lease that a job failing half-way left behind is adopted (and returned
+  once unused). The error is logged once (again when it changes: another
+  errno, another error), and the recovery with how many jobs failed.
 - ``close()``: a last job returns every unit leased with no holder, then the
   owner lock is released. The leases of units still held stay (their
   containers run on; the owner's next start reconciles them).
@@ -87,6 +93,10 @@ LINGER = 0.02
 """Seconds a unit stays leased, unused, before it goes back (between one and two of them)."""
 HOLDER_TICKS = 10
 """Ticks between jobs that only bring the holders a lease names up to date."""
+RETRY_FIRST = 0.1
+"""Seconds before the first retry after a failed job (doubling while jobs fail)."""
+RETRY_MOST = 5.0
+"""The longest wait between two retries of a failing ledger."""
 
 
 class UnitName(NamedTuple):
@@ -121,10 +131,12 @@ def unit_names(inventory: NodeInventory, units: Iterable[Unit]) -> dict[Unit, Un
 class LedgerState:
     """What the allocator's node ledger link knows (``GpuAllocatorProcess.ledger_state``)."""
 
-    __slots__ = ("directory", "owner", "generation", "elsewhere", "inherited", "leased", "conflicts", "jobs")
+    __slots__ = ("directory", "owner", "generation", "elsewhere", "inherited", "leased", "conflicts", "jobs",
+                 "failing")
 
     def __init__(self, directory: str, owner: str, generation: int, elsewhere: dict[Unit, LeaseConflict],
-                 inherited: frozenset[Unit], leased: frozenset[Unit], conflicts: int, jobs: int) -> None:
+                 inherited: frozenset[Unit], leased: frozenset[Unit], conflicts: int, jobs: int,
+                 failing: int = 0) -> None:
         self.directory = directory
         self.owner = owner
         self.generation = generation
@@ -139,6 +151,8 @@ class LedgerState:
         """Grants refused so far because another owner held a unit."""
         self.jobs = jobs
         """Executor jobs the link has run (each one batch of file work)."""
+        self.failing = failing
+        """Jobs failed in a row (0: the last job worked); the link backs off while it is not 0."""
 
     def __repr__(self) -> str:
         return (f"LedgerState({self.owner} in {self.directory}, generation {self.generation},"
@@ -192,6 +206,13 @@ class LedgerLink:
         """Executor jobs run so far."""
         self.epoch = 0
         self._tick_timer: Any = None
+        self._retry_timer: Any = None
+        """Set while backing off after a failed job (see module rules)."""
+        self.failures = 0
+        """Jobs failed in a row (0: the last job worked)."""
+        self._failure_text = ""
+        self._reread = False
+        """A job failed: the next one reads the ledger even with nothing to write."""
         self._running = False
         self._opened = False
         self._closing = False
@@ -253,9 +274,10 @@ class LedgerLink:
     def shutdown(self) -> None:
         """Release the owner lock and the files at once (the process ends)."""
         self._closing = True
-        if self._tick_timer is not None:
-            self._tick_timer.cancel()
-            self._tick_timer = None
+        for timer in (self._tick_timer, self._retry_timer):
+            if timer is not None:
+                timer.cancel()
+        self._tick_timer = self._retry_timer = None
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -363,7 +385,7 @@ class LedgerLink:
         report = {self.names[unit].uuid: reason for unit, reason in unhealthy.items() if unit in self.names}
         if report != self._reported:
             self._health = report
-            self._start()
+            self._start(urgent=False)
 
     def blocked(self, unit: Unit) -> LeaseConflict | None:
         """Why another owner keeps ``unit`` from this one (None: nothing known)."""
@@ -380,7 +402,7 @@ class LedgerLink:
 
     def state(self) -> LedgerState:
         return LedgerState(self.path, self.owner, self.generation, dict(self.elsewhere), frozenset(self.inherited),
-                           frozenset(self.ours), self.conflicts, self.jobs)
+                           frozenset(self.ours), self.conflicts, self.jobs, self.failures)
 
     # -- reconciling after a restart -------------------------------------------------
     def reclaimed(self, units: Iterable[Unit]) -> None:
@@ -422,7 +444,7 @@ class LedgerLink:
                 self._return_due.add(unit)
         holders_due = self.epoch % HOLDER_TICKS == 0 and self._rewrites()
         if self._return_due or holders_due or self._health is not None or (self._unmanaged_go and self.ours_unmanaged):
-            self._start()
+            self._start(urgent=False)
         if self.idle_since or self._rewrites():
             self._wake()
 
@@ -430,10 +452,19 @@ class LedgerLink:
         holders, written = self.holders, self.written
         return [unit for unit in self.ours if holders.get(unit, ()) != written.get(unit, ())]
 
-    def _start(self) -> None:
+    def _start(self, urgent: bool = True) -> None:
+        """Run the pending work (one job at a time); while backing off after a
+        failed job, only ``urgent`` work (a grant, a refresh) starts one."""
+        if not urgent and self._retry_timer is not None:
+            return
         if not self._running and self._opened and self.directory is not None:
             self._running = True
             dispatch(self.allocator.pid, _run_jobs)
+
+    def retry(self) -> None:
+        """The back-off after a failed job is over: run what waits, and re-read the ledger."""
+        self._retry_timer = None
+        self._start()
 
     async def _run(self) -> None:
         """Jobs until nothing is pending (one at a time)."""
@@ -451,7 +482,9 @@ class LedgerLink:
                     result = await self._executor.run(directory.apply, self.owner, batch)
                 except Exception as error:  # noqa: BLE001 - a failed job: see the module rules
                     self._failed(batch, takes, refreshes, error)
-                    continue
+                    if self._takes or self._refreshes:  # asked meanwhile: their callers hear how it goes
+                        continue
+                    return
                 self._done(result, takes)
                 for promise in refreshes:
                     promise.set_value(None)
@@ -473,13 +506,21 @@ class LedgerLink:
         if health is not None:
             self._reported = health
         batch = LeaseBatch(takes=tuple(take for take, _ in takes), rewrites=rewrites, returns=returns, health=health)
-        if batch.empty() and not refreshes:
+        if batch.empty() and not refreshes and not self._reread:
             return None, [], []
+        self._reread = False
         self.returning = due
         return batch, takes, refreshes
 
     def _done(self, result: BatchResult, takes: list[tuple[TakeRequest, OnResult]]) -> None:
         self.returning = set()
+        if self.failures:
+            logger.warning("Node ledger %s: jobs of %s work again (after %d failed)", self.path, self.owner,
+                           self.failures)
+            self.failures, self._failure_text = 0, ""
+            if self._retry_timer is not None:
+                self._retry_timer.cancel()
+                self._retry_timer = None
         ours: set[Unit] = set()
         unmanaged: set[str] = set()
         for uuid, lease in result.leases.items():
@@ -514,13 +555,23 @@ class LedgerLink:
         if batch.health is not None and self._health is None:
             self._health = batch.health
             self._reported = {}
-        logger.error("Node ledger %s: a job of %s failed: %s", self.path, self.owner, error)
+        self.failures += 1
+        self._reread = True  # a job failing half-way may have left leases: the retry reads them
+        wait = min(RETRY_FIRST * 2 ** (self.failures - 1), RETRY_MOST)
+        key = f"{type(error).__name__} {error.errno}" if isinstance(error, OSError) else str(error)
+        if key != self._failure_text:  # the same error again (on another file, say) is not logged again
+            self._failure_text = key
+            logger.error("Node ledger %s: a job of %s failed: %s (retried in %.1f s, doubling up to %.0f s while"
+                         " it fails)", self.path, self.owner, error, wait, RETRY_MOST)
         failure = AllocatorError(f"The node ledger {self.path} could not be changed: {error}")
         failure.__cause__ = error
         for _take, on_result in takes:
             on_result(failure)
         for promise in refreshes:
             promise.fail(failure)
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+        self._retry_timer = None if self._closing else delay(wait, self.allocator.pid, _retry)
         self._wake()
 
     def _learn(self, leases: dict[str, Lease], alive: dict[str, bool]) -> None:
@@ -562,6 +613,12 @@ def _tick(process: "GpuAllocatorProcess") -> None:
     link = process.ledger_link
     if link is not None:
         link.tick()
+
+
+def _retry(process: "GpuAllocatorProcess") -> None:
+    link = process.ledger_link
+    if link is not None:
+        link.retry()
 
 
 async def _run_jobs(process: "GpuAllocatorProcess") -> None:

@@ -8,8 +8,9 @@ Rules:
 - All pulled: each reads the allocator's sets when a snapshot is taken;
   allocating costs nothing more.
 - ``publish_ledger(process)`` (an allocator that joined a node ledger,
-  SPEC R-NL-5): ``ledger/conflicts``, ``ledger/leases`` and
-  ``ledger/held_elsewhere``, pulled from its link, given back at finalize.
+  SPEC R-NL-5): ``ledger/conflicts``, ``ledger/leases``,
+  ``ledger/held_elsewhere`` and ``ledger/failing_jobs``, pulled from its
+  link, given back at finalize.
 - For whole GPUs (``allocator/gpus_*``) and MIG devices
   (``allocator/mig_devices_*``, 0 on a node without MIG): ``_total``
   managed, ``_free`` allocatable now (not allocated, healthy),
@@ -51,7 +52,9 @@ def publish_ledger(process: "GpuAllocatorProcess") -> MetricSet:
     """The node ledger's metrics of an allocator that joined one (SPEC R-NL-5):
     ``ledger/conflicts`` (grants refused because another owner of the node held
     a unit), ``ledger/leases`` (units this owner leases now) and
-    ``ledger/held_elsewhere`` (managed units other owners hold). All pulled."""
+    ``ledger/held_elsewhere`` (managed units other owners hold) and
+    ``ledger/failing_jobs`` (ledger jobs failed in a row: 0 once one works).
+    All pulled."""
     metrics = MetricSet(current_runtime().metrics)
     link = process.ledger_link
     metrics.counter("ledger/conflicts", "grants refused because another front door of the node held a unit",
@@ -60,4 +63,6 @@ def publish_ledger(process: "GpuAllocatorProcess") -> MetricSet:
                   "units this front door leases in the node ledger")
     metrics.gauge("ledger/held_elsewhere", lambda: len(link.elsewhere) if link is not None else 0,
                   "units other front doors of the node hold")
+    metrics.gauge("ledger/failing_jobs", lambda: link.failures if link is not None else 0,
+                  "node ledger jobs failed in a row (0 once one works again)")
     return metrics

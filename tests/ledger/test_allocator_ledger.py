@@ -15,8 +15,8 @@ from actors.allocator import LINGER, AllocatorError
 from actors.flags import Flags
 from actors.ledger import LedgerDirectory, LedgerError, isolator_owner, serve_owner
 from actors.mig import MigDevice
-from runtime import Runtime, current_runtime, terminate, wait
-from tests.support.ledger import BOUND, leases, until
+from runtime import Clock, Runtime, current_runtime, terminate, wait
+from tests.support.ledger import BOUND, inode_limited, leases, until
 
 DATA = Path(__file__).resolve().parents[1] / "inventory" / "data"
 A = isolator_owner("/var/lib/agent-a")
@@ -285,3 +285,75 @@ async def test_a_unit_leased_in_an_earlier_run_and_no_longer_managed_waits_for_r
         assert await fewer.release_unclaimed() == [before.info(G[3]).uuid]
         await until(lambda: "195:3" not in leases(ledger), "the unmanaged unit went back after recovery")
         await fewer.close()
+
+
+async def advance(seconds: float) -> None:
+    """Move the paused runtime clock on, then wait until every job it started is done."""
+    Clock.advance(seconds)
+    await Clock.settle()
+
+
+@pytest.mark.asyncio
+async def test_a_ledger_that_cannot_be_written_is_retried_with_a_growing_pause_and_the_error_logged_once(
+        tmp_path: Path, host_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A full ledger filesystem (every inode taken: a lease can be removed, not written) fails each job
+    that writes; the link retries after 0.1, 0.2, 0.4 s (not at once, again and again), logs the error
+    once, and writes what waited once the filesystem has room."""
+    with inode_limited(tmp_path / "fs") as fs:
+        ledger = fs.path / "ledger"
+        async with Runtime() as runtime:
+            a = await joined(host_file, ledger, A, linger=0.01)
+            assert await a.allocate({G[0]}, holder="c1") is None
+            Clock.pause()
+            fs.leave_free(0)
+            await a.deallocate({G[0]})
+            assert await a.allocate({G[0]}, holder="c2") is None  # leased already: answered with no job
+            with pytest.raises(AllocatorError, match=r"^The node ledger .* could not be changed: \[Errno 28\] No"
+                                                     r" space left on device: '\.GPU-[-0-9a-f]+\.lease\.tmp'$"):
+                await a.allocate({G[1]}, holder="c3")  # its job (with c2's holder change) fails
+            first = await a.ledger_state()
+            assert first.failing == 1 and runtime.metrics.snapshot()["ledger/failing_jobs"] == 1
+            for pause in (0.1, 0.2, 0.4):  # c2's holder change waits: retried once each pause, never sooner
+                await advance(pause - 0.001)
+                assert (await a.ledger_state()).jobs == first.jobs + round(pause / 0.1).bit_length() - 1
+                await advance(0.001)
+            state = await a.ledger_state()
+            assert (state.failing, state.jobs) == (4, first.jobs + 3)
+            assert leases(ledger) == {"195:0": (A, ("c1",))}
+            [failed] = [r.getMessage() for r in caplog.records if "a job of" in r.getMessage()]
+            assert failed.startswith(f"Node ledger {ledger}: a job of {A} failed: [Errno 28] No space left on device")
+            assert failed.endswith(" (retried in 0.1 s, doubling up to 5 s while it fails)")
+            fs.refill()
+            await advance(0.8)
+            state = await a.ledger_state()
+            assert state.failing == 0 and leases(ledger) == {"195:0": (A, ("c2",))}
+            assert f"Node ledger {ledger}: jobs of {A} work again (after 4 failed)" in caplog.text
+            assert await a.available() == {G[1], G[2], G[3]}
+            Clock.resume()
+            await a.close()
+
+
+@pytest.mark.asyncio
+async def test_a_job_that_fails_half_way_leaves_no_lease_behind(tmp_path: Path, host_file: Path) -> None:
+    """Room for one lease: a grant of two writes the first and fails on the second. The grant fails, and
+    the lease it left is adopted by the retry and returned once unused: another front door may take it."""
+    with inode_limited(tmp_path / "fs") as fs:
+        ledger = fs.path / "ledger"
+        async with Runtime():
+            a, b = await joined(host_file, ledger, A, linger=0.01), await joined(host_file, ledger, B, linger=0.01)
+            Clock.pause()
+            fs.leave_free(1)
+            with pytest.raises(AllocatorError, match=r"could not be changed: \[Errno 28\] No space left on device"):
+                await a.allocate(2, holder="c1")
+            assert leases(ledger) == {"195:0": (A, ("c1",))}  # written before the second lease failed
+            fs.refill()
+            await advance(0.1)  # the retry reads the ledger: the lease is ours, unused
+            for _ in range(3):  # unused for a whole linger period: returned
+                await advance(0.01)
+            assert leases(ledger) == {}
+            assert (await a.ledger_state()).failing == 0
+            Clock.resume()
+            assert await b.allocate({G[0]}, holder="exec-1") is None
+            await a.close()
+            await b.close()
+
