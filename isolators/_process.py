@@ -452,7 +452,7 @@ class NvidiaGpuIsolatorProcess(Process):
         if plan.claim:
             holders = {unit: container.container_id.value for container in plan.containers
                        for unit in container.gpus}
-            await self.allocator.reclaim(plan.claim, holders)
+            await self.allocator.reclaim(plan.claim, holders, plan.quarantine)
         recovered: list[tuple[ContainerID, str]] = []
         for container in plan.containers:
             cid = container.container_id

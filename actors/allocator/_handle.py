@@ -222,10 +222,13 @@ class NvidiaGpuAllocator:
         """Return GPUs; fails naming any not allocated."""
         return dispatch(self.pid, GpuAllocatorProcess.deallocate, frozenset(gpus))
 
-    def reclaim(self, gpus: Iterable[Gpu], holders: dict[Unit, str] | None = None) -> Future[None]:
+    def reclaim(self, gpus: Iterable[Gpu], holders: dict[Unit, str] | None = None,
+                quarantine: Iterable[Unit] = ()) -> Future[None]:
         """Recovery: take GPUs a surviving container holds, whatever their health
-        (``holders``: unit -> its holder, for the node ledger)."""
-        return dispatch(self.pid, GpuAllocatorProcess.reclaim, frozenset(gpus), dict(holders or {}))
+        (``holders``: unit -> its holder, for the node ledger; ``quarantine``: those
+        held back for containers of unknown state)."""
+        return dispatch(self.pid, GpuAllocatorProcess.reclaim, frozenset(gpus), dict(holders or {}),
+                        frozenset(quarantine))
 
     def take_free(self, holder: str | None = None) -> Future[set[Unit]]:
         """Take every unit not allocated (healthy or not, and no other front door's),

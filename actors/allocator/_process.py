@@ -321,11 +321,16 @@ class GpuAllocatorProcess(AllocatorHealth, LedgerCalls, Process):
             raise AllocatorError(f"{format_gpus(missing)} are not available ({self._why(missing)})")
         return self._grant(wanted, holder, lambda: self.allocate_gpus(wanted, holder, _tries + 1), _tries, value=None)
 
-    def reclaim(self, gpus: Iterable[Gpu], holders: dict[Unit, str] | None = None) -> Any:
+    def reclaim(self, gpus: Iterable[Gpu], holders: dict[Unit, str] | None = None,
+                quarantine: Iterable[Unit] = ()) -> Any:
         """Recovery's allocate: managed units a surviving container holds, whatever
         their health; with a node ledger, their leases too (``holders``: unit ->
-        its holder), or inherited ones kept."""
+        its holder), or inherited ones kept. ``quarantine``: those of them held
+        back for containers of unknown state (which may reach any unit): one that
+        another front door holds stays that front door's and out of this pool,
+        and is no conflict (only a unit the kernel grants a container is)."""
         wanted = unit_set(gpus)
+        held_back = unit_set(quarantine)
         link = self.ledger_link
         inherited = link.inherited & wanted if link is not None else set()
         missing = wanted - self.free - inherited
@@ -347,11 +352,16 @@ class GpuAllocatorProcess(AllocatorHealth, LedgerCalls, Process):
             if isinstance(result, BaseException):
                 promise.fail(result)
                 return
-            if result.conflicts:  # the kernel already grants them: say so loudly, keep them
+            granted = [c for c in result.conflicts if link.unit_of.get(c.unit) not in held_back]
+            if granted:  # the kernel already grants them: say so loudly, keep them
                 link.conflicts += 1
                 logger.error("Node ledger %s: units recovered from the kernel are held by another front door too"
                              " (two front doors grant them): %s", link.path,
-                             "; ".join(conflict.describe() for conflict in result.conflicts))
+                             "; ".join(conflict.describe() for conflict in granted))
+            if len(granted) < len(result.conflicts):
+                logger.warning("Node ledger %s: units held back for containers of unknown state are another front"
+                               " door's, which keeps them (those containers may reach them too; clean them up): %s",
+                               link.path, "; ".join(c.describe() for c in result.conflicts if c not in granted))
             promise.set_value(None)
 
         link.take(wanted, True, on_result)

@@ -357,3 +357,27 @@ async def test_a_job_that_fails_half_way_leaves_no_lease_behind(tmp_path: Path, 
             await a.close()
             await b.close()
 
+
+@pytest.mark.asyncio
+async def test_recovery_calls_only_what_the_kernel_grants_a_conflict_not_a_quarantine_of_others_units(
+        tmp_path: Path, host_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Recovery holds back every free unit for a container of unknown state (it may reach any): a unit
+    another front door holds stays that front door's, out of this pool, and is no conflict; a unit the
+    kernel grants a recovered container while another front door holds it is one, said loudly."""
+    ledger = tmp_path / "ledger"
+    async with Runtime() as runtime:
+        b = await joined(host_file, ledger, B)
+        assert await b.allocate({G[2], G[3]}, holder="exec-1") is None
+        a = await joined(host_file, ledger, A)
+        # c1's cgroup grants 195:3 (exact); c2's state is unknown: 195:0-2 are held back for it
+        await a.reclaim(set(G), {G[0]: "c2", G[1]: "c2", G[2]: "c2", G[3]: "c1"}, quarantine={G[0], G[1], G[2]})
+        assert leases(ledger) == {"195:0": (A, ("c2",)), "195:1": (A, ("c2",)), "195:2": (B, ("exec-1",)),
+                                  "195:3": (B, ("exec-1",))}
+        assert await a.available() == set()
+        assert runtime.metrics.snapshot()["ledger/conflicts"] == 1
+        [loud] = [r.getMessage() for r in caplog.records if "two front doors grant them" in r.getMessage()]
+        assert "(195:3) is held by" in loud and "(195:2)" not in loud
+        [held_back] = [r.getMessage() for r in caplog.records if "of unknown state are another" in r.getMessage()]
+        assert "(195:2) is held by" in held_back and "(195:3)" not in held_back
+        await a.close()
+        await b.close()
