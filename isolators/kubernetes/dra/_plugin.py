@@ -299,8 +299,8 @@ class DraPluginProcess(OperatorRoutes):
             for d in plan.devices]) for plan in plans]
         try:
             await self._commit(claims, [])
-        except (CdiWriteError, CheckpointError) as error:
-            await self._let_go([plan.ref.uid for plan in plans])
+        except Exception as error:  # noqa: BLE001 - the files' errors, or a commit interrupted: nothing prepared
+            await self._let_go([plan.ref.uid for plan in plans])  # so nothing stays held in the node ledger
             return {plan.ref.uid: self._refused(ClaimRefused(f"{plan.ref}: {error}; nothing was prepared"))
                     for plan in plans}
         answers = {}
