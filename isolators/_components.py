@@ -81,13 +81,13 @@ class NvidiaComponents(msgspec.Struct):
     async def join_ledger(self, owner: str) -> LedgerState | None:
         """Join the node ledger of ``self.flags`` as ``owner`` (see module rules);
         its state as joined, None when the ledger is off."""
-        directory = node_ledger_dir(self.flags)
-        if directory is None:  # turned off on the real NVML: a warning; a simulated node has none by default
-            simulated = self.flags.host_file is not None and self.flags.node_ledger is None
-            logger.log(logging.INFO if simulated else logging.WARNING, "%s", describe_node_ledger(self.flags))
-            return None
-        logger.info("%s (as %s)", describe_node_ledger(self.flags), owner)
         try:
+            directory = node_ledger_dir(self.flags)
+            if directory is None:  # turned off on the real NVML: a warning; a simulated node has none by default
+                simulated = self.flags.host_file is not None and self.flags.node_ledger is None
+                logger.log(logging.INFO if simulated else logging.WARNING, "%s", describe_node_ledger(self.flags))
+                return None
+            logger.info("%s (as %s)", describe_node_ledger(self.flags), owner)
             return await self.allocator.join_ledger(directory, owner)
         except Exception as error:
             raise as_isolator_error(error) from error

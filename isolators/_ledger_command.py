@@ -135,8 +135,11 @@ def _read_view(directory_type: Any, path: str) -> Any:
 
 
 def _cmd_release(args: argparse.Namespace) -> int:
-    from actors.ledger import LedgerDirectory
+    from actors.ledger import LedgerDirectory, LedgerError, unreadable_help
 
+    unreadable = unreadable_help(args.owner)
+    if unreadable is not None:  # no front door: nothing runs that could return it
+        raise LedgerError(f"{args.owner} is no front door: {unreadable}")
     path = _directory(args)
     directory = LedgerDirectory.open(path, create=False)
     try:
@@ -193,13 +196,17 @@ def ledger_rows(view: Any, inventory: Any = None) -> list[dict[str, Any]]:
 
 
 def _render(directory: str, rows: list[dict[str, Any]], note: str | None) -> str:
+    from actors.ledger import unreadable_help
+
     lines = [f"node ledger {directory}"] + ([note] if note else [])
     header = ("UNIT", "UUID", "STATE", "OWNER", "HOLDERS", "HEALTH")
     table = [header]
     for row in rows:
         owner = "-"
         if row["owner"] is not None:
-            owner = f"{row['owner']} ({'running' if row['alive'] else 'not running'})"
+            state = ("unreadable: remove the file once no container uses the unit" if unreadable_help(row["owner"])
+                     else "running" if row["alive"] else "not running")
+            owner = f"{row['owner']} ({state})"
         health = row["health"]
         if row["reason"]:
             health += f": {row['reason']} ({', '.join(row['reported_by'])})"

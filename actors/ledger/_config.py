@@ -8,7 +8,9 @@ Rules (SPEC R-NL-1):
   - Not given, on the real NVML (``flags.host_file`` is None): the
     environment's ``GPU_ISOLATOR_NODE_LEDGER`` when set (empty: off), else
     ``DEFAULT_NODE_LEDGER`` (``/run/gpu-isolator/ledger``) -- the same for
-    every front door, so they coordinate with no configuration.
+    every front door, so they coordinate with no configuration. A value
+    that is not an absolute path is a ``LedgerError`` naming the variable
+    (as ``--node_ledger`` is a flag error).
   - Not given, on a simulated node (a host file: the demo, laptops,
     tests): off, so nothing there needs root or touches ``/run``.
 - ``describe_node_ledger(flags, environ)`` is the line a front door logs
@@ -21,6 +23,8 @@ import os
 from collections.abc import Mapping
 
 from actors.flags import Flags
+
+from ._errors import LedgerError
 
 __all__ = ["DEFAULT_NODE_LEDGER", "NODE_LEDGER_ENV", "node_ledger_dir", "describe_node_ledger"]
 
@@ -37,6 +41,9 @@ def node_ledger_dir(flags: Flags, environ: Mapping[str, str] | None = None) -> s
     env = os.environ if environ is None else environ
     value = env.get(NODE_LEDGER_ENV)
     if value is not None:
+        if value and (not value.startswith("/") or "\x00" in value):
+            raise LedgerError(f"Invalid ${NODE_LEDGER_ENV} {value!r}: expected an absolute directory (as"
+                              " --node_ledger), or an empty value to turn the node ledger off")
         return value or None
     return DEFAULT_NODE_LEDGER
 

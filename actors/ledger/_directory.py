@@ -65,7 +65,7 @@ import msgspec
 
 from ._batch import BatchResult, LeaseBatch, decide
 from ._errors import LedgerError
-from ._lease import Lease
+from ._lease import UNREADABLE, Lease
 from ._names import LEASE_SUFFIX, check_owner, lease_file_name, owner_file_name
 
 __all__ = ["LedgerDirectory", "LedgerView", "OwnerLock", "LOCK_TIMEOUT"]
@@ -315,7 +315,7 @@ class LedgerDirectory:
                 except msgspec.DecodeError:
                     lease = None
             if lease is None or lease.unit != uuid:
-                lease = Lease(unit=uuid, owner=f"unreadable:{os.path.join(self.path, 'units', name)}")
+                lease = Lease(unit=uuid, owner=UNREADABLE + os.path.join(self.path, "units", name))
             leases[uuid] = lease
         return leases
 

@@ -15,7 +15,9 @@ Rules (SPEC R-NL-1, R-NL-2):
 - ``LeaseConflict`` is one refusal: the unit asked for and the lease in
   the way, with whether its owner runs (None: not known).
   ``describe()`` is the text every refusal uses, naming the unit (UUID),
-  the owner and its holders, and what to do when the owner is gone.
+  the owner and its holders, and what to do when the owner is gone (or,
+  for a lease file nobody can read, owned by ``unreadable:<file>``: that
+  the operator removes the file once no container uses the unit).
 """
 
 from __future__ import annotations
@@ -24,7 +26,18 @@ from collections.abc import Mapping
 
 import msgspec
 
-__all__ = ["Lease", "LeaseConflict", "blocking"]
+__all__ = ["Lease", "LeaseConflict", "blocking", "UNREADABLE", "unreadable_help"]
+
+UNREADABLE = "unreadable:"
+"""The owner a lease file nobody can read holds its unit for (``unreadable:<file>``)."""
+
+
+def unreadable_help(owner: str) -> str | None:
+    """What an operator does about a lease of ``owner`` when it is an unreadable file's (else None)."""
+    if not owner.startswith(UNREADABLE):
+        return None
+    return (f"its lease file cannot be read; once no container uses the unit, remove"
+            f" {owner[len(UNREADABLE):]}")
 
 
 class Lease(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,7 +75,10 @@ class LeaseConflict(msgspec.Struct, frozen=True, kw_only=True):
 
     def describe(self) -> str:
         asked = f"{self.unit} ({self.device})" if self.device else self.unit
-        if self.alive is None:
+        unreadable = unreadable_help(self.lease.owner)
+        if unreadable is not None:
+            state = f" ({unreadable})"
+        elif self.alive is None:
             state = ""
         elif self.alive:
             state = " (running)"

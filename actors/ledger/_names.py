@@ -18,7 +18,8 @@ Rules (SPEC R-NL-1):
   into a file name that is always one plain component: letters, digits and
   ``-`` stay, every other byte is ``%XX``; ``.lease`` is appended. A UUID
   that is empty, longer than 128 characters or not printable ASCII is
-  refused.
+  refused, and so is one whose file name (with the ``.<name>.tmp`` it is
+  written through) would pass the filesystem's 255 bytes.
 - An owner's lock file is named by the SHA-256 of its name
   (``owner_file_name``): any owner name maps to one short plain component.
 """
@@ -46,6 +47,8 @@ _KEEP = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567
 MAX_OWNER = 1024
 MAX_HOLDER = 1024
 MAX_UUID = 128
+MAX_NAME = 255
+"""A file name's bytes at most (Linux's NAME_MAX)."""
 
 
 def check_owner(owner: object) -> str:
@@ -70,16 +73,25 @@ def check_holder(holder: object) -> str:
 
 def check_unit_uuid(uuid: object) -> str:
     """``uuid`` if it can name a unit (see module rules)."""
-    if not isinstance(uuid, str) or len(uuid) > MAX_UUID or not _PRINTABLE.fullmatch(uuid):
-        raise LedgerError(f"Invalid unit UUID {uuid!r} for the node ledger: expected printable ASCII of at most"
-                          f" {MAX_UUID} characters (NVML's GPU-… or MIG-…)")
-    return uuid
+    _lease_name(uuid)
+    return uuid  # type: ignore[return-value]
 
 
 def lease_file_name(uuid: str) -> str:
     """The lease file of the unit ``uuid``: one plain component (see module rules)."""
-    data = check_unit_uuid(uuid).encode("ascii")
-    return "".join(chr(b) if b in _KEEP else f"%{b:02X}" for b in data) + LEASE_SUFFIX
+    return _lease_name(uuid)
+
+
+def _lease_name(uuid: object) -> str:
+    if not isinstance(uuid, str) or len(uuid) > MAX_UUID or not _PRINTABLE.fullmatch(uuid):
+        raise LedgerError(f"Invalid unit UUID {uuid!r} for the node ledger: expected printable ASCII of at most"
+                          f" {MAX_UUID} characters (NVML's GPU-… or MIG-…)")
+    name = "".join(chr(b) if b in _KEEP else f"%{b:02X}" for b in uuid.encode("ascii")) + LEASE_SUFFIX
+    if len(name) + len("..tmp") > MAX_NAME:
+        raise LedgerError(f"Invalid unit UUID {uuid!r} for the node ledger: its lease file name would be"
+                          f" {len(name)} bytes ({len(uuid)} characters, each but letters, digits and '-' written as"
+                          f" three), beyond what a file name may be ({MAX_NAME} bytes with its '.<name>.tmp')")
+    return name
 
 
 def owner_file_name(owner: str) -> str:

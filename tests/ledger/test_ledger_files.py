@@ -30,6 +30,8 @@ from actors.ledger import (
     serve_owner,
 )
 
+from tests.support.ledger import ledger_command
+
 A = "isolator:/var/lib/a"
 B = "serve:/run/gpu-isolator/gpu-isolator.sock"
 GPU0, GPU1 = "GPU-0000", "GPU-1111"
@@ -83,6 +85,12 @@ def test_lease_file_names_are_one_plain_component_for_any_uuid() -> None:
     for bad in ("", "x" * 129, "GPU-\n", "GPU-\u202e"):
         with pytest.raises(LedgerError, match="Invalid unit UUID"):
             lease_file_name(bad)
+    assert len(lease_file_name("MIG-" + "/" * 80)) == 250  # the longest file name it makes: 255 with '..tmp'
+    with pytest.raises(LedgerError, match=r"^Invalid unit UUID 'MIG-/{81}' for the node ledger: its lease file"
+                                          r" name would be 253 bytes \(85 characters, each but letters, digits and"
+                                          r" '-' written as three\), beyond what a file name may be \(255 bytes"
+                                          r" with its '.<name>.tmp'\)$"):
+        lease_file_name("MIG-" + "/" * 81)
     assert isolator_owner("/var/lib/../lib/a") == "isolator:/var/lib/a"
     assert serve_owner("/run/x.sock") == "serve:/run/x.sock"
 
@@ -92,6 +100,10 @@ def test_the_default_directory_is_shared_on_the_real_nvml_and_off_on_a_simulated
     assert node_ledger_dir(real, {}) == DEFAULT_NODE_LEDGER == "/run/gpu-isolator/ledger"
     assert node_ledger_dir(real, {"GPU_ISOLATOR_NODE_LEDGER": "/srv/ledger"}) == "/srv/ledger"
     assert node_ledger_dir(real, {"GPU_ISOLATOR_NODE_LEDGER": ""}) is None
+    with pytest.raises(LedgerError, match=r"^Invalid \$GPU_ISOLATOR_NODE_LEDGER 'run/ledger': expected an absolute"
+                                          r" directory \(as --node_ledger\), or an empty value to turn the node"
+                                          r" ledger off$"):
+        node_ledger_dir(real, {"GPU_ISOLATOR_NODE_LEDGER": "run/ledger"})
     assert node_ledger_dir(simulated, {"GPU_ISOLATOR_NODE_LEDGER": "/srv/ledger"}) is None
     given = Flags.from_args(["--host_file=node.toml", "--node_ledger=/tmp/l"])
     assert node_ledger_dir(given, {"GPU_ISOLATOR_NODE_LEDGER": "/srv/ledger"}) == "/tmp/l"
@@ -124,9 +136,21 @@ def test_an_unreadable_lease_holds_its_unit_for_nobody_to_take(tmp_path: Path) -
         (tmp_path / "ledger" / "units" / f"{GPU0}.lease").write_bytes(b'{"unit": "GPU-0000", "own')
         result = ledger.apply(A, LeaseBatch(takes=(take(lease(GPU0, A, "c1")),)))
         [conflict] = result.takes[0].conflicts
-        assert conflict.lease.owner == f"unreadable:{tmp_path}/ledger/units/{GPU0}.lease"
+        file = f"{tmp_path}/ledger/units/{GPU0}.lease"
+        assert conflict.lease.owner == f"unreadable:{file}"
+        assert conflict.describe() == (f"{GPU0} is held by unreadable:{file} (its lease file cannot be read; once no"
+                                       f" container uses the unit, remove {file}) with no holder (its owner keeps"
+                                       " it for a moment before returning it, or is recovering)")
     finally:
         ledger.close()
+    # the operator's commands say the same: no front door to release, a file to remove
+    table = ledger_command(f"--node_ledger={tmp_path}/ledger").stdout
+    assert f"unreadable:{file} (unreadable: remove the file once no container uses the unit)" in table
+    release = ledger_command("release", f"--node_ledger={tmp_path}/ledger", f"--owner=unreadable:{file}")
+    assert (release.returncode, release.stderr.strip()) == (2, (
+        f"gpu-isolator: error: unreadable:{file} is no front door: its lease file cannot be read; once no container"
+        f" uses the unit, remove {file}"))
+    assert os.path.exists(file)
 
 
 @pytest.mark.parametrize("planted", ["symlink", "writable", "other owner"])
