@@ -18,11 +18,12 @@ is ``_ledger_link``'s):
   (``deallocate``, ``let_go``) is returned to the ledger by the link later.
   ``ledger_state()``, ``ledger_since(generation)`` and ``refresh_ledger()``
   tell who else holds what (the Kubernetes plugins' view).
-- A grant's tail is one place (``_grant``): the units leave the pool at
-  once; the answer is immediate when the link already leases them to the
-  owner (the churn's case), else a Future after the link's take; units it
-  could not lease go back to the pool, and a count tries other units
-  (bounded by the managed units) before it is refused.
+- A grant's tail is ``_grant`` then, only when the ledger must take a
+  lease, ``_leased``: the units leave the pool at once; the answer is
+  immediate when the link already leases them to the owner (the churn's
+  case), else a Future after the link's take; units it could not lease go
+  back to the pool, and a count tries other units (bounded by the managed
+  units) before it is refused.
 """
 
 from __future__ import annotations
@@ -39,10 +40,6 @@ from ._errors import AllocatorError
 from ._ledger_link import LINGER, LedgerLink, LedgerState, unit_names
 
 __all__ = ["LedgerCalls"]
-
-_SAME: Any = object()
-"""``_grant``'s default answer: the units granted."""
-
 
 class LedgerCalls:
     """The allocator's node-ledger calls (see module rules); state lives on the process."""
@@ -64,21 +61,21 @@ class LedgerCalls:
                 "held_elsewhere": {str(unit): conflict.describe() for unit, conflict in sorted(link.elsewhere.items())},
                 "inherited": [str(unit) for unit in sorted(link.inherited)]}
 
-    def _grant(self, units: Iterable[Unit], holder: str | None, again: Callable[[], Any], tries: int,
-               value: Any = _SAME) -> Any:
-        """``units``, chosen and checked available, now allocated to ``holder``:
-        the grant's answer (``value``; by default the set of units), or a
-        Future of it once the ledger holds them (see module rules; ``again``
-        is the grant asked anew, ``tries`` how often it was)."""
+    def _grant(self, units: set[Unit], holder: str | None) -> bool:
+        """``units``, chosen and checked available, now allocated to ``holder``;
+        whether that is the whole answer (no ledger, or the owner leases them
+        already: the churn's case, no file work); else ``_leased`` answers."""
         link = self.ledger_link
-        if link is not None and link.grant(units, holder):  # leased already: no file work (the churn's case)
-            link = None
-        units = set(units)
+        covered = link is None or link.grant(units, holder)
         self.free.difference_update(units)
         self.allocated.update(units)
-        answer = set(units) if value is _SAME else value
-        if link is None or not units:
-            return answer
+        return covered or not units
+
+    def _leased(self, units: set[Unit], again: Callable[[], Any], tries: int, answer: Any) -> Future:
+        """``answer`` once the ledger holds ``units`` (just granted, see
+        ``_grant``); ``again`` is the grant asked anew, ``tries`` how often it was."""
+        link = self.ledger_link
+        assert link is not None
         promise: Promise = Promise()
 
         def on_result(result: Any) -> None:

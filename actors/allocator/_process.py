@@ -31,7 +31,7 @@ Rules (R-AL-1..3; Mesos' ``NvidiaGpuAllocatorProcess``):
 - Health (R-AL-3, R-HE-3/4): ``_health`` (``mark_unhealthy``,
   ``mark_healthy``, ``watch``, ``health_since``, NVML events); the node
   ledger (SPEC 22): ``_ledger_calls`` (``join_ledger``; every grant names
-  its ``holder`` and ends in ``_grant``). Both are mixed into this class
+  its ``holder`` and ends in ``_grant``/``_leased``). Both are mixed into this class
   and keep their state here.
 - ``preferred(candidates, count, include)`` answers which ``count`` of the
   ``candidates`` the allocator would hand out, holding every unit of
@@ -225,8 +225,10 @@ class GpuAllocatorProcess(AllocatorHealth, LedgerCalls, Process):
             raise AllocatorError(self._short("gpus", count, available, self._whole))
         if count == 0:
             return set()
-        return self._grant(self._choose(available, count), holder,
-                           lambda: self.allocate_count(count, holder, _tries + 1), _tries)
+        chosen = set(self._choose(available, count))
+        if self._grant(chosen, holder):
+            return chosen
+        return self._leased(chosen, lambda: self.allocate_count(count, holder, _tries + 1), _tries, set(chosen))
 
     def _short(self, name: str, count: int, available: set[Unit], pool: frozenset[Unit]) -> str:
         message = f"Requested {count} {name} but only {len(available)} available"
@@ -270,7 +272,9 @@ class GpuAllocatorProcess(AllocatorHealth, LedgerCalls, Process):
         chosen: set[Unit] = set()
         for _name, units in picks:
             chosen.update(units)
-        return self._grant(chosen, holder, lambda: self.allocate_resources(demand, holder, _tries + 1), _tries)
+        if self._grant(chosen, holder):
+            return chosen
+        return self._leased(chosen, lambda: self.allocate_resources(demand, holder, _tries + 1), _tries, set(chosen))
 
     def pool_of(self, unit: Unit) -> str | None:
         """The resource a managed unit counts under (None: not managed)."""
@@ -319,7 +323,9 @@ class GpuAllocatorProcess(AllocatorHealth, LedgerCalls, Process):
             if missing & self._elsewhere and self.ledger_link is not None:
                 self.ledger_link.conflicts += 1
             raise AllocatorError(f"{format_gpus(missing)} are not available ({self._why(missing)})")
-        return self._grant(wanted, holder, lambda: self.allocate_gpus(wanted, holder, _tries + 1), _tries, value=None)
+        if self._grant(wanted, holder):
+            return None
+        return self._leased(wanted, lambda: self.allocate_gpus(wanted, holder, _tries + 1), _tries, None)
 
     def reclaim(self, gpus: Iterable[Gpu], holders: dict[Unit, str] | None = None,
                 quarantine: Iterable[Unit] = ()) -> Any:
