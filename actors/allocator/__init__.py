@@ -6,14 +6,15 @@ The handle, ``NvidiaGpuAllocator`` (``resources(flags)``, ``create``,
 node-ledger calls in ``_ledger_calls``); ``HealthMonitorProcess`` feeds it NVML
 health events;
 ``allocate_best``/``PairScores`` the topology scoring; ``LedgerState`` what
-the allocator's node ledger link knows (``_ledger_link``: the one place a
+the allocator's node ledger link knows (``_ledger_state``; ``_ledger_link``: the one place a
 front door takes and returns leases, SPEC 22). Rules of each piece
 are at the top of its module.
 """
 
 from ._errors import AllocatorError, format_gpus
 from ._health import GpuHealth, HealthSnapshot
-from ._ledger_link import LINGER, LedgerState
+from ._ledger_link import LINGER
+from ._ledger_state import LedgerState
 from ._monitor import HealthMonitorProcess
 from ._process import AllocatorState, GpuAllocatorProcess
 from ._mig_resources import managed_units, mig_resource_names

@@ -57,7 +57,7 @@ from actors.nvml import Nvml, NodeInventory, NvmlError, NvmlService
 from actors.resources import Resources
 
 from ._errors import AllocatorError
-from ._ledger_link import LedgerState
+from ._ledger_state import LedgerState
 from ._monitor import HealthMonitorProcess
 from ._health import GpuHealth, HealthSnapshot
 from ._process import AllocatorState, GpuAllocatorProcess

@@ -37,7 +37,8 @@ from actors.mig import Unit
 
 from . import _metrics
 from ._errors import AllocatorError
-from ._ledger_link import LINGER, LedgerLink, LedgerState, unit_names
+from ._ledger_link import LINGER, LedgerLink
+from ._ledger_state import LedgerState, unit_names
 
 __all__ = ["LedgerCalls"]
 

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from runtime import Executor, Future, ProcessTerminated, Promise, delay, dispatch
 
@@ -77,15 +77,15 @@ from actors.ledger import (
     check_holder,
     check_owner,
 )
-from actors.mig import MigDevice, Unit
-from actors.nvml import NodeInventory
+from actors.mig import Unit
 
 from ._errors import AllocatorError
+from ._ledger_state import LedgerState, UnitName
 
 if TYPE_CHECKING:
     from ._process import GpuAllocatorProcess
 
-__all__ = ["LedgerLink", "LedgerState", "UnitName", "unit_names", "LINGER"]
+__all__ = ["LedgerLink", "LINGER"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,66 +97,6 @@ RETRY_FIRST = 0.1
 """Seconds before the first retry after a failed job (doubling while jobs fail)."""
 RETRY_MOST = 5.0
 """The longest wait between two retries of a failing ledger."""
-
-
-class UnitName(NamedTuple):
-    """How the node ledger names one unit."""
-
-    uuid: str
-    parent: str | None
-    """The parent GPU's UUID (a MIG device), else None."""
-    device: str
-
-
-def unit_names(inventory: NodeInventory, units: Iterable[Unit]) -> dict[Unit, UnitName]:
-    """The ledger names of ``units``, from the NVML inventory (UUIDs)."""
-    gpus = inventory.by_gpu()
-    migs = inventory.by_mig()
-    names: dict[Unit, UnitName] = {}
-    for unit in units:
-        if isinstance(unit, MigDevice):
-            info = migs.get(unit)
-            parent = gpus.get(unit.parent)
-            if info is None or parent is None:
-                raise AllocatorError(f"MIG device {unit} is not in the NVML inventory: the node ledger cannot name it")
-            names[unit] = UnitName(info.uuid, parent.uuid, str(unit))
-        else:
-            gpu = gpus.get(unit)
-            if gpu is None:
-                raise AllocatorError(f"GPU {unit} is not in the NVML inventory: the node ledger cannot name it")
-            names[unit] = UnitName(gpu.uuid, None, str(unit))
-    return names
-
-
-class LedgerState:
-    """What the allocator's node ledger link knows (``GpuAllocatorProcess.ledger_state``)."""
-
-    __slots__ = ("directory", "owner", "generation", "elsewhere", "inherited", "leased", "conflicts", "jobs",
-                 "failing")
-
-    def __init__(self, directory: str, owner: str, generation: int, elsewhere: dict[Unit, LeaseConflict],
-                 inherited: frozenset[Unit], leased: frozenset[Unit], conflicts: int, jobs: int,
-                 failing: int = 0) -> None:
-        self.directory = directory
-        self.owner = owner
-        self.generation = generation
-        """Changes of ``elsewhere`` so far."""
-        self.elsewhere = elsewhere
-        """Each managed unit another owner keeps from this one -> the lease in the way."""
-        self.inherited = inherited
-        """Units this owner leases from an earlier life, not reconciled yet."""
-        self.leased = leased
-        """Managed units this owner leases now (held, or kept a moment before returning)."""
-        self.conflicts = conflicts
-        """Grants refused so far because another owner held a unit."""
-        self.jobs = jobs
-        """Executor jobs the link has run (each one batch of file work)."""
-        self.failing = failing
-        """Jobs failed in a row (0: the last job worked); the link backs off while it is not 0."""
-
-    def __repr__(self) -> str:
-        return (f"LedgerState({self.owner} in {self.directory}, generation {self.generation},"
-                f" elsewhere {sorted(map(str, self.elsewhere))}, inherited {sorted(map(str, self.inherited))})")
 
 
 OnResult = Callable[[TakeResult], Any]
