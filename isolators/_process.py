@@ -102,7 +102,7 @@ from ._metrics import IsolatorMetrics, measured
 from ._ordering import Ordering
 from ._recovering import read_recovery_plan
 from ._recovery import BROAD, UNKNOWN, minors
-from ._repair import KernelRepair
+from ._repair import KernelRepair, all_repairs
 from ._startup import probe_host
 from ._types import ContainerClass, ContainerConfig, ContainerID, ContainerLaunchInfo, ContainerLimitation
 from ._types import ContainerState, Repair, ResourceStatistics, check_container_id
@@ -497,7 +497,7 @@ class NvidiaGpuIsolatorProcess(Process):
         waits behind its earlier calls; a cleaned-up container is skipped."""
         runs = [self.ordering.call(cid, self._reconcile_one, cid) for cid in sorted(self.records)]
         runs += [self.ordering.call(cid, self.repair.reconcile_lingering, cid) for cid in self.repair.to_settle()]
-        return self._all_repairs(runs)
+        return all_repairs(runs)
 
     @measured("reconcile")
     async def _reconcile_one(self, cid: ContainerID) -> list[Repair]:
@@ -523,19 +523,6 @@ class NvidiaGpuIsolatorProcess(Process):
             logger.info("Container %s: GPUs %s, held back while its kernel state was unknown, released", cid, units)
             repairs.append(Repair(str(cid), f"released GPUs {units} held back while its kernel state was unknown"))
         self._metrics.repairs.inc(len(repairs))
-        return repairs
-
-    @staticmethod
-    async def _all_repairs(runs: list[Any]) -> list[Repair]:
-        repairs: list[Repair] = []
-        failure: Exception | None = None
-        for run in runs:  # await every one, so none is left queued (drift not repaired is a failed Repair)
-            try:
-                repairs += await run
-            except Exception as e:
-                failure = failure or e
-        if failure is not None:
-            raise failure
         return repairs
 
     def _schedule_reconcile(self) -> None:

@@ -37,6 +37,9 @@ Rules (R-DV-5, issue 20 items 2 and 5):
   ledger and device control, and owns the lingering cgroups (``lingering``:
   id -> why it is still there). Every release the ledger decides is
   carried out here (``give_back``).
+- ``all_repairs(runs)`` awaits every container's reconcile (so none is left
+  queued) and gives their repairs together, or the first failure once all
+  have finished.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from ._ledger import GpuLedger, Reach, Released
 from ._recovery import minors
 from ._types import ContainerID, Repair
 
-__all__ = ["KernelRepair"]
+__all__ = ["KernelRepair", "all_repairs"]
 
 logger = logging.getLogger(__name__)
 
@@ -213,3 +216,17 @@ class KernelRepair:
                            " and released", cid, cgroup, minors(released.freed | released.held_back))
         await self.give_back(released)
         return removed
+
+
+async def all_repairs(runs: list[Any]) -> list[Repair]:
+    """Every run's repairs, each awaited (see module rules)."""
+    repairs: list[Repair] = []
+    failure: Exception | None = None
+    for run in runs:  # await every one, so none is left queued (drift not repaired is a failed Repair)
+        try:
+            repairs += await run
+        except Exception as e:
+            failure = failure or e
+    if failure is not None:
+        raise failure
+    return repairs
