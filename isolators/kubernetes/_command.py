@@ -8,7 +8,10 @@ Rules (R-K8-1, R-K8-9; SPEC section 21):
   ``--listen HOST:PORT``
   (``/metrics`` and the operator's ``routes``), ``--credential FILE`` (the
   bearer secret those routes need: root-owned, mode 0600; needs
-  ``--listen``), ``--flags FILE`` (the isolator's flags, JSON or TOML) and
+  ``--listen``), ``--flags FILE`` (the isolator's flags, JSON or TOML),
+  ``--mps_control PATH`` (SPEC R-MP-8: the ``nvidia-cuda-mps-control``
+  the front door runs for units it shares through MPS; default None: the
+  one where the driver's binaries are) and
   the hidden ``--poll_interval`` (seconds between checks that the
   kubelet's sockets are still there, default 1). Options are spelled
   ``--name=value`` or ``--name value``, dashes or underscores, as
@@ -48,6 +51,9 @@ def front_door_parser(sub: Any, command: str, *, help: str, description: str, ro
                         help="the bearer secret the operator's routes need (a root-owned file of mode 0600);"
                              " needs --listen")
     parser.add_argument("--flags", metavar="FILE", help="the isolator's flags as a JSON or TOML file")
+    parser.add_argument("--mps_control", "--mps-control", metavar="PATH", default=None,
+                        help="the nvidia-cuda-mps-control to run for GPUs shared through MPS (default: the one where"
+                             " the driver's binaries are)")
     parser.add_argument("--poll_interval", "--poll-interval", metavar="SECONDS", type=float, default=1.0,
                         help=argparse.SUPPRESS)
     return parser

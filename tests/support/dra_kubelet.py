@@ -23,8 +23,8 @@ Rules:
 - ``DraPluginCommand(args, directory)`` is ``python -m isolators
   dra-plugin ARGS`` (``tests.support.kubelet.PluginCommand``'s process
   handling: first line, log, metrics, HTTP).
-- ``catalog_of(host_file, **flags)`` is the ``DraCatalog`` the driver would
-  publish for a host file's node (in this process, no actor).
+- ``catalog_of(host_file, sharing, **flags)`` is the ``DraCatalog`` the
+  driver would publish for a host file's node (in this process, no actor).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def _as_dict(message: Any) -> dict:
     return MessageToDict(message, preserving_proto_field_name=True)
 
 
-def catalog_of(host_file: str | os.PathLike[str], **flags: Any) -> Any:
-    """The devices the driver publishes for ``host_file`` under ``flags``."""
+def catalog_of(host_file: str | os.PathLike[str], sharing: str = "none", **flags: Any) -> Any:
+    """The devices the driver publishes for ``host_file`` under ``flags`` (and ``--sharing``)."""
     from actors import NvidiaGpuAllocator
     from actors.allocator import managed_units
     from actors.flags import Flags
@@ -64,7 +64,8 @@ def catalog_of(host_file: str | os.PathLike[str], **flags: Any) -> Any:
     nvml = SimulatedNvml.from_file(str(host_file))
     nvml.init()
     inventory = read_inventory(nvml)
-    return DraCatalog.build(managed_units(values, NvidiaGpuAllocator.resources(values), inventory), inventory)
+    return DraCatalog.build(managed_units(values, NvidiaGpuAllocator.resources(values), inventory), inventory,
+                            sharing)
 
 
 class DraPluginCommand(PluginCommand):

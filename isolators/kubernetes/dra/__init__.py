@@ -36,6 +36,7 @@ _EXPORTS = {
     "._prepared": ("CheckpointError", "PreparedClaim", "PreparedClaims", "PreparedDevice", "checkpoint_path",
                    "read_checkpoint", "write_checkpoint"),
     "._run": ("DraOptions", "DraSummary", "run_dra_plugin"),
+    "._sharing": ("SHARING_MODES", "ShareLimits", "ShareRefused", "capacity_of", "over_capacity", "share_limits"),
     "._slices": ("SlicePublishError", "SlicePublisher", "keep_published", "render_slice", "slice_name"),
 }
 
@@ -54,4 +55,5 @@ if TYPE_CHECKING:
     from ._prepared import CheckpointError, PreparedClaim, PreparedClaims, PreparedDevice, checkpoint_path
     from ._prepared import read_checkpoint, write_checkpoint
     from ._run import DraOptions, DraSummary, run_dra_plugin
+    from ._sharing import SHARING_MODES, ShareLimits, ShareRefused, capacity_of, over_capacity, share_limits
     from ._slices import SlicePublishError, SlicePublisher, keep_published, render_slice, slice_name

@@ -21,6 +21,11 @@ Rules (issue 37 item 3; SPEC section 21):
   result is shared when it has ``adminAccess`` or a ``shareID``
   (``PlannedDevice.admin_access`` / ``share_id``); see ``PreparedClaims``
   for what that allows.
+- A result on a device published for MPS shares (``DeviceFacts.shared``,
+  SPEC R-MP-5) is a share: its ``PlannedDevice.share`` holds the limits of
+  its ``consumedCapacity`` (``share_limits``); one it cannot be (no
+  ``shareID`` or consumed memory: the cluster allocated it whole) refuses
+  the claim naming why. A share with ``adminAccess`` watches: no limits.
 - Pure: no I/O.
 """
 
@@ -35,6 +40,7 @@ import msgspec
 from runtime import Failure
 
 from ._devices import DraCatalog
+from ._sharing import ShareLimits, ShareRefused, share_limits
 
 __all__ = ["ClaimRef", "ClaimRefused", "PlannedDevice", "ClaimPlan", "plan_claim", "check_uid"]
 
@@ -67,6 +73,8 @@ class PlannedDevice(msgspec.Struct, frozen=True, kw_only=True):
     device: str
     admin_access: bool = False
     share_id: str | None = None
+    share: ShareLimits | None = None
+    """An MPS share's limits (``--sharing=mps``): exactly the allocation's consumed capacity."""
 
     @property
     def shared(self) -> bool:
@@ -123,8 +131,20 @@ def plan_claim(ref: ClaimRef, claim: Any, *, driver: str, node: str, catalog: Dr
         raise ClaimRefused(f"{ref}: device {', '.join(unknown)} is not one driver {driver} publishes on node {node}"
                            f" ({', '.join(d.name for d in catalog.devices[:3])}, ...); {NOTHING}")
     devices = [PlannedDevice(request=r.request, pool=r.pool, device=r.device, admin_access=bool(r.adminAccess),
-                             share_id=r.shareID or None) for r in ours]
+                             share_id=r.shareID or None, share=_share(ref, r, catalog, driver)) for r in ours]
     return ClaimPlan(ref=ref, devices=devices)
+
+
+def _share(ref: ClaimRef, result: Any, catalog: DraCatalog, driver: str) -> ShareLimits | None:
+    """The limits of a result on a device published for shares (see module rules)."""
+    device = catalog.by_name[result.device]
+    if not device.shared or result.adminAccess:
+        return None
+    try:
+        return share_limits(result.device, device.memory_mib, result.shareID or None,
+                            dict(result.consumedCapacity or {}), driver)
+    except ShareRefused as refused:
+        raise ClaimRefused(f"{ref}: {refused}; {NOTHING}") from None
 
 
 def _describe(config: Any) -> str:

@@ -8,7 +8,11 @@ Rules (issue 37 item 1; SPEC section 21):
   ``--flags FILE``) and, as extra options, every ``Flags`` field
   (``--host_file=``, ``--dev_dir=``, ``--cdi_spec_dir=``, ``--work_dir=`` ...),
   spelled ``--name=value`` as ``kubelet-plugin`` takes them.
-- Bad options exit 2 with one line: no node name, an invalid driver name,
+- ``--sharing=none|mps`` (SPEC R-MP-5, R-MP-8; default ``none``): with
+  ``mps`` every unit is published for MPS shares with consumable capacity
+  (``_sharing``); ``--mps_control=PATH`` (every front door's) names the
+  control daemon.
+- Bad options exit 2 with one line: no node name, an unknown ``--sharing``, an invalid driver name,
   ``--credential`` without ``--listen``, a kubeconfig that cannot be used.
   It logs at INFO on stderr and prints one line on stdout once it serves:
   the driver, node, devices, sockets, and ``/metrics`` with ``--listen``;
@@ -52,6 +56,10 @@ def add_command(sub: Any) -> None:
                         help="this node's name, the ResourceSlice pool's (default $NODE_NAME)")
     plugin.add_argument("--kubeconfig", metavar="FILE", default=None,
                         help="the API server's kubeconfig (default: the pod's service account, in-cluster)")
+    plugin.add_argument("--sharing", metavar="MODE", default="none",
+                        help="none (default: every GPU is one device, allocated whole) or mps: every GPU is published"
+                             " for shares with consumable capacity memory (bytes) and compute (percent of its"
+                             " threads), each share limited through the GPU's MPS control daemon")
     plugin.add_argument("--api_timeout", "--api-timeout", metavar="SECONDS", type=float, default=10.0,
                         help="the bound of every API server request (default 10)")
     plugin.set_defaults(func=_cmd_dra_plugin, accepts_flags=True)
@@ -77,12 +85,17 @@ def _cmd_dra_plugin(args: argparse.Namespace) -> int:
         check_driver_name(args.driver_name)
     except ValueError as error:
         raise _usage(f"--driver_name: {error}") from None
+    from ._sharing import SHARING_MODES
+
+    if args.sharing not in SHARING_MODES:
+        raise _usage(f"--sharing takes {' or '.join(SHARING_MODES)}, got {args.sharing!r}")
     if not args.api_timeout > 0:
         raise _usage(f"--api_timeout must be > 0, got {args.api_timeout}")
     flags = front_door_flags(args, "dra-plugin")
     options = DraOptions(node_name=node, driver_name=args.driver_name, plugins_registry_dir=args.plugins_registry_dir,
                          plugins_dir=args.plugins_dir, kubeconfig=args.kubeconfig, listen=args.listen,
-                         credential=args.credential, api_timeout_s=args.api_timeout, poll_interval=args.poll_interval)
+                         credential=args.credential, api_timeout_s=args.api_timeout, poll_interval=args.poll_interval,
+                         sharing=args.sharing, mps_control=args.mps_control)
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one INFO line per API request otherwise
 
     def ready(summary: DraSummary) -> None:

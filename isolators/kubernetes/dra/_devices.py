@@ -21,7 +21,9 @@ Rules (SPEC section 21):
   without NVLink peers is an island of its own. A MIG device is on its
   parent's island. A ``matchAttribute: gpu.isolator.dev/nvlinkIsland``
   constraint keeps a claim's devices on one island.
-- Capacity ``memory`` in MiB (``<n>Mi``).
+- Capacity ``memory`` in MiB (``<n>Mi``). With ``sharing`` ``mps`` (SPEC
+  R-MP-5) every unit that can hold two shares is ``shared``: published
+  once, for shares only, with the consumable capacity of ``_sharing``.
 - ``by_name`` / ``by_uuid`` / ``by_unit`` find devices; as a
   ``UnitCatalog``, ``uuids`` / ``unit_of_uuid`` find units and
   ``units_of`` names none (the kubelet's PodResources reports DRA devices
@@ -42,6 +44,7 @@ from actors.nvml import NodeInventory
 from .._catalog import UnitCatalog, node_units
 from .._errors import PluginSetupError
 from ._names import gpu_device_name, mig_device_name
+from ._sharing import SHARING_MODES, shareable
 
 __all__ = ["DraCatalog", "DeviceFacts", "nvlink_islands", "product_family", "semver"]
 
@@ -115,13 +118,17 @@ class DeviceFacts(msgspec.Struct, frozen=True, kw_only=True):
     uuid: str
     attributes: dict[str, tuple[str, str | int | bool]]
     memory_mib: int
+    shared: bool = False
+    """Published for MPS shares (``allowMultipleAllocations``, consumable capacity), never whole."""
 
 
 class DraCatalog(UnitCatalog):
     """Every device the driver publishes (see module rules)."""
 
-    def __init__(self, devices: Iterable[DeviceFacts]) -> None:
+    def __init__(self, devices: Iterable[DeviceFacts], sharing: str = "none") -> None:
         self.devices = tuple(devices)
+        self.sharing = sharing
+        """``--sharing``: ``none`` or ``mps``."""
         self.by_name = {device.name: device for device in self.devices}
         self.by_uuid = {device.uuid: device for device in self.devices}
         self.by_unit = {device.unit: device for device in self.devices}
@@ -130,7 +137,10 @@ class DraCatalog(UnitCatalog):
         self._by_uuid = {device.uuid: device.unit for device in self.devices}
 
     @classmethod
-    def build(cls, pools: Mapping[str, Iterable[Unit]], inventory: NodeInventory) -> "DraCatalog":
+    def build(cls, pools: Mapping[str, Iterable[Unit]], inventory: NodeInventory,
+              sharing: str = "none") -> "DraCatalog":
+        if sharing not in SHARING_MODES:
+            raise PluginSetupError(f"Unknown --sharing {sharing!r}: expected one of {', '.join(SHARING_MODES)}")
         islands = nvlink_islands(inventory.gpus)
         driver = semver(inventory.driver_version)
         devices = []
@@ -163,12 +173,12 @@ class DraCatalog(UnitCatalog):
                 attributes["architecture"] = ("string", architecture)
                 attributes["cudaComputeCapability"] = ("version", f"{major}.{minor}.0")
             devices.append(DeviceFacts(name=name, unit=unit.unit, uuid=unit.uuid, attributes=attributes,
-                                       memory_mib=memory))
+                                       memory_mib=memory, shared=sharing == "mps" and shareable(memory)))
         if not devices:
             raise PluginSetupError(
                 f"The node ({inventory.source}) has nothing to publish: no GPU and no MIG device is managed"
                 " (check --resources, --nvidia_gpu_devices and --nvidia_mig_strategy)")
-        return cls(devices)
+        return cls(devices, sharing)
 
     def units_of(self, resource: str, ids: Iterable[str]) -> list[Unit] | None:
         """None: the kubelet names no device-plugin resource of a DRA driver (see module rules)."""

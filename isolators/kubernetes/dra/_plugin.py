@@ -16,7 +16,11 @@ Rules (issue 37 items 3-5; SPEC section 21):
   (``plan_claim``); a device unhealthy now is refused unless the result
   has admin access; a device prepared for another claim is refused unless
   sharing allows it (``PreparedClaims.conflicts``; reserved meanwhile, so
-  concurrent prepares cannot both take it). With the node ledger
+  concurrent prepares cannot both take it); an MPS share (``--sharing=mps``)
+  that would take its device past its memory, or past 100 % of its
+  threads, beside the shares prepared there is refused naming the sums
+  (the scheduler never allocates that; a driver does not trust that it
+  did). With the node ledger
   (``ledger``, SPEC R-NL-2/4) its devices' units are then taken for the
   claim (``allocator.hold(units, uid)``: holders inside this driver share,
   as adminAccess and shareID results do; a unit another front door of
@@ -77,6 +81,7 @@ from ._claim_spec import claim_device_id, claim_spec_file, claim_spec_prefix, re
 from ._claims import ClaimPlan, ClaimRef, ClaimRefused, check_uid, plan_claim
 from ._devices import DraCatalog
 from ._kube import api_failure
+from ._sharing import ShareLimits, over_capacity
 from ._prepared import (CheckpointError, PreparedClaim, PreparedClaims, PreparedDevice, read_checkpoint,
                         write_checkpoint)
 
@@ -256,6 +261,9 @@ class DraPluginProcess(OperatorRoutes):
                 if taken:
                     raise ClaimRefused(f"{ref}: device {', '.join(taken)} is not shared (no adminAccess or"
                                        " shareID), so it cannot be prepared twice; nothing was prepared")
+                crowded = self._over_capacity(plan)
+                if crowded:
+                    raise ClaimRefused(f"{ref}: {'; '.join(crowded)}; nothing was prepared")
             except ClaimRefused as refused:
                 answers[ref.uid] = self._refused(refused)
                 continue
@@ -266,6 +274,25 @@ class DraPluginProcess(OperatorRoutes):
         if planned:
             answers.update(await self._write(planned))
         return {ref.uid: answers[ref.uid] for ref in refs}
+
+    def _over_capacity(self, plan: ClaimPlan) -> list[str]:
+        """Why each share of ``plan`` does not fit beside the shares prepared (or being prepared) on its device."""
+        held: dict[str, list[ShareLimits]] = {}
+        for uid, devices in [(u, c.devices) for u, c in self.table.claims.items()] + [
+                (u, p.devices) for u, p in self.table.reserved.items()]:
+            if uid != plan.ref.uid:
+                for device in devices:
+                    if device.share is not None:
+                        held.setdefault(device.device, []).append(device.share)
+        found = []
+        for device in plan.devices:
+            if device.share is not None:
+                why = over_capacity(device.device, self.catalog.by_name[device.device].memory_mib, device.share,
+                                    held.get(device.device, []))
+                if why is not None:
+                    found.append(why)
+                held.setdefault(device.device, []).append(device.share)
+        return found
 
     async def _take(self, planned: list[ClaimPlan], answers: dict[str, ClaimAnswer]) -> list[ClaimPlan]:
         """Each plan's units taken in the node ledger for its claim; the plans that got them (the others
@@ -295,7 +322,7 @@ class DraPluginProcess(OperatorRoutes):
     async def _write(self, plans: list[ClaimPlan]) -> dict[str, ClaimAnswer]:
         claims = [PreparedClaim(ref=plan.ref, devices=[
             PreparedDevice(request=d.request, pool=d.pool, device=d.device, admin_access=d.admin_access,
-                           share_id=d.share_id, cdi_device_ids=[claim_device_id(self.driver, plan.ref.uid, d.device)])
+                           share_id=d.share_id, share=d.share, cdi_device_ids=[claim_device_id(self.driver, plan.ref.uid, d.device)])
             for d in plan.devices]) for plan in plans]
         try:
             await self._commit(claims, [])

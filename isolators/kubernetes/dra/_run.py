@@ -11,7 +11,8 @@ Rules (issue 37; SPEC section 21):
   volume: no NVML and no host file is an ``IsolatorError``), the node
   ledger joined as ``dra-plugin:<driver>`` (SPEC R-NL-1: on by default on
   the real NVML; another running process of that owner stops the start),
-  the catalog, the node's CDI facts, the process (checkpoint read,
+  the catalog (with ``--sharing=mps`` its units published for MPS
+  shares), the node's CDI facts, the process (checkpoint read,
   claims' specs restored, their units held again in the ledger and the
   rest of the last run's returned: R-NL-3), then the DRA socket (``<plugins_dir>/<driver>/dra.sock``:
   DRAPlugin v1 and v1beta1, DRAResourceHealth v1 and v1alpha1) and only then the
@@ -65,6 +66,10 @@ class DraOptions(msgspec.Struct, frozen=True, kw_only=True):
     api_timeout_s: float = 10.0
     poll_interval: float = 1.0
     """Seconds between checks that the sockets are still there."""
+    sharing: str = "none"
+    """``--sharing``: ``none`` or ``mps`` (SPEC R-MP-5)."""
+    mps_control: str | None = None
+    """``--mps_control``: the control daemon to run for shared units (None: where the driver's binaries are)."""
 
 
 class DraSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,7 +111,7 @@ async def run_dra_plugin(flags: Flags, options: DraOptions, ready: Callable[[Dra
         async with node_parts(flags, options.listen, "dra") as parts:
             components = parts.components
             ledger = await components.join_ledger(dra_plugin_owner(driver))
-            catalog = DraCatalog.build(components.allocator.pools(), components.inventory)
+            catalog = DraCatalog.build(components.allocator.pools(), components.inventory, options.sharing)
             facts = await read_node_facts(flags, components.inventory, components.volume)
             plugin = await DraPluginProcess.create(
                 catalog, components.allocator, facts, client, driver=driver, node=node, spec_dir=spec_dir,

@@ -4,7 +4,9 @@ Rules (SPEC section 21):
 - One pool per node, named by the node, in one ResourceSlice named
   ``<node>-<driver>`` (``slice_name``; ``resourceSliceCount`` 1) with ``nodeName`` the node
   and one device per ``DraCatalog`` device: its attributes and capacity
-  ``memory``. ``render_slice`` is pure: the same inputs give an equal object.
+  ``memory``; a ``shared`` device (``--sharing=mps``) with
+  ``allowMultipleAllocations: true`` and the consumable capacity
+  ``memory`` and ``compute`` with their request policies (``capacity_of``). ``render_slice`` is pure: the same inputs give an equal object.
 - A slice name is a DNS subdomain of at most 253 characters, for any node
   name (itself a DNS subdomain of up to 253): when ``<node>-<driver>`` is
   longer, the name is its first characters, ``-`` and 16 hex digits of
@@ -62,6 +64,7 @@ from runtime import Failure
 
 from ._devices import DraCatalog
 from ._kube import api_failure
+from ._sharing import capacity_of, parse_quantity
 
 __all__ = ["SlicePublisher", "SlicePublishError", "keep_published", "render_slice", "slice_name", "taint_key",
            "TAINT_EFFECT"]
@@ -112,7 +115,9 @@ def render_slice(catalog: DraCatalog, *, driver: str, node: str, generation: int
         devices.append(Device(
             name=device.name,
             attributes={name: DeviceAttribute(**{kind: value}) for name, (kind, value) in device.attributes.items()},
-            capacity={"memory": DeviceCapacity(value=f"{device.memory_mib}Mi")},
+            capacity={name: DeviceCapacity.from_dict(value)
+                      for name, value in capacity_of(device.memory_mib, "mps" if device.shared else "none").items()},
+            allowMultipleAllocations=True if device.shared else None,
             taints=[DeviceTaint(key=taint_key(driver), value=_label_value(reason), effect=TAINT_EFFECT)]
             if reason is not None else None,
         ))
@@ -129,12 +134,26 @@ def _essence(resource_slice: Any) -> dict:
     the one comparison that decides whether the stored slice is the driver's, so a server that fills in
     fields never makes the driver rewrite its slice in a loop."""
     spec = resource_slice.to_dict()["spec"]
-    devices = [(device["name"], device.get("attributes") or {}, device.get("capacity") or {},
-                [(t["key"], t.get("value", ""), t["effect"]) for t in device.get("taints") or []])
+    devices = [(device["name"], device.get("attributes") or {}, _quantities(device.get("capacity") or {}),
+                [(t["key"], t.get("value", ""), t["effect"]) for t in device.get("taints") or []],
+                bool(device.get("allowMultipleAllocations")))
                for device in spec.get("devices") or []]
     pool = spec.get("pool") or {}
     return {"driver": spec.get("driver"), "nodeName": spec.get("nodeName"), "devices": devices,
             "pool": (pool.get("name"), pool.get("generation"), pool.get("resourceSliceCount"))}
+
+
+def _quantities(value: Any) -> Any:
+    """Capacity with every quantity as its number: the API server stores a quantity in its canonical form
+    (``81920Mi`` comes back ``80Gi``), which is no change of the driver's."""
+    if isinstance(value, dict):
+        return {key: _quantities(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_quantities(item) for item in value]
+    try:
+        return parse_quantity(value)
+    except ValueError:
+        return value
 
 
 class SlicePublisher:
