@@ -12,10 +12,15 @@ Rules:
   whose ``resourceVersion`` is not the stored one is ``409 Conflict``; an
   unknown object ``404 NotFound``, in the API's ``Status`` form. A
   ResourceSlice whose ``metadata.name`` is not a DNS subdomain of at most
-  253 characters is ``422 Invalid`` with the API server's wording.
+  253 characters is ``422 Invalid`` with the API server's wording, as is
+  one whose devices' capacity request policies the API server refuses
+  (``dra_scheduler.capacity_errors``).
 - The test sets the cluster's facts directly: ``add_claim(...)`` stores a
   ResourceClaim (with its ``status.allocation`` results), ``remove_claim``
   deletes one; ``slices(node)`` returns the stored slices.
+  ``allocate(...)`` plays the scheduler: it allocates a claim from the
+  stored slices as Kubernetes does, consumable capacity included
+  (``dra_scheduler.allocate``), or raises ``Unschedulable``.
 - A client that hangs up mid-request (a driver killed) is not printed
   as an error.
 - ``delay_s`` makes every answer that late (a slow server); ``fail(n,
@@ -171,6 +176,13 @@ class FakeApiServer(Waitable):
             self.claims[(namespace, name)] = claim
         return claim
 
+    def allocate(self, namespace: str, name: str, *, driver: str, node: str, requests: dict[str, str] | None = None,
+                 **options: Any) -> dict:
+        """Allocate and store the claim as the scheduler would (``dra_scheduler.allocate``); the stored claim."""
+        from .dra_scheduler import allocate
+
+        return allocate(self, namespace, name, driver=driver, node=node, requests=requests, **options)
+
     def remove_claim(self, namespace: str, name: str) -> None:
         with self._changed:
             self.claims.pop((namespace, name), None)
@@ -320,8 +332,14 @@ class FakeApiServer(Waitable):
 
 
 def _invalid_name(body: dict) -> dict | None:
-    """The API server's 422 for a ResourceSlice name that is no DNS subdomain of at most 253 characters."""
+    """The API server's 422 for a ResourceSlice name that is no DNS subdomain of at most 253 characters, or for
+    request policies it refuses."""
+    from .dra_scheduler import capacity_errors
+
     name = body.get("metadata", {}).get("name", "")
+    errors = capacity_errors(body)
+    if errors:
+        return _status(422, "Invalid", f'ResourceSlice.resource.k8s.io "{name}" is invalid: {"; ".join(errors)}')
     if len(name) > 253:
         why = "must be no more than 253 characters"
     elif not _SUBDOMAIN.fullmatch(name):

@@ -12,7 +12,7 @@ Rules:
   the two commands (``device_plugin``: ``gpu-isolator kubelet-plugin``,
   ``--repair_pods=false`` unless ``repair_pods``, with
   ``device_plugin_options``; ``dra_plugin``: ``gpu-isolator dra-plugin`` of
-  driver ``DRIVER`` on node ``NODE``), each with ``--node_ledger=ledger``,
+  driver ``DRIVER`` on node ``NODE``, with ``dra_plugin_options``), each with ``--node_ledger=ledger``,
   ``--listen`` on loopback and passes of ``pass_s`` seconds. Nothing runs
   until ``start(dra=True)``: the fakes, then both plugins (each
   registered; the device plugin alone with ``dra=False``).
@@ -26,7 +26,9 @@ Rules:
   ``grpc.RpcError`` and assigns nothing); ``remove_pod(pod)`` is the pod
   gone (PodResources no longer lists it). ``claim(devices)`` stores a
   ResourceClaim the scheduler allocated ``devices`` (``gpu-<minor>``) of
-  this node to; ``prepare(claim)`` / ``unprepare(claim)`` are the
+  this node to; ``share(requests)`` one the scheduler allocates as
+  Kubernetes does, consumable capacity included (``FakeApiServer.allocate``:
+  ``requests`` its ``capacity.requests``); ``prepare(claim)`` / ``unprepare(claim)`` are the
   kubelet's calls for it (the answer for its uid).
 - What each one offers: ``listed()`` is the device plugin's last
   ``ListAndWatch`` list as ``{UUID: health}``; ``wait_listed(predicate)``
@@ -66,7 +68,7 @@ class KubeNode:
 
     def __init__(self, base: Path, sockets: Path, host_file: str | os.PathLike[str], ledger: str, *,
                  pass_s: float = 0.2, allocate_grace_s: float | None = None, repair_pods: bool = False,
-                 device_plugin_options: tuple[str, ...] = ()) -> None:
+                 device_plugin_options: tuple[str, ...] = (), dra_plugin_options: tuple[str, ...] = ()) -> None:
         from isolators.simulated_node import SimulatedNode
 
         self.base = Path(base)
@@ -90,7 +92,7 @@ class KubeNode:
             *device_plugin_options]
         self.dra_plugin_args = common + [
             f"--plugins_registry_dir={self.sockets / 'registry'}", f"--plugins_dir={self.sockets / 'plugins'}",
-            f"--node_name={NODE}", f"--kubeconfig={self.base / 'kubeconfig'}", "--api_timeout=5"]
+            f"--node_name={NODE}", f"--kubeconfig={self.base / 'kubeconfig'}", "--api_timeout=5", *dra_plugin_options]
         self.device_plugin: PluginCommand | None = None
         self.dra_plugin: DraPluginCommand | None = None
         self.registrations = 0
@@ -160,6 +162,13 @@ class KubeNode:
         name = f"claim-{uid[:8]}"
         self.api.add_claim(NAMESPACE, name, [allocation_result("gpus", DRIVER, NODE, device) for device in devices],
                            uid=uid)
+        return (NAMESPACE, name, uid)
+
+    def share(self, requests: dict[str, str] | None) -> tuple[str, str, str]:
+        """A ResourceClaim asking ``requests`` (``capacity.requests``), allocated by the scheduler's rules."""
+        uid = str(uuid.uuid4())
+        name = f"share-{uid[:8]}"
+        self.api.allocate(NAMESPACE, name, driver=DRIVER, node=NODE, requests=requests, uid=uid)
         return (NAMESPACE, name, uid)
 
     def prepare(self, claim: tuple[str, str, str], timeout: float = WAIT) -> dict:
