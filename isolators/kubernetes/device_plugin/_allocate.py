@@ -7,7 +7,12 @@ Rules:
   ``FAILED_PRECONDITION``, naming each ID and its reason and saying how an
   operator brings it back. A refusal hands nothing out.
 - Replica IDs (``<UUID>::<i>``) map back to their unit; each unit counts
-  once, whatever number of its replicas the request holds.
+  once, whatever number of its time-slicing replicas the request holds.
+- MPS shares (``--mps_replicas``, SPEC R-MP-4): a container gets one share
+  of a unit. A request naming two or more shares of one unit is refused
+  (``INVALID_ARGUMENT``) naming those IDs and the unit's UUID; nothing is
+  handed out. The answer's ``shares`` are the shares handed out (one per
+  unit, with their limits), for the unit's MPS daemon.
 - The answer for units U (in unit order): CDI device names
   ``nvidia.com/gpu=<UUID>`` (the node spec's names; MIG devices by their
   ``MIG-…`` UUID), ``envs`` ``NVIDIA_VISIBLE_DEVICES`` = the UUIDs
@@ -28,7 +33,7 @@ from actors.devices import DeviceRule
 from actors.mig import MigCapabilities, Unit
 
 from ...cdi import NODE_KIND, VISIBLE_DEVICES, container_grant
-from ._catalog import ResourceOffer
+from ._catalog import MpsShare, ResourceOffer
 from .._errors import FAILED_PRECONDITION, INVALID_ARGUMENT, PluginRequestError
 
 __all__ = ["ContainerAnswer", "DeviceSpecAnswer", "allocate_answer"]
@@ -50,6 +55,8 @@ class ContainerAnswer(msgspec.Struct, frozen=True, kw_only=True):
     envs: dict[str, str]
     cdi_devices: list[str]
     devices: list[DeviceSpecAnswer] = []
+    shares: list[MpsShare] = []
+    """The MPS shares handed out (``--mps_replicas``), one per unit, in unit order."""
 
 
 def allocate_answer(
@@ -68,6 +75,18 @@ def allocate_answer(
     if not ids:
         raise PluginRequestError(INVALID_ARGUMENT, f"An Allocate request for {offer.resource} names no device ID")
     devices = offer.resolve(ids)
+    shared: dict[Unit, list[str]] = {}
+    for device in devices:
+        if device.share is not None:
+            shared.setdefault(device.unit, []).append(device.id)
+    doubled = [(uuids[unit], named) for unit, named in shared.items() if len(named) > 1]
+    if doubled:
+        named = "; ".join(f"{', '.join(repr(i) for i in ids)} (all of {uuid})" for uuid, ids in doubled)
+        raise PluginRequestError(
+            INVALID_ARGUMENT,
+            f"Device IDs for {offer.resource} name more than one MPS share of one GPU: {named}; a container gets one"
+            " share of a GPU (--mps_replicas), nothing was allocated. Ask for fewer, or for shares of different GPUs",
+        )
     sick = [(device.id, unhealthy[device.unit]) for device in devices if device.unit in unhealthy]
     if sick:
         named = "; ".join(f"{device_id!r} ({reason})" for device_id, reason in sick)
@@ -88,4 +107,5 @@ def allocate_answer(
         envs={VISIBLE_DEVICES: grant.environment[VISIBLE_DEVICES]},
         cdi_devices=[f"{NODE_KIND}={uuids[unit]}" for unit in units],
         devices=specs,
+        shares=[device.share for device in sorted(devices, key=lambda d: d.unit) if device.share is not None],
     )

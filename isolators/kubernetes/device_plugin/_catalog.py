@@ -11,6 +11,12 @@ Rules (R-K8-2, R-K8-6, R-K8-7):
   ``replicas`` N > 1 (time-slicing) as N IDs ``<UUID>::<i>``, i = 0..N-1,
   each unit's IDs together, units in their order. An ID longer than 63
   characters, or a unit without a UUID, is a ``PluginSetupError``.
+- MPS sharing (SPEC R-MP-4, ``mps_replicas`` N > 1): every unit is
+  offered as N IDs ``<UUID>::<i>`` as with time-slicing, each carrying its
+  share (``MpsShare``): 1/N of the unit's memory in bytes (rounded down to
+  whole MiB) and 100/N % of its threads (rounded down). MPS and
+  time-slicing of one resource exclude each other: both above 1 is a
+  ``PluginSetupError`` (``check_sharing``, the command's usage error).
 - Each ID carries its unit's NUMA node (a MIG device's is its parent's),
   None when NVML does not tell.
 - ``ResourceOffer.resolve(ids)`` maps IDs to their units, in order, and
@@ -36,7 +42,8 @@ from .._catalog import UnitCatalog, node_units
 from .._errors import INVALID_ARGUMENT, PluginRequestError, PluginSetupError
 from ._names import MAX_ID_LENGTH, socket_name
 
-__all__ = ["DeviceCatalog", "ResourceOffer", "OfferedDevice", "resource_of_pool", "REPLICA_SEPARATOR"]
+__all__ = ["DeviceCatalog", "ResourceOffer", "OfferedDevice", "MpsShare", "resource_of_pool", "check_sharing",
+           "REPLICA_SEPARATOR"]
 
 VENDOR = "nvidia.com"
 REPLICA_SEPARATOR = "::"
@@ -51,6 +58,15 @@ def resource_of_pool(pool: str) -> str:
     raise PluginSetupError(f"The allocator's pool {pool!r} is no resource this plugin offers")
 
 
+class MpsShare(msgspec.Struct, frozen=True, kw_only=True):
+    """One MPS share of a unit (``--mps_replicas``): which of how many, and its limits."""
+
+    index: int
+    replicas: int
+    memory_bytes: int
+    thread_percent: int
+
+
 class OfferedDevice(msgspec.Struct, frozen=True, kw_only=True):
     """One device ID as the kubelet sees it."""
 
@@ -58,6 +74,24 @@ class OfferedDevice(msgspec.Struct, frozen=True, kw_only=True):
     unit: Gpu | MigDevice
     uuid: str
     numa_node: int | None = None
+    share: MpsShare | None = None
+    """Its MPS share (``--mps_replicas``), None when the ID is the unit or a time-slicing replica."""
+
+
+def check_sharing(time_slicing_replicas: object, mps_replicas: object) -> str | None:
+    """Why these replica counts cannot be served together (None: they can); see module rules."""
+    for value in (time_slicing_replicas, mps_replicas):
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"replica counts are whole numbers, got {value!r}"
+    if time_slicing_replicas < 1:
+        return f"--time_slicing_replicas must be a whole number >= 1, got {time_slicing_replicas}"
+    if mps_replicas < 1:
+        return f"--mps_replicas must be a whole number >= 2 (1, the default, shares nothing), got {mps_replicas}"
+    if mps_replicas > 1 and time_slicing_replicas > 1:
+        return (f"--mps_replicas {mps_replicas} and --time_slicing_replicas {time_slicing_replicas} both share every"
+                " GPU of nvidia.com/gpu; a resource is shared one way: keep --mps_replicas (each share limited to"
+                " its memory and threads) or --time_slicing_replicas (no limits), not both")
+    return None
 
 
 class ResourceOffer:
@@ -104,39 +138,47 @@ class ResourceOffer:
 class DeviceCatalog(UnitCatalog):
     """Every resource the plugin offers (see module rules)."""
 
-    def __init__(self, offers: Iterable[ResourceOffer], replicas: int) -> None:
+    def __init__(self, offers: Iterable[ResourceOffer], replicas: int, mps_replicas: int = 1) -> None:
         self.offers = tuple(offers)
         self.replicas = replicas
+        self.mps_replicas = mps_replicas
         self.by_resource = {offer.resource: offer for offer in self.offers}
         self.units = tuple(dict.fromkeys(device.unit for offer in self.offers for device in offer.devices))
         self.uuids = {device.unit: device.uuid for offer in self.offers for device in offer.devices}
         self._by_uuid = {device.uuid: device.unit for offer in self.offers for device in offer.devices}
 
     @classmethod
-    def build(cls, pools: Mapping[str, Iterable[Unit]], inventory: NodeInventory, replicas: int = 1) -> "DeviceCatalog":
+    def build(cls, pools: Mapping[str, Iterable[Unit]], inventory: NodeInventory, replicas: int = 1,
+              mps_replicas: int = 1) -> "DeviceCatalog":
         """The offers of ``pools`` on the node ``inventory`` describes."""
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-            raise PluginSetupError(f"Invalid '--time_slicing_replicas' {replicas!r}: expected a whole number >= 1")
+        refused = check_sharing(replicas, mps_replicas)
+        if refused is not None:
+            raise PluginSetupError(refused)
+        copies = max(replicas, mps_replicas)
         offers = []
         for pool, units in node_units(pools, inventory, "the kubelet").items():
             devices = []
             for unit in units:
-                ids = [unit.uuid] if replicas == 1 else [f"{unit.uuid}{REPLICA_SEPARATOR}{i}" for i in range(replicas)]
-                for device_id in ids:
+                ids = [unit.uuid] if copies == 1 else [f"{unit.uuid}{REPLICA_SEPARATOR}{i}" for i in range(copies)]
+                memory_mib = unit.mig.memory_total_mib if unit.mig is not None else unit.gpu.memory_total_mib
+                for index, device_id in enumerate(ids):
                     if len(device_id) > MAX_ID_LENGTH:
                         raise PluginSetupError(
                             f"Device ID {device_id!r} is {len(device_id)} characters long; the kubelet takes at most"
-                            f" {MAX_ID_LENGTH} (fewer --time_slicing_replicas, or units with shorter UUIDs)"
+                            f" {MAX_ID_LENGTH} (fewer --time_slicing_replicas or --mps_replicas, or units with"
+                            " shorter UUIDs)"
                         )
+                    share = MpsShare(index=index, replicas=mps_replicas, memory_bytes=(memory_mib // mps_replicas) << 20,
+                                     thread_percent=100 // mps_replicas) if mps_replicas > 1 else None
                     devices.append(OfferedDevice(id=device_id, unit=unit.unit, uuid=unit.uuid,
-                                                 numa_node=unit.numa_node))
+                                                 numa_node=unit.numa_node, share=share))
             offers.append(ResourceOffer(resource_of_pool(pool), pool, devices))
         if not offers:
             raise PluginSetupError(
                 f"The node ({inventory.source}) offers nothing to the kubelet: no GPU and no MIG device is managed"
                 " (check --resources, --nvidia_gpu_devices and --nvidia_mig_strategy)"
             )
-        return cls(offers, replicas)
+        return cls(offers, replicas, mps_replicas)
 
     def units_of(self, resource: str, ids: Iterable[str]) -> list[Unit] | None:
         """The units of ``resource``'s device IDs, in order (None: not a resource of this plugin)."""

@@ -4,7 +4,8 @@ Rules (R-K8-1):
 - ``add_command(sub)`` adds the subcommand; options are spelled
   ``--name=value`` (or ``--name value``) as ``serve`` takes them, dashes or
   underscores: the plugin's own (``--device_plugin_dir``,
-  ``--time_slicing_replicas``, ``--listen``, ``--credential``,
+  ``--time_slicing_replicas``, ``--mps_replicas`` (SPEC R-MP-4, R-MP-8),
+  ``--mps_control``, ``--listen``, ``--credential``,
   ``--pass_device_specs``, ``--flags FILE``) and, as extra options, every
   ``Flags`` field (``--host_file=``, ``--dev_dir=``, ``--cdi_spec_dir=``,
   ``--nvidia_mig_strategy=`` ...), read by ``service_flags``.
@@ -17,7 +18,8 @@ Rules (R-K8-1):
   ``--allocate_grace=S`` (10) is how long an Allocate's units wait for
   PodResources to name them before they go back (tests shorten it).
 - Bad options exit 2 with one line (``--credential`` without ``--listen``,
-  replicas below 1, an interval not above 0, a template without ``{id}``,
+  replicas below 1, ``--mps_replicas`` below 1 or with time-slicing
+  (``check_sharing``'s words), an interval not above 0, a template without ``{id}``,
   an unknown flag). It logs at INFO on stderr and prints
   one line on stdout once it runs: what it offers, where, and the address
   of ``/metrics`` with ``--listen``; it exits 0 after SIGTERM or SIGINT.
@@ -54,6 +56,10 @@ def add_command(sub: Any) -> None:
                         help=f"the kubelet's device plugin directory (default {DEFAULT_DIR})")
     plugin.add_argument("--time_slicing_replicas", "--time-slicing-replicas", metavar="N", type=int, default=1,
                         help="offer each GPU as N device IDs <UUID>::<i> (time-slicing; default 1)")
+    plugin.add_argument("--mps_replicas", "--mps-replicas", metavar="N", type=int, default=1,
+                        help="offer each GPU as N >= 2 MPS shares <UUID>::<i>, each limited to 1/N of its memory and"
+                             " 100/N %% of its threads through the GPU's MPS control daemon (default 1: no MPS; not"
+                             " with --time_slicing_replicas)")
     plugin.add_argument("--pass_device_specs", "--pass-device-specs", action="store_true",
                         help="also answer Allocate with device specs (/dev/nvidia<minor> and the control devices)")
     plugin.add_argument("--repair_pods", "--repair-pods", metavar="BOOL", nargs="?", const="true", default="true",
@@ -84,8 +90,11 @@ def _cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     from ..pod_repair import DEFAULT_CONFIG_TEMPLATES, RepairOptions
     from ._run import PluginOptions, PluginSummary, run_plugin
 
-    if args.time_slicing_replicas < 1:
-        raise _usage(f"--time_slicing_replicas must be a whole number >= 1, got {args.time_slicing_replicas}")
+    from ._catalog import check_sharing
+
+    refused = check_sharing(args.time_slicing_replicas, args.mps_replicas)
+    if refused is not None:
+        raise _usage(refused)
     repair_pods = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
         str(args.repair_pods).lower())
     if repair_pods is None:
@@ -98,6 +107,7 @@ def _cmd_kubelet_plugin(args: argparse.Namespace) -> int:
             raise _usage(f"--container_config {template!r} must name the container id as {{id}}")
     flags = front_door_flags(args, "kubelet-plugin")
     options = PluginOptions(device_plugin_dir=args.device_plugin_dir, time_slicing_replicas=args.time_slicing_replicas,
+                            mps_replicas=args.mps_replicas, mps_control=args.mps_control,
                             listen=args.listen, credential=args.credential,
                             pass_device_specs=args.pass_device_specs, poll_interval=args.poll_interval,
                             pass_interval=args.repair_interval, pod_resources_socket=args.pod_resources_socket,

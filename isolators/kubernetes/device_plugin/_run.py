@@ -2,7 +2,7 @@
 
 Rules (R-K8-1, R-K8-8):
 - ``PluginOptions``: the plugin's own options (``--device_plugin_dir``,
-  ``--time_slicing_replicas``, ``--listen``, ``--credential``,
+  ``--time_slicing_replicas``, ``--mps_replicas``, ``--mps_control``, ``--listen``, ``--credential``,
   ``--pass_device_specs``), the pass's (``pass_interval``:
   ``--repair_interval``; ``pod_resources_socket``:
   ``--pod_resources_socket``) and pod repair's (``repair``: a
@@ -71,6 +71,10 @@ class PluginOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     device_plugin_dir: str = DEFAULT_DIR
     time_slicing_replicas: int = 1
+    mps_replicas: int = 1
+    """``--mps_replicas``: MPS shares per GPU (1: no MPS; SPEC R-MP-4)."""
+    mps_control: str | None = None
+    """``--mps_control``: the control daemon to run for shared units (None: where the driver's binaries are)."""
     listen: str | None = None
     credential: str | None = None
     pass_device_specs: bool = False
@@ -105,7 +109,7 @@ async def run_plugin(flags: Flags, options: PluginOptions,
         components = parts.components
         ledger = await components.join_ledger(PLUGIN_OWNER)
         catalog = DeviceCatalog.build(components.allocator.pools(), components.inventory,
-                                      options.time_slicing_replicas)
+                                      options.time_slicing_replicas, options.mps_replicas)
         facts = await read_node_facts(flags, components.inventory, components.volume)
         spec = encode_spec(facts.spec(components.inventory, flags.dev_dir), "json")
         lister = PodResourcesClient(options.pod_resources_socket)

@@ -26,6 +26,8 @@ DGX8 = Path(__file__).resolve().parents[2] / "inventory" / "data" / "dgx8-nvlink
     (["--node_name=" + "n" * 254], "--node_name: Invalid node name"),
     (["--node_name=n", "--credential=/x"], "--credential needs --listen HOST:PORT"),
     (["--node_name=n", "--api_timeout=0"], "--api_timeout must be > 0, got 0.0"),
+    (["--node_name=n", "--sharing=time-slicing"], "gpu-isolator dra-plugin: error: --sharing takes none or mps, got"
+                                                  " 'time-slicing'"),
 ])
 def test_bad_options_exit_2_naming_them(args: list[str], error: str, capsys: pytest.CaptureFixture,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
