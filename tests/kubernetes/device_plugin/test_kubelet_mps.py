@@ -89,3 +89,37 @@ def test_the_kubelet_lists_two_shares_per_gpu_and_a_container_gets_one_share_of_
         f"Device IDs for nvidia.com/gpu name more than one MPS share of one GPU: '{GPU_UUIDS[3]}::0',"
         f" '{GPU_UUIDS[3]}::1' (all of {GPU_UUIDS[3]}); a container gets one share of a GPU (--mps_replicas),"
         " nothing was allocated. Ask for fewer, or for shares of different GPUs")
+
+
+@pytest.mark.asyncio
+async def test_in_the_node_ledger_the_gpu_is_the_plugins_and_each_pods_share_a_holder(tmp_path: Path) -> None:
+    """SPEC R-MP-6: shares of one GPU stay inside the device plugin; the GPU goes back with the last pod."""
+    from actors.ledger import dra_plugin_owner
+    from isolators.kubernetes.device_plugin import PLUGIN_OWNER
+
+    from tests.support.kube_node import DRIVER, KubeNode
+    from tests.support.kubelet import plugin_directory
+    from tests.support.ledger import leases, until
+
+    with plugin_directory() as sockets:
+        kube = KubeNode(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"),
+                        device_plugin_options=("--mps_replicas=2",))
+        try:
+            kube.start()
+            gpu0 = kube.uuids["gpu-0"]
+            kube.allocate("a", [f"{gpu0}::0"])
+            kube.allocate("b", [f"{gpu0}::1"])
+            await until(lambda: leases(kube.ledger).get("195:0") == (PLUGIN_OWNER, ("ns/a/gpu", "ns/b/gpu")),
+                        "gpu-0 held by the device plugin for both pods' shares")
+            kube.wait_slice(lambda devices: "gpu-0" not in devices, "gpu-0 left out of the DRA driver's slice")
+            claim = kube.claim(["gpu-0"])
+            assert kube.prepare(claim)["error"].endswith(
+                f"{gpu0} (195:0) is held by {PLUGIN_OWNER} (running) for ns/a/gpu, ns/b/gpu; nothing was prepared")
+            kube.remove_pod("a")
+            await until(lambda: leases(kube.ledger).get("195:0") == (PLUGIN_OWNER, ("ns/b/gpu",)),
+                        "gpu-0 held for the one share left")
+            kube.remove_pod("b")
+            await until(lambda: "195:0" not in leases(kube.ledger), "gpu-0 back once no pod holds a share")
+            assert dra_plugin_owner(DRIVER) not in {owner for owner, _ in leases(kube.ledger).values()}
+        finally:
+            kube.close()
