@@ -34,8 +34,10 @@ def test_every_manifest_loads_into_typed_models() -> None:
         "admission-policy.yaml": ["admissionregistration_v1.ValidatingAdmissionPolicy",
                                   "admissionregistration_v1.ValidatingAdmissionPolicyBinding"],
         "daemonset.yaml": ["apps_v1.DaemonSet"],
+        "deviceclass-gpu-share.yaml": ["resource_v1.DeviceClass"],
         "deviceclass-nvidia-gpu.yaml": ["resource_v1.DeviceClass"],
         "deviceclass.yaml": ["resource_v1.DeviceClass"],
+        "gpu-share.yaml": ["resource_v1.ResourceClaimTemplate", "core_v1.Pod"],
         "rbac.yaml": ["core_v1.ServiceAccount", "rbac_authorization_v1.ClusterRole",
                       "rbac_authorization_v1.ClusterRoleBinding"],
         "two-gpus-one-island.yaml": ["resource_v1.ResourceClaimTemplate", "core_v1.Pod"],
@@ -97,6 +99,52 @@ def test_pods_asking_nvidia_com_gpu_are_served_whole_gpus_of_this_driver() -> No
     assert extended.spec.extendedResourceName == "nvidia.com/gpu"
     assert extended.metadata.name != device_class.metadata.name
     assert extended.spec.selectors == device_class.spec.selectors
+
+
+def _selects(expression: str, document: dict) -> list[str]:
+    """The devices of a slice a DeviceClass's CEL selects, evaluated as the scheduler does (``device.driver``,
+    attributes and capacity by domain; cel-python evaluates the CEL)."""
+    import celpy
+
+    environment = celpy.Environment()
+    program = environment.program(environment.compile(expression))
+    driver = document["spec"]["driver"]
+    chosen = []
+    for device in document["spec"]["devices"]:
+        attributes = {name: next(iter(value.values())) for name, value in device.get("attributes", {}).items()}
+        capacity = {name: entry["value"] for name, entry in device.get("capacity", {}).items()}
+        activation = {"device": celpy.json_to_cel({"driver": driver, "attributes": {driver: attributes},
+                                                   "capacity": {driver: capacity}})}
+        if program.evaluate(activation):
+            chosen.append(device["name"])
+    return chosen
+
+
+def test_the_share_class_selects_the_shares_a_sharing_driver_publishes_and_its_template_is_allocated() -> None:
+    """SPEC R-MP-5: the DeviceClass for a share selects every device of a --sharing=mps slice and none of a
+    slice without sharing; the claim template's capacity.requests is allocated by the scheduler's rules."""
+    from isolators.kubernetes.dra import render_slice
+    from tests.support.kube_api import FakeApiServer
+
+    [share_class] = load("deviceclass-gpu-share.yaml")
+    template, pod = load("gpu-share.yaml")
+    expression = share_class.spec.selectors[0].cel.expression
+    host = Path(__file__).resolve().parents[2] / "inventory" / "data" / "dgx8-nvlink.toml"
+    shared = render_slice(catalog_of(host, "mps"), driver=DEFAULT_DRIVER_NAME, node="n1", generation=1,
+                          unhealthy={}).to_dict()
+    whole = render_slice(catalog_of(host), driver=DEFAULT_DRIVER_NAME, node="n1", generation=1, unhealthy={}).to_dict()
+    assert _selects(expression, shared) == [f"gpu-{minor}" for minor in range(8)]
+    assert _selects(expression, whole) == []
+    [request] = template.spec.spec.devices.requests
+    assert request.exactly.deviceClassName == share_class.metadata.name
+    api = FakeApiServer()
+    api.resource_slices["n1"] = shared
+    claim = api.allocate("default", "inference-share", driver=DEFAULT_DRIVER_NAME, node="n1",
+                         requests=request.exactly.capacity.requests, request=request.name)
+    [result] = claim["status"]["allocation"]["devices"]["results"]
+    assert result["consumedCapacity"] == {"memory": "10Gi", "compute": "30"}
+    assert pod.spec.resourceClaims[0].resourceClaimTemplateName == template.metadata.name
+    assert pod.spec.containers[0].resources.claims[0].name == pod.spec.resourceClaims[0].name
 
 
 @pytest.mark.parametrize("attribute", ["nvlinkIsland", "type"])
