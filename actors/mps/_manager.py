@@ -26,10 +26,10 @@ Rules:
 - A daemon that exits while shares live is started again after a backoff
   (``backoff_s``: first wait, doubled up to ``backoff_max_s``), at most
   ``max_restarts`` times in a row; each start after the first of a daemon
-  bumps ``generation`` and ``restarts``. A share granted under an earlier
-  generation is ``interrupted`` (``share_state``): its clients lost their
-  server with the daemon and must start again; a share granted since is
-  not. The exit is noticed through a pidfd on the event loop (asyncio:
+  bumps ``generation`` and ``restarts``. A share whose daemon is down, or
+  was granted under an earlier generation, is ``interrupted``
+  (``share_state``): its clients lost their server with the daemon and
+  must start again; a share granted since is not. The exit is noticed through a pidfd on the event loop (asyncio:
   ``add_reader``; the daemon is not our child, ``-d`` forks it away).
 - A share asked for while its unit's daemon is down starts it at once;
   when that fails the share fails with ``MpsDaemonFailed`` (the exit and
@@ -102,7 +102,7 @@ class ShareState(msgspec.Struct, frozen=True, kw_only=True):
     generation: int
     """The daemon start it was granted under (1: the first)."""
     interrupted: bool
-    """Its daemon exited after it was granted: its clients lost their server."""
+    """The daemon it was granted under exited (it may run again since): its clients lost their server."""
 
 
 class _Unit:
@@ -200,7 +200,7 @@ class MpsDaemons:
         unit = self._units[uuid]
         limits, generation = unit.shares[share_id]
         return ShareState(share_id=share_id, unit=uuid, limits=limits, pipe_dir=unit.paths.pipe,
-                          generation=generation, interrupted=generation < unit.generation)
+                          generation=generation, interrupted=unit.pid is None or generation < unit.generation)
 
     def shares(self) -> list[ShareState]:
         """Every live share."""

@@ -251,3 +251,67 @@ async def test_limits_a_share_cannot_have_are_refused(mps_control, runtime_dir, 
             await daemons.share(gpu, "claim", ShareLimits(memory_bytes=1000, thread_percentage=10))
         assert read_record(record) == [] and nvml.compute_mode_changes == []
         await daemons.close()
+
+
+def test_mps_over_the_fake_nvml(fake_nvml_lib, mps_control, runtime_dir, tmp_path, record):
+    """The same daemons on the real pynvml (the fake libnvidia-ml.so.1, in a
+    child process): a GPU unit is EXCLUSIVE_PROCESS while its daemon runs and
+    DEFAULT after, as the driver's state records it; a MIG unit's daemon runs
+    with no compute mode change (NVML sets it on whole GPUs only)."""
+    from actors.nvml import load_host_file
+    from tests.support.fake_nvml import HERE, NvmlProbe
+
+    spec = load_host_file(Path(__file__).resolve().parents[1] / "inventory" / "data" / "h200-mig.toml")
+    gpu = next(g for g in spec.gpus if not g.mig_devices)
+    mig = next(m for g in spec.gpus for m in g.mig_devices)
+    probe = NvmlProbe(fake_nvml_lib, tmp_path)
+    state = tmp_path / "driver-state"
+    [result] = probe.run([{"config": probe.config(spec), "state": str(state), "runtime_dir": str(runtime_dir),
+                           "control": str(mps_control), "units": [gpu.uuid, mig.uuid]}],
+                         script=HERE / "mps_probe.py")
+    assert "error" not in result, result
+    assert set(result["pids"]) == {gpu.uuid, mig.uuid}
+    assert state.read_text() == f"compute\t{gpu.uuid}\t3\ncompute\t{gpu.uuid}\t0\n"
+    for uuid, pid in result["pids"].items():
+        assert starts(record, uuid) == [pid] and commands(record, uuid)[-1] == "quit" and not alive(pid)
+
+
+@pytest.mark.asyncio
+async def test_a_daemon_that_cannot_start_again_fails_new_shares_with_its_exit(
+        mps_control, runtime_dir, record, monkeypatch):
+    nvml = SimulatedNvml.with_gpus(1)
+    async with Runtime():
+        daemons = await manager(nvml, runtime_dir, mps_control, max_restarts=2)
+        gpu = nvml.uuid(0)
+        await daemons.share(gpu, "before", HALF)
+        monkeypatch.setenv("FAKE_MPS_FAIL", "1:Failed to open the GPU")
+        os.kill(daemons.daemon_pid(gpu), signal.SIGKILL)
+        await until(lambda: daemons.daemon_pid(gpu) is None, "the daemon's exit noticed")
+        with pytest.raises(MpsDaemonFailed, match=r"exited with status 1 saying 'Failed to open the GPU'") as failed:
+            await daemons.share(gpu, "during", HALF)
+        assert failed.value.log_tail.endswith("] Failed to open the GPU")
+        assert daemons.share_state("during") is None and daemons.share_state("before").interrupted
+        monkeypatch.delenv("FAKE_MPS_FAIL")
+        fresh = await daemons.share(gpu, "after", HALF)
+        assert not fresh.interrupted and daemons.daemon_pid(gpu) is not None
+        await daemons.close()
+
+
+@pytest.mark.asyncio
+async def test_a_daemon_left_by_an_earlier_life_is_taken_over_not_started_twice(mps_control, runtime_dir, record):
+    nvml = SimulatedNvml.with_gpus(1)
+    async with Runtime():
+        earlier = await manager(nvml, runtime_dir, mps_control)
+        gpu = nvml.uuid(0)
+        await earlier.share(gpu, "claim", HALF)
+        pid = earlier.daemon_pid(gpu)
+        # The front door dies without stopping it (no close): a new life shares the unit again.
+        later = await manager(nvml, runtime_dir, mps_control)
+        await later.share(gpu, "claim", HALF)
+        assert later.daemon_pid(gpu) == pid and starts(record, gpu) == [pid]
+        assert commands(record, gpu)[-2:] == [f"set_default_device_pinned_mem_limit {gpu} 40960M",
+                                              "set_default_active_thread_percentage 50"]
+        await later.release("claim")
+        assert not alive(pid) and nvml.compute_mode(0) == 0
+        earlier._units.clear()  # its daemon is gone: nothing of it to close
+        await earlier.close()
