@@ -10,9 +10,12 @@ Rules:
   without ambiguity) from its environment; the same program run without
   ``-d`` is a client that sends the commands on its stdin to the daemon
   of ``CUDA_MPS_PIPE_DIRECTORY`` and prints the answers.
-- ``DaemonPaths.under(runtime_dir, uuid)``: ``<runtime_dir>/mps/<uuid>/pipe``
-  and ``.../log``. ``prepare(paths)`` makes both (mode 0755: containers
-  reach the pipe directory through a mount) and refuses, naming the path
+- ``DaemonPaths.under(runtime_dir, uuid)``: ``<runtime_dir>/mps/<uuid>/pipe``,
+  ``.../log`` and ``.../shm`` (the unit's shared memory, which a share's
+  containers get at ``/dev/shm``, ``isolators.cdi.mps_edits``; the daemon
+  does not yet see it at its own ``/dev/shm``: issue 49's next part).
+  ``prepare(paths)`` makes the three (mode 0755: containers reach the
+  pipe and shm directories through mounts) and refuses, naming the path
   and the reason, a directory it cannot make or write, and a pipe
   directory too long for a unix socket (108 bytes with ``/control``).
 - ``start(control, paths, uuid, timeout_s)`` runs ``control -d`` with the
@@ -77,11 +80,13 @@ class DaemonPaths(msgspec.Struct, frozen=True):
     root: str
     pipe: str
     log: str
+    shm: str
 
     @classmethod
     def under(cls, runtime_dir: str | os.PathLike[str], uuid: str) -> "DaemonPaths":
         root = os.path.join(os.fspath(runtime_dir), "mps", uuid)
-        return cls(root=root, pipe=os.path.join(root, "pipe"), log=os.path.join(root, "log"))
+        return cls(root=root, pipe=os.path.join(root, "pipe"), log=os.path.join(root, "log"),
+                   shm=os.path.join(root, "shm"))
 
     @property
     def control_log(self) -> str:
@@ -101,7 +106,7 @@ def prepare(paths: DaemonPaths) -> None:
             f" {len(os.fsencode(socket)) + 1} bytes, a unix socket takes {_SUN_PATH_MAX};"
             " give the front door a shorter runtime directory"
         )
-    for directory, what in ((paths.pipe, "pipe"), (paths.log, "log")):
+    for directory, what in ((paths.pipe, "pipe"), (paths.log, "log"), (paths.shm, "shared-memory")):
         try:
             os.makedirs(directory, mode=0o755, exist_ok=True)
         except OSError as exc:

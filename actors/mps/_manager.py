@@ -99,6 +99,9 @@ class ShareState(msgspec.Struct, frozen=True, kw_only=True):
     unit: str
     limits: ShareLimits
     pipe_dir: str
+    """The daemon's pipe directory (a share's containers get it at ``/tmp/nvidia-mps``)."""
+    shm_dir: str
+    """The unit's shared memory (a share's containers get it at ``/dev/shm``)."""
     generation: int
     """The daemon start it was granted under (1: the first)."""
     interrupted: bool
@@ -200,7 +203,8 @@ class MpsDaemons:
         unit = self._units[uuid]
         limits, generation = unit.shares[share_id]
         return ShareState(share_id=share_id, unit=uuid, limits=limits, pipe_dir=unit.paths.pipe,
-                          generation=generation, interrupted=unit.pid is None or generation < unit.generation)
+                          shm_dir=unit.paths.shm, generation=generation,
+                          interrupted=unit.pid is None or generation < unit.generation)
 
     def shares(self) -> list[ShareState]:
         """Every live share."""
