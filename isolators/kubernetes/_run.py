@@ -17,6 +17,8 @@ Rules (R-K8-8; SPEC section 21):
   cancelled (each socket removes its own file, nothing else) and the
   front door's actor ``process`` terminated and waited for. It returns
   normally: the command exits 0.
+- ``mps_daemons(nvml, runtime_dir, control)`` is a sharing front door's
+  ``actors.mps.MpsDaemons`` (SPEC R-MP-1, R-MP-8).
 - ``DEFAULT_CDI_SPEC_DIR`` (``/var/run/cdi``) is where a front door writes
   its CDI specs when ``--cdi_spec_dir`` is not given.
 """
@@ -34,7 +36,7 @@ import anyio
 from actors.flags import Flags
 from runtime import PID, Executor, Runtime, terminate, wait
 
-__all__ = ["DEFAULT_CDI_SPEC_DIR", "STOP_SIGNALS", "NodeParts", "node_parts", "serve_until_stopped",
+__all__ = ["DEFAULT_CDI_SPEC_DIR", "STOP_SIGNALS", "NodeParts", "mps_daemons", "node_parts", "serve_until_stopped",
            "stop_on_signal"]
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,16 @@ async def node_parts(flags: Flags, listen: str | None, name: str) -> AsyncIterat
             finally:
                 sockets.shutdown(wait=False)
                 await components.close()
+
+
+def mps_daemons(nvml: Any, runtime_dir: str, control: str | None) -> Any:
+    """The front door's MPS daemons (``actors.mps.MpsDaemons``, SPEC R-MP-1): one per shared unit under
+    ``runtime_dir``, ``control`` the ``nvidia-cuda-mps-control`` to run (None: found on PATH, where the
+    driver's binaries are). Never closed by the front door's stop: prepared shares' pods keep their daemons,
+    and the next start takes them over."""
+    from actors.mps import DEFAULT_MPS_CONTROL, MpsDaemons
+
+    return MpsDaemons(nvml, runtime_dir, control or DEFAULT_MPS_CONTROL)
 
 
 async def stop_on_signal(signals: Any, removing: str) -> None:

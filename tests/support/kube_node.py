@@ -13,7 +13,8 @@ Rules:
   ``--repair_pods=false`` unless ``repair_pods``, with
   ``device_plugin_options``; ``dra_plugin``: ``gpu-isolator dra-plugin`` of
   driver ``DRIVER`` on node ``NODE``, with ``dra_plugin_options``), each with ``--node_ledger=ledger``,
-  ``--listen`` on loopback and passes of ``pass_s`` seconds. Nothing runs
+  ``--listen`` on loopback and passes of ``pass_s`` seconds, ``env`` added
+  to their environment. Nothing runs
   until ``start(dra=True)``: the fakes, then both plugins (each
   registered; the device plugin alone with ``dra=False``).
   ``restart_device_plugin()`` / ``restart_dra_plugin()`` start one again
@@ -68,7 +69,8 @@ class KubeNode:
 
     def __init__(self, base: Path, sockets: Path, host_file: str | os.PathLike[str], ledger: str, *,
                  pass_s: float = 0.2, allocate_grace_s: float | None = None, repair_pods: bool = False,
-                 device_plugin_options: tuple[str, ...] = (), dra_plugin_options: tuple[str, ...] = ()) -> None:
+                 device_plugin_options: tuple[str, ...] = (), dra_plugin_options: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         from isolators.simulated_node import SimulatedNode
 
         self.base = Path(base)
@@ -93,6 +95,7 @@ class KubeNode:
         self.dra_plugin_args = common + [
             f"--plugins_registry_dir={self.sockets / 'registry'}", f"--plugins_dir={self.sockets / 'plugins'}",
             f"--node_name={NODE}", f"--kubeconfig={self.base / 'kubeconfig'}", "--api_timeout=5", *dra_plugin_options]
+        self.env = env
         self.device_plugin: PluginCommand | None = None
         self.dra_plugin: DraPluginCommand | None = None
         self.registrations = 0
@@ -112,14 +115,14 @@ class KubeNode:
 
     def restart_device_plugin(self, timeout: float = 60.0) -> PluginCommand:
         """Start the device plugin (again) and wait until the kubelet holds its new registration."""
-        self.device_plugin = PluginCommand(self.device_plugin_args, self.base).start(timeout)
+        self.device_plugin = PluginCommand(self.device_plugin_args, self.base, self.env).start(timeout)
         self.registrations += 1
         self.kubelet.wait_registrations(self.registrations, timeout=timeout)
         return self.device_plugin
 
     def restart_dra_plugin(self, timeout: float = 60.0) -> DraPluginCommand:
         """Start the DRA driver (again) and register it with the kubelet's plugin watcher."""
-        self.dra_plugin = DraPluginCommand(self.dra_plugin_args, self.base).start(timeout)
+        self.dra_plugin = DraPluginCommand(self.dra_plugin_args, self.base, self.env).start(timeout)
         self.dra_kubelet.register(timeout=timeout)
         return self.dra_plugin
 

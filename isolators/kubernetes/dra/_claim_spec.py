@@ -23,20 +23,24 @@ Rules (SPEC sections 13 and 21):
   (legacy mode injects every GPU ``NVIDIA_VISIBLE_DEVICES`` names) would
   then hand it. ``void`` is NVIDIA's own value for "the devices come
   from CDI, inject none"; the container sees its devices by their nodes.
+- An MPS share (``mps``: device name -> the unit daemon's pipe and
+  shared-memory directories, SPEC R-MP-3) adds to that device's edits the
+  pipe directory at ``/tmp/nvidia-mps`` with ``CUDA_MPS_PIPE_DIRECTORY``
+  and the unit's ``/dev/shm`` (``isolators.cdi.mps_edits``).
 - ``cdiVersion`` is the lowest its fields need (a uid may start with a
   digit: 0.5.0). Pure: no I/O (``isolators.cdi`` writes the file).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import msgspec
 
 from actors.mig import Unit
 
 from ...cdi import CdiContainerEdits, CdiDevice, CdiSpec, NodeFacts, container_grant, control_device
-from ...cdi import VISIBLE_DEVICES, device_node, encode_spec, required_version, validate_spec
+from ...cdi import VISIBLE_DEVICES, device_node, encode_spec, mps_edits, required_version, validate_spec
 
 __all__ = ["VISIBLE_NONE_FROM_CDI", "claim_kind", "claim_spec_prefix", "claim_spec_file", "claim_device_id", "render_claim_spec"]
 
@@ -62,14 +66,17 @@ def claim_device_id(driver: str, uid: str, device: str) -> str:
 
 
 def render_claim_spec(driver: str, uid: str, devices: Iterable[tuple[str, Unit]], uuids: dict[Unit, str],
-                      facts: NodeFacts, dev_dir: str) -> bytes:
+                      facts: NodeFacts, dev_dir: str, mps: Mapping[str, tuple[str, str]] | None = None) -> bytes:
     """The claim's spec as JSON bytes (``devices``: (device name, unit) pairs; see module rules)."""
     devices = list(devices)
     cdi_devices = []
     for name, unit in devices:
         grant = container_grant([unit], uuids, {}, dev_dir, caps=facts.caps)
-        cdi_devices.append(CdiDevice(name=f"{uid}-{name}", container_edits=CdiContainerEdits(
-            device_nodes=[device_node(node) for node in grant.devices])))
+        edits = CdiContainerEdits(device_nodes=[device_node(node) for node in grant.devices])
+        if mps and name in mps:
+            share = mps_edits(*mps[name])
+            edits = msgspec.structs.replace(edits, env=share.env, mounts=share.mounts)
+        cdi_devices.append(CdiDevice(name=f"{uid}-{name}", container_edits=edits))
     volume_edits = facts.injection.edits([facts.volume] if facts.volume is not None else [])
     shared = CdiContainerEdits(
         env=[f"{VISIBLE_DEVICES}={VISIBLE_NONE_FROM_CDI}"],

@@ -52,6 +52,21 @@ Rules (issue 37 items 3-5; SPEC section 21):
   as holder), then ``release_unclaimed`` returns what the last run leased
   and no claim holds; a unit the ledger refuses (another front door holds
   it: two grants) is logged at ERROR and the claim stays prepared.
+- MPS shares (``--sharing=mps``, SPEC R-MP-1..3, R-MP-5; ``mps``: the
+  front door's ``actors.mps.MpsDaemons``): once a claim's units are held,
+  each of its shares is granted by the unit's daemon (started, or joined
+  when it runs) with the share's limits (``ShareLimits``: memory exactly
+  the consumed bytes, threads the consumed compute or 100 when it reserved
+  none), share id ``<claim uid>/<device>``; a share the daemons refuse (the
+  daemon cannot start: its exit and log; limits other than the unit's live
+  shares have: MPS holds one set of limits per unit) refuses the claim
+  naming why, and what it took is given back. The claim's spec gives each
+  shared device the daemon's pipe directory at ``/tmp/nvidia-mps`` and the
+  unit's ``/dev/shm``. Unprepare returns the claim's shares once its
+  commit landed (the unit's last share stops its daemon), then its units.
+  At start every prepared claim's shares are granted again (a daemon left
+  running is taken over); one refused is logged at ERROR and the claim
+  stays prepared.
 - ``registered(ok, error)`` records what the kubelet's plugin watcher said.
 - Metrics: counters ``dra/prepares`` (claims prepared, repeats included),
   ``dra/unprepares``, ``dra/prepare_failures`` (claims refused);
@@ -131,7 +146,7 @@ class DraPluginProcess(OperatorRoutes):
     def __init__(self, catalog: DraCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, client: Any, *,
                  driver: str, node: str, spec_dir: str, dev_dir: str, checkpoint: str,
                  prepared: list[PreparedClaim], credential: BearerCredential | None = None,
-                 ledger: bool = False) -> None:
+                 ledger: bool = False, mps: Any = None) -> None:
         super().__init__(DRA_PLUGIN_ID)
         self.ledger = ledger
         """The allocator joined the node ledger: claims take and let go of their units there."""
@@ -151,11 +166,14 @@ class DraPluginProcess(OperatorRoutes):
         """Blocking file work: claim specs, the checkpoint."""
         self._queue: list[tuple[list[PreparedClaim], list[PreparedClaim], asyncio.Future]] = []
         self._committing = False
+        self.mps = mps
+        """The front door's MPS daemons (``--sharing=mps``), None without sharing."""
 
     @classmethod
     async def create(cls, catalog: DraCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, client: Any, *,
                      driver: str, node: str, spec_dir: str, dev_dir: str, checkpoint: str,
-                     credential: BearerCredential | None = None, ledger: bool = False) -> "DraPluginProcess":
+                     credential: BearerCredential | None = None, ledger: bool = False,
+                     mps: Any = None) -> "DraPluginProcess":
         """The process, spawned once the checkpoint is read, the claims' specs restored and (``ledger``) their
         units held again in the node ledger."""
         executor = Executor(1, name="dra-plugin-start")
@@ -163,7 +181,7 @@ class DraPluginProcess(OperatorRoutes):
             prepared = await executor.run(read_checkpoint, checkpoint)
             plugin = cls(catalog, allocator, facts, client, driver=driver, node=node, spec_dir=spec_dir,
                          dev_dir=dev_dir, checkpoint=checkpoint, prepared=prepared, credential=credential,
-                         ledger=ledger)
+                         ledger=ledger, mps=mps)
             wanted, kept = {}, set()
             for claim in prepared:
                 name = claim_spec_file(driver, claim.ref.uid)
@@ -182,6 +200,8 @@ class DraPluginProcess(OperatorRoutes):
                         len(prepared), checkpoint, ", ".join(written) or "none", ", ".join(removed) or "none")
         if ledger:
             await plugin._reconcile_ledger(prepared)
+        if mps is not None:
+            await plugin._restore_shares(prepared)
         spawn(plugin)
         return plugin
 
@@ -199,6 +219,70 @@ class DraPluginProcess(OperatorRoutes):
         if returned:
             logger.info("Reconciled with the checkpoint: units leased by the last run that no prepared claim holds"
                         " went back to the node ledger: %s", ", ".join(returned))
+
+    async def _restore_shares(self, prepared: list[PreparedClaim]) -> None:
+        """At start: every prepared claim's MPS shares granted again (a running daemon is taken over)."""
+        for claim in prepared:
+            try:
+                await self._grant(claim.ref.uid, claim.devices)
+            except Exception as error:  # noqa: BLE001 - the daemons' refusal: the claim stays prepared, said loudly
+                logger.error("Prepared %s: its MPS shares cannot be granted again: %s", claim.ref, error)
+
+    @staticmethod
+    def share_id(uid: str, device: str) -> str:
+        return f"{uid}/{device}"
+
+    async def _grant(self, uid: str, devices: list[Any]) -> None:
+        """Grant the shares of ``devices`` through their units' daemons; all or none (what was granted goes
+        back when one is refused)."""
+        from actors.mps import ShareLimits as DaemonLimits
+
+        granted = []
+        try:
+            for device in devices:
+                if device.share is None or device.device not in self.catalog.by_name:
+                    continue
+                facts = self.catalog.by_name[device.device]
+                limits = DaemonLimits(memory_bytes=device.share.memory_bytes,
+                                      thread_percentage=device.share.thread_percent or 100)
+                await self.mps.share(facts.uuid, self.share_id(uid, device.device), limits)
+                granted.append(device.device)
+        except BaseException:
+            for name in granted:
+                await self.mps.release(self.share_id(uid, name))
+            raise
+
+    async def _return_shares(self, uid: str, devices: list[Any]) -> bool:
+        """The MPS shares of ``devices`` back to their daemons (a unit's last share stops its daemon); False
+        (logged) when a daemon could not be stopped: the claim's units then stay held."""
+        if self.mps is None:
+            return True
+        done = True
+        for device in devices:
+            if device.share is not None:
+                try:
+                    await self.mps.release(self.share_id(uid, device.device))
+                except Exception as error:  # noqa: BLE001 - the unit stays held rather than handed out half-undone
+                    logger.error("Claim uid %s: its MPS share of %s was not returned cleanly (%s); its units stay"
+                                 " held in the node ledger", uid, device.device, error)
+                    done = False
+        return done
+
+    async def _share(self, planned: list[ClaimPlan], answers: dict[str, ClaimAnswer]) -> list[ClaimPlan]:
+        """Each plan's MPS shares granted; the plans that got them (the others refused, their units and
+        reservation given back)."""
+        shared = []
+        for plan in planned:
+            try:
+                await self._grant(plan.ref.uid, plan.devices)
+            except Exception as error:  # noqa: BLE001 - the daemons' refusal, named in the claim's answer
+                self.table.release(plan.ref.uid)
+                await self._let_go([plan.ref.uid])
+                answers[plan.ref.uid] = self._refused(ClaimRefused(
+                    f"{plan.ref}: its MPS share cannot be granted: {error}; nothing was prepared"))
+                continue
+            shared.append(plan)
+        return shared
 
     def _units(self, devices: list[Any]) -> list[Any]:
         """The units of ``devices`` this node still publishes (one each)."""
@@ -223,7 +307,12 @@ class DraPluginProcess(OperatorRoutes):
 
     def _spec(self, uid: str, devices: list[Any]) -> bytes:
         units = [(d.device, self.catalog.by_name[d.device].unit) for d in devices]
-        return render_claim_spec(self.driver, uid, units, self.catalog.uuids, self.facts, self.dev_dir)
+        mps = None
+        if self.mps is not None:
+            paths = {d.device: self.mps.paths(self.catalog.by_name[d.device].uuid) for d in devices
+                     if d.share is not None}
+            mps = {name: (where.pipe, where.shm) for name, where in paths.items()}
+        return render_claim_spec(self.driver, uid, units, self.catalog.uuids, self.facts, self.dev_dir, mps)
 
     async def prepare(self, refs: list[ClaimRef]) -> dict[str, ClaimAnswer]:
         """An answer for every claim (see module rules)."""
@@ -271,6 +360,8 @@ class DraPluginProcess(OperatorRoutes):
             planned.append(plan)
         if planned and self.ledger:
             planned = await self._take(planned, answers)
+        if planned and self.mps is not None:
+            planned = await self._share(planned, answers)
         if planned:
             answers.update(await self._write(planned))
         return {ref.uid: answers[ref.uid] for ref in refs}
@@ -327,6 +418,8 @@ class DraPluginProcess(OperatorRoutes):
         try:
             await self._commit(claims, [])
         except Exception as error:  # noqa: BLE001 - the files' errors, or a commit interrupted: nothing prepared
+            for plan in plans:
+                await self._return_shares(plan.ref.uid, plan.devices)
             await self._let_go([plan.ref.uid for plan in plans])  # so nothing stays held in the node ledger
             return {plan.ref.uid: self._refused(ClaimRefused(f"{plan.ref}: {error}; nothing was prepared"))
                     for plan in plans}
@@ -413,10 +506,13 @@ class DraPluginProcess(OperatorRoutes):
                 for claim in gone:
                     answers[claim.ref.uid] = f"{claim.ref}: {error}; it stays prepared"
                 return answers
+            returned = []
             for claim in gone:
                 self.unprepares += 1
                 logger.info("Unprepared %s", claim.ref)
-            await self._let_go([claim.ref.uid for claim in gone])
+                if await self._return_shares(claim.ref.uid, claim.devices):
+                    returned.append(claim.ref.uid)
+            await self._let_go(returned)
         return answers
 
     async def _let_go(self, uids: list[str]) -> None:

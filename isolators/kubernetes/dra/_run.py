@@ -12,7 +12,9 @@ Rules (issue 37; SPEC section 21):
   ledger joined as ``dra-plugin:<driver>`` (SPEC R-NL-1: on by default on
   the real NVML; another running process of that owner stops the start),
   the catalog (with ``--sharing=mps`` its units published for MPS
-  shares), the node's CDI facts, the process (checkpoint read,
+  shares, and the front door's MPS daemons, ``mps_daemons``: one per
+  shared unit under ``--runtime_dir``, ``--mps_control`` the program),
+  the node's CDI facts, the process (checkpoint read,
   claims' specs restored, their units held again in the ledger and the
   rest of the last run's returned: R-NL-3), then the DRA socket (``<plugins_dir>/<driver>/dra.sock``:
   DRAPlugin v1 and v1beta1, DRAResourceHealth v1 and v1alpha1) and only then the
@@ -29,7 +31,9 @@ Rules (issue 37; SPEC section 21):
   (``SocketServer``, ``PluginWatcherRegistration``, ``node_parts`` /
   ``serve_until_stopped``).
 - On SIGTERM or SIGINT: the sockets stop (each removes only its own file),
-  then the process and the components; the slice stays (a restarted
+  then the process and the components; the MPS daemons keep running (the
+  pods of prepared claims use them; the next start takes them over); the
+  slice stays (a restarted
   driver takes it over); it returns normally (exit 0).
 """
 
@@ -45,7 +49,7 @@ from actors.flags import Flags
 
 from ...cdi import read_node_facts
 from ...credential import BearerCredential
-from .._run import DEFAULT_CDI_SPEC_DIR, node_parts, serve_until_stopped
+from .._run import DEFAULT_CDI_SPEC_DIR, mps_daemons, node_parts, serve_until_stopped
 from ._names import DEFAULT_DRIVER_NAME, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, dra_socket, registration_socket
 
 __all__ = ["DraOptions", "DraSummary", "run_dra_plugin"]
@@ -113,10 +117,12 @@ async def run_dra_plugin(flags: Flags, options: DraOptions, ready: Callable[[Dra
             ledger = await components.join_ledger(dra_plugin_owner(driver))
             catalog = DraCatalog.build(components.allocator.pools(), components.inventory, options.sharing)
             facts = await read_node_facts(flags, components.inventory, components.volume)
+            mps = mps_daemons(components.nvml, flags.runtime_dir, options.mps_control) \
+                if options.sharing == "mps" else None
             plugin = await DraPluginProcess.create(
                 catalog, components.allocator, facts, client, driver=driver, node=node, spec_dir=spec_dir,
                 dev_dir=flags.dev_dir, checkpoint=checkpoint_path(flags.work_dir, driver), credential=credential,
-                ledger=ledger is not None)
+                ledger=ledger is not None, mps=mps)
 
             def add_dra(server: object) -> None:
                 for version, (_, rpc) in DRA_VERSIONS.items():

@@ -1,12 +1,19 @@
-"""SPEC R-MP-5 and R-MP-6 through the real ``gpu-isolator dra-plugin --sharing=mps`` beside the real device
-plugin, over one node ledger (``tests.support.kube_node``): the scheduler's part is played by the fake API
-server as Kubernetes allocates consumable capacity. Two claims asking ``capacity.requests.memory`` share one
-GPU, each prepared with its own limits, exactly its ``consumedCapacity``; the unit is the driver's in the
-node ledger and each share a holder; no other front door takes it while a share lives."""
+"""SPEC R-MP-5, R-MP-6 (and the DRA side of R-MP-1..3) through the real ``gpu-isolator dra-plugin
+--sharing=mps`` beside the real device plugin, over one node ledger (``tests.support.kube_node``), with the
+stand-in ``nvidia-cuda-mps-control`` the tests build (``actors.mps.testing``; every command it receives is
+recorded). The scheduler's part is played by the fake API server as Kubernetes allocates consumable capacity.
+
+Claims asking ``capacity.requests`` share one GPU: the first starts the unit's daemon with its limits, exactly
+its ``consumedCapacity``, set through the daemon; the next with the same limits joins it; one with other limits
+is refused naming both (MPS holds one set of limits per unit, R-MP-2). The unit is the driver's in the node
+ledger with each share a holder; no other front door takes it while a share lives; the last share stops the
+daemon and returns the unit."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -14,6 +21,7 @@ import grpc
 import pytest
 
 from actors.ledger import dra_plugin_owner
+from actors.mps.testing import NO_GCC, build_mps_control, read_record
 
 from tests.support.kube_node import DRIVER, KubeNode
 from tests.support.kubelet import DGX8, plugin_directory
@@ -23,16 +31,28 @@ DRA_OWNER = dra_plugin_owner(DRIVER)
 GI = 1 << 30
 
 
+class Node(KubeNode):
+    record: Path
+    runtime_dir: str
+
+
 @pytest.fixture
-def kube(tmp_path: Path) -> Iterator[KubeNode]:
+def kube(tmp_path: Path) -> Iterator[Node]:
+    control = build_mps_control(tmp_path)
+    if control is None:
+        pytest.skip(NO_GCC)
+    runtime_dir = tempfile.mkdtemp(prefix="mps-", dir="/tmp")  # short: the daemon's socket path is bounded
+    record = tmp_path / "mps-record"
     with plugin_directory() as sockets:
-        node = KubeNode(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"),
-                        dra_plugin_options=("--sharing=mps",))
+        node = Node(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"), env={"FAKE_MPS_RECORD": str(record)},
+                    dra_plugin_options=("--sharing=mps", f"--mps_control={control}", f"--runtime_dir={runtime_dir}"))
+        node.record, node.runtime_dir = record, runtime_dir
         try:
             node.start()
             yield node
         finally:
             node.close()
+            shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
 def checkpointed(kube: KubeNode) -> dict[str, list[dict]]:
@@ -40,33 +60,67 @@ def checkpointed(kube: KubeNode) -> dict[str, list[dict]]:
     return {claim["ref"]["uid"]: claim["devices"] for claim in json.loads(path.read_text())["claims"]}
 
 
+def daemon_commands(kube: Node, uuid: str) -> list[str]:
+    return [detail for unit, event, detail in read_record(kube.record) if unit == uuid and event == "command"]
+
+
 @pytest.mark.asyncio
-async def test_two_claims_share_one_gpu_each_with_its_own_limits_held_by_the_driver(kube: KubeNode) -> None:
+async def test_claims_share_one_gpu_through_its_daemon_with_their_limits_held_by_the_driver(kube: Node) -> None:
+    gpu0 = kube.uuids["gpu-0"]
     kube.wait_slice(lambda devices: len(devices) == 8, "the sharing slice published")
     [published] = kube.api.slices("node-a")
     assert all(d["allowMultipleAllocations"] for d in published["spec"]["devices"])
     assert not [r for r in kube.api.requests if "422" in r[4]]  # the API server took its request policies
 
     first = kube.share({"memory": "10Gi", "compute": "30"})
-    second = kube.share({"memory": "1000Mi"})  # rounded up by the scheduler to 4 steps of 256Mi
+    second = kube.share({"memory": "10200Mi", "compute": "29.5"})  # rounded up by the scheduler: the same share
     results = [kube.api.claims[(c[0], c[1])]["status"]["allocation"]["devices"]["results"][0] for c in (first, second)]
-    assert [r["device"] for r in results] == ["gpu-0", "gpu-0"]
+    assert [(r["device"], r["consumedCapacity"]) for r in results] == [
+        ("gpu-0", {"memory": "10Gi", "compute": "30"})] * 2
     answers = [kube.prepare(claim) for claim in (first, second)]
     for claim, answer, result in zip((first, second), answers, results):
         [device] = answer["devices"]
         assert (device["device_name"], device["share_id"]) == ("gpu-0", result["shareID"])
         assert device["cdi_device_ids"] == [f"{DRIVER}/claim={claim[2]}-gpu-0"]
     prepared = checkpointed(kube)
-    assert prepared[first[2]][0]["share"] == {"memory_bytes": 10 * GI, "thread_percent": 30}
-    assert prepared[second[2]][0]["share"] == {"memory_bytes": 1024 << 20, "thread_percent": None}
+    assert [prepared[c[2]][0]["share"] for c in (first, second)] == [
+        {"memory_bytes": 10 * GI, "thread_percent": 30}] * 2
+
+    # one daemon for the unit, started by the first share, its limits set through it (R-MP-1, R-MP-2)
+    assert [e for u, e, _ in read_record(kube.record) if e == "start"] == ["start"]
+    assert daemon_commands(kube, gpu0)[:3] == ["get_server_list", f"set_default_device_pinned_mem_limit {gpu0} 10240M",
+                                               "set_default_active_thread_percentage 30"]
+    # what the claim's containers get (R-MP-3): the daemon's pipes at /tmp/nvidia-mps, the unit's /dev/shm
+    spec = json.loads((kube.cdi / f"{DRIVER}-claim_{first[2]}.json").read_text())
+    [device] = spec["devices"]
+    edits = device["containerEdits"]
+    pipe = f"{kube.runtime_dir}/mps/{gpu0}/pipe"
+    assert edits["env"] == ["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"]
+    assert [(m["hostPath"], m["containerPath"]) for m in edits["mounts"]] == [
+        (pipe, "/tmp/nvidia-mps"), (f"{kube.runtime_dir}/mps/{gpu0}/shm", "/dev/shm")]
+    assert Path(pipe, "nvidia-cuda-mps-control.pid").exists()
+
+    # Both holders reach the ledger file before the next claim: a holder added to a unit the owner already
+    # leases is written lazily, and one added then let go right after (the refused claim below) was seen to
+    # keep the second holder out of the file for 40 s and more (reported with issue 49's MPS work).
+    await until(lambda: leases(kube.ledger).get("195:0") == (DRA_OWNER, tuple(sorted((first[2], second[2])))),
+                "gpu-0 held by the DRA driver for both shares")
+    # other limits on the same unit: refused naming both, nothing taken (MPS holds one set per unit)
+    other = kube.share({"memory": "1Gi"})
+    assert kube.api.claims[(other[0], other[1])]["status"]["allocation"]["devices"]["results"][0]["device"] == "gpu-0"
+    refusal = kube.prepare(other)["error"]
+    assert refusal.startswith(f"claim ns/{other[1]} (uid {other[2]}): its MPS share cannot be granted: cannot share"
+                              f" {gpu0} with ")
+    assert "the shares of one unit are equal (R-MP-2)" in refusal and refusal.endswith("nothing was prepared")
+    assert other[2] not in checkpointed(kube)
 
     # the node ledger: the unit is the driver's, each share a holder; the device plugin may not take it
     await until(lambda: leases(kube.ledger).get("195:0") == (DRA_OWNER, tuple(sorted((first[2], second[2])))),
-                "gpu-0 held by the DRA driver for both shares")
+                "gpu-0 held by the DRA driver for both shares, not the refused one")
     with pytest.raises(grpc.RpcError) as refused:
-        kube.allocate("pod", [kube.uuids["gpu-0"]])
+        kube.allocate("pod", [gpu0])
     assert refused.value.details() == (
-        f"Held by another front door of this node: {kube.uuids['gpu-0']} (195:0) is held by {DRA_OWNER} (running)"
+        f"Held by another front door of this node: {gpu0} (195:0) is held by {DRA_OWNER} (running)"
         f" for {', '.join(sorted((first[2], second[2])))}; nothing was allocated")
 
     # a claim the cluster allocated whole (the DRAConsumableCapacity gate off) is refused, naming the gate
@@ -77,8 +131,11 @@ async def test_two_claims_share_one_gpu_each_with_its_own_limits_held_by_the_dri
         " DRAConsumableCapacity feature gate on the API server and the scheduler, or run the driver with"
         " --sharing=none; nothing was prepared")
 
-    # the unit stays held while a share lives, and goes back with the last
+    # the unit and its daemon stay while a share lives, and go with the last
     assert kube.unprepare(first) == {}
     await until(lambda: leases(kube.ledger).get("195:0") == (DRA_OWNER, (second[2],)), "gpu-0 held for one share")
+    assert "quit" not in daemon_commands(kube, gpu0)
     assert kube.unprepare(second) == {}
     await until(lambda: "195:0" not in leases(kube.ledger), "gpu-0 back in the node ledger")
+    assert daemon_commands(kube, gpu0)[-1] == "quit"
+    assert kube.dra_plugin.metrics()["mps_shares"] == 0
