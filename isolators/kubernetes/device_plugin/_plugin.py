@@ -16,6 +16,15 @@ Rules (R-K8-3, R-K8-4, R-K8-8, R-K8-9):
   none, a unit another front door holds refuses the call naming unit,
   owner and holder). Counted: ``allocations`` (container requests
   answered), ``allocation_failures`` (calls refused).
+- MPS shares (``--mps_replicas``, ``shares``: a ``PodShares``): once the
+  units are taken, every share the requests name is granted by its unit's
+  daemon (``PodShares.grant``: a refusal refuses the call naming why), and
+  each answer names, beside the unit, the unit's MPS edits
+  (``nvidia.com/gpu-mps=<UUID>``, from the spec ``gpu-isolator-mps.json``
+  that ``write_spec`` keeps with the node spec); each pass gives the List
+  to ``PodShares.reconcile`` first, which returns the shares no pod holds
+  (a unit's last share stops its daemon), then to ``PodLeases``, so a unit
+  goes back to the ledger only once its daemon stopped.
 - ``run_pass()`` is the plugin's pass (``PodLeases`` and pod repair's,
   never two at once): ONE PodResources ``List`` (``lister``, on an
   executor of its own), its answer given to the node ledger's
@@ -61,6 +70,8 @@ import logging
 import time
 from typing import Any
 
+import msgspec
+
 
 from actors import NvidiaGpuAllocator
 from actors.allocator import AllocatorError
@@ -90,8 +101,12 @@ class KubeletPluginProcess(OperatorRoutes):
     def __init__(self, catalog: DeviceCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, spec: bytes, *,
                  spec_dir: str, dev_dir: str, pass_device_specs: bool = False,
                  credential: BearerCredential | None = None, repair: PodRepair | None = None,
-                 leases: PodLeases | None = None, lister: Any = None) -> None:
+                 leases: PodLeases | None = None, lister: Any = None, shares: Any = None,
+                 mps_spec: bytes | None = None) -> None:
         super().__init__(PLUGIN_ID)
+        self.shares = shares
+        """``PodShares`` with ``--mps_replicas``, else None."""
+        self.mps_spec = mps_spec
         self.repair = repair
         self.leases = leases
         self.lister = lister if lister is not None else (repair.lister if repair is not None else None)
@@ -158,6 +173,14 @@ class KubeletPluginProcess(OperatorRoutes):
         state = await self.executor.run(ensure_spec_file, self.spec_dir, NODE_SPEC_FILE, self.spec)
         if state is not None:
             logger.info("Wrote the CDI node spec %s/%s (it was %s)", self.spec_dir, NODE_SPEC_FILE, state)
+        if self.mps_spec is not None:
+            from ._shares import MPS_SPEC_FILE
+
+            written = await self.executor.run(ensure_spec_file, self.spec_dir, MPS_SPEC_FILE, self.mps_spec)
+            if written is not None:
+                logger.info("Wrote the CDI spec of MPS shares %s/%s (it was %s)", self.spec_dir, MPS_SPEC_FILE,
+                            written)
+            state = state or written
         return state
 
     # -- the kubelet's calls ---------------------------------------------------------------
@@ -183,6 +206,15 @@ class KubeletPluginProcess(OperatorRoutes):
             if self.leases is not None:  # taken in the node ledger before the kubelet hears of them
                 await self.leases.take(resource, [(ids, self.catalog.units_of(resource, ids) or [])
                                                   for ids in requests])
+            if self.shares is not None:  # MPS: each share granted by its unit's daemon before the answer
+                from ._shares import mps_device_name
+
+                offer = self.catalog.by_resource[resource]
+                await self.shares.grant([offer.by_id[i] for ids in requests for i in ids])
+                answers = [msgspec.structs.replace(answer, cdi_devices=[
+                    *answer.cdi_devices, *(mps_device_name(uuid) for uuid in dict.fromkeys(
+                        offer.by_id[i].uuid for i in ids if offer.by_id[i].share is not None))])
+                    for ids, answer in zip(requests, answers)]
         except PluginRequestError as error:
             self.allocation_failures += 1
             logger.warning("Allocate for %s refused: %s", resource, error)
@@ -206,7 +238,8 @@ class KubeletPluginProcess(OperatorRoutes):
     @property
     def has_pass(self) -> bool:
         """Whether the plugin runs passes (the node ledger or pod repair needs them)."""
-        return self.lister is not None and (self.leases is not None or self.repair is not None)
+        return self.lister is not None and (self.leases is not None or self.repair is not None
+                                            or self.shares is not None)
 
     async def run_pass(self) -> RepairPass | None:
         """One pass: one PodResources List for the node ledger and pod repair (see module rules)."""
@@ -225,6 +258,8 @@ class KubeletPluginProcess(OperatorRoutes):
                     logger.info("The kubelet's PodResources API answers again: the node ledger gets back what no"
                                 " pod holds")
                 self._waiting = None
+            if self.shares is not None and not isinstance(assigned, PodResourcesUnavailable):
+                await self.shares.reconcile(assigned, started)  # first: a unit goes back once its daemon stopped
             if self.leases is not None and not isinstance(assigned, PodResourcesUnavailable):
                 await self.leases.reconcile(assigned, started)
             result = await self.repair.run_pass(assigned) if self.repair is not None else None

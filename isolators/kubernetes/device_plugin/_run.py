@@ -22,6 +22,11 @@ Rules (R-K8-1, R-K8-8):
   SIGINT the endpoints stop (each removes its own socket, nothing else),
   then the actor and the components (the allocator returns the leases no
   pod holds and releases the owner's lock); it returns normally (exit 0).
+- ``--mps_replicas`` N > 1 (SPEC R-MP-4): the front door's MPS daemons
+  (``mps_daemons``: under ``--runtime_dir``, ``--mps_control`` the
+  program; never stopped by the plugin's stop: running pods keep their
+  shares, the next start takes the daemons over), ``PodShares`` and the
+  CDI spec of the shares (``mps_spec``), written with the node spec.
 - The plugin's pass (``KubeletPluginProcess.run_pass``: one PodResources
   List for the node ledger and pod repair) runs every ``pass_interval``
   seconds, the first at start (which reconciles the ledger: R-NL-3), when
@@ -52,7 +57,7 @@ from runtime import dispatch
 
 from ...cdi import encode_spec, read_node_facts
 from ...credential import BearerCredential
-from .._run import DEFAULT_CDI_SPEC_DIR, node_parts, serve_until_stopped
+from .._run import DEFAULT_CDI_SPEC_DIR, mps_daemons, node_parts, serve_until_stopped
 from ..pod_repair import DEFAULT_POD_RESOURCES_SOCKET, PodRepair, PodResourcesClient, RepairOptions, node_repair
 from ._catalog import DeviceCatalog
 from ._endpoint import resource_endpoint
@@ -60,6 +65,7 @@ from ._leases import PLUGIN_OWNER, PodLeases
 from ._names import ALLOCATE_GRACE_S, DEFAULT_DIR
 from ._plugin import NODE_SPEC_FILE, KubeletPluginProcess
 from ._servicer import DevicePluginServicer
+from ._shares import PodShares, mps_spec
 
 __all__ = ["PluginOptions", "PluginSummary", "run_plugin"]
 
@@ -116,11 +122,16 @@ async def run_plugin(flags: Flags, options: PluginOptions,
         repair = (await parts.sockets.run(node_repair, options.repair, catalog, facts, flags.dev_dir, lister)
                   if options.repair is not None else None)  # stats mounts
         leases = PodLeases(catalog, components.allocator, grace_s=options.allocate_grace) if ledger else None
+        shares = mps = None
+        if options.mps_replicas > 1:  # SPEC R-MP-4: the front door's MPS daemons, one per shared unit
+            mps = mps_daemons(components.nvml, flags.runtime_dir, options.mps_control)
+            shares = PodShares(catalog, mps, grace_s=options.allocate_grace)
         try:
             plugin = await KubeletPluginProcess.create(
                 catalog, components.allocator, facts, spec, spec_dir=spec_dir, dev_dir=flags.dev_dir,
                 pass_device_specs=options.pass_device_specs, credential=credential, repair=repair,
-                leases=leases, lister=lister)
+                leases=leases, lister=lister, shares=shares,
+                mps_spec=mps_spec(catalog, mps) if mps is not None else None)
             endpoints = [
                 resource_endpoint(directory, offer, plugin.pid,
                                   DevicePluginServicer(offer, plugin.pid, components.allocator), parts.sockets,

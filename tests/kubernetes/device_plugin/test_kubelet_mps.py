@@ -5,6 +5,9 @@ real command with the fake kubelet of the official protos."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -18,6 +21,8 @@ from actors.nvml import SimulatedNvml, load_host_file, read_inventory
 from isolators.cli import main
 from isolators.kubernetes import PluginSetupError
 from isolators.kubernetes.device_plugin._catalog import DeviceCatalog, MpsShare, check_sharing
+
+from actors.mps.testing import NO_GCC, build_mps_control, read_record
 
 from tests.kubernetes.device_plugin.test_kubelet_mig_and_sharing import DGX8, H200, run_plugin
 
@@ -68,9 +73,21 @@ def test_mps_with_time_slicing_or_too_few_replicas_is_one_clear_error(time_slici
 
 
 @pytest.fixture(scope="module")
-def mps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    yield from run_plugin(tmp_path_factory.mktemp("mps"), DGX8, "--mps_replicas=2",
-                          "--mps_control=/usr/bin/nvidia-cuda-mps-control")
+def stand_in(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    control = build_mps_control(tmp_path_factory.mktemp("mps-control"))
+    if control is None:
+        pytest.skip(NO_GCC)
+    return control
+
+
+@pytest.fixture(scope="module")
+def mps(tmp_path_factory: pytest.TempPathFactory, stand_in: Path) -> Iterator[tuple]:
+    runtime_dir = tempfile.mkdtemp(prefix="mps-", dir="/tmp")  # short: the daemon's socket path is bounded
+    try:
+        yield from run_plugin(tmp_path_factory.mktemp("mps"), DGX8, "--mps_replicas=2", f"--mps_control={stand_in}",
+                              f"--runtime_dir={runtime_dir}")
+    finally:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
 def test_the_kubelet_lists_two_shares_per_gpu_and_a_container_gets_one_share_of_a_gpu(mps) -> None:
@@ -79,7 +96,15 @@ def test_the_kubelet_lists_two_shares_per_gpu_and_a_container_gets_one_share_of_
     _, devices = kubelet.wait_list("nvidia.com/gpu")
     assert [d[0] for d in devices] == [f"{uuid}::{i}" for uuid in GPU_UUIDS for i in range(2)]
     one = kubelet.allocate("nvidia.com/gpu", [f"{GPU_UUIDS[2]}::1"])
-    assert [d.name for d in one.cdi_devices] == [f"nvidia.com/gpu={GPU_UUIDS[2]}"]
+    # the unit, and its MPS edits (the daemon's pipes at /tmp/nvidia-mps, the unit's /dev/shm: R-MP-3)
+    assert [d.name for d in one.cdi_devices] == [f"nvidia.com/gpu={GPU_UUIDS[2]}", f"nvidia.com/gpu-mps={GPU_UUIDS[2]}"]
+    _, _, _, cdi = mps
+    spec = json.loads((cdi / "gpu-isolator-mps.json").read_text())
+    assert spec["kind"] == "nvidia.com/gpu-mps" and [d["name"] for d in spec["devices"]] == sorted(GPU_UUIDS)
+    edits = next(d for d in spec["devices"] if d["name"] == GPU_UUIDS[2])["containerEdits"]
+    assert edits["env"] == ["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"]
+    assert [m["containerPath"] for m in edits["mounts"]] == ["/tmp/nvidia-mps", "/dev/shm"]
+    assert Path(edits["mounts"][0]["hostPath"], "nvidia-cuda-mps-control.pid").exists()  # its daemon runs
     two = kubelet.allocate("nvidia.com/gpu", [f"{GPU_UUIDS[0]}::0", f"{GPU_UUIDS[1]}::1"])  # shares of two GPUs
     assert dict(two.envs) == {"NVIDIA_VISIBLE_DEVICES": f"{GPU_UUIDS[0]},{GPU_UUIDS[1]}"}
     with pytest.raises(grpc.RpcError) as refused:
@@ -92,8 +117,11 @@ def test_the_kubelet_lists_two_shares_per_gpu_and_a_container_gets_one_share_of_
 
 
 @pytest.mark.asyncio
-async def test_in_the_node_ledger_the_gpu_is_the_plugins_and_each_pods_share_a_holder(tmp_path: Path) -> None:
-    """SPEC R-MP-6: shares of one GPU stay inside the device plugin; the GPU goes back with the last pod."""
+async def test_in_the_node_ledger_the_gpu_is_the_plugins_and_each_pods_share_a_holder(tmp_path: Path,
+                                                                                      stand_in: Path) -> None:
+    """SPEC R-MP-6 (and R-MP-1, R-MP-2 from the device plugin): shares of one GPU stay inside the device
+    plugin, granted by the GPU's one daemon with 1/2 of its memory and 50 % of its threads; the GPU and its
+    daemon go with the last pod."""
     from actors.ledger import dra_plugin_owner
     from isolators.kubernetes.device_plugin import PLUGIN_OWNER
 
@@ -101,9 +129,12 @@ async def test_in_the_node_ledger_the_gpu_is_the_plugins_and_each_pods_share_a_h
     from tests.support.kubelet import plugin_directory
     from tests.support.ledger import leases, until
 
+    runtime_dir = tempfile.mkdtemp(prefix="mps-", dir="/tmp")
+    record = tmp_path / "mps-record"
     with plugin_directory() as sockets:
-        kube = KubeNode(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"),
-                        device_plugin_options=("--mps_replicas=2",))
+        kube = KubeNode(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"), env={"FAKE_MPS_RECORD": str(record)},
+                        device_plugin_options=("--mps_replicas=2", f"--mps_control={stand_in}",
+                                               f"--runtime_dir={runtime_dir}"))
         try:
             kube.start()
             gpu0 = kube.uuids["gpu-0"]
@@ -111,6 +142,13 @@ async def test_in_the_node_ledger_the_gpu_is_the_plugins_and_each_pods_share_a_h
             kube.allocate("b", [f"{gpu0}::1"])
             await until(lambda: leases(kube.ledger).get("195:0") == (PLUGIN_OWNER, ("ns/a/gpu", "ns/b/gpu")),
                         "gpu-0 held by the device plugin for both pods' shares")
+
+            def commands() -> list[str]:
+                return [detail for unit, event, detail in read_record(record) if unit == gpu0 and event == "command"]
+
+            assert [e for u, e, _ in read_record(record) if e == "start"] == ["start"]  # one daemon, two shares
+            assert commands()[:3] == ["get_server_list", f"set_default_device_pinned_mem_limit {gpu0} 16384M",
+                                      "set_default_active_thread_percentage 50"]
             kube.wait_slice(lambda devices: "gpu-0" not in devices, "gpu-0 left out of the DRA driver's slice")
             claim = kube.claim(["gpu-0"])
             assert kube.prepare(claim)["error"].endswith(
@@ -120,6 +158,8 @@ async def test_in_the_node_ledger_the_gpu_is_the_plugins_and_each_pods_share_a_h
                         "gpu-0 held for the one share left")
             kube.remove_pod("b")
             await until(lambda: "195:0" not in leases(kube.ledger), "gpu-0 back once no pod holds a share")
+            await until(lambda: commands()[-1:] == ["quit"], "the daemon stopped with the last share")
             assert dra_plugin_owner(DRIVER) not in {owner for owner, _ in leases(kube.ledger).values()}
         finally:
             kube.close()
+            shutil.rmtree(runtime_dir, ignore_errors=True)
