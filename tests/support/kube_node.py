@@ -39,7 +39,9 @@ Rules:
 - ``assigned()`` is every unit PodResources names (UUIDs); ``prepared()``
   every device of a claim the DRA checkpoint holds (``gpu-<minor>``).
 - ``close()`` stops what runs (SIGTERM, then kill) and the fakes; always
-  safe.
+  safe. The MPS daemons a sharing plugin started outlive it (as on a
+  node); ``end_mps_daemons(runtime_dir)`` kills those a test left
+  (SIGKILL, by the PID each wrote in its pipe directory).
 """
 
 from __future__ import annotations
@@ -213,6 +215,15 @@ class KubeNode:
             return {}
         return {claim["ref"]["uid"]: [d["device"] for d in claim["devices"]]
                 for claim in json.loads(path.read_text())["claims"]}
+
+
+def end_mps_daemons(runtime_dir: str | os.PathLike[str]) -> None:
+    """SIGKILL every MPS daemon a test's plugin left under ``runtime_dir`` (see module rules)."""
+    for pid_file in Path(runtime_dir).glob("mps/*/pipe/nvidia-cuda-mps-control.pid"):
+        try:
+            os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+        except (ValueError, OSError):
+            pass
 
 
 def _gpus(host_file: str | os.PathLike[str]) -> list[Any]:

@@ -25,6 +25,7 @@ from isolators.kubernetes.device_plugin._catalog import DeviceCatalog, MpsShare,
 from actors.mps.testing import NO_GCC, build_mps_control, read_record
 
 from tests.kubernetes.device_plugin.test_kubelet_mig_and_sharing import DGX8, H200, run_plugin
+from tests.support.kube_node import end_mps_daemons
 
 GPU_UUIDS = [gpu.uuid for gpu in load_host_file(DGX8).gpus]
 MIB = 1 << 20
@@ -87,6 +88,7 @@ def mps(tmp_path_factory: pytest.TempPathFactory, stand_in: Path) -> Iterator[tu
         yield from run_plugin(tmp_path_factory.mktemp("mps"), DGX8, "--mps_replicas=2", f"--mps_control={stand_in}",
                               f"--runtime_dir={runtime_dir}")
     finally:
+        end_mps_daemons(runtime_dir)  # the shares of this module's Allocates were never returned: no pod ended
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
@@ -162,4 +164,5 @@ async def test_in_the_node_ledger_the_gpu_is_the_plugins_and_each_pods_share_a_h
             assert dra_plugin_owner(DRIVER) not in {owner for owner, _ in leases(kube.ledger).values()}
         finally:
             kube.close()
+            end_mps_daemons(runtime_dir)
             shutil.rmtree(runtime_dir, ignore_errors=True)

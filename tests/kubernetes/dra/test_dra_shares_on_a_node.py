@@ -11,7 +11,9 @@ daemon and returns the unit."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,7 +25,7 @@ import pytest
 from actors.ledger import dra_plugin_owner
 from actors.mps.testing import NO_GCC, build_mps_control, read_record
 
-from tests.support.kube_node import DRIVER, KubeNode
+from tests.support.kube_node import DRIVER, KubeNode, end_mps_daemons
 from tests.support.kubelet import DGX8, plugin_directory
 from tests.support.ledger import leases, until
 
@@ -36,15 +38,16 @@ class Node(KubeNode):
     runtime_dir: str
 
 
-@pytest.fixture
-def kube(tmp_path: Path) -> Iterator[Node]:
+@contextlib.contextmanager
+def sharing_node(tmp_path: Path, **env: str) -> Iterator[Node]:
     control = build_mps_control(tmp_path)
     if control is None:
         pytest.skip(NO_GCC)
     runtime_dir = tempfile.mkdtemp(prefix="mps-", dir="/tmp")  # short: the daemon's socket path is bounded
     record = tmp_path / "mps-record"
     with plugin_directory() as sockets:
-        node = Node(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"), env={"FAKE_MPS_RECORD": str(record)},
+        node = Node(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"),
+                    env={"FAKE_MPS_RECORD": str(record), **env},
                     dra_plugin_options=("--sharing=mps", f"--mps_control={control}", f"--runtime_dir={runtime_dir}"))
         node.record, node.runtime_dir = record, runtime_dir
         try:
@@ -52,7 +55,14 @@ def kube(tmp_path: Path) -> Iterator[Node]:
             yield node
         finally:
             node.close()
+            end_mps_daemons(runtime_dir)  # they outlive the driver, as on a node
             shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def kube(tmp_path: Path) -> Iterator[Node]:
+    with sharing_node(tmp_path) as node:
+        yield node
 
 
 def checkpointed(kube: KubeNode) -> dict[str, list[dict]]:
@@ -100,10 +110,8 @@ async def test_claims_share_one_gpu_through_its_daemon_with_their_limits_held_by
         (pipe, "/tmp/nvidia-mps"), (f"{kube.runtime_dir}/mps/{gpu0}/shm", "/dev/shm")]
     assert Path(pipe, "nvidia-cuda-mps-control.pid").exists()
 
-    # Both holders reach the ledger file before the next claim: a holder added to a unit the owner already
-    # leases is written lazily, and one added then let go right after (the refused claim below) was seen to
-    # keep the second holder out of the file for 40 s and more (reported with issue 49's MPS work).
-    await until(lambda: leases(kube.ledger).get("195:0") == (DRA_OWNER, tuple(sorted((first[2], second[2])))),
+    # the node ledger: the unit is the driver's, each share a holder (in the order they came)
+    await until(lambda: leases(kube.ledger).get("195:0") == (DRA_OWNER, (first[2], second[2])),
                 "gpu-0 held by the DRA driver for both shares")
     # other limits on the same unit: refused naming both, nothing taken (MPS holds one set per unit)
     other = kube.share({"memory": "1Gi"})
@@ -114,14 +122,14 @@ async def test_claims_share_one_gpu_through_its_daemon_with_their_limits_held_by
     assert "the shares of one unit are equal (R-MP-2)" in refusal and refusal.endswith("nothing was prepared")
     assert other[2] not in checkpointed(kube)
 
-    # the node ledger: the unit is the driver's, each share a holder; the device plugin may not take it
-    await until(lambda: leases(kube.ledger).get("195:0") == (DRA_OWNER, tuple(sorted((first[2], second[2])))),
+    # the device plugin may not take it while a share lives
+    await until(lambda: leases(kube.ledger).get("195:0") == (DRA_OWNER, (first[2], second[2])),
                 "gpu-0 held by the DRA driver for both shares, not the refused one")
     with pytest.raises(grpc.RpcError) as refused:
         kube.allocate("pod", [gpu0])
     assert refused.value.details() == (
         f"Held by another front door of this node: {gpu0} (195:0) is held by {DRA_OWNER} (running)"
-        f" for {', '.join(sorted((first[2], second[2])))}; nothing was allocated")
+        f" for {first[2]}, {second[2]}; nothing was allocated")
 
     # a claim the cluster allocated whole (the DRAConsumableCapacity gate off) is refused, naming the gate
     whole = kube.claim(["gpu-1"])
@@ -139,3 +147,42 @@ async def test_claims_share_one_gpu_through_its_daemon_with_their_limits_held_by
     await until(lambda: "195:0" not in leases(kube.ledger), "gpu-0 back in the node ledger")
     assert daemon_commands(kube, gpu0)[-1] == "quit"
     assert kube.dra_plugin.metrics()["mps_shares"] == 0
+
+
+def test_a_share_whose_daemon_cannot_start_is_refused_naming_its_exit_and_log(tmp_path: Path) -> None:
+    """R-MP-1 through the driver: never a bare "error waiting for MPS daemon"; nothing stays held."""
+    with sharing_node(tmp_path, FAKE_MPS_FAIL="3:Failed to start: no CUDA-capable device is detected") as kube:
+        gpu0 = kube.uuids["gpu-0"]
+        kube.wait_slice(lambda devices: len(devices) == 8, "the sharing slice published")
+        claim = kube.share({"memory": "4Gi"})
+        refusal = kube.prepare(claim)["error"]
+        assert refusal.startswith(f"claim ns/{claim[1]} (uid {claim[2]}): its MPS share cannot be granted: the MPS"
+                                  f" control daemon of {gpu0} did not start")
+        assert "Failed to start: no CUDA-capable device is detected" in refusal
+        assert refusal.endswith("; nothing was prepared")
+        assert not (Path(kube.node.work_dir) / "dra" / DRIVER / "prepared-claims.json").exists() or \
+            claim[2] not in checkpointed(kube)
+        assert not list(kube.cdi.glob(f"{DRIVER}-claim_*"))
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_driver_takes_its_running_daemon_over_and_keeps_the_share(tmp_path: Path) -> None:
+    """SIGKILL of the driver: the daemon keeps serving the claim's pods; the next start grants the prepared
+    share again through the same daemon (taken over, not started twice), and unprepare still stops it."""
+    with sharing_node(tmp_path) as kube:
+        gpu0 = kube.uuids["gpu-0"]
+        kube.wait_slice(lambda devices: len(devices) == 8, "the sharing slice published")
+        claim = kube.share({"memory": "8Gi", "compute": "50"})
+        assert [d["device_name"] for d in kube.prepare(claim)["devices"]] == ["gpu-0"]
+        pid_file = Path(kube.runtime_dir, "mps", gpu0, "pipe", "nvidia-cuda-mps-control.pid")
+        pid = int(pid_file.read_text().split()[0])
+        kube.kill_dra_plugin()
+        os.kill(pid, 0)  # the daemon outlived its front door
+        kube.restart_dra_plugin()
+        kube.dra_plugin.wait_log(f"MPS control daemon of {gpu0} taken over (pid {pid},")
+        assert [e for _, e, _ in read_record(kube.record) if e == "start"] == ["start"]
+        assert [d["device_name"] for d in kube.prepare(claim)["devices"]] == ["gpu-0"]  # from the checkpoint
+        await until(lambda: leases(kube.ledger).get("195:0") == (DRA_OWNER, (claim[2],)), "gpu-0 held again")
+        assert kube.unprepare(claim) == {}
+        await until(lambda: "195:0" not in leases(kube.ledger), "gpu-0 back once the share is gone")
+        assert daemon_commands(kube, gpu0)[-1] == "quit"
