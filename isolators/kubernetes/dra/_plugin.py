@@ -64,6 +64,9 @@ Rules (issue 37 items 3-5; SPEC section 21):
   shared device the daemon's pipe directory at ``/tmp/nvidia-mps`` and the
   unit's ``/dev/shm``. Unprepare returns the claim's shares once its
   commit landed (the unit's last share stops its daemon), then its units.
+  The prepared shares' limits (``live``) are what the slice's publisher
+  follows: a unit's policies narrow to its live shares' limits, so the
+  scheduler allocates only equal shares beside them.
   At start every prepared claim's shares are granted again (a daemon left
   running is taken over); one refused is logged at ERROR and the claim
   stays prepared.
@@ -96,7 +99,7 @@ from ._claim_spec import claim_device_id, claim_spec_file, claim_spec_prefix, re
 from ._claims import ClaimPlan, ClaimRef, ClaimRefused, check_uid, plan_claim
 from ._devices import DraCatalog
 from ._kube import api_failure
-from ._sharing import ShareLimits, over_capacity
+from ._sharing import LiveShares, ShareLimits, over_capacity
 from ._prepared import (CheckpointError, PreparedClaim, PreparedClaims, PreparedDevice, read_checkpoint,
                         write_checkpoint)
 
@@ -168,6 +171,9 @@ class DraPluginProcess(OperatorRoutes):
         self._committing = False
         self.mps = mps
         """The front door's MPS daemons (``--sharing=mps``), None without sharing."""
+        self.live = LiveShares()
+        """The limits of the prepared shares by device, which the slice follows."""
+        self._follow_table()
 
     @classmethod
     async def create(cls, catalog: DraCatalog, allocator: NvidiaGpuAllocator, facts: NodeFacts, client: Any, *,
@@ -219,6 +225,10 @@ class DraPluginProcess(OperatorRoutes):
         if returned:
             logger.info("Reconciled with the checkpoint: units leased by the last run that no prepared claim holds"
                         " went back to the node ledger: %s", ", ".join(returned))
+
+    def _follow_table(self) -> None:
+        """``live`` as the prepared claims' shares are now (the slice is published again on a change)."""
+        self.live.update(d for claim in self.table.claims.values() for d in claim.devices)
 
     async def _restore_shares(self, prepared: list[PreparedClaim]) -> None:
         """At start: every prepared claim's MPS shares granted again (a running daemon is taken over)."""
@@ -467,6 +477,7 @@ class DraPluginProcess(OperatorRoutes):
                         self.table.remove(claim.ref.uid)
                     for claim in added:
                         self.table.add(claim)
+                    self._follow_table()
                     for _, _, future in batch:
                         future.set_result(None)
             finally:

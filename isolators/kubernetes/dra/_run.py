@@ -140,7 +140,8 @@ async def run_dra_plugin(flags: Flags, options: DraOptions, ready: Callable[[Dra
             dra = SocketServer(dra_path, f"DRA driver {driver}", add_dra, parts.sockets, poll_s=options.poll_interval)
             reg = SocketServer(reg_path, f"registration of {driver}", add_registration, parts.sockets,
                                poll_s=options.poll_interval)
-            publisher = SlicePublisher(client, catalog, driver=driver, node=node)
+            publisher = SlicePublisher(client, catalog, driver=driver, node=node,
+                                       shares=plugin.live if mps is not None else None)
 
             def summary() -> None:
                 if ready is not None:

@@ -36,6 +36,18 @@ the scheduler's allocator in k8s.io/dynamic-resource-allocation/structured):
   compute share outside 0..100. Capacity names are accepted unqualified
   or qualified with the driver (``<driver>/memory``), as the scheduler
   writes either.
+- A unit with live shares holds one set of limits (MPS holds limits per
+  server, one server per unit: the shares of one unit are equal). So the
+  slice follows the shares (``capacity_of(..., live=limits)``): while a
+  unit has live shares its policies narrow to those limits -- ``memory``
+  and ``compute`` each ``validValues`` of the one live value, and that
+  value the default -- so the scheduler rounds any smaller request up to
+  them, never allocates a larger one there, and the next share is equal.
+  ``LiveShares`` is what the driver has prepared (device -> limits), and
+  tells the slice's publisher when it changes. A claim allocated and not
+  yet prepared is not in it: two claims of different limits allocated on a
+  free unit before either is prepared still meet, and the second is
+  refused at prepare naming both.
 - ``over_capacity`` is the driver's own check of what the scheduler
   promises: the shares of one device never sum past its memory, nor
   their thread percentages past 100; a share that would is named with
@@ -51,7 +63,7 @@ from typing import Any
 import msgspec
 
 __all__ = ["SHARING_MODES", "MEMORY", "COMPUTE", "MEMORY_STEP_MIB", "ShareLimits", "ShareRefused", "capacity_of",
-           "shareable", "share_limits", "over_capacity", "parse_quantity"]
+           "shareable", "share_limits", "over_capacity", "parse_quantity", "LiveShares"]
 
 SHARING_MODES = ("none", "mps")
 MEMORY = "memory"
@@ -71,11 +83,18 @@ class ShareLimits(msgspec.Struct, frozen=True, kw_only=True):
     thread_percent: int | None = None
 
 
-def capacity_of(memory_mib: int, sharing: str) -> dict[str, dict[str, Any]]:
-    """A device's ``capacity`` as resource.k8s.io/v1 JSON (see module rules)."""
+def capacity_of(memory_mib: int, sharing: str, live: "ShareLimits | None" = None) -> dict[str, dict[str, Any]]:
+    """A device's ``capacity`` as resource.k8s.io/v1 JSON (``live``: the limits of its live shares; see module
+    rules)."""
     memory = {"value": f"{memory_mib}Mi"}
     if sharing == "none" or not shareable(memory_mib):
         return {MEMORY: memory}
+    if live is not None:
+        size = f"{live.memory_bytes // MIB}Mi" if live.memory_bytes % MIB == 0 else str(live.memory_bytes)
+        percent = str(live.thread_percent or 0)
+        memory["requestPolicy"] = {"default": size, "validValues": [size]}
+        return {MEMORY: memory, COMPUTE: {"value": "100", "requestPolicy": {"default": percent,
+                                                                            "validValues": [percent]}}}
     whole = memory_mib // MEMORY_STEP_MIB * MEMORY_STEP_MIB
     step = f"{MEMORY_STEP_MIB}Mi"
     memory["requestPolicy"] = {"default": f"{whole}Mi", "validRange": {"min": step, "max": f"{whole}Mi", "step": step}}
@@ -155,3 +174,25 @@ def over_capacity(device: str, memory_mib: int, asked: ShareLimits, held: list[S
         return (f"device {device}: this share's {asked.thread_percent} % of the threads and the {len(held)} shares"
                 f" prepared there sum to {threads} %, past 100 %")
     return None
+
+
+class LiveShares:
+    """The limits of the shares the driver has prepared, by device; ``watch`` callbacks hear of a change."""
+
+    def __init__(self) -> None:
+        self.limits: dict[str, ShareLimits] = {}
+        self._watchers: list[Any] = []
+
+    def watch(self, callback: Any) -> None:
+        self._watchers.append(callback)
+
+    def update(self, devices: Any) -> None:
+        """Set from every prepared device (objects with ``device`` and ``share``): the first share of each."""
+        limits: dict[str, ShareLimits] = {}
+        for device in devices:
+            if device.share is not None:
+                limits.setdefault(device.device, device.share)
+        if limits != self.limits:
+            self.limits = limits
+            for callback in self._watchers:
+                callback()

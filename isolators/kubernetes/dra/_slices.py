@@ -6,7 +6,9 @@ Rules (SPEC section 21):
   and one device per ``DraCatalog`` device: its attributes and capacity
   ``memory``; a ``shared`` device (``--sharing=mps``) with
   ``allowMultipleAllocations: true`` and the consumable capacity
-  ``memory`` and ``compute`` with their request policies (``capacity_of``). ``render_slice`` is pure: the same inputs give an equal object.
+  ``memory`` and ``compute`` with their request policies (``capacity_of``),
+  narrowed to the limits of its live shares (``shares``, the publisher's
+  ``LiveShares``: a change publishes again). ``render_slice`` is pure: the same inputs give an equal object.
 - A slice name is a DNS subdomain of at most 253 characters, for any node
   name (itself a DNS subdomain of up to 253): when ``<node>-<driver>`` is
   longer, the name is its first characters, ``-`` and 16 hex digits of
@@ -100,7 +102,8 @@ def _label_value(reason: str) -> str:
 
 
 def render_slice(catalog: DraCatalog, *, driver: str, node: str, generation: int,
-                 unhealthy: Mapping[Unit, str], elsewhere: Collection[Unit] = ()) -> Any:
+                 unhealthy: Mapping[Unit, str], elsewhere: Collection[Unit] = (),
+                 shares: Mapping[str, Any] | None = None) -> Any:
     """The node's ResourceSlice (a lightkube model; see module rules)."""
     from lightkube.models.meta_v1 import ObjectMeta
     from lightkube.models.resource_v1 import (Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool,
@@ -116,7 +119,8 @@ def render_slice(catalog: DraCatalog, *, driver: str, node: str, generation: int
             name=device.name,
             attributes={name: DeviceAttribute(**{kind: value}) for name, (kind, value) in device.attributes.items()},
             capacity={name: DeviceCapacity.from_dict(value)
-                      for name, value in capacity_of(device.memory_mib, "mps" if device.shared else "none").items()},
+                      for name, value in capacity_of(device.memory_mib, "mps" if device.shared else "none",
+                                                     (shares or {}).get(device.name)).items()},
             allowMultipleAllocations=True if device.shared else None,
             taints=[DeviceTaint(key=taint_key(driver), value=_label_value(reason), effect=TAINT_EFFECT)]
             if reason is not None else None,
@@ -159,8 +163,10 @@ def _quantities(value: Any) -> Any:
 class SlicePublisher:
     """Publishes the node's slice through a lightkube client (see module rules)."""
 
-    def __init__(self, client: Any, catalog: DraCatalog, *, driver: str, node: str) -> None:
+    def __init__(self, client: Any, catalog: DraCatalog, *, driver: str, node: str, shares: Any = None) -> None:
         self.client = client
+        self.shares = shares
+        """``LiveShares`` (``--sharing=mps``): the slice follows the limits of the prepared shares."""
         self.catalog = catalog
         self.driver = driver
         self.node = node
@@ -191,13 +197,13 @@ class SlicePublisher:
         self.listed = _version_of(listing)
         ours = next((s for s in found if s.metadata.name == self.name), None)
         wanted = render_slice(self.catalog, driver=self.driver, node=self.node, generation=self.generation,
-                              unhealthy=unhealthy, elsewhere=elsewhere)
+                              unhealthy=unhealthy, elsewhere=elsewhere, shares=self._live())
         wrote, first = False, not self._written
         if ours is None or not self.generation or _essence(ours) != _essence(wanted):
             highest = [s.spec.pool.generation for s in found if s.spec.pool is not None and s.spec.pool.name == self.node]
             self.generation = max(highest + [self.generation]) + 1
             wanted = render_slice(self.catalog, driver=self.driver, node=self.node, generation=self.generation,
-                                  unhealthy=unhealthy, elsewhere=elsewhere)
+                                  unhealthy=unhealthy, elsewhere=elsewhere, shares=self._live())
             if ours is None:
                 stored = await self.client.create(wanted)
             else:
@@ -215,6 +221,9 @@ class SlicePublisher:
                 logger.info("Deleted the stale ResourceSlice %s of node %s, driver %s", stale.metadata.name,
                             self.node, self.driver)
         return wrote
+
+    def _live(self) -> dict[str, Any]:
+        return dict(self.shares.limits) if self.shares is not None else {}
 
     def is_foreign(self, kind: str, resource_slice: Any) -> bool:
         """Whether a watch event shows a change this driver did not make (see module rules)."""
@@ -274,6 +283,8 @@ async def keep_published(publisher: SlicePublisher, allocator: Any, *, retry_max
     import anyio
 
     wanted = _Wanted()
+    if publisher.shares is not None:  # the slice follows the prepared shares' limits
+        publisher.shares.watch(wanted.changed)
     async with anyio.create_task_group() as group:
         group.start_soon(_follow_view, allocator, wanted)
         group.start_soon(_follow_api_server, publisher, wanted, resync_s, retry_max_s)

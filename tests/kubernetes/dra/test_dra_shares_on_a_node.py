@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -113,23 +114,40 @@ async def test_claims_share_one_gpu_through_its_daemon_with_their_limits_held_by
     # the node ledger: the unit is the driver's, each share a holder (in the order they came)
     await until(lambda: leases(kube.ledger).get("195:0") == (DRA_OWNER, (first[2], second[2])),
                 "gpu-0 held by the DRA driver for both shares")
-    # other limits on the same unit: refused naming both, nothing taken (MPS holds one set per unit)
-    other = kube.share({"memory": "1Gi"})
-    assert kube.api.claims[(other[0], other[1])]["status"]["allocation"]["devices"]["results"][0]["device"] == "gpu-0"
-    refusal = kube.prepare(other)["error"]
-    assert refusal.startswith(f"claim ns/{other[1]} (uid {other[2]}): its MPS share cannot be granted: cannot share"
+    # the slice follows the shares: gpu-0's policies narrow to its live limits, so the scheduler rounds a
+    # smaller request up to them and the next share of gpu-0 is equal (MPS holds one set of limits per unit)
+    def gpu0_policies(api: object) -> dict:
+        [published] = kube.api.slices("node-a")
+        capacity = next(d for d in published["spec"]["devices"] if d["name"] == "gpu-0")["capacity"]
+        return {name: entry["requestPolicy"] for name, entry in capacity.items()}
+
+    narrowed = {"memory": {"default": "10240Mi", "validValues": ["10240Mi"]},
+                "compute": {"default": "30", "validValues": ["30"]}}
+    kube.api.wait_for(lambda api: gpu0_policies(api) == narrowed, "gpu-0's policies narrowed to its live shares")
+    third = kube.share({"memory": "1Gi"})
+    assert kube.api.claims[(third[0], third[1])]["status"]["allocation"]["devices"]["results"][0][
+        "consumedCapacity"] == {"memory": "10Gi", "compute": "30"}
+    assert [d["device_name"] for d in kube.prepare(third)["devices"]] == ["gpu-0"]
+
+    # a claim the scheduler allocated other limits on gpu-0 before the slice narrowed: refused naming both
+    raced = ("ns", "raced", str(uuid.uuid4()))
+    kube.api.add_claim("ns", "raced", [{"request": "gpu", "driver": DRIVER, "pool": "node-a", "device": "gpu-0",
+                                        "shareID": str(uuid.uuid4()),
+                                        "consumedCapacity": {"memory": "1Gi", "compute": "0"}}], uid=raced[2])
+    refusal = kube.prepare(raced)["error"]
+    assert refusal.startswith(f"claim ns/raced (uid {raced[2]}): its MPS share cannot be granted: cannot share"
                               f" {gpu0} with ")
     assert "the shares of one unit are equal (R-MP-2)" in refusal and refusal.endswith("nothing was prepared")
-    assert other[2] not in checkpointed(kube)
+    assert raced[2] not in checkpointed(kube)
 
     # the device plugin may not take it while a share lives
-    await until(lambda: leases(kube.ledger).get("195:0") == (DRA_OWNER, (first[2], second[2])),
-                "gpu-0 held by the DRA driver for both shares, not the refused one")
+    await until(lambda: leases(kube.ledger).get("195:0") == (DRA_OWNER, (first[2], second[2], third[2])),
+                "gpu-0 held by the DRA driver for its three shares, not the refused one")
     with pytest.raises(grpc.RpcError) as refused:
         kube.allocate("pod", [gpu0])
     assert refused.value.details() == (
         f"Held by another front door of this node: {gpu0} (195:0) is held by {DRA_OWNER} (running)"
-        f" for {first[2]}, {second[2]}; nothing was allocated")
+        f" for {first[2]}, {second[2]}, {third[2]}; nothing was allocated")
 
     # a claim the cluster allocated whole (the DRAConsumableCapacity gate off) is refused, naming the gate
     whole = kube.claim(["gpu-1"])
@@ -140,13 +158,14 @@ async def test_claims_share_one_gpu_through_its_daemon_with_their_limits_held_by
         " --sharing=none; nothing was prepared")
 
     # the unit and its daemon stay while a share lives, and go with the last
-    assert kube.unprepare(first) == {}
+    assert kube.unprepare(first) == {} and kube.unprepare(third) == {}
     await until(lambda: leases(kube.ledger).get("195:0") == (DRA_OWNER, (second[2],)), "gpu-0 held for one share")
     assert "quit" not in daemon_commands(kube, gpu0)
     assert kube.unprepare(second) == {}
     await until(lambda: "195:0" not in leases(kube.ledger), "gpu-0 back in the node ledger")
     assert daemon_commands(kube, gpu0)[-1] == "quit"
     assert kube.dra_plugin.metrics()["mps_shares"] == 0
+    kube.api.wait_for(lambda api: "validRange" in gpu0_policies(api)["memory"], "gpu-0 offered for any share again")
 
 
 def test_a_share_whose_daemon_cannot_start_is_refused_naming_its_exit_and_log(tmp_path: Path) -> None:

@@ -209,3 +209,37 @@ def test_the_driver_checks_the_sums_the_scheduler_promises() -> None:
 
 def test_share_limits_accept_a_memory_of_the_device_exactly() -> None:
     assert share_limits("gpu-0", 32768, "id", {"memory": "32Gi"}, DRIVER) == ShareLimits(memory_bytes=32 * GI)
+
+
+def test_a_unit_with_live_shares_is_offered_only_for_shares_of_their_limits() -> None:
+    """MPS holds one set of limits per unit: the slice narrows a shared unit's policies to its live shares'
+    limits (valid against the schemas and the API server), and the scheduler then rounds a smaller request up
+    to them and does not put a larger one there."""
+    catalog = catalog_of(DATA / "dgx8-nvlink.toml", "mps")
+    live = {"gpu-0": ShareLimits(memory_bytes=10 * GI, thread_percent=30), "gpu-1": ShareLimits(memory_bytes=GI)}
+    document = render_slice(catalog, driver=DRIVER, node="n1", generation=1, unhealthy={}, shares=live).to_dict()
+    devices = {d["name"]: d["capacity"] for d in document["spec"]["devices"]}
+    assert devices["gpu-0"] == {
+        "memory": {"value": "32768Mi", "requestPolicy": {"default": "10240Mi", "validValues": ["10240Mi"]}},
+        "compute": {"value": "100", "requestPolicy": {"default": "30", "validValues": ["30"]}}}
+    assert devices["gpu-1"]["compute"]["requestPolicy"] == {"default": "0", "validValues": ["0"]}
+    assert devices["gpu-2"] == capacity_of(32768, "mps")  # no share: any
+    check_kubernetes(json.loads(json.dumps(document)), "a slice with live shares")
+    assert capacity_errors(document) == []
+    assert consumed_capacity({"memory": "1Gi"}, devices["gpu-0"], DRIVER) == {"memory": Decimal(10 * GI),
+                                                                               "compute": Decimal(30)}
+    assert consumed_capacity({"memory": "11Gi"}, devices["gpu-0"], DRIVER) is None
+    assert consumed_capacity({"compute": "40"}, devices["gpu-0"], DRIVER) is None
+
+
+def test_live_shares_tell_the_publisher_only_of_a_change() -> None:
+    from isolators.kubernetes.dra._sharing import LiveShares
+
+    live, heard = LiveShares(), []
+    live.watch(lambda: heard.append(dict(live.limits)))
+    share = ShareLimits(memory_bytes=GI)
+    device = SimpleNamespace(device="gpu-0", share=share)
+    live.update([device, SimpleNamespace(device="gpu-0", share=share), SimpleNamespace(device="gpu-1", share=None)])
+    live.update([device])
+    live.update([])
+    assert heard == [{"gpu-0": share}, {}]
