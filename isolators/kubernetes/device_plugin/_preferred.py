@@ -17,6 +17,11 @@ Rules:
   unit, and, when the request wants more IDs than there are units, further
   replicas one per unit per round (units in their order). The answer is
   in the offer's ID order. Pure: no I/O.
+- MPS shares (``--mps_replicas``): a container gets one share of a unit
+  (``Allocate`` refuses two), so a request for more IDs than the distinct
+  units of its available IDs, or whose must-include IDs name two shares of
+  one unit, is refused (``INVALID_ARGUMENT``) naming the counts or the
+  IDs: the kubelet learns at once that the request cannot be met.
 """
 
 from __future__ import annotations
@@ -86,6 +91,20 @@ def plan_preferred(offer: ResourceOffer, available: Iterable[str], must_include:
             f" {max(1, len(must))} (1, and the {len(must)} must-include IDs) and at most the {len(available)}"
             " available IDs",
         )
+    if any(device.share is not None for device in offered):
+        units = {device.unit for device in offered}
+        doubled = [i for i in must if sum(offer.by_id[j].unit == offer.by_id[i].unit for j in must) > 1]
+        if doubled:
+            raise PluginRequestError(INVALID_ARGUMENT, f"Must-include device IDs for {offer.resource} name more than"
+                                                       f" one MPS share of one GPU: {', '.join(repr(i) for i in doubled)};"
+                                                       " a container gets one share of a GPU (--mps_replicas)")
+        if size > len(units):
+            raise PluginRequestError(
+                INVALID_ARGUMENT,
+                f"allocation_size {size} for {offer.resource} cannot be met with MPS shares: a container gets one"
+                f" share of a GPU (--mps_replicas) and the {len(available)} available IDs are shares of"
+                f" {len(units)} GPUs",
+            )
     must_set = set(must)
     include = frozenset(offer.by_id[i].unit for i in must)
     free: dict[Unit, list[str]] = {}

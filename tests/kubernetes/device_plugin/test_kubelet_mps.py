@@ -92,6 +92,24 @@ def mps(tmp_path_factory: pytest.TempPathFactory, stand_in: Path) -> Iterator[tu
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
+def test_preferred_allocation_spreads_shares_over_gpus_and_refuses_what_allocate_would(mps) -> None:
+    _, kubelet, _, _ = mps
+    kubelet.wait_registrations(1)
+    shares = [f"{uuid}::{i}" for uuid in GPU_UUIDS for i in range(2)]
+    two = kubelet.preferred("nvidia.com/gpu", shares, [], 2)
+    assert len({i.split("::")[0] for i in two}) == 2  # two GPUs, one share each
+    for must, size, details in [
+        ([], 3, "allocation_size 3 for nvidia.com/gpu cannot be met with MPS shares: a container gets one share of"
+                " a GPU (--mps_replicas) and the 4 available IDs are shares of 2 GPUs"),
+        (shares[:2], 2, f"Must-include device IDs for nvidia.com/gpu name more than one MPS share of one GPU:"
+                        f" '{shares[0]}', '{shares[1]}'; a container gets one share of a GPU (--mps_replicas)"),
+    ]:
+        with pytest.raises(grpc.RpcError) as refused:
+            kubelet.preferred("nvidia.com/gpu", shares[:4], must, size)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == details
+
+
 def test_the_kubelet_lists_two_shares_per_gpu_and_a_container_gets_one_share_of_a_gpu(mps) -> None:
     _, kubelet, _, _ = mps
     kubelet.wait_registrations(1)
