@@ -6,6 +6,7 @@ real command with the fake kubelet of the official protos."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -180,6 +181,45 @@ async def test_in_the_node_ledger_the_gpu_is_the_plugins_and_each_pods_share_a_h
             await until(lambda: "195:0" not in leases(kube.ledger), "gpu-0 back once no pod holds a share")
             await until(lambda: commands()[-1:] == ["quit"], "the daemon stopped with the last share")
             assert dra_plugin_owner(DRIVER) not in {owner for owner, _ in leases(kube.ledger).values()}
+        finally:
+            kube.close()
+            end_mps_daemons(runtime_dir)
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_plugin_grants_the_shares_of_running_pods_again_through_the_same_daemon(
+        tmp_path: Path, stand_in: Path) -> None:
+    """SIGKILL of the device plugin: the daemon keeps serving the pod; the next start's pass finds the pod's
+    share in PodResources and grants it again (the daemon taken over, not started twice); the pod gone, the
+    daemon stops and the GPU goes back."""
+    from isolators.kubernetes.device_plugin import PLUGIN_OWNER
+
+    from tests.support.kube_node import KubeNode
+    from tests.support.kubelet import plugin_directory
+    from tests.support.ledger import leases, until
+
+    runtime_dir = tempfile.mkdtemp(prefix="mps-", dir="/tmp")
+    record = tmp_path / "mps-record"
+    with plugin_directory() as sockets:
+        kube = KubeNode(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"), env={"FAKE_MPS_RECORD": str(record)},
+                        device_plugin_options=("--mps_replicas=2", f"--mps_control={stand_in}",
+                                               f"--runtime_dir={runtime_dir}"))
+        try:
+            kube.start(dra=False)
+            gpu0 = kube.uuids["gpu-0"]
+            kube.allocate("a", [f"{gpu0}::1"])
+            await until(lambda: leases(kube.ledger).get("195:0") == (PLUGIN_OWNER, ("ns/a/gpu",)), "gpu-0 held for a")
+            pid = int(Path(runtime_dir, "mps", gpu0, "pipe", "nvidia-cuda-mps-control.pid").read_text().split()[0])
+            kube.kill_device_plugin()
+            os.kill(pid, 0)  # the daemon outlived its front door
+            kube.restart_device_plugin()
+            kube.device_plugin.wait_log(f"MPS share {gpu0}::1 of pod ns/a granted again")
+            kube.device_plugin.wait_log(f"MPS control daemon of {gpu0} taken over (pid {pid},")
+            assert [e for _, e, _ in read_record(record) if e == "start"] == ["start"]
+            kube.remove_pod("a")
+            await until(lambda: "195:0" not in leases(kube.ledger), "gpu-0 back once the pod is gone")
+            assert [d for u, e, d in read_record(record) if u == gpu0 and e == "command"][-1] == "quit"
         finally:
             kube.close()
             end_mps_daemons(runtime_dir)
