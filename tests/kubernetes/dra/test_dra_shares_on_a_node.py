@@ -139,6 +139,14 @@ async def test_claims_share_one_gpu_through_its_daemon_with_their_limits_held_by
                               f" {gpu0} with ")
     assert "the shares of one unit are equal (R-MP-2)" in refusal and refusal.endswith("nothing was prepared")
     assert raced[2] not in checkpointed(kube)
+    # one the scheduler should never have allocated (a fourth 10Gi share): the driver checks the sums itself
+    crowded = ("ns", "crowded", str(uuid.uuid4()))
+    kube.api.add_claim("ns", "crowded", [{"request": "gpu", "driver": DRIVER, "pool": "node-a", "device": "gpu-0",
+                                          "shareID": str(uuid.uuid4()),
+                                          "consumedCapacity": {"memory": "10Gi", "compute": "30"}}], uid=crowded[2])
+    assert kube.prepare(crowded)["error"] == (
+        f"claim ns/crowded (uid {crowded[2]}): device gpu-0: this share's 10737418240 bytes of memory and the 3"
+        " shares prepared there sum to 42949672960 bytes, past the device's 32768Mi; nothing was prepared")
 
     # the device plugin may not take it while a share lives
     await until(lambda: leases(kube.ledger).get("195:0") == (DRA_OWNER, (first[2], second[2], third[2])),
