@@ -315,3 +315,23 @@ async def test_a_daemon_left_by_an_earlier_life_is_taken_over_not_started_twice(
         assert not alive(pid) and nvml.compute_mode(0) == 0
         earlier._units.clear()  # its daemon is gone: nothing of it to close
         await earlier.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace of its own needs root")
+async def test_the_daemon_shares_memory_in_the_units_directory_only(mps_control, runtime_dir, record):
+    """The daemon (and the servers it forks) see the unit's shm directory at
+    /dev/shm, the directory a share's containers get there (R-MP-3), in a
+    mount namespace of their own: the front door's /dev/shm is untouched."""
+    nvml = SimulatedNvml.with_gpus(2)
+    async with Runtime():
+        daemons = await manager(nvml, runtime_dir, mps_control)
+        shares = [await daemons.share(nvml.uuid(i), f"claim-{i}", HALF) for i in range(2)]
+        seen = {unit: detail for unit, event, detail in read_record(record) if event == "shm"}
+        for share in shares:
+            own = os.stat(share.shm_dir)
+            assert seen[share.unit] == f"{own.st_dev}:{own.st_ino}"
+        host = os.stat("/dev/shm")
+        assert f"{host.st_dev}:{host.st_ino}" not in seen.values()
+        assert os.stat("/dev/shm").st_ino == host.st_ino  # nothing mounted over ours
+        await daemons.close()

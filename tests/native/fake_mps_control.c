@@ -35,7 +35,9 @@
  *   NVIDIA documents control.log to hold user commands) and, when
  *   $FAKE_MPS_RECORD names a file, appended there as
  *   "<CUDA_VISIBLE_DEVICES>\tcommand\t<line>"; a daemon's start is recorded
- *   as "<CUDA_VISIBLE_DEVICES>\tstart\t<pid>". Tests judge by that file.
+ *   as "<CUDA_VISIBLE_DEVICES>\tstart\t<pid>", then the /dev/shm it sees as
+ *   "<CUDA_VISIBLE_DEVICES>\tshm\t<st_dev>:<st_ino>" (where its servers and
+ *   clients would share memory). Tests judge by that file.
  * - Fault injection for tests: $FAKE_MPS_FAIL="<code>:<text>" makes -d write
  *   <text> to control.log and stderr and exit <code> without starting.
  * - SIGTERM ends the daemon as quit does; SIGKILL leaves the control socket
@@ -388,6 +390,14 @@ static int start_daemon(void)
         log_line("Starting control daemon using socket %s", socket_path);
         snprintf(pid_text, sizeof pid_text, "%ld", (long)getpid());
         record("start", pid_text);
+        {
+            struct stat shm;
+            char identity[64] = "none";
+            if (stat("/dev/shm", &shm) == 0) {
+                snprintf(identity, sizeof identity, "%lu:%lu", (unsigned long)shm.st_dev, (unsigned long)shm.st_ino);
+            }
+            record("shm", identity);
+        }
         if (write(ready[1], "1", 1) != 1) {
             exit(1);
         }
