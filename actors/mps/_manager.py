@@ -25,8 +25,9 @@ Rules:
   NVIDIA's DRA driver gives it; less than 1 MiB is refused.
 - A daemon that exits while shares live is started again after a backoff
   (``backoff_s``: first wait, doubled up to ``backoff_max_s``), at most
-  ``max_restarts`` times in a row; each start after the first of a daemon
-  bumps ``generation`` and ``restarts``. A share whose daemon is down, or
+  ``max_restarts`` times in a row; every start bumps ``generation``, and a
+  start after such an exit (by the restart, or by a share that came
+  first) counts in ``restarts``. A share whose daemon is down, or
   was granted under an earlier generation, is ``interrupted``
   (``share_state``): its clients lost their server with the daemon and
   must start again; a share granted since is not. The exit is noticed through a pidfd on the event loop (asyncio:
@@ -110,7 +111,7 @@ class ShareState(msgspec.Struct, frozen=True, kw_only=True):
 
 class _Unit:
     __slots__ = ("uuid", "paths", "lock", "pid", "pidfd", "generation", "starts", "shares", "limits",
-                 "stopping", "restart_task", "failure", "whole_gpu", "mode_set")
+                 "stopping", "restart_task", "failure", "whole_gpu", "mode_set", "exited")
 
     def __init__(self, uuid: str, paths: DaemonPaths) -> None:
         self.uuid = uuid
@@ -128,6 +129,8 @@ class _Unit:
         self.whole_gpu: bool | None = None
         self.mode_set = False
         """This manager set the unit EXCLUSIVE_PROCESS and has not restored it yet."""
+        self.exited = False
+        """Its daemon exited while shares lived, and has not been started again."""
 
 
 def _find_gpu(nvml: Nvml, uuid: str) -> Any:
@@ -306,6 +309,9 @@ class MpsDaemons:
         unit.pid = pid
         unit.starts += 1
         unit.generation += 1
+        if unit.exited:  # by the restart task, or by a share that came first
+            unit.exited = False
+            self.restarts += 1
         self._watch(unit)
 
     def _watch(self, unit: _Unit) -> None:
@@ -332,6 +338,7 @@ class MpsDaemons:
         unit.pid = None
         if unit.stopping or self._closed:
             return
+        unit.exited = bool(unit.shares)
         logger.warning("MPS control daemon of %s (pid %d) exited; %d share(s) lost their server: %s",
                        unit.uuid, pid, len(unit.shares), _daemon.log_tail(unit.paths, 2).replace("\n", " | "))
         if unit.shares and unit.restart_task is None:
@@ -348,15 +355,18 @@ class MpsDaemons:
                         return
                     try:
                         await self._start(unit)
-                        await self._apply_limits(unit, unit.limits)  # type: ignore[arg-type]
                     except MpsError as exc:
-                        unit.failure = exc
                         logger.warning("MPS control daemon of %s: restart %d of %d failed: %s",
                                        unit.uuid, attempt, self.max_restarts, exc)
                         continue
-                    self.restarts += 1
                     logger.info("MPS control daemon of %s started again (pid %d, after pid %d exited)",
                                 unit.uuid, unit.pid, pid)
+                    try:
+                        await self._apply_limits(unit, unit.limits)  # type: ignore[arg-type]
+                    except MpsError as exc:  # the next share of the unit sets them again
+                        unit.failure = exc
+                        logger.error("MPS control daemon of %s: its limits could not be set again: %s",
+                                     unit.uuid, exc)
                     return
             logger.error("MPS control daemon of %s: gave up after %d restarts; the next share tries again",
                          unit.uuid, self.max_restarts)
@@ -384,6 +394,7 @@ class MpsDaemons:
         if unit.restart_task is not None:
             unit.restart_task.cancel()
             unit.restart_task = None
+        unit.exited = False
         pid = unit.pid
         if pid is None:
             await self._restore_mode(unit)

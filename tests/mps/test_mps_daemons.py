@@ -56,6 +56,7 @@ def record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "record"
     monkeypatch.setenv("FAKE_MPS_RECORD", str(path))
     monkeypatch.delenv("FAKE_MPS_FAIL", raising=False)
+    monkeypatch.delenv("FAKE_MPS_IGNORE_QUIT", raising=False)
     return path
 
 
@@ -170,10 +171,11 @@ async def test_a_killed_daemon_is_started_again_and_its_shares_are_told_apart_fr
         pid = daemons.daemon_pid(gpu)
         os.kill(pid, signal.SIGKILL)
         await until(lambda: daemons.restarts == 1, "the daemon started again")
+        # Its limits are set again through the new daemon (3 commands a time: the server list, 2 limits).
+        await until(lambda: len(commands(record, gpu)) == 6, "the limits set again")
         new_pid = daemons.daemon_pid(gpu)
         assert new_pid not in (None, pid) and alive(new_pid)
         assert starts(record, gpu) == [pid, new_pid]
-        # The limits were set again through the new daemon.
         assert commands(record, gpu)[-2:] == [f"set_default_device_pinned_mem_limit {gpu} 40960M",
                                               "set_default_active_thread_percentage 50"]
         assert current_runtime().metrics.snapshot()["mps/daemon_restarts"] == 1
@@ -294,6 +296,7 @@ async def test_a_daemon_that_cannot_start_again_fails_new_shares_with_its_exit(
         monkeypatch.delenv("FAKE_MPS_FAIL")
         fresh = await daemons.share(gpu, "after", HALF)
         assert not fresh.interrupted and daemons.daemon_pid(gpu) is not None
+        assert daemons.restarts == 1  # started again after its exit: by the share, before the restart's turn
         await daemons.close()
 
 
@@ -334,4 +337,21 @@ async def test_the_daemon_shares_memory_in_the_units_directory_only(mps_control,
         host = os.stat("/dev/shm")
         assert f"{host.st_dev}:{host.st_ino}" not in seen.values()
         assert os.stat("/dev/shm").st_ino == host.st_ino  # nothing mounted over ours
+        await daemons.close()
+
+
+@pytest.mark.asyncio
+async def test_a_daemon_that_ignores_quit_is_killed_within_the_bound(mps_control, runtime_dir, record, monkeypatch):
+    nvml = SimulatedNvml.with_gpus(1)
+    monkeypatch.setenv("FAKE_MPS_IGNORE_QUIT", "1")
+    async with Runtime():
+        daemons = MpsDaemons(NvmlService(nvml), runtime_dir, str(mps_control), timeout_s=0.3)
+        nvml.init()
+        gpu = nvml.uuid(0)
+        await daemons.share(gpu, "claim", HALF)
+        pid = daemons.daemon_pid(gpu)
+        await daemons.release("claim")
+        assert commands(record, gpu)[-1] == "quit"
+        assert not alive(pid)  # quit answered but ignored: SIGKILL after 0.3 s
+        assert nvml.compute_mode(0) == 0 and daemons.restarts == 0
         await daemons.close()

@@ -39,7 +39,9 @@
  *   "<CUDA_VISIBLE_DEVICES>\tshm\t<st_dev>:<st_ino>" (where its servers and
  *   clients would share memory). Tests judge by that file.
  * - Fault injection for tests: $FAKE_MPS_FAIL="<code>:<text>" makes -d write
- *   <text> to control.log and stderr and exit <code> without starting.
+ *   <text> to control.log and stderr and exit <code> without starting;
+ *   $FAKE_MPS_IGNORE_QUIT=1 (read by -d) makes the daemon answer quit and
+ *   go on running (a daemon that hangs on its way out).
  * - SIGTERM ends the daemon as quit does; SIGKILL leaves the control socket
  *   and the PID file behind, as a killed daemon does.
  */
@@ -197,7 +199,8 @@ static int run_command(char *line, char *answer, size_t size)
         return 0;
     }
     if (strcmp(words[0], "quit") == 0 && count == 1) {
-        return 1;
+        const char *ignore = getenv("FAKE_MPS_IGNORE_QUIT");
+        return ignore == NULL || strcmp(ignore, "1") != 0;
     }
     if (strcmp(words[0], "get_server_list") == 0 && count == 1) {
         for (int i = 0; i < server_count; i++) {
