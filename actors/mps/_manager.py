@@ -9,8 +9,10 @@ Rules:
   the front door (its pid file names a live process) is taken over, not
   started twice.
 - Compute mode through NVML: a GPU unit is set to EXCLUSIVE_PROCESS before
-  its daemon starts and back to DEFAULT after it stops (or after a start
-  that failed). A MIG unit's compute mode is left alone: NVML sets compute
+  its daemon starts (an NVML failure fails the share, naming the unit) and
+  back to DEFAULT after it stops (or after a start that failed); a failure
+  to restore it is logged with the command that does it by hand, and tried
+  again at the next stop and at ``close()``. A MIG unit's compute mode is left alone: NVML sets compute
   mode on whole GPUs only, and NVIDIA's DRA driver sets it on the GPUs of
   an MPS claim, never on its MIG devices.
 - Limits (R-MP-2) are set through the control daemon, not only in the
@@ -60,7 +62,7 @@ import msgspec
 
 from runtime import Executor, MetricSet, current_runtime
 
-from actors.nvml import COMPUTE_MODE_DEFAULT, COMPUTE_MODE_EXCLUSIVE_PROCESS, Nvml, NvmlService
+from actors.nvml import COMPUTE_MODE_DEFAULT, COMPUTE_MODE_EXCLUSIVE_PROCESS, Nvml, NvmlError, NvmlService
 
 from . import _daemon
 from ._daemon import DaemonPaths
@@ -292,8 +294,12 @@ class MpsDaemons:
         await self.executor.run(_daemon.prepare, unit.paths)
         pid = await self.executor.run(_daemon.running_pid, unit.paths)
         if unit.whole_gpu is not False and not unit.mode_set:
-            unit.whole_gpu = await self.nvml.call(_set_mode, self.nvml.nvml, unit.uuid,
-                                                  COMPUTE_MODE_EXCLUSIVE_PROCESS)
+            try:
+                unit.whole_gpu = await self.nvml.call(_set_mode, self.nvml.nvml, unit.uuid,
+                                                      COMPUTE_MODE_EXCLUSIVE_PROCESS)
+            except NvmlError as exc:
+                raise MpsError(f"cannot set {unit.uuid} to compute mode EXCLUSIVE_PROCESS for its MPS daemon: {exc};"
+                               " NVML's compute mode needs root") from None
             unit.mode_set = unit.whole_gpu
         if pid is None:
             try:
@@ -425,9 +431,16 @@ class MpsDaemons:
             unit.stopping = False
 
     async def _restore_mode(self, unit: _Unit) -> None:
-        if unit.mode_set:
+        """DEFAULT again; a failure is logged and tried again by the next stop or ``close()``."""
+        if not unit.mode_set:
+            return
+        try:
             await self.nvml.call(_set_mode, self.nvml.nvml, unit.uuid, COMPUTE_MODE_DEFAULT)
-            unit.mode_set = False
+        except NvmlError as exc:
+            logger.error("MPS: cannot set %s back to compute mode DEFAULT: %s; set it with"
+                         " 'nvidia-smi -i %s -c DEFAULT'", unit.uuid, exc, unit.uuid)
+            return
+        unit.mode_set = False
 
 
 def _describe(limits: ShareLimits) -> str:

@@ -355,3 +355,25 @@ async def test_a_daemon_that_ignores_quit_is_killed_within_the_bound(mps_control
         assert not alive(pid)  # quit answered but ignored: SIGKILL after 0.3 s
         assert nvml.compute_mode(0) == 0 and daemons.restarts == 0
         await daemons.close()
+
+
+@pytest.mark.asyncio
+async def test_a_compute_mode_nvml_refuses_fails_the_share_and_starts_nothing(mps_control, runtime_dir, record):
+    nvml = SimulatedNvml.with_gpus(1)
+    async with Runtime():
+        daemons = await manager(nvml, runtime_dir, mps_control)
+        gpu = nvml.uuid(0)
+        nvml.fail("nvmlDeviceSetComputeMode", 4)  # NVML_ERROR_NO_PERMISSION: not root
+        with pytest.raises(MpsError, match=rf"cannot set {gpu} to compute mode EXCLUSIVE_PROCESS for its MPS daemon:"
+                                           r" nvmlDeviceSetComputeMode failed: .*NO_PERMISSION.*needs root"):
+            await daemons.share(gpu, "claim", HALF)
+        assert read_record(record) == [] and daemons.share_state("claim") is None
+        # Restoring it fails after a share: the share is returned, the failure logged, close() tries again.
+        nvml.fail("nvmlDeviceSetComputeMode", None)
+        await daemons.share(gpu, "claim", HALF)
+        nvml.fail("nvmlDeviceSetComputeMode", 4)
+        assert await daemons.release("claim") and daemons.daemon_pid(gpu) is None
+        assert nvml.compute_mode(0) == COMPUTE_MODE_EXCLUSIVE_PROCESS
+        nvml.fail("nvmlDeviceSetComputeMode", None)
+        await daemons.close()
+        assert nvml.compute_mode(0) == 0
