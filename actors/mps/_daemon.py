@@ -13,8 +13,10 @@ Rules:
 - ``DaemonPaths.under(runtime_dir, uuid)``: ``<runtime_dir>/mps/<uuid>/pipe``,
   ``.../log`` and ``.../shm`` (the unit's shared memory, which a share's
   containers get at ``/dev/shm``, ``isolators.cdi.mps_edits``).
-  ``prepare(paths)`` makes the three (mode 0755: containers reach the
-  pipe and shm directories through mounts) and refuses, naming the path
+  ``prepare(paths)`` makes the three: pipe and log 0755 (as NVIDIA's DRA
+  driver makes its MPS directories), shm 1777 (sticky and open to all, as
+  ``/dev/shm`` is: a container's user of any uid makes its segments
+  there) and refuses, naming the path
   and the reason, a directory it cannot make or write, and a pipe
   directory too long for a unix socket (108 bytes with ``/control``).
 - ``start(control, paths, uuid, timeout_s)`` runs ``control -d`` with the
@@ -125,6 +127,12 @@ def prepare(paths: DaemonPaths) -> None:
                 f"cannot create the MPS {what} directory {directory}: {exc.strerror or exc};"
                 " make the front door's runtime directory writable by it"
             ) from None
+        mode = 0o1777 if directory == paths.shm else 0o755  # not left to the umask
+        try:
+            os.chmod(directory, mode)
+        except OSError as exc:
+            raise MpsError(f"cannot set the MPS {what} directory {directory} to mode {mode:o}:"
+                           f" {exc.strerror or exc}") from None
         probe = os.path.join(directory, ".writable")
         try:
             with open(probe, "w"):

@@ -96,6 +96,8 @@ async def test_a_share_starts_the_units_daemon_sets_limits_through_it_and_the_la
         assert first.pipe_dir == paths.pipe == str(runtime_dir / "mps" / gpu0 / "pipe")
         assert stat.S_ISSOCK(os.stat(Path(paths.pipe) / "control").st_mode)
         assert (Path(paths.log) / "control.log").exists()
+        modes = [stat.S_IMODE(os.stat(d).st_mode) for d in (paths.pipe, paths.log, paths.shm)]
+        assert modes == [0o755, 0o755, 0o1777]  # shm as /dev/shm is: any container user makes segments there
         assert starts(record, gpu0) == [pid]
         assert Path(f"/proc/{pid}/environ").read_bytes().split(b"\0").count(f"CUDA_VISIBLE_DEVICES={gpu0}".encode())
         # Compute mode EXCLUSIVE_PROCESS before the daemon started.
