@@ -22,7 +22,7 @@
  *     exit 1 with a message on stderr.
  * - Commands (the real tool's names and arguments): quit; get_server_list;
  *   start_server -uid <uid> (forks a stand-in server process that sleeps
- *   until quit); set_default_active_thread_percentage <pct>;
+ *   until quit, and dies with the daemon); set_default_active_thread_percentage <pct>;
  *   get_default_active_thread_percentage; set_default_device_pinned_mem_limit
  *   <dev> <value>; get_default_device_pinned_mem_limit <dev>;
  *   set_active_thread_percentage <server pid> <pct>;
@@ -54,6 +54,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -217,6 +218,10 @@ static int run_command(char *line, char *answer, size_t size)
         }
         server = fork();
         if (server == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGKILL); /* a killed daemon leaves no stand-in server behind */
+            if (getppid() == 1) {
+                _exit(0);
+            }
             for (int fd = 3; fd < 1024; fd++) {
                 close(fd); /* neither the listener nor this command's connection */
             }
