@@ -31,9 +31,12 @@ Rules:
   without root there is no mount namespace, and no real MPS either
   (compute mode needs root). a non-zero exit, a
   timeout, or no live PID in the pid file within ``timeout_s`` after it is
-  ``MpsDaemonFailed`` with the exit and the tail of ``control.log``. A pid
-  file left by a killed daemon is removed first, so an old PID is never
-  taken for the new daemon. Returns the daemon's PID (not a child of this
+  ``MpsDaemonFailed`` with the exit and the tail of ``control.log``. What
+  a dead daemon left in the pipe directory (its pid file, pipes, sockets,
+  lock) is removed first (the caller starts one only when none lives), so
+  an old PID is never taken for the new daemon and the new one finds the
+  directory as a first start does; the directory itself stays (the
+  containers of interrupted shares have it mounted). Returns the daemon's PID (not a child of this
   process: ``-d`` forks it away).
 - ``running_pid(paths)``: the PID in the pid file when that process lives
   and is not a zombie (a daemon left by an earlier life of the front door),
@@ -196,12 +199,17 @@ def running_pid(paths: DaemonPaths) -> int | None:
 
 def start(control: str, paths: DaemonPaths, uuid: str, timeout_s: float) -> int:
     """Start the unit's daemon with ``control -d``; its PID (see module rules)."""
-    try:
-        os.unlink(paths.pid_file)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        raise MpsError(f"cannot remove the stale {paths.pid_file}: {exc.strerror or exc}") from None
+    for name in os.listdir(paths.pipe):
+        stale = os.path.join(paths.pipe, name)
+        try:
+            if os.path.isdir(stale) and not os.path.islink(stale):
+                shutil.rmtree(stale)
+            else:
+                os.unlink(stale)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise MpsError(f"cannot remove {stale}, left by a dead MPS control daemon: {exc.strerror or exc}") from None
     if shutil.which(control) is None:
         raise MpsError(
             f"cannot run the MPS control program {control!r}: not found or not executable; install the NVIDIA"

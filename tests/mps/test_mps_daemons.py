@@ -171,12 +171,15 @@ async def test_a_killed_daemon_is_started_again_and_its_shares_are_told_apart_fr
         gpu = nvml.uuid(0)
         old = await daemons.share(gpu, "before", HALF)
         pid = daemons.daemon_pid(gpu)
+        stale = Path(daemons.paths(gpu).pipe) / "control_lock"  # what a real daemon may leave behind
+        stale.write_text("")
         os.kill(pid, signal.SIGKILL)
         await until(lambda: daemons.restarts == 1, "the daemon started again")
         # Its limits are set again through the new daemon (3 commands a time: the server list, 2 limits).
         await until(lambda: len(commands(record, gpu)) == 6, "the limits set again")
         new_pid = daemons.daemon_pid(gpu)
         assert new_pid not in (None, pid) and alive(new_pid)
+        assert not stale.exists()  # the dead daemon's leftovers went before the new one started
         assert starts(record, gpu) == [pid, new_pid]
         assert commands(record, gpu)[-2:] == [f"set_default_device_pinned_mem_limit {gpu} 40960M",
                                               "set_default_active_thread_percentage 50"]
