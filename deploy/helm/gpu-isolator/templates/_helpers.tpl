@@ -155,3 +155,18 @@ tolerations:
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* The DaemonSets' comment on the credential's Secret. */}}
+{{- define "gpu-isolator.credentialComment" -}}
+{{- if include "gpu-isolator.credential" . }}
+# The operator's routes (--credential) read the Secret {{ include "gpu-isolator.credentialSecret" . }}, key
+# `credential`, mounted by subPath: a root-owned regular file of mode 0600.
+{{- if .Values.credential.create }} The
+# chart makes it; where this is applied without helm, create it first:
+{{- else }} Create
+# it first:
+{{- end }}
+#   kubectl -n {{ .Release.Namespace }} create secret generic {{ include "gpu-isolator.credentialSecret" . }} \
+#     --from-literal=credential=$(openssl rand -hex 32)
+{{- end }}
+{{- end }}
