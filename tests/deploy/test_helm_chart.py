@@ -9,6 +9,7 @@ within 10 s) and keep their selectors across values and chart versions (a select
 
 from __future__ import annotations
 
+import argparse
 import base64
 import re
 import shutil
@@ -45,7 +46,7 @@ def daemonset(documents: list[Rendered], component: str) -> dict[str, Any]:
     return found
 
 
-def command_of(daemon_set: dict[str, Any]) -> tuple[str, argparse_namespace, list[str]]:  # type: ignore[valid-type]
+def command_of(daemon_set: dict[str, Any]) -> tuple[str, argparse.Namespace, list[str]]:
     """The container's script, its parsed command and the options the parser left to the isolator's flags."""
     [container] = daemon_set["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["/bin/sh", "-c"]
@@ -55,8 +56,6 @@ def command_of(daemon_set: dict[str, Any]) -> tuple[str, argparse_namespace, lis
     args, extra = _parser().parse_known_args([command.group(1), *options])
     return script, args, extra
 
-
-argparse_namespace = Any
 
 
 def test_the_charts_version_and_app_version_are_the_packages() -> None:
