@@ -4,7 +4,7 @@ schemas (``kubernetes-validate``, strict, with each pod's ``gpu-isolator`` comma
 docs tests' ``check_kubernetes``); the ServiceMonitor, a CRD those schemas lack, is checked field by field and
 against the Service and pods it must find; deploy/'s static manifests are what the chart renders for the matching
 example (one source of truth); the values reach the command as the options it has; bad values are refused naming
-the value; the DaemonSets roll one node at a time, give a front door time for its clean SIGTERM stop (R-SH-4:
+the value; the DaemonSets roll one node at a time, give a front door time for its clean SIGTERM stop (SPEC section 24:
 within 10 s) and keep their selectors across values and chart versions (a selector is immutable)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from tests.support.helm import (CHART, EXAMPLES, HELM, HELM_LABELS, MISSING_HELM
 needs_helm = pytest.mark.skipif(HELM is None, reason=MISSING_HELM)
 
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
-STOP_BOUND_S = 10  # R-SH-4: a front door exits within 10 s of SIGTERM
+STOP_BOUND_S = 10  # SPEC section 24: a front door exits within 10 s of SIGTERM
 WORKLOADS = {"deploy/dra/two-gpus-one-island.yaml"}
 """deploy/'s manifests that are not the chart's: a user's workload (a claim template and a pod), shown as an example."""
 
