@@ -66,10 +66,12 @@ def test_the_charts_version_and_app_version_are_the_packages() -> None:
 
 
 @needs_helm
-def test_helm_lint_strict_passes() -> None:
-    result = subprocess.run([HELM, "lint", "--strict", str(CHART)], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("values", [None, *(p.name for p in EXAMPLE_FILES)])
+def test_helm_lint_strict_passes(values: str | None) -> None:
+    command = [HELM, "lint", "--strict", str(CHART), *(["-f", str(EXAMPLES / values)] if values else [])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "0 chart(s) failed" in result.stdout
+    assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
 
 
 SERVICE_MONITOR_FIELDS = {
