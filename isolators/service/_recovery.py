@@ -12,8 +12,8 @@ Rules (SPEC R-SV-1):
   kept once it runs, and releases exec containers once empty (its poll).
 - A records file this release cannot read (``UnreadableFile``: truncated,
   garbage, a format version it does not know, another cgroups root) is
-  moved aside (``actors.file_format.set_aside``) and the start goes on
-  with no records: an ERROR names the file, why, where it went and what
+  moved aside (``actors.file_format.set_aside``; one that cannot be moved
+  is replaced by the next write) and the start goes on with no records: an ERROR names the file, why, where it went and what
   follows -- every container the kernel shows under the cgroups root is
   recovered with the GPUs its cgroup is granted and kept as ``recovered``
   (root's, released only by ``cleanup``), since which ran exec commands is
@@ -49,11 +49,14 @@ async def recover(flags: Flags, isolator: Any) -> tuple[dict[str, ContainerRecor
         try:
             loaded = await reader.run(records_io.load)
         except UnreadableFile as error:
-            moved = await reader.run(set_aside, records_io.path)
-            logger.error("The service's records %s cannot be read (%s): moved aside to %s. Every container under"
-                         " the cgroups root %s is recovered from the kernel with the GPUs its cgroup is granted, and"
-                         " kept until a cleanup (which ran exec commands is not known any more)",
-                         records_io.path, error.reason, moved, records_io.root)
+            try:
+                where = "moved aside to " + await reader.run(set_aside, records_io.path)
+            except OSError as failed:  # the first write of the records replaces it
+                where = f"it could not be moved aside ({failed.strerror}) and is replaced by the next write"
+            logger.error("The service's records %s cannot be read (%s): %s. Every container under the cgroups root"
+                         " %s is recovered from the kernel with the GPUs its cgroup is granted, and kept until a"
+                         " cleanup (which ran exec commands is not known any more)",
+                         records_io.path, error.reason, where, records_io.root)
             loaded = []
     finally:
         reader.shutdown(wait=False)
