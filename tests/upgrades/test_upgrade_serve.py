@@ -91,12 +91,16 @@ def test_serve_carries_on_from_what_0_1_0_kept(upgraded, tmp_path, probes, gpu_n
 @pytest.mark.parametrize("how", CORRUPTIONS)
 def test_records_it_cannot_read_are_moved_aside_and_the_containers_recovered_from_the_kernel(
         upgraded, tmp_path, probes, gpu_nodes, how):
-    """On one kernel backend (the records are the same file on either; a serve start costs seconds)."""
+    """The records and the lease of the exec container's GPU made unreadable ``how``; on one kernel backend
+    (the files are the same on either; a serve start costs seconds)."""
     backend = next((b for b in KERNEL_BACKENDS if skip_reason(b) is None), KERNEL_BACKENDS[0])
     service = upgraded(backend)
     node, ledger, owner = service.node, str(tmp_path / "ledger"), f"serve:{service.socket}"
     records = records_path(service)
     damaged = corrupt(records, how)
+    [lease_2] = [path for path in glob.glob(os.path.join(ledger, "units", "*.lease"))
+                 if json.loads(open(path).read())["device"] == "195:2"]
+    corrupt(lease_2, how)  # the exec container's unit: re-taken from the kernel, its file moved aside
     service.start()  # it starts: no crash loop on a file
     assert "2 container(s) recovered" in service.ready_line
     [moved] = glob.glob(records + ".unreadable-*")
@@ -113,6 +117,7 @@ def test_records_it_cannot_read_are_moved_aside_and_the_containers_recovered_fro
     assert json.loads(open(records).read())["version"] == 1  # rebuilt: written again whole
     assert {device: lease[0] for device, lease in leases(ledger).items()} == dict.fromkeys(
         ("195:0", "195:1", "195:2", "195:3"), owner)
+    assert len(glob.glob(lease_2 + ".unreadable-*")) == 1
     for name in (*HELD, "next"):
         assert ask(service, "cleanup", container_id=name)["error"] is None
     assert service.stop() == 0
