@@ -1,6 +1,6 @@
 """Writer: what ``gpu-isolator serve`` keeps, written by the earlier release's code.
 
-Rules (run by ``python -m tests.upgrades.write_fixtures serve``; root, cgroups v1, gcc):
+Rules (run by ``python -m tests.upgrades.write_fixtures serve``; root, cgroups v1):
 - ``serve`` (the earlier release's, as a subprocess on a simulated 4-GPU
   node with a node ledger) grants two containers: ``agent-job`` (2 GPUs,
   prepared as an agent asks: no command, root's) and an exec container
