@@ -73,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import stat
 import struct
@@ -288,10 +289,7 @@ class LedgerDirectory:
                     name = lease_file_name(uuid)
                     aside = None
                     if old is not None and old.owner.startswith(UNREADABLE):  # a proven re-take (_batch)
-                        file, why = os.path.join(self.path, "units", name), self.unreadable.get(uuid, "")
-
-                        def aside(uuid: str = uuid, file: str = file, why: str = why) -> None:
-                            moved[uuid] = (file, set_aside(file), why)
+                        aside = functools.partial(self._set_aside_lease, uuid, name, moved)
                     self._write(self._units, name, _encode_lease(lease), aside)
             if batch.health is not None:
                 self._write_health(owner, batch.health)
@@ -386,6 +384,11 @@ class LedgerDirectory:
                     return None
                 why = f"it names the owner {report.owner}, not this one"
             return file, set_aside(file), why
+
+    def _set_aside_lease(self, uuid: str, name: str, moved: dict[str, tuple[str, str, str]]) -> None:
+        """Move the unreadable lease file ``name`` aside; say so in ``moved`` (see module rules)."""
+        file = os.path.join(self.path, "units", name)
+        moved[uuid] = (file, set_aside(file), self.unreadable.get(uuid, ""))
 
     def _read_health(self) -> dict[str, dict[str, str]]:
         reports: dict[str, dict[str, str]] = {}
