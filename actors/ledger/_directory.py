@@ -49,7 +49,9 @@ Rules:
   ``_batch``), or an operator removes the file. A re-take moves the file
   aside first (``set_aside``: ``<file>.unreadable-<time>``, which no reader
   lists) and then renames the new lease into its place, under the mutex;
-  the batch's result names both.
+  the batch's result names both. A name that is not a regular file (a
+  directory, a symbolic link) is never re-taken: nothing could be renamed
+  over it; the operator removes it.
 - An owner file is never moved aside, whatever it holds: its inode is the
   owner's lock. ``hold_owner`` rewrites it whole at every start (its
   content is for people). A health file nobody can read is passed over by
@@ -278,6 +280,11 @@ class LedgerDirectory:
         """Carry out one owner's batch under the mutex (see module rules)."""
         with self._locked(exclusive=True):
             before = self._read_leases()
+            irregular = {uuid for uuid, why in self.unreadable.items() if why == NOT_REGULAR}
+            if irregular and any(set(take.proven) & irregular for take in batch.takes):
+                batch = msgspec.structs.replace(batch, takes=tuple(
+                    msgspec.structs.replace(take, proven=tuple(u for u in take.proven if u not in irregular))
+                    for take in batch.takes))
             after, results = decide(before, owner, batch)
             for uuid, lease in before.items():
                 if uuid not in after:
@@ -350,7 +357,10 @@ class LedgerDirectory:
             data = _read(self._units, name)
             lease = None
             if data is None:
-                unreadable[uuid] = "it is not a regular file of at most 1 MiB"
+                if _regular(self._units, name):
+                    unreadable[uuid] = "it is larger than 1 MiB"
+                else:
+                    unreadable[uuid] = NOT_REGULAR
             else:
                 try:
                     lease = decode_versioned(data, Lease, file, READ_VERSIONS)
@@ -460,6 +470,17 @@ def _health_name(owner: str) -> str:
 def _uuid_of(name: str) -> str:
     """The UUID a lease file name encodes (``lease_file_name`` reversed)."""
     return urllib.parse.unquote(name[: -len(LEASE_SUFFIX)], encoding="ascii", errors="replace")
+
+
+NOT_REGULAR = "it is not a regular file (a directory or a symbolic link?)"
+"""Why a lease name that is no regular file cannot be read (it is never re-taken)."""
+
+
+def _regular(directory: int, name: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _read(directory: int, name: str) -> bytes | None:

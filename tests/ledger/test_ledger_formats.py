@@ -103,3 +103,18 @@ def test_an_unreadable_health_file_is_passed_over_and_its_owner_moves_it_aside(t
         assert not health.exists() and ledger.set_aside_own_health(A) is None
     finally:
         ledger.close()
+
+
+def test_a_name_that_is_no_regular_file_is_never_re_taken(tmp_path: Path) -> None:
+    """Nothing could be renamed over a directory: the unit stays out of reach, and the owner's job works."""
+    units = tmp_path / "ledger" / "units"
+    ledger = LedgerDirectory.open(str(tmp_path / "ledger"))
+    try:
+        (units / f"{GPU0}.lease").mkdir()
+        request = TakeRequest(leases=(lease(GPU0, A, "c1"), lease(GPU1, A, "c1")), partial=True, proven=(GPU0, GPU1))
+        result = ledger.apply(A, LeaseBatch(takes=(request,)))
+        assert result.takes[0].taken == (GPU1,) and result.set_aside == {}
+        assert ledger.read()[GPU0] == unreadable(str(units / f"{GPU0}.lease"))
+        assert ledger.unreadable == {GPU0: "it is not a regular file (a directory or a symbolic link?)"}
+    finally:
+        ledger.close()
