@@ -28,7 +28,13 @@ Rules:
 - ``recover(known, untouched)``: one job reads our specs (a recovered
   container keeps the volume part its spec had), one job rewrites the
   missing or stale ones and removes ours that name no known container,
-  and the temporaries a crashed write left. Specs of containers in
+  and the temporaries a crashed write left. A spec of a known container
+  that cannot be read (not a CDI document, a ``cdiVersion`` this release
+  does not know: CDI's own format version is the spec's) is moved aside
+  first in that job (``actors.file_format.set_aside``:
+  ``<name>.unreadable-<time>``, which no engine reads: they read only
+  ``*.json`` and ``*.yaml``) and rewritten from the grant the kernel
+  showed; its line goes to the errors (SPEC R-SH-3). Specs of containers in
   ``untouched`` (device state unknown) stay as they are. Only files named
   ``gpu-isolator-container_*`` are ever touched.
 - Ids are checked (``check_container_id``) before a file name is made.
@@ -41,6 +47,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from actors import Gpu, NvidiaVolume
+from actors.file_format import set_aside
 from actors.devices import DeviceRule
 from actors.mig import MigCapabilities
 from actors.nvml import NodeInventory
@@ -190,16 +197,19 @@ class ContainerSpecs:
         what = "was missing" if state == "missing" else "differed from the grant"
         return f"CDI spec '{self.path(container_id)}' {what}; rewritten"
 
-    async def recover(self, known: Mapping[ContainerID, Iterable[Gpu]], untouched: Iterable[ContainerID]) -> list[str]:
-        """Bring the directory in line with the recovered containers; the report lines."""
+    async def recover(self, known: Mapping[ContainerID, Iterable[Gpu]],
+                      untouched: Iterable[ContainerID]) -> tuple[list[str], list[str]]:
+        """Bring the directory in line with the recovered containers: the report
+        lines, and the errors (specs nobody could read, moved aside)."""
         if self.directory is None:
-            return []
+            return [], []
         directory = self.directory
         try:
             found, present = await self.executor.run(_read_ours, directory)
         except CdiWriteError as error:
             raise IsolatorError(str(error)) from error
         report: list[str] = []
+        unreadable: dict[str, str] = {}
         writes: list[tuple[str, bytes]] = []
         keep = {container_spec_file_name(cid) for cid in untouched}
         for cid, gpus in known.items():
@@ -210,10 +220,12 @@ class ContainerSpecs:
                 try:
                     extras = spec_extras(decode_spec(found[name], "json", f"'{os.path.join(directory, name)}'"))
                 except CdiSpecError as error:
-                    report.append(f"Container {cid}: {error}; it is rewritten from the recovered grant")
+                    unreadable[name] = f"Container {cid}: {error}"
             self._extras[cid] = extras
             name, data = self._document(cid, gpus, extras)
-            if found.get(name) != data:
+            if name in unreadable:
+                writes.append((name, data))
+            elif found.get(name) != data:
                 writes.append((name, data))
                 what = "was missing" if name not in found else "did not match the recovered grant"
                 report.append(f"Container {cid}: CDI spec '{os.path.join(directory, name)}' {what}; rewritten")
@@ -221,12 +233,29 @@ class ContainerSpecs:
         for name in removals:
             if not is_temporary_name(name):
                 report.append(f"CDI spec '{os.path.join(directory, name)}' names no known container; removed")
+        errors: list[str] = []
         if writes or removals:
             try:
-                await self.executor.run(apply_spec_changes, directory, writes, removals)
+                moved = await self.executor.run(_apply_recovery, directory, sorted(unreadable), writes, removals)
             except CdiWriteError as error:
                 raise IsolatorError(str(error)) from error
-        return report
+            errors = [f"{unreadable[name]}; moved aside to '{moved[name]}' and rewritten from the recovered grant"
+                      for name in sorted(unreadable)]
+        return report, errors
+
+
+def _apply_recovery(directory: str, unreadable: list[str], writes: list[tuple[str, bytes]],
+                    removals: list[str]) -> dict[str, str]:
+    """One blocking call: move the unreadable specs aside, then write and remove (``apply_spec_changes``)."""
+    moved: dict[str, str] = {}
+    for name in unreadable:
+        try:
+            moved[name] = set_aside(os.path.join(directory, name))
+        except OSError as error:
+            raise CdiWriteError(f"Failed to move the unreadable CDI spec '{os.path.join(directory, name)}'"
+                                f" aside: {error.strerror}") from error
+    apply_spec_changes(directory, writes, removals)
+    return moved
 
 
 def _read_ours(directory: str) -> tuple[dict[str, bytes], list[str]]:

@@ -481,13 +481,16 @@ class NvidiaGpuIsolatorProcess(Process):
         unknown = [cid for cid in self.records if self.ledger.reaching.get(cid) is Reach.UNKNOWN_STATE]
         known = {cid: self.ledger.held(cid) for cid in self.records if cid not in unknown}
         try:
-            for line in await self.specs.recover(known, unknown):
+            lines, errors = await self.specs.recover(known, unknown)
+            for line in lines:
                 self._report(line)
+            for line in errors:  # a spec nobody could read, moved aside (SPEC R-SH-3)
+                self._report(line, logging.ERROR)
         except IsolatorError as e:  # the kernel and the allocator are recovered; say what the specs lack
             self._report(f"The CDI specs could not be brought in line with the recovered containers: {e}")
 
-    def _report(self, line: str) -> None:
-        logger.warning("%s", line)
+    def _report(self, line: str, level: int = logging.WARNING) -> None:
+        logger.log(level, "%s", line)
         self.recovery_report.append(line)
 
     # -- reconcile ----------------------------------------------------------------

@@ -37,6 +37,14 @@ Rules (SPEC R-NL-1..3; DESIGN.md "One node, one ledger"):
   its containers hold, and ``hold`` those a plugin's pods or claims hold;
   ``release_unclaimed`` returns the rest, with any unit it leased then that
   this allocator no longer manages).
+- Files nobody can read (SPEC R-SH-3): at open, every lease file the
+  ledger cannot read is logged as an ERROR naming it, why, and that its
+  unit stays out of everyone's reach; the owner's own health file, if
+  unreadable, is moved aside (an ERROR saying where) and its health is
+  written again with the next report. Recovery's take is ``proven`` for the
+  units the kernel grants its containers: an unreadable lease of such a
+  unit is re-taken and its file moved aside, an ERROR naming the file,
+  where it went, why, and the unit.
 - After every job, ``ours`` is exactly what the ledger says the owner
   holds: a lease a failed job left behind is adopted (and returned once
   unused), so nothing leaks.
@@ -72,6 +80,7 @@ from actors.ledger import (
     OwnerLock,
     TakeRequest,
     TakeResult,
+    UNREADABLE,
     blocking,
     MAX_HOLDER,
     check_holder,
@@ -160,10 +169,19 @@ class LedgerLink:
     # -- opening and closing -------------------------------------------------------
     async def open(self, path: str) -> None:
         """Open the ledger, take the owner's lock, learn what the owner inherits (see module rules)."""
-        self.directory, self._lock, leases = await self._executor.run(_open, path, self.owner)
+        self.directory, self._lock, leases, health = await self._executor.run(_open, path, self.owner)
         self.path = self.directory.path
         self._opened = True
         allocator = self.allocator
+        if health is not None:
+            logger.error("Node ledger %s: the health file %s of %s cannot be read (%s): moved aside to %s; the"
+                         " health of its units is written again with its next report", self.path, health[0],
+                         self.owner, health[2], health[1])
+        for uuid, why in sorted(self.directory.unreadable.items()):
+            logger.error("Node ledger %s: the lease file %s cannot be read (%s): unit %s stays out of every front"
+                         " door's reach until the front door whose containers use it recovers them and re-takes"
+                         " it, or an operator removes the file once no container uses the unit", self.path,
+                         leases[uuid].owner[len(UNREADABLE):], why, uuid)
         for uuid, lease in leases.items():
             if lease.owner != self.owner:
                 continue
@@ -306,10 +324,13 @@ class LedgerLink:
         return Lease(unit=name.uuid, owner=self.owner, holders=self.holders.get(unit, ()), parent=name.parent,
                      device=name.device)
 
-    def take(self, units: Iterable[Unit], partial: bool, on_result: OnResult) -> None:
+    def take(self, units: Iterable[Unit], partial: bool, on_result: OnResult, proven: Iterable[Unit] = ()) -> None:
         """Queue a take of ``units`` (with the holders ``grant`` gave them) for the
-        next job; ``on_result`` hears how it went, on the allocator."""
-        request = TakeRequest(leases=tuple(self.lease(unit) for unit in sorted(units)), partial=partial)
+        next job; ``on_result`` hears how it went, on the allocator. ``proven``:
+        those of them the owner's own truth shows it using (recovery: the
+        kernel), whose unreadable leases it re-takes (see module rules)."""
+        request = TakeRequest(leases=tuple(self.lease(unit) for unit in sorted(units)), partial=partial,
+                              proven=tuple(sorted(self.names[unit].uuid for unit in proven)))
         self._takes.append((request, on_result))
         self._start()
 
@@ -481,6 +502,10 @@ class LedgerLink:
                 self.idle_since.setdefault(unit, self.epoch)
         self.ours = ours
         self.ours_unmanaged = unmanaged - set(self.unit_of)
+        for uuid, (file, moved, why) in sorted(result.set_aside.items()):
+            logger.error("Node ledger %s: the lease file %s could not be read (%s); %s uses unit %s (the kernel"
+                         " grants it to its containers), so it took the unit again: the file was moved aside to %s",
+                         self.path, file, why, self.owner, uuid, moved)
         self._learn(result.leases, result.alive)
         for (_take, on_result), outcome in zip(takes, result.takes):
             on_result(outcome)
@@ -534,13 +559,15 @@ class LedgerLink:
                     promise.set_value(state)
 
 
-def _open(path: str, owner: str) -> tuple[LedgerDirectory, OwnerLock, dict[str, Lease]]:
-    """In the executor: open the directory, take the owner's lock, read every lease."""
+def _open(path: str, owner: str) -> tuple[LedgerDirectory, OwnerLock, dict[str, Lease], tuple[str, str, str] | None]:
+    """In the executor: open the directory, take the owner's lock, set aside its
+    unreadable health file, read every lease."""
     directory = LedgerDirectory.open(path)
     try:
         lock = directory.hold_owner(owner)
         try:
-            return directory, lock, directory.read()
+            health = directory.set_aside_own_health(owner)
+            return directory, lock, directory.read(), health
         except BaseException:
             lock.release()
             raise

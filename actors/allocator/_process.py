@@ -370,7 +370,7 @@ class GpuAllocatorProcess(AllocatorHealth, LedgerCalls, Process):
                                link.path, "; ".join(c.describe() for c in result.conflicts if c not in granted))
             promise.set_value(None)
 
-        link.take(wanted, True, on_result)
+        link.take(wanted, True, on_result, proven=wanted - held_back)  # the kernel grants them: SPEC R-SH-3
         return promise.future
 
     def take_free(self, holder: str | None = None) -> Any:

@@ -27,6 +27,7 @@ from ._names import (
     isolator_owner,
     kubelet_plugin_owner,
     lease_file_name,
+    owner_file_name,
     serve_owner,
 )
 
@@ -35,5 +36,5 @@ __all__ = [
     "DEFAULT_NODE_LEDGER", "NODE_LEDGER_ENV", "describe_node_ledger", "node_ledger_dir",
     "LOCK_TIMEOUT", "LedgerDirectory", "LedgerView", "OwnerLock", "LedgerError", "Lease", "LeaseConflict",
     "blocking", "UNREADABLE", "unreadable_help", "MAX_HOLDER", "OWNER_KINDS", "check_holder", "check_owner", "dra_plugin_owner", "isolator_owner",
-    "kubelet_plugin_owner", "lease_file_name", "serve_owner",
+    "kubelet_plugin_owner", "lease_file_name", "owner_file_name", "serve_owner",
 ]

@@ -19,15 +19,25 @@ Rules (SPEC R-NL-2):
   that can be taken and lists the others. A take of a unit the owner
   already leases writes the holders given (the owner's own view of its
   holders is the truth: it replaces what an earlier life of it wrote).
+- A take's ``proven`` units are those the owner's own truth outside the
+  ledger shows it using now (recovery: the kernel grants its containers
+  them). A lease nobody can read (owner ``unreadable:<file>``) of such a
+  unit is no conflict for it: the owner re-takes the unit (SPEC R-SH-3: an
+  unreadable lease never frees a unit someone uses, and the one who uses it
+  takes it back). Anything else's unreadable lease still keeps everyone
+  out.
 - ``BatchResult`` carries the take results and every lease after the
-  batch (so the owner learns what other owners hold at no extra cost).
+  batch (so the owner learns what other owners hold at no extra cost), and
+  the lease files the batch moved aside (``set_aside``: unreadable lease
+  files a proven take replaced, UUID -> the file, where it went and why
+  it was unreadable).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from ._lease import Lease, LeaseConflict, blocking
+from ._lease import UNREADABLE, Lease, LeaseConflict, blocking
 
 __all__ = ["LeaseBatch", "TakeRequest", "TakeResult", "BatchResult", "decide"]
 
@@ -38,6 +48,8 @@ class TakeRequest(msgspec.Struct, frozen=True, kw_only=True):
     leases: tuple[Lease, ...]
     partial: bool = False
     """Take each unit that can be taken (else: all or none)."""
+    proven: tuple[str, ...] = ()
+    """UUIDs the owner's own truth shows it using: their unreadable leases are re-taken (see module rules)."""
 
 
 class LeaseBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,6 +83,8 @@ class BatchResult(msgspec.Struct, frozen=True, kw_only=True):
     leases: dict[str, Lease] = {}
     alive: dict[str, bool] = {}
     """Each other owner named by a lease: whether it runs."""
+    set_aside: dict[str, tuple[str, str, str]] = {}
+    """Unreadable lease files a proven take replaced: UUID -> (the file, where it went, why it was unreadable)."""
 
 
 def decide(leases: dict[str, Lease], owner: str, batch: LeaseBatch) -> tuple[dict[str, Lease], list[TakeResult]]:
@@ -90,6 +104,9 @@ def decide(leases: dict[str, Lease], owner: str, batch: LeaseBatch) -> tuple[dic
         conflicts: list[LeaseConflict] = []
         for lease in take.leases:
             found = blocking(after, lease.unit, lease.parent, owner)
+            if found and lease.unit in take.proven:
+                found = [other for other in found
+                         if not (other.unit == lease.unit and other.owner.startswith(UNREADABLE))]
             if found:
                 conflicts += [LeaseConflict(unit=lease.unit, device=lease.device, lease=other) for other in found]
             elif take.partial:

@@ -5,9 +5,16 @@ Layout (SPEC R-NL-1..3)::
     <node_ledger>/           0700, owned by the user running the front doors (root)
       lock                   the mutex: flock LOCK_EX to change leases, LOCK_SH to read them
       units/<uuid>.lease     one file per leased unit (``Lease`` as JSON); none: the unit is free
-      owners/<sha>.owner     one per owner: {"owner": ...}; its process holds an OFD write lock
-                             on it while it runs (the kernel drops it when the process dies)
+      owners/<sha>.owner     one per owner: {"version": 1, "owner": ...}; its process holds an OFD
+                             write lock on it while it runs (the kernel drops it when the process dies)
       owners/<sha>.health    the units that owner holds unhealthy, and why (for ``ledger``)
+
+Format versions (SPEC R-SH-3, ``actors.file_format``): every file names
+its format as ``"version"`` (lease files, owner files and health files:
+version 1 now; release 0.1.0 wrote none, version 0, the same fields).
+Files are read through ``decode_versioned`` (versions ``READ_VERSIONS``);
+a reader passes over fields it does not know, so a release still running
+during a rolling update reads what the next one wrote.
 
 Rules:
 - ``LedgerDirectory.open(path)`` makes the directory (0700) and its two
@@ -33,9 +40,23 @@ Rules:
   is not synced: a change lost with the power is harmless, since every
   container of the node went with it (an owner finding its own stale
   leases at its next start reconciles them away).
-- A lease file that cannot be read or decoded (or names another unit than
-  its file name) holds its unit for the owner ``unreadable:<file>``: nobody
-  takes the unit until an operator removes the file.
+- A lease file that cannot be read or decoded (truncated, garbage, a
+  format version this release does not read, or naming another unit than
+  its file name) holds its unit for the owner ``unreadable:<file>``
+  (``unreadable`` says why, by UUID): nobody takes the unit -- it may be
+  in use by a front door that cannot say so now -- until the front door
+  whose own truth shows it using the unit re-takes it (a ``proven`` take:
+  ``_batch``), or an operator removes the file. A re-take moves the file
+  aside first (``set_aside``: ``<file>.unreadable-<time>``, which no reader
+  lists) and then renames the new lease into its place, under the mutex;
+  the batch's result names both. A name that is not a regular file (a
+  directory, a symbolic link) is never re-taken: nothing could be renamed
+  over it; the operator removes it.
+- An owner file is never moved aside, whatever it holds: its inode is the
+  owner's lock. ``hold_owner`` rewrites it whole at every start (its
+  content is for people). A health file nobody can read is passed over by
+  ``view``; its owner moves it aside when it joins
+  (``set_aside_own_health``) and writes what it reports next.
 - Liveness (``owner_alive``) is the kernel's: an owner runs while a process
   holds the OFD write lock on its ``.owner`` file (``F_OFD_GETLK``; no pid,
   no time). ``hold_owner(owner)`` takes that lock (refused with a
@@ -54,21 +75,29 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import stat
 import struct
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
+
+from actors.file_format import UnreadableFile, decode_versioned, set_aside
 
 from ._batch import BatchResult, LeaseBatch, decide
 from ._errors import LedgerError
 from ._lease import UNREADABLE, Lease
 from ._names import LEASE_SUFFIX, check_owner, lease_file_name, owner_file_name
 
-__all__ = ["LedgerDirectory", "LedgerView", "OwnerLock", "LOCK_TIMEOUT"]
+__all__ = ["LedgerDirectory", "LedgerView", "OwnerLock", "LOCK_TIMEOUT", "FORMAT_VERSION", "READ_VERSIONS"]
+
+FORMAT_VERSION = 1
+"""The format version this release writes into lease, owner and health files."""
+READ_VERSIONS = (0, 1)
+"""The versions it reads (0: release 0.1.0's files, which named none)."""
 
 LOCK_TIMEOUT = 10.0
 """Seconds a call waits for the ledger's mutex before it fails."""
@@ -80,20 +109,23 @@ _FLOCK = struct.Struct("hhqqi4x")
 """``struct flock`` (x86-64 and aarch64 layout): type, whence, start, len, pid."""
 
 _encode = msgspec.json.Encoder().encode
-_decode_lease = msgspec.json.Decoder(Lease).decode
+_VERSION_PREFIX = b'{"version":%d,' % FORMAT_VERSION
 
 
-class OwnerRecord(msgspec.Struct, frozen=True):
+def _encode_lease(lease: Lease) -> bytes:
+    """A lease file's bytes: the lease with its format version first."""
+    return _VERSION_PREFIX + _encode(lease)[1:]
+
+
+class OwnerRecord(msgspec.Struct, frozen=True, kw_only=True):
     owner: str
+    version: int = 0
 
 
-class HealthReport(msgspec.Struct, frozen=True):
+class HealthReport(msgspec.Struct, frozen=True, kw_only=True):
     owner: str
     unhealthy: dict[str, str] = {}
-
-
-_decode_owner = msgspec.json.Decoder(OwnerRecord).decode
-_decode_health = msgspec.json.Decoder(HealthReport).decode
+    version: int = 0
 
 
 class LedgerView(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,6 +167,8 @@ class LedgerDirectory:
         self.timeout = timeout
         self._owner_fds: dict[str, int] = {}
         """Owner -> a read-only descriptor of its lock file (for liveness checks)."""
+        self.unreadable: dict[str, str] = {}
+        """UUID -> why its lease file could not be read (as of the last read)."""
 
     # -- opening -------------------------------------------------------------------
     @classmethod
@@ -214,7 +248,7 @@ class LedgerDirectory:
                     f" its lock {file}. Stop that front door first, or give this one a name of its own"
                     " (another work directory or socket)"
                 ) from None
-            data = _encode(OwnerRecord(owner))
+            data = _encode(OwnerRecord(owner=owner, version=FORMAT_VERSION))
             os.ftruncate(fd, 0)
             os.pwrite(fd, data, 0)
         except BaseException:
@@ -246,13 +280,24 @@ class LedgerDirectory:
         """Carry out one owner's batch under the mutex (see module rules)."""
         with self._locked(exclusive=True):
             before = self._read_leases()
+            irregular = {uuid for uuid, why in self.unreadable.items() if why == NOT_REGULAR}
+            if irregular and any(set(take.proven) & irregular for take in batch.takes):
+                batch = msgspec.structs.replace(batch, takes=tuple(
+                    msgspec.structs.replace(take, proven=tuple(u for u in take.proven if u not in irregular))
+                    for take in batch.takes))
             after, results = decide(before, owner, batch)
             for uuid, lease in before.items():
                 if uuid not in after:
                     self._unlink(lease_file_name(uuid))
+            moved: dict[str, tuple[str, str, str]] = {}
             for uuid, lease in after.items():
-                if before.get(uuid) != lease:
-                    self._write(self._units, lease_file_name(uuid), _encode(lease))
+                old = before.get(uuid)
+                if old != lease:
+                    name = lease_file_name(uuid)
+                    aside = None
+                    if old is not None and old.owner.startswith(UNREADABLE):  # a proven re-take (_batch)
+                        aside = functools.partial(self._set_aside_lease, uuid, name, moved)
+                    self._write(self._units, name, _encode_lease(lease), aside)
             if batch.health is not None:
                 self._write_health(owner, batch.health)
             others = {lease.owner for lease in after.values()} - {owner}
@@ -264,7 +309,7 @@ class LedgerDirectory:
                     for conflict in result.conflicts))
                 for result in results
             ]
-        return BatchResult(takes=tuple(results), leases=after, alive=alive)
+        return BatchResult(takes=tuple(results), leases=after, alive=alive, set_aside=moved)
 
     def read(self) -> dict[str, Lease]:
         """Every lease now (UUID -> lease)."""
@@ -303,21 +348,57 @@ class LedgerDirectory:
     # -- files -------------------------------------------------------------------------
     def _read_leases(self) -> dict[str, Lease]:
         leases: dict[str, Lease] = {}
+        unreadable: dict[str, str] = {}
         for name in os.listdir(self._units):
             if name.startswith(".") or not name.endswith(LEASE_SUFFIX):
                 continue
             uuid = _uuid_of(name)
+            file = os.path.join(self.path, "units", name)
             data = _read(self._units, name)
             lease = None
-            if data is not None:
+            if data is None:
+                if _regular(self._units, name):
+                    unreadable[uuid] = "it is larger than 1 MiB"
+                else:
+                    unreadable[uuid] = NOT_REGULAR
+            else:
                 try:
-                    lease = _decode_lease(data)
-                except msgspec.DecodeError:
-                    lease = None
-            if lease is None or lease.unit != uuid:
-                lease = Lease(unit=uuid, owner=UNREADABLE + os.path.join(self.path, "units", name))
+                    lease = decode_versioned(data, Lease, file, READ_VERSIONS)
+                except UnreadableFile as error:
+                    unreadable[uuid] = error.reason
+                else:
+                    if lease.unit != uuid:
+                        unreadable[uuid] = f"it names the unit {lease.unit}, not the {uuid} of its name"
+                        lease = None
+            if lease is None:
+                lease = Lease(unit=uuid, owner=UNREADABLE + file)
             leases[uuid] = lease
+        self.unreadable = unreadable
         return leases
+
+    def set_aside_own_health(self, owner: str) -> tuple[str, str, str] | None:
+        """``owner``'s health file, if nobody can read it, moved aside (see module
+        rules): (the file, where it went, why), else None."""
+        name = _health_name(owner)
+        file = os.path.join(self.path, "owners", name)
+        with self._locked(exclusive=True):
+            data = _read(self._owners, name)
+            if data is None:
+                return None
+            try:
+                report = decode_versioned(data, HealthReport, file, READ_VERSIONS)
+            except UnreadableFile as error:
+                why = error.reason
+            else:
+                if _health_name(report.owner) == name:
+                    return None
+                why = f"it names the owner {report.owner}, not this one"
+            return file, set_aside(file), why
+
+    def _set_aside_lease(self, uuid: str, name: str, moved: dict[str, tuple[str, str, str]]) -> None:
+        """Move the unreadable lease file ``name`` aside; say so in ``moved`` (see module rules)."""
+        file = os.path.join(self.path, "units", name)
+        moved[uuid] = (file, set_aside(file), self.unreadable.get(uuid, ""))
 
     def _read_health(self) -> dict[str, dict[str, str]]:
         reports: dict[str, dict[str, str]] = {}
@@ -326,9 +407,10 @@ class LedgerDirectory:
                 continue
             data = _read(self._owners, name)
             try:
-                report = _decode_health(data) if data is not None else None
-            except msgspec.DecodeError:
-                report = None
+                report = (decode_versioned(data, HealthReport, os.path.join(self.path, "owners", name), READ_VERSIONS)
+                          if data is not None else None)
+            except UnreadableFile:
+                report = None  # its owner moves it aside when it joins (see module rules)
             if report is not None and _health_name(report.owner) == name:
                 reports[report.owner] = dict(report.unhealthy)
         return reports
@@ -336,7 +418,8 @@ class LedgerDirectory:
     def _write_health(self, owner: str, unhealthy: dict[str, str]) -> None:
         name = _health_name(owner)
         if unhealthy:
-            self._write(self._owners, name, _encode(HealthReport(owner, dict(sorted(unhealthy.items())))))
+            self._write(self._owners, name, _encode(HealthReport(owner=owner, unhealthy=dict(sorted(unhealthy.items())),
+                                                                 version=FORMAT_VERSION)))
         else:
             try:
                 os.unlink(name, dir_fd=self._owners)
@@ -349,8 +432,9 @@ class LedgerDirectory:
         except FileNotFoundError:
             pass
 
-    def _write(self, directory: int, name: str, data: bytes) -> None:
-        """``data`` into ``name`` atomically (see module rules)."""
+    def _write(self, directory: int, name: str, data: bytes, before_rename: Callable[[], None] | None = None) -> None:
+        """``data`` into ``name`` atomically (see module rules); ``before_rename``
+        runs once the new bytes are synced, just before they replace ``name``."""
         temporary = f".{name}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
@@ -369,6 +453,13 @@ class LedgerDirectory:
                 os.unlink(temporary, dir_fd=directory)
             raise
         os.close(fd)
+        if before_rename is not None:
+            try:
+                before_rename()
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary, dir_fd=directory)
+                raise
         os.rename(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
 
 
@@ -379,6 +470,17 @@ def _health_name(owner: str) -> str:
 def _uuid_of(name: str) -> str:
     """The UUID a lease file name encodes (``lease_file_name`` reversed)."""
     return urllib.parse.unquote(name[: -len(LEASE_SUFFIX)], encoding="ascii", errors="replace")
+
+
+NOT_REGULAR = "it is not a regular file (a directory or a symbolic link?)"
+"""Why a lease name that is no regular file cannot be read (it is never re-taken)."""
+
+
+def _regular(directory: int, name: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _read(directory: int, name: str) -> bytes | None:

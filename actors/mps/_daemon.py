@@ -12,19 +12,31 @@ Rules:
   of ``CUDA_MPS_PIPE_DIRECTORY`` and prints the answers.
 - ``DaemonPaths.under(runtime_dir, uuid)``: ``<runtime_dir>/mps/<uuid>/pipe``,
   ``.../log`` and ``.../shm`` (the unit's shared memory, which a share's
-  containers get at ``/dev/shm``, ``isolators.cdi.mps_edits``; the daemon
-  does not yet see it at its own ``/dev/shm``: issue 49's next part).
-  ``prepare(paths)`` makes the three (mode 0755: containers reach the
-  pipe and shm directories through mounts) and refuses, naming the path
+  containers get at ``/dev/shm``, ``isolators.cdi.mps_edits``).
+  ``prepare(paths)`` makes the three: pipe and log 0755 (as NVIDIA's DRA
+  driver makes its MPS directories), shm 1777 (sticky and open to all, as
+  ``/dev/shm`` is: a container's user of any uid makes its segments
+  there) and refuses, naming the path
   and the reason, a directory it cannot make or write, and a pipe
   directory too long for a unix socket (108 bytes with ``/control``).
 - ``start(control, paths, uuid, timeout_s)`` runs ``control -d`` with the
   three variables (the unit's UUID alone visible), its stdin /dev/null and
-  its output captured, for at most ``timeout_s``; a non-zero exit, a
+  its output captured, for at most ``timeout_s``. As root it runs in a
+  mount namespace of its own (util-linux ``unshare --mount --propagation
+  private``) where the unit's shm directory is bound over ``/dev/shm``:
+  the daemon, the servers it forks and the share's containers (which get
+  the same directory at ``/dev/shm``) share memory there and nowhere else,
+  as NVIDIA's DRA driver gives each MPS daemon a tmpfs of its own. Not
+  root, it sees the front door's ``/dev/shm`` (and says so in the log):
+  without root there is no mount namespace, and no real MPS either
+  (compute mode needs root). a non-zero exit, a
   timeout, or no live PID in the pid file within ``timeout_s`` after it is
-  ``MpsDaemonFailed`` with the exit and the tail of ``control.log``. A pid
-  file left by a killed daemon is removed first, so an old PID is never
-  taken for the new daemon. Returns the daemon's PID (not a child of this
+  ``MpsDaemonFailed`` with the exit and the tail of ``control.log``. What
+  a dead daemon left in the pipe directory (its pid file, pipes, sockets,
+  lock) is removed first (the caller starts one only when none lives), so
+  an old PID is never taken for the new daemon and the new one finds the
+  directory as a first start does; the directory itself stays (the
+  containers of interrupted shares have it mounted). Returns the daemon's PID (not a child of this
   process: ``-d`` forks it away).
 - ``running_pid(paths)``: the PID in the pid file when that process lives
   and is not a zombie (a daemon left by an earlier life of the front door),
@@ -43,8 +55,10 @@ Rules:
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import select
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -72,6 +86,8 @@ _SOCKET = "control"
 _SUN_PATH_MAX = 108
 """``sizeof(sockaddr_un.sun_path)`` on Linux, the terminating NUL included."""
 _TAIL_LINES = 8
+
+logger = logging.getLogger(__name__)
 
 
 class DaemonPaths(msgspec.Struct, frozen=True):
@@ -114,6 +130,12 @@ def prepare(paths: DaemonPaths) -> None:
                 f"cannot create the MPS {what} directory {directory}: {exc.strerror or exc};"
                 " make the front door's runtime directory writable by it"
             ) from None
+        mode = 0o1777 if directory == paths.shm else 0o755  # not left to the umask
+        try:
+            os.chmod(directory, mode)
+        except OSError as exc:
+            raise MpsError(f"cannot set the MPS {what} directory {directory} to mode {mode:o}:"
+                           f" {exc.strerror or exc}") from None
         probe = os.path.join(directory, ".writable")
         try:
             with open(probe, "w"):
@@ -177,29 +199,41 @@ def running_pid(paths: DaemonPaths) -> int | None:
 
 def start(control: str, paths: DaemonPaths, uuid: str, timeout_s: float) -> int:
     """Start the unit's daemon with ``control -d``; its PID (see module rules)."""
-    try:
-        os.unlink(paths.pid_file)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        raise MpsError(f"cannot remove the stale {paths.pid_file}: {exc.strerror or exc}") from None
+    for name in os.listdir(paths.pipe):
+        stale = os.path.join(paths.pipe, name)
+        try:
+            if os.path.isdir(stale) and not os.path.islink(stale):
+                shutil.rmtree(stale)
+            else:
+                os.unlink(stale)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise MpsError(f"cannot remove {stale}, left by a dead MPS control daemon: {exc.strerror or exc}") from None
+    if shutil.which(control) is None:
+        raise MpsError(
+            f"cannot run the MPS control program {control!r}: not found or not executable; install the NVIDIA"
+            " driver's nvidia-cuda-mps-control or name it with --mps_control=PATH"
+        )
+    argv = [control, "-d"]
+    if os.geteuid() == 0:
+        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                'mount --bind "$0" /dev/shm && exec "$1" -d', paths.shm, shutil.which(control)]
+    else:
+        logger.warning("MPS control daemon of %s: not root, so it shares the front door's /dev/shm"
+                       " (no mount namespace of its own)", uuid)
     deadline = time.monotonic() + timeout_s
     try:
         done = subprocess.run(
-            [control, "-d"],
+            argv,
             env=_daemon_env(paths, uuid),
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=timeout_s,
             cwd=paths.root,
         )
-    except FileNotFoundError:
-        raise MpsError(
-            f"cannot run the MPS control program {control!r}: not found; install the NVIDIA driver's"
-            " nvidia-cuda-mps-control or name it with --mps_control=PATH"
-        ) from None
-    except PermissionError:
-        raise MpsError(f"cannot run the MPS control program {control!r}: not executable") from None
+    except OSError as exc:
+        raise MpsError(f"cannot run {argv[0]!r} to start the MPS control daemon: {exc.strerror or exc}") from None
     except subprocess.TimeoutExpired:
         raise MpsDaemonFailed(uuid, f"did not start: '{control} -d' ran past {timeout_s:g} s", None,
                               log_tail(paths), paths.control_log) from None

@@ -9,8 +9,10 @@ Rules:
   the front door (its pid file names a live process) is taken over, not
   started twice.
 - Compute mode through NVML: a GPU unit is set to EXCLUSIVE_PROCESS before
-  its daemon starts and back to DEFAULT after it stops (or after a start
-  that failed). A MIG unit's compute mode is left alone: NVML sets compute
+  its daemon starts (an NVML failure fails the share, naming the unit) and
+  back to DEFAULT after it stops (or after a start that failed); a failure
+  to restore it is logged with the command that does it by hand, and tried
+  again at the next stop and at ``close()``. A MIG unit's compute mode is left alone: NVML sets compute
   mode on whole GPUs only, and NVIDIA's DRA driver sets it on the GPUs of
   an MPS claim, never on its MIG devices.
 - Limits (R-MP-2) are set through the control daemon, not only in the
@@ -25,8 +27,9 @@ Rules:
   NVIDIA's DRA driver gives it; less than 1 MiB is refused.
 - A daemon that exits while shares live is started again after a backoff
   (``backoff_s``: first wait, doubled up to ``backoff_max_s``), at most
-  ``max_restarts`` times in a row; each start after the first of a daemon
-  bumps ``generation`` and ``restarts``. A share whose daemon is down, or
+  ``max_restarts`` times in a row; every start bumps ``generation``, and a
+  start after such an exit (by the restart, or by a share that came
+  first) counts in ``restarts``. A share whose daemon is down, or
   was granted under an earlier generation, is ``interrupted``
   (``share_state``): its clients lost their server with the daemon and
   must start again; a share granted since is not. The exit is noticed through a pidfd on the event loop (asyncio:
@@ -59,7 +62,7 @@ import msgspec
 
 from runtime import Executor, MetricSet, current_runtime
 
-from actors.nvml import COMPUTE_MODE_DEFAULT, COMPUTE_MODE_EXCLUSIVE_PROCESS, Nvml, NvmlService
+from actors.nvml import COMPUTE_MODE_DEFAULT, COMPUTE_MODE_EXCLUSIVE_PROCESS, Nvml, NvmlError, NvmlService
 
 from . import _daemon
 from ._daemon import DaemonPaths
@@ -110,7 +113,7 @@ class ShareState(msgspec.Struct, frozen=True, kw_only=True):
 
 class _Unit:
     __slots__ = ("uuid", "paths", "lock", "pid", "pidfd", "generation", "starts", "shares", "limits",
-                 "stopping", "restart_task", "failure", "whole_gpu", "mode_set")
+                 "stopping", "restart_task", "failure", "whole_gpu", "mode_set", "exited")
 
     def __init__(self, uuid: str, paths: DaemonPaths) -> None:
         self.uuid = uuid
@@ -128,6 +131,8 @@ class _Unit:
         self.whole_gpu: bool | None = None
         self.mode_set = False
         """This manager set the unit EXCLUSIVE_PROCESS and has not restored it yet."""
+        self.exited = False
+        """Its daemon exited while shares lived, and has not been started again."""
 
 
 def _find_gpu(nvml: Nvml, uuid: str) -> Any:
@@ -289,8 +294,12 @@ class MpsDaemons:
         await self.executor.run(_daemon.prepare, unit.paths)
         pid = await self.executor.run(_daemon.running_pid, unit.paths)
         if unit.whole_gpu is not False and not unit.mode_set:
-            unit.whole_gpu = await self.nvml.call(_set_mode, self.nvml.nvml, unit.uuid,
-                                                  COMPUTE_MODE_EXCLUSIVE_PROCESS)
+            try:
+                unit.whole_gpu = await self.nvml.call(_set_mode, self.nvml.nvml, unit.uuid,
+                                                      COMPUTE_MODE_EXCLUSIVE_PROCESS)
+            except NvmlError as exc:
+                raise MpsError(f"cannot set {unit.uuid} to compute mode EXCLUSIVE_PROCESS for its MPS daemon: {exc};"
+                               " NVML's compute mode needs root") from None
             unit.mode_set = unit.whole_gpu
         if pid is None:
             try:
@@ -306,6 +315,9 @@ class MpsDaemons:
         unit.pid = pid
         unit.starts += 1
         unit.generation += 1
+        if unit.exited:  # by the restart task, or by a share that came first
+            unit.exited = False
+            self.restarts += 1
         self._watch(unit)
 
     def _watch(self, unit: _Unit) -> None:
@@ -332,6 +344,7 @@ class MpsDaemons:
         unit.pid = None
         if unit.stopping or self._closed:
             return
+        unit.exited = bool(unit.shares)
         logger.warning("MPS control daemon of %s (pid %d) exited; %d share(s) lost their server: %s",
                        unit.uuid, pid, len(unit.shares), _daemon.log_tail(unit.paths, 2).replace("\n", " | "))
         if unit.shares and unit.restart_task is None:
@@ -348,15 +361,18 @@ class MpsDaemons:
                         return
                     try:
                         await self._start(unit)
-                        await self._apply_limits(unit, unit.limits)  # type: ignore[arg-type]
                     except MpsError as exc:
-                        unit.failure = exc
                         logger.warning("MPS control daemon of %s: restart %d of %d failed: %s",
                                        unit.uuid, attempt, self.max_restarts, exc)
                         continue
-                    self.restarts += 1
                     logger.info("MPS control daemon of %s started again (pid %d, after pid %d exited)",
                                 unit.uuid, unit.pid, pid)
+                    try:
+                        await self._apply_limits(unit, unit.limits)  # type: ignore[arg-type]
+                    except MpsError as exc:  # the next share of the unit sets them again
+                        unit.failure = exc
+                        logger.error("MPS control daemon of %s: its limits could not be set again: %s",
+                                     unit.uuid, exc)
                     return
             logger.error("MPS control daemon of %s: gave up after %d restarts; the next share tries again",
                          unit.uuid, self.max_restarts)
@@ -384,6 +400,7 @@ class MpsDaemons:
         if unit.restart_task is not None:
             unit.restart_task.cancel()
             unit.restart_task = None
+        unit.exited = False
         pid = unit.pid
         if pid is None:
             await self._restore_mode(unit)
@@ -414,9 +431,16 @@ class MpsDaemons:
             unit.stopping = False
 
     async def _restore_mode(self, unit: _Unit) -> None:
-        if unit.mode_set:
+        """DEFAULT again; a failure is logged and tried again by the next stop or ``close()``."""
+        if not unit.mode_set:
+            return
+        try:
             await self.nvml.call(_set_mode, self.nvml.nvml, unit.uuid, COMPUTE_MODE_DEFAULT)
-            unit.mode_set = False
+        except NvmlError as exc:
+            logger.error("MPS: cannot set %s back to compute mode DEFAULT: %s; set it with"
+                         " 'nvidia-smi -i %s -c DEFAULT'", unit.uuid, exc, unit.uuid)
+            return
+        unit.mode_set = False
 
 
 def _describe(limits: ShareLimits) -> str:

@@ -26,9 +26,14 @@ Rules:
   recovered from the kernel: records of vanished cgroups are dropped, a
   cgroup without a record gets one (``recovered``: released only by a
   cleanup).
-- A missing file is a first start. A file that is empty, garbled or of
-  another version raises ``RecordsError`` with what to do: it is never read
-  as empty, since exec containers would then never be released.
+- A missing file is a first start. Its format version is ``VERSION``
+  (release 0.1.0 wrote version 1 too; ``READ_VERSIONS``), read through
+  ``actors.file_format.decode_versioned``. A file that is empty, garbled,
+  of a version this release does not read, or of another cgroups root
+  raises ``UnreadableFile`` (the file and why): it is never read as empty
+  here. The service's recovery moves it aside and rebuilds from the
+  kernel (``_recovery``). A file that cannot be opened, or a directory
+  nobody may trust, raises ``RecordsError`` with what to do.
 - ``load``/``write`` block: the service runs them through its executor (one
   writer thread, so writes land in the order they were made).
 """
@@ -43,6 +48,7 @@ import time
 
 import msgspec
 
+from actors.file_format import UnreadableFile, decode_versioned
 from runtime import Failure
 
 from .._durable import write_all
@@ -53,6 +59,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["ContainerRecord", "RecordsFile", "RecordsError", "records_file", "recovered_records"]
 
 VERSION = 1
+"""The records' format version this release writes."""
+READ_VERSIONS = (1,)
+"""The versions it reads (release 0.1.0 wrote version 1)."""
 
 
 class RecordsError(Failure):
@@ -121,7 +130,6 @@ class _File(msgspec.Struct):
     containers: list[ContainerRecord]
 
 
-_decoder = msgspec.json.Decoder(_File)
 _writes = itertools.count()
 _encoder = msgspec.json.Encoder()
 
@@ -165,6 +173,7 @@ class RecordsFile:
         return fd
 
     def load(self) -> list[ContainerRecord]:
+        """The records (none: a first start); ``UnreadableFile`` or ``RecordsError`` (see module rules)."""
         directory = self._directory()
         name = os.path.basename(self.path)
         try:
@@ -183,16 +192,10 @@ class RecordsFile:
                 os.close(fd)
         finally:
             os.close(directory)
-        if not data:
-            raise self._error("it is empty (truncated)")
-        try:
-            decoded = _decoder.decode(data)
-        except msgspec.DecodeError as error:
-            raise self._error(f"{error} (truncated or garbled)") from None
-        if decoded.version != VERSION:
-            raise self._error(f"unknown version {decoded.version} (this build reads version {VERSION})")
+        decoded = decode_versioned(data, _File, self.path, READ_VERSIONS)
         if decoded.root != self.root:
-            raise self._error(f"they belong to the cgroups root {decoded.root!r}, not {self.root!r}")
+            raise UnreadableFile(self.path, f"it holds the records of the cgroups root {decoded.root!r}, not of"
+                                            f" {self.root!r} (the service's cgroups root changed?)")
         return decoded.containers
 
     def encode(self, records: list[ContainerRecord]) -> bytes:

@@ -10,8 +10,17 @@ Rules (SPEC R-SV-1):
   dropped, a container found without a record is kept as ``recovered``
   (root's, released only by ``cleanup``). The service writes what was
   kept once it runs, and releases exec containers once empty (its poll).
-- A records file that cannot be read (``RecordsError``) stops the start:
-  the records are never read as empty.
+- A records file this release cannot read (``UnreadableFile``: truncated,
+  garbage, a format version it does not know, another cgroups root) is
+  moved aside (``actors.file_format.set_aside``; one that cannot be moved
+  is replaced by the next write) and the start goes on with no records: an ERROR names the file, why, where it went and what
+  follows -- every container the kernel shows under the cgroups root is
+  recovered with the GPUs its cgroup is granted and kept as ``recovered``
+  (root's, released only by ``cleanup``), since which ran exec commands is
+  not known any more (SPEC R-SH-3: rebuilt from the kernel, never
+  crash-looping on a file, no unit in use handed out). A records file that
+  cannot be opened at all, or a directory nobody may trust
+  (``RecordsError``, R-SC-7), stops the start.
 - Every log line names the container id.
 """
 
@@ -20,6 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from actors.file_format import UnreadableFile, set_aside
 from actors.flags import Flags
 from runtime import Executor
 
@@ -36,7 +46,18 @@ async def recover(flags: Flags, isolator: Any) -> tuple[dict[str, ContainerRecor
     records_io = RecordsFile(records_file(flags.work_dir), isolator.devices.root)
     reader = Executor(1, name="gpu-isolator-records")
     try:
-        loaded = await reader.run(records_io.load)
+        try:
+            loaded = await reader.run(records_io.load)
+        except UnreadableFile as error:
+            try:
+                where = "moved aside to " + await reader.run(set_aside, records_io.path)
+            except OSError as failed:  # the first write of the records replaces it
+                where = f"it could not be moved aside ({failed.strerror}) and is replaced by the next write"
+            logger.error("The service's records %s cannot be read (%s): %s. Every container under the cgroups root"
+                         " %s is recovered from the kernel with the GPUs its cgroup is granted, and kept until a"
+                         " cleanup (which ran exec commands is not known any more)",
+                         records_io.path, error.reason, where, records_io.root)
+            loaded = []
     finally:
         reader.shutdown(wait=False)
     states, named = [], {}

@@ -19,7 +19,8 @@ CONTROL = {"/tmp/dev/nvidiactl": DeviceRule("c", 195, 255, "rwm")}
 
 
 def test_a_share_gets_its_units_nodes_its_daemons_pipes_and_shared_memory_and_nothing_else() -> None:
-    ours, theirs = DaemonPaths.under("/run/gpu-isolator", "GPU-0001"), DaemonPaths.under("/run/gpu-isolator", "GPU-0000")
+    ours = DaemonPaths.under("/run/gpu-isolator", "GPU-0001")
+    theirs = DaemonPaths.under("/run/gpu-isolator", "GPU-0000")
     spec = container_spec("pod-a", container_grant({Gpu.nvidia(1)}, UUIDS, CONTROL, "/tmp/dev"))
     shared = validate_spec(add_mps(spec, ours.pipe, ours.shm))
     edits = shared.devices[0].container_edits

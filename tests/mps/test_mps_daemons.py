@@ -56,6 +56,7 @@ def record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "record"
     monkeypatch.setenv("FAKE_MPS_RECORD", str(path))
     monkeypatch.delenv("FAKE_MPS_FAIL", raising=False)
+    monkeypatch.delenv("FAKE_MPS_IGNORE_QUIT", raising=False)
     return path
 
 
@@ -95,6 +96,8 @@ async def test_a_share_starts_the_units_daemon_sets_limits_through_it_and_the_la
         assert first.pipe_dir == paths.pipe == str(runtime_dir / "mps" / gpu0 / "pipe")
         assert stat.S_ISSOCK(os.stat(Path(paths.pipe) / "control").st_mode)
         assert (Path(paths.log) / "control.log").exists()
+        modes = [stat.S_IMODE(os.stat(d).st_mode) for d in (paths.pipe, paths.log, paths.shm)]
+        assert modes == [0o755, 0o755, 0o1777]  # shm as /dev/shm is: any container user makes segments there
         assert starts(record, gpu0) == [pid]
         assert Path(f"/proc/{pid}/environ").read_bytes().split(b"\0").count(f"CUDA_VISIBLE_DEVICES={gpu0}".encode())
         # Compute mode EXCLUSIVE_PROCESS before the daemon started.
@@ -168,12 +171,16 @@ async def test_a_killed_daemon_is_started_again_and_its_shares_are_told_apart_fr
         gpu = nvml.uuid(0)
         old = await daemons.share(gpu, "before", HALF)
         pid = daemons.daemon_pid(gpu)
+        stale = Path(daemons.paths(gpu).pipe) / "control_lock"  # what a real daemon may leave behind
+        stale.write_text("")
         os.kill(pid, signal.SIGKILL)
         await until(lambda: daemons.restarts == 1, "the daemon started again")
+        # Its limits are set again through the new daemon (3 commands a time: the server list, 2 limits).
+        await until(lambda: len(commands(record, gpu)) == 6, "the limits set again")
         new_pid = daemons.daemon_pid(gpu)
         assert new_pid not in (None, pid) and alive(new_pid)
+        assert not stale.exists()  # the dead daemon's leftovers went before the new one started
         assert starts(record, gpu) == [pid, new_pid]
-        # The limits were set again through the new daemon.
         assert commands(record, gpu)[-2:] == [f"set_default_device_pinned_mem_limit {gpu} 40960M",
                                               "set_default_active_thread_percentage 50"]
         assert current_runtime().metrics.snapshot()["mps/daemon_restarts"] == 1
@@ -294,6 +301,7 @@ async def test_a_daemon_that_cannot_start_again_fails_new_shares_with_its_exit(
         monkeypatch.delenv("FAKE_MPS_FAIL")
         fresh = await daemons.share(gpu, "after", HALF)
         assert not fresh.interrupted and daemons.daemon_pid(gpu) is not None
+        assert daemons.restarts == 1  # started again after its exit: by the share, before the restart's turn
         await daemons.close()
 
 
@@ -315,3 +323,62 @@ async def test_a_daemon_left_by_an_earlier_life_is_taken_over_not_started_twice(
         assert not alive(pid) and nvml.compute_mode(0) == 0
         earlier._units.clear()  # its daemon is gone: nothing of it to close
         await earlier.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace of its own needs root")
+async def test_the_daemon_shares_memory_in_the_units_directory_only(mps_control, runtime_dir, record):
+    """The daemon (and the servers it forks) see the unit's shm directory at
+    /dev/shm, the directory a share's containers get there (R-MP-3), in a
+    mount namespace of their own: the front door's /dev/shm is untouched."""
+    nvml = SimulatedNvml.with_gpus(2)
+    async with Runtime():
+        daemons = await manager(nvml, runtime_dir, mps_control)
+        shares = [await daemons.share(nvml.uuid(i), f"claim-{i}", HALF) for i in range(2)]
+        seen = {unit: detail for unit, event, detail in read_record(record) if event == "shm"}
+        for share in shares:
+            own = os.stat(share.shm_dir)
+            assert seen[share.unit] == f"{own.st_dev}:{own.st_ino}"
+        host = os.stat("/dev/shm")
+        assert f"{host.st_dev}:{host.st_ino}" not in seen.values()
+        assert os.stat("/dev/shm").st_ino == host.st_ino  # nothing mounted over ours
+        await daemons.close()
+
+
+@pytest.mark.asyncio
+async def test_a_daemon_that_ignores_quit_is_killed_within_the_bound(mps_control, runtime_dir, record, monkeypatch):
+    nvml = SimulatedNvml.with_gpus(1)
+    monkeypatch.setenv("FAKE_MPS_IGNORE_QUIT", "1")
+    async with Runtime():
+        daemons = MpsDaemons(NvmlService(nvml), runtime_dir, str(mps_control), timeout_s=0.3)
+        nvml.init()
+        gpu = nvml.uuid(0)
+        await daemons.share(gpu, "claim", HALF)
+        pid = daemons.daemon_pid(gpu)
+        await daemons.release("claim")
+        assert commands(record, gpu)[-1] == "quit"
+        assert not alive(pid)  # quit answered but ignored: SIGKILL after 0.3 s
+        assert nvml.compute_mode(0) == 0 and daemons.restarts == 0
+        await daemons.close()
+
+
+@pytest.mark.asyncio
+async def test_a_compute_mode_nvml_refuses_fails_the_share_and_starts_nothing(mps_control, runtime_dir, record):
+    nvml = SimulatedNvml.with_gpus(1)
+    async with Runtime():
+        daemons = await manager(nvml, runtime_dir, mps_control)
+        gpu = nvml.uuid(0)
+        nvml.fail("nvmlDeviceSetComputeMode", 4)  # NVML_ERROR_NO_PERMISSION: not root
+        with pytest.raises(MpsError, match=rf"cannot set {gpu} to compute mode EXCLUSIVE_PROCESS for its MPS daemon:"
+                                           r" nvmlDeviceSetComputeMode failed: .*NO_PERMISSION.*needs root"):
+            await daemons.share(gpu, "claim", HALF)
+        assert read_record(record) == [] and daemons.share_state("claim") is None
+        # Restoring it fails after a share: the share is returned, the failure logged, close() tries again.
+        nvml.fail("nvmlDeviceSetComputeMode", None)
+        await daemons.share(gpu, "claim", HALF)
+        nvml.fail("nvmlDeviceSetComputeMode", 4)
+        assert await daemons.release("claim") and daemons.daemon_pid(gpu) is None
+        assert nvml.compute_mode(0) == COMPUTE_MODE_EXCLUSIVE_PROCESS
+        nvml.fail("nvmlDeviceSetComputeMode", None)
+        await daemons.close()
+        assert nvml.compute_mode(0) == 0

@@ -22,7 +22,7 @@
  *     exit 1 with a message on stderr.
  * - Commands (the real tool's names and arguments): quit; get_server_list;
  *   start_server -uid <uid> (forks a stand-in server process that sleeps
- *   until quit); set_default_active_thread_percentage <pct>;
+ *   until quit, and dies with the daemon); set_default_active_thread_percentage <pct>;
  *   get_default_active_thread_percentage; set_default_device_pinned_mem_limit
  *   <dev> <value>; get_default_device_pinned_mem_limit <dev>;
  *   set_active_thread_percentage <server pid> <pct>;
@@ -35,9 +35,13 @@
  *   NVIDIA documents control.log to hold user commands) and, when
  *   $FAKE_MPS_RECORD names a file, appended there as
  *   "<CUDA_VISIBLE_DEVICES>\tcommand\t<line>"; a daemon's start is recorded
- *   as "<CUDA_VISIBLE_DEVICES>\tstart\t<pid>". Tests judge by that file.
+ *   as "<CUDA_VISIBLE_DEVICES>\tstart\t<pid>", then the /dev/shm it sees as
+ *   "<CUDA_VISIBLE_DEVICES>\tshm\t<st_dev>:<st_ino>" (where its servers and
+ *   clients would share memory). Tests judge by that file.
  * - Fault injection for tests: $FAKE_MPS_FAIL="<code>:<text>" makes -d write
- *   <text> to control.log and stderr and exit <code> without starting.
+ *   <text> to control.log and stderr and exit <code> without starting;
+ *   $FAKE_MPS_IGNORE_QUIT=1 (read by -d) makes the daemon answer quit and
+ *   go on running (a daemon that hangs on its way out).
  * - SIGTERM ends the daemon as quit does; SIGKILL leaves the control socket
  *   and the PID file behind, as a killed daemon does.
  */
@@ -50,6 +54,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -195,7 +200,8 @@ static int run_command(char *line, char *answer, size_t size)
         return 0;
     }
     if (strcmp(words[0], "quit") == 0 && count == 1) {
-        return 1;
+        const char *ignore = getenv("FAKE_MPS_IGNORE_QUIT");
+        return ignore == NULL || strcmp(ignore, "1") != 0;
     }
     if (strcmp(words[0], "get_server_list") == 0 && count == 1) {
         for (int i = 0; i < server_count; i++) {
@@ -212,6 +218,10 @@ static int run_command(char *line, char *answer, size_t size)
         }
         server = fork();
         if (server == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGKILL); /* a killed daemon leaves no stand-in server behind */
+            if (getppid() == 1) {
+                _exit(0);
+            }
             for (int fd = 3; fd < 1024; fd++) {
                 close(fd); /* neither the listener nor this command's connection */
             }
@@ -388,6 +398,14 @@ static int start_daemon(void)
         log_line("Starting control daemon using socket %s", socket_path);
         snprintf(pid_text, sizeof pid_text, "%ld", (long)getpid());
         record("start", pid_text);
+        {
+            struct stat shm;
+            char identity[64] = "none";
+            if (stat("/dev/shm", &shm) == 0) {
+                snprintf(identity, sizeof identity, "%lu:%lu", (unsigned long)shm.st_dev, (unsigned long)shm.st_ino);
+            }
+            record("shm", identity);
+        }
         if (write(ready[1], "1", 1) != 1) {
             exit(1);
         }

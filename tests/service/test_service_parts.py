@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.file_format import UnreadableFile
 from isolators.service import (
     Caller,
     ContainerRecord,
@@ -148,7 +149,9 @@ def test_the_records_are_never_written_or_read_through_a_link(tmp_path: Path) ->
     assert os.listdir(moved) == []
 
 
-def test_records_round_trip_and_refuse_to_be_read_as_empty(tmp_path: Path) -> None:
+def test_records_round_trip_and_a_file_it_cannot_read_is_never_read_as_empty(tmp_path: Path) -> None:
+    """SPEC R-SH-3: an unreadable records file is one ``UnreadableFile`` naming it and why (the recovery then
+    moves it aside and rebuilds from the kernel: tests/upgrades/test_upgrade_serve.py)."""
     path = tmp_path / "service" / "containers.json"
     records = RecordsFile(str(path), "/sys/fs/cgroup/devices/root")
     assert records.load() == []
@@ -156,16 +159,21 @@ def test_records_round_trip_and_refuse_to_be_read_as_empty(tmp_path: Path) -> No
                              user="root", pid=42, since=1.5),
              ContainerRecord(container_id="a", recovered=True)]
     records.write(records.encode(saved))
+    assert json.loads(path.read_bytes())["version"] == 1
     assert [r.container_id for r in records.load()] == ["a", "b"] and records.load()[1] == saved[0]
     assert not (tmp_path / "service" / "containers.json.tmp").exists()
-    for content, reason in ((b"", "it is empty"), (b"{not json", "truncated or garbled"),
-                            (json.dumps({"version": 9, "root": "x", "containers": []}).encode(), "unknown version 9")):
+    for content, reason in ((b"", "the file is empty"), (b"{not json", "it is not a JSON object: truncated"),
+                            (json.dumps({"version": 9, "root": "x", "containers": []}).encode(),
+                             "it is in format version 9, and this release reads versions 1 (a later release"),
+                            (json.dumps({"root": "x", "containers": []}).encode(),
+                             "it is in format version 0, and this release reads versions 1")):
         path.write_bytes(content)
-        with pytest.raises(RecordsError, match=reason) as caught:
+        with pytest.raises(UnreadableFile) as caught:
             records.load()
-        assert "delete it to start afresh" in str(caught.value)
+        assert caught.value.path == str(path) and caught.value.reason.startswith(reason)
     path.write_bytes(records.encode(saved))
-    with pytest.raises(RecordsError, match="belong to the cgroups root '/sys/fs/cgroup/devices/root'"):
+    with pytest.raises(UnreadableFile, match="it holds the records of the cgroups root '/sys/fs/cgroup/devices/root',"
+                                             " not of '/elsewhere'"):
         RecordsFile(str(path), "/elsewhere").load()
 
 

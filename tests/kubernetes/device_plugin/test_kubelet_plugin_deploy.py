@@ -32,9 +32,9 @@ def test_the_daemonset_runs_the_plugin_with_pod_repairs_privileges_and_mounts() 
     [daemonset] = load_manifests(DEPLOY / "daemonset.yaml")
     pod = daemonset.spec.template.spec
     [container] = pod.containers
-    script = container.args[0]
-    command = script.split("exec gpu-isolator ", 1)[1].split()
-    args, extra = _parser().parse_known_args(command)
+    script, _, *command = container.args  # sh -c SCRIPT $0 OPTIONS...: the chart's options, one an argument
+    assert 'exec gpu-isolator kubelet-plugin "$@"' in script
+    args, extra = _parser().parse_known_args(["kubelet-plugin", *command])
     assert args.command == "kubelet-plugin" and args.repair_pods == "true"
     options = dict(option.lstrip("-").split("=", 1) for option in extra)
     assert "node_ledger" not in options
