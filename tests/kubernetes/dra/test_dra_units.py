@@ -11,8 +11,9 @@ import pytest
 from isolators.kubernetes.dra import (ClaimPlan, ClaimRef, DraCatalog, PlannedDevice, PreparedClaims, check_driver_name,
                            render_slice)
 from isolators.kubernetes import PluginSetupError
-from isolators.kubernetes.dra import (CheckpointError, PreparedClaim, product_family, read_checkpoint, semver,
-                                      write_checkpoint)
+from actors.file_format import UnreadableFile
+from isolators.kubernetes.dra import (CHECKPOINT_VERSION, CheckpointError, PreparedClaim, product_family,
+                                      read_checkpoint, semver, write_checkpoint)
 
 from tests.support.dra_kubelet import catalog_of
 
@@ -126,7 +127,7 @@ def _prepared(device: PlannedDevice):
                           admin_access=device.admin_access, share_id=device.share_id, cdi_device_ids=["x=y"])
 
 
-def test_the_checkpoint_round_trips_and_a_malformed_one_is_refused(tmp_path: Path) -> None:
+def test_the_checkpoint_round_trips_and_a_malformed_one_is_unreadable_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "dra" / "drv" / "prepared-claims.json"
     assert read_checkpoint(str(path)) == []
     table = PreparedClaims()
@@ -134,8 +135,19 @@ def test_the_checkpoint_round_trips_and_a_malformed_one_is_refused(tmp_path: Pat
     write_checkpoint(str(path), table.encode([claim]))
     assert read_checkpoint(str(path)) == [claim]
     assert [p.name for p in path.parent.iterdir()] == ["prepared-claims.json"]  # no temporary left
+    assert json.loads(path.read_text())["version"] == CHECKPOINT_VERSION == 1  # SPEC R-SH-3
+    path.write_text(path.read_text().replace('"version":1,', ""))  # none written: 0.1.0's reader took it as 1
+    assert read_checkpoint(str(path)) == [claim]
     path.write_text("{not json")
-    with pytest.raises(CheckpointError, match=f"The prepared-claims checkpoint {path} is malformed"):
+    with pytest.raises(UnreadableFile) as unreadable:
+        read_checkpoint(str(path))
+    assert str(unreadable.value).startswith(f"{path}: it is not a JSON object: truncated or not this project's file")
+    path.write_text('{"version": 2, "claims": []}')
+    with pytest.raises(UnreadableFile, match=r": it is in format version 2, and this release reads versions 0, 1 \(a"):
+        read_checkpoint(str(path))
+    path.unlink()
+    path.mkdir()  # cannot be read at all (root reads through modes): not a format question, nothing set aside
+    with pytest.raises(CheckpointError, match=f"Cannot read the prepared-claims checkpoint {path}: Is a directory"):
         read_checkpoint(str(path))
 
 
