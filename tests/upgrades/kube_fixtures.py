@@ -17,6 +17,10 @@ Rules:
   (the first half of it, a write cut short), ``garbage`` (bytes that are
   no JSON), ``unknown-version`` (a later release's version 99, same
   claims); the bytes written.
+- ``wait_leases(kube, expected, what)`` waits (bounded) until the node
+  ledger holds exactly ``expected`` (``tests.support.ledger.leases``'s
+  form), failing with what it holds: returns happen within a pass, tests
+  wait for the state.
 """
 
 from __future__ import annotations
@@ -24,15 +28,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 from isolators.kubernetes.pod_repair import AssignedDevices
 
 from tests.support.kube_node import KubeNode
+from tests.support.ledger import leases
 from tests.upgrades.write_fixtures import fixture_dir
 
-__all__ = ["CORRUPTIONS", "corrupt", "fixture_dir", "kube_node_from"]
+__all__ = ["CORRUPTIONS", "corrupt", "fixture_dir", "kube_node_from", "wait_leases"]
 
 CORRUPTIONS = ("truncated", "garbage", "unknown-version")
 
@@ -80,3 +86,10 @@ def corrupt(path: Path, how: str) -> bytes:
         raise ValueError(f"unknown corruption {how!r}: one of {', '.join(CORRUPTIONS)}")
     path.write_bytes(damaged)
     return damaged
+
+
+def wait_leases(kube: KubeNode, expected: dict, what: str, bound: float = 10.0) -> None:
+    deadline = time.monotonic() + bound
+    while (held := leases(kube.ledger)) != expected:
+        assert time.monotonic() < deadline, f"{what}: not within {bound}s; the ledger holds {held}"
+        time.sleep(0.02)

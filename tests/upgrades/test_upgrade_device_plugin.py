@@ -26,7 +26,7 @@ from isolators.kubernetes.device_plugin import PLUGIN_OWNER
 from tests.support.kube_node import KubeNode
 from tests.support.kubelet import plugin_directory
 from tests.support.ledger import leases
-from tests.upgrades.kube_fixtures import corrupt, fixture_dir, kube_node_from
+from tests.upgrades.kube_fixtures import corrupt, fixture_dir, kube_node_from, wait_leases
 
 FIXTURE = Path(fixture_dir("0.1.0", "device_plugin"))
 HELD = {"195:0": (PLUGIN_OWNER, ("ns/p1/gpu",)), "195:1": (PLUGIN_OWNER, ("ns/p2/gpu",)),
@@ -42,13 +42,6 @@ def old_node(tmp_path: Path) -> Iterator[KubeNode]:
             yield kube
         finally:
             kube.close()
-
-
-def wait_leases(kube: KubeNode, expected: dict, what: str, bound: float = 10.0) -> None:
-    deadline = time.monotonic() + bound
-    while (held := leases(kube.ledger)) != expected:
-        assert time.monotonic() < deadline, f"{what}: not within {bound}s; the ledger holds {held}"
-        time.sleep(0.02)
 
 
 def test_the_pods_stay_the_plugins_own_and_nothing_they_hold_is_handed_out(old_node: KubeNode) -> None:

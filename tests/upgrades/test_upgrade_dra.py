@@ -10,7 +10,6 @@ checkpoint, the claims' CDI specs, the node ledger and the API server's Resource
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -22,7 +21,7 @@ from isolators.kubernetes.device_plugin import PLUGIN_OWNER
 from tests.support.kube_node import DRIVER, NAMESPACE, KubeNode
 from tests.support.kubelet import plugin_directory
 from tests.support.ledger import leases
-from tests.upgrades.kube_fixtures import CORRUPTIONS, corrupt, fixture_dir, kube_node_from
+from tests.upgrades.kube_fixtures import CORRUPTIONS, corrupt, fixture_dir, kube_node_from, wait_leases
 
 FIXTURE = Path(fixture_dir("0.1.0", "dra_driver"))
 DRA_OWNER = dra_plugin_owner(DRIVER)
@@ -48,13 +47,6 @@ def checkpoint_of(kube: KubeNode) -> Path:
 
 def spec_files(kube: KubeNode) -> list[str]:
     return sorted(p.name for p in kube.cdi.glob(f"{DRIVER}-claim_*.json"))
-
-
-def wait_leases(kube: KubeNode, expected: dict, what: str, bound: float = 10.0) -> None:
-    deadline = time.monotonic() + bound
-    while (held := leases(kube.ledger)) != expected:
-        assert time.monotonic() < deadline, f"{what}: not within {bound}s; the ledger holds {held}"
-        time.sleep(0.02)
 
 
 def carries_on(kube: KubeNode) -> None:
