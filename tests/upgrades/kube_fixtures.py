@@ -13,6 +13,9 @@ Rules:
   holds its ResourceClaims and whose PodResources lists its assignments
   -- the node as the earlier release left it, its plugins not started.
   The copies are the test's own: the committed fixture never changes.
+  ``running_from(fixture, directory)`` is that node under ``directory``
+  with its sockets in a short directory of their own, closed (every
+  plugin stopped) on the way out.
 - ``corrupt(path, how)`` damages a kept file as a node does: ``truncated``
   (the first half of it, a write cut short), ``garbage`` (bytes that are
   no JSON), ``unknown-version`` (a later release's version 99, same
@@ -25,20 +28,23 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from isolators.kubernetes.pod_repair import AssignedDevices
 
 from tests.support.kube_node import KubeNode
+from tests.support.kubelet import plugin_directory
 from tests.support.ledger import leases
 from tests.upgrades.write_fixtures import fixture_dir
 
-__all__ = ["CORRUPTIONS", "corrupt", "fixture_dir", "kube_node_from", "wait_leases"]
+__all__ = ["CORRUPTIONS", "corrupt", "fixture_dir", "kube_node_from", "running_from", "wait_leases"]
 
 CORRUPTIONS = ("truncated", "garbage", "unknown-version")
 
@@ -69,6 +75,17 @@ def kube_node_from(fixture: Path, base: Path, sockets: Path, **options: Any) -> 
                                                       resource=a["resource"], ids=tuple(a["ids"]))
                                       for a in json.loads((fixture / "pod-resources.json").read_text())]
     return kube
+
+
+@contextlib.contextmanager
+def running_from(fixture: Path, directory: Path, **options: Any) -> Iterator[KubeNode]:
+    """``kube_node_from`` under ``directory``, closed afterwards (see module rules)."""
+    with plugin_directory() as sockets:
+        kube = kube_node_from(fixture, directory / "node", sockets, **options)
+        try:
+            yield kube
+        finally:
+            kube.close()
 
 
 def corrupt(path: Path, how: str) -> bytes:

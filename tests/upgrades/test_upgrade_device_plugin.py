@@ -24,9 +24,8 @@ import pytest
 
 from isolators.kubernetes.device_plugin import PLUGIN_OWNER
 from tests.support.kube_node import KubeNode
-from tests.support.kubelet import plugin_directory
 from tests.support.ledger import leases
-from tests.upgrades.kube_fixtures import corrupt, fixture_dir, kube_node_from, wait_leases
+from tests.upgrades.kube_fixtures import corrupt, fixture_dir, running_from, wait_leases
 
 FIXTURE = Path(fixture_dir("0.1.0", "device_plugin"))
 HELD = {"195:0": (PLUGIN_OWNER, ("ns/p1/gpu",)), "195:1": (PLUGIN_OWNER, ("ns/p2/gpu",)),
@@ -36,12 +35,8 @@ ALL = [f"gpu-{minor}" for minor in range(8)]
 
 @pytest.fixture
 def old_node(tmp_path: Path) -> Iterator[KubeNode]:
-    with plugin_directory() as sockets:
-        kube = kube_node_from(FIXTURE, tmp_path / "node", sockets)
-        try:
-            yield kube
-        finally:
-            kube.close()
+    with running_from(FIXTURE, tmp_path) as kube:
+        yield kube
 
 
 def test_the_pods_stay_the_plugins_own_and_nothing_they_hold_is_handed_out(old_node: KubeNode) -> None:

@@ -19,9 +19,8 @@ import pytest
 from actors.ledger import dra_plugin_owner
 from isolators.kubernetes.device_plugin import PLUGIN_OWNER
 from tests.support.kube_node import DRIVER, NAMESPACE, KubeNode
-from tests.support.kubelet import plugin_directory
 from tests.support.ledger import leases
-from tests.upgrades.kube_fixtures import CORRUPTIONS, corrupt, fixture_dir, kube_node_from, wait_leases
+from tests.upgrades.kube_fixtures import CORRUPTIONS, corrupt, fixture_dir, running_from, wait_leases
 
 FIXTURE = Path(fixture_dir("0.1.0", "dra_driver"))
 DRA_OWNER = dra_plugin_owner(DRIVER)
@@ -33,12 +32,8 @@ ALL = [f"gpu-{minor}" for minor in range(8)]
 
 @pytest.fixture
 def old_node(tmp_path: Path) -> Iterator[KubeNode]:
-    with plugin_directory() as sockets:
-        kube = kube_node_from(FIXTURE, tmp_path / "node", sockets)
-        try:
-            yield kube
-        finally:
-            kube.close()
+    with running_from(FIXTURE, tmp_path) as kube:
+        yield kube
 
 
 def checkpoint_of(kube: KubeNode) -> Path:
