@@ -206,3 +206,65 @@ def test_slice_names_are_dns_subdomains_of_at_most_253_characters_for_any_node()
         assert name == slice_name(node, "gpu.isolator.dev")  # stable across restarts
     assert slice_name(long_a, "gpu.isolator.dev") != slice_name(long_b, "gpu.isolator.dev")
     assert slice_name(long_a, "gpu.isolator.dev") != slice_name(long_a, "gpu2.isolator.dev")
+
+
+class _Claims:
+    """A client whose ``list`` yields stored ResourceClaim documents (as lightkube models), or fails."""
+
+    def __init__(self, documents: list[dict], failure: Exception | None = None) -> None:
+        self.documents, self.failure, self.asked = documents, failure, []
+
+    async def list(self, resource: type, namespace: str):
+        self.asked.append((resource.__name__, namespace))
+        if self.failure is not None:
+            raise self.failure
+        for document in self.documents:
+            yield resource.from_dict(document)
+
+
+def _claim(name: str, uid: str, *results: dict) -> dict:
+    from tests.support.kube_api import FakeApiServer
+
+    return FakeApiServer().add_claim("ns", name, list(results) if results else None, uid=uid)
+
+
+@pytest.mark.asyncio
+async def test_the_claims_of_this_node_are_rebuilt_in_uid_order_never_two_exclusive_on_one_device() -> None:
+    """SPEC R-SH-3: what an unreadable checkpoint is rebuilt from."""
+    from isolators.kubernetes.dra import claims_of_node
+    from tests.support.kube_api import allocation_result as result
+
+    node, driver = "node-1", "gpu.isolator.dev"
+    client = _Claims([
+        _claim("b", "uid-b", result("gpus", driver, node, "gpu-1")),
+        _claim("a", "uid-a", result("gpus", driver, node, "gpu-1"), result("gpus", driver, node, "gpu-2")),
+        _claim("watch", "uid-c", result("gpus", driver, node, "gpu-1", admin_access=True)),
+        _claim("gone", "uid-d", result("gpus", driver, node, "gpu-99")),
+        _claim("other-node", "uid-e", result("gpus", driver, "node-2", "gpu-3")),
+        _claim("other-driver", "uid-f", result("gpus", "other.dev", node, "gpu-4")),
+        _claim("pending", "uid-g"),  # not allocated
+    ])
+    rebuilt = await claims_of_node(client, driver=driver, node=node, catalog=catalog("dgx8-nvlink.toml"))
+    assert client.asked == [("ResourceClaim", "*")]  # every namespace, one list
+    assert [(c.ref.name, [d.device for d in c.devices]) for c in rebuilt.claims] == [
+        ("a", ["gpu-1", "gpu-2"]), ("watch", ["gpu-1"])]
+    assert rebuilt.claims[0].devices[1].cdi_device_ids == [f"{driver}/claim=uid-a-gpu-2"]
+    assert rebuilt.left_out == [
+        "claim ns/b (uid uid-b): device gpu-1 (prepared for claim ns/a, uid uid-a) is not shared, so it cannot be"
+        " held twice",
+        f"claim ns/gone (uid uid-d): device gpu-99 is not one driver {driver} publishes on node {node} (gpu-0, gpu-1,"
+        " gpu-2, ...)"]
+
+
+@pytest.mark.asyncio
+async def test_claims_that_cannot_be_listed_are_one_error_naming_the_api_servers_answer() -> None:
+    import httpx2
+
+    from isolators.kubernetes.dra import RebuildError, claims_of_node
+
+    request = httpx2.Request("GET", "http://127.0.0.1:9/apis/resource.k8s.io/v1/resourceclaims")
+    client = _Claims([], failure=httpx2.ConnectError("Connection refused", request=request))
+    with pytest.raises(RebuildError) as failed:
+        await claims_of_node(client, driver="gpu.isolator.dev", node="n", catalog=catalog("dgx8-nvlink.toml"))
+    assert str(failed.value) == ("cannot list the ResourceClaims: the API server (127.0.0.1:9) could not be reached:"
+                                 " ConnectError: Connection refused")
