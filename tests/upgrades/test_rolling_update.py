@@ -181,7 +181,7 @@ def test_a_rolling_update_of_both_plugins_loses_no_grant_hands_out_nothing_twice
     specs = sorted(p.name for p in kube.cdi.glob("*.json"))
 
     # the rolling update: SIGTERM to both; the kubelet deletes the slices of a driver gone; the new pods start
-    assert kube.device_plugin.stop() == 0 and kube.dra_plugin.stop() == 0
+    assert kube.device_plugin.stop(timeout=10) == 0 and kube.dra_plugin.stop(timeout=10) == 0  # R-SH-4
     kube.api.delete_slices(NODE)
     kube.code = None  # this release
     kube.restart_device_plugin()
@@ -221,4 +221,4 @@ def test_a_rolling_update_of_both_plugins_loses_no_grant_hands_out_nothing_twice
     assert kube.unprepare(claims["c1"]) == {} and kube.unprepare(claims["c2"]) == {}
     wait_leases(kube, {}, "every unit back")
     kube.wait_slice(lambda devices: devices == ALL, "every GPU in the slice")
-    assert kube.device_plugin.stop() == 0 and kube.dra_plugin.stop() == 0
+    assert kube.device_plugin.stop(timeout=10) == 0 and kube.dra_plugin.stop(timeout=10) == 0  # R-SH-4
