@@ -106,9 +106,9 @@ def test_an_unreadable_checkpoint_is_set_aside_and_the_claims_rebuilt_from_the_a
                            f" {reason}"), line
     assert line.endswith(f"Moved it aside to {aside[0]} and rebuilt the prepared claims from the ResourceClaims the"
                          " API server allocated to this node: 2 claims"), line
-    assert (f"ERROR isolators.kubernetes.dra._plugin: Prepared claim ns/{stale[1]} (uid {stale[2]}) holds units the"
-            f" node ledger refuses to this driver: Held by another front door of this node: {uuid['gpu-5']} (195:5)"
-            f" is held by {PLUGIN_OWNER} (running) for ns/p5/gpu") in log
+    assert (f"ERROR isolators.kubernetes.dra._plugin: Not prepared again from the API server: claim ns/{stale[1]} (uid"
+            f" {stale[2]}): Held by another front door of this node: {uuid['gpu-5']} (195:5) is held by {PLUGIN_OWNER}"
+            " (running) for ns/p5/gpu; the kubelet's prepare of it is refused while that holds") in log
     assert kube.prepare(stale)["error"].endswith(
         f"{uuid['gpu-5']} (195:5) is held by {PLUGIN_OWNER} (running) for ns/p5/gpu; nothing was prepared")
     kube.remove_pod("p5")

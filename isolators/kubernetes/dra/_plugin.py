@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import msgspec
@@ -124,14 +125,24 @@ def _restore(spec_dir: str, prefix: str, wanted: dict[str, bytes], kept: set[str
 
 
 def _replace_unreadable(checkpoint: str, data: bytes, unreadable: UnreadableFile, count: int) -> None:
-    """The unreadable checkpoint moved aside, the rebuilt one written in its place (blocking; one job)."""
+    """The unreadable checkpoint moved aside, the rebuilt one written in its place (blocking; one job). A
+    write that fails puts the unreadable one back: the next start rebuilds again, where a missing checkpoint
+    would read as "nothing prepared"."""
     try:
-        moved = set_aside(checkpoint)
+        moved: str | None = set_aside(checkpoint)
     except OSError as error:
-        moved = f"nowhere ({error.strerror}: it is replaced)"
+        moved = None
+        logger.error("The prepared-claims checkpoint %s: it cannot be moved aside (%s), so the rebuilt one replaces"
+                     " it", checkpoint, error.strerror)
+    try:
+        write_checkpoint(checkpoint, data)
+    except CheckpointError:
+        if moved is not None:
+            os.rename(moved, checkpoint)
+        raise
     logger.error("The prepared-claims checkpoint %s. Moved it aside to %s and rebuilt the prepared claims from the"
-                 " ResourceClaims the API server allocated to this node: %d claims", unreadable, moved, count)
-    write_checkpoint(checkpoint, data)
+                 " ResourceClaims the API server allocated to this node: %d claims", unreadable,
+                 moved or "nowhere", count)
 
 
 def _commit_files(spec_dir: str, writes: list[tuple[str, bytes]], checkpoint: str, data: bytes,
@@ -196,7 +207,7 @@ class DraPluginProcess(OperatorRoutes):
                          dev_dir=dev_dir, checkpoint=checkpoint, prepared=prepared, credential=credential,
                          ledger=ledger)
             if ledger:
-                refused = await plugin._hold_again(prepared)
+                refused = await plugin._hold_again(prepared, rebuilt=unreadable is not None)
                 if unreadable is not None:  # a rebuilt claim whose unit another holds is not prepared
                     prepared = [claim for claim in prepared if claim.ref.uid not in refused]
                     plugin.table = PreparedClaims(prepared)
@@ -247,8 +258,9 @@ class DraPluginProcess(OperatorRoutes):
             logger.error("Not prepared again from the API server: %s", line)
         return rebuilt.claims
 
-    async def _hold_again(self, prepared: list[PreparedClaim]) -> set[str]:
-        """At start: every prepared claim holds its units again; the uids of those the ledger refused."""
+    async def _hold_again(self, prepared: list[PreparedClaim], rebuilt: bool) -> set[str]:
+        """At start: every prepared claim holds its units again; the uids of those the ledger refused (a
+        ``rebuilt`` claim was never answered prepared by this run's checkpoint: it is left out)."""
         holds = [(claim, self.allocator.hold(units, claim.ref.uid)) for claim in prepared
                  if (units := self._units(claim.devices))]
         refused = set()
@@ -257,8 +269,12 @@ class DraPluginProcess(OperatorRoutes):
                 await future
             except AllocatorError as error:
                 refused.add(claim.ref.uid)
-                logger.error("Prepared %s holds units the node ledger refuses to this driver: %s. Two front doors"
-                             " granted one GPU; find which one must give it back", claim.ref, error)
+                if rebuilt:
+                    logger.error("Not prepared again from the API server: %s: %s; the kubelet's prepare of it is"
+                                 " refused while that holds", claim.ref, error)
+                else:
+                    logger.error("Prepared %s holds units the node ledger refuses to this driver: %s. Two front"
+                                 " doors granted one GPU; find which one must give it back", claim.ref, error)
         return refused
 
     def _units(self, devices: list[Any]) -> list[Any]:
