@@ -84,3 +84,25 @@ def test_a_damaged_cdi_node_spec_is_written_again_and_the_names_it_answers_resol
     [node] = next(d for d in written["devices"] if d["name"] == device)["containerEdits"]["deviceNodes"]
     assert node["path"] == "/dev/nvidia3" and node["hostPath"] == f"{kube.node.dev_dir}/nvidia3"
     wait_leases(kube, {**HELD, "195:3": (PLUGIN_OWNER, ("ns/p3/gpu",))}, "the pods' GPUs held, p3's too")
+
+
+def test_a_pods_units_stay_held_when_the_ledger_refuses_one_of_them(old_node: KubeNode) -> None:
+    """SPEC R-SH-3: a lease nobody can read keeps gpu-1 from the plugin; pod p2's other GPU, gpu-2, stays the
+    plugin's (it never goes back to be handed out again), and neither is handed to another front door."""
+    kube = old_node
+    uuid = kube.uuids
+    lease = Path(kube.ledger) / "units" / f"{uuid['gpu-1']}.lease"
+    lease.write_bytes(b"\x00 not a lease")
+    kube.start()
+    kube.device_plugin.wait_log("but the node ledger refuses them to this plugin")
+    calls = kube.pod_resources.calls
+    deadline = time.monotonic() + 10
+    while kube.pod_resources.calls < calls + 2:  # a whole pass after the refusal
+        assert time.monotonic() < deadline, "no two passes within 10s"
+        time.sleep(0.02)
+    held = leases(kube.ledger)
+    assert held["195:0"] == HELD["195:0"] and held["195:2"] == HELD["195:2"], held
+    for gpu in ("gpu-1", "gpu-2"):
+        late = kube.claim([gpu])
+        error = kube.prepare(late)["error"]
+        assert f"{uuid[gpu]} (195:{gpu[-1]}) is held by" in error and error.endswith("nothing was prepared"), error
