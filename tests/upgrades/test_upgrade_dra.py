@@ -90,10 +90,11 @@ def test_an_unreadable_checkpoint_is_set_aside_and_the_claims_rebuilt_from_the_a
     damaged = corrupt(checkpoint, how)
     kube.start(dra=False)
     uuid = kube.uuids
-    # meanwhile: pod p5 got gpu-5 from the device plugin, and a claim the API server allocated gpu-5 (a scheduler
-    # that had not heard) was never prepared: the rebuild must not answer it prepared
+    # meanwhile: pod p5 got gpu-5 from the device plugin, and a claim the API server allocated gpu-5 and gpu-7 (a
+    # scheduler that had not heard) was never prepared: the rebuild must not answer it prepared (it keeps gpu-7
+    # from others until the kubelet unprepares it: whether a pod uses it, the lost checkpoint knew)
     kube.allocate("p5", [uuid["gpu-5"]])
-    stale = kube.claim(["gpu-5"])
+    stale = kube.claim(["gpu-5", "gpu-7"])
     kube.restart_dra_plugin()  # starts: no crash loop
     log = kube.dra_plugin.log()
     aside = [p for p in checkpoint.parent.iterdir() if p.name.startswith("prepared-claims.json.unreadable-")]
@@ -111,7 +112,29 @@ def test_an_unreadable_checkpoint_is_set_aside_and_the_claims_rebuilt_from_the_a
             " (running) for ns/p5/gpu; the kubelet's prepare of it is refused while that holds") in log
     assert kube.prepare(stale)["error"].endswith(
         f"{uuid['gpu-5']} (195:5) is held by {PLUGIN_OWNER} (running) for ns/p5/gpu; nothing was prepared")
+    assert leases(kube.ledger)["195:7"] == (DRA_OWNER, (stale[2],))
+    assert kube.unprepare(stale) == {}
     kube.remove_pod("p5")
     kube.api.remove_claim(NAMESPACE, stale[1])
     wait_leases(kube, HELD, "gpu-5 back once pod p5 is gone")
     carries_on(kube)
+
+
+def test_a_claim_keeps_its_other_units_when_the_ledger_refuses_one_of_them(old_node: KubeNode) -> None:
+    """SPEC R-SH-3: a lease nobody can read keeps gpu-1 from the driver; claim two stays prepared and keeps
+    gpu-2 (before, the start returned it to be handed out again while the claim's pod used it)."""
+    kube = old_node
+    uuid = kube.uuids
+    (Path(kube.ledger) / "units" / f"{uuid['gpu-1']}.lease").write_bytes(b"\x00 not a lease")
+    kube.start()
+    assert "holds units the node ledger refuses to this driver" in kube.dra_plugin.log()
+    assert kube.prepared() == {ONE[2]: ["gpu-0"], TWO[2]: ["gpu-1", "gpu-2"]}
+    held = leases(kube.ledger)
+    assert held["195:0"] == HELD["195:0"] and held["195:2"] == HELD["195:2"], held
+    for gpu in ("gpu-1", "gpu-2"):
+        with pytest.raises(grpc.RpcError) as refused:
+            kube.allocate(f"pod-{gpu}", [uuid[gpu]])
+        assert f"{uuid[gpu]} (195:{gpu[-1]}) is held by" in refused.value.details(), refused.value.details()
+    assert kube.unprepare(TWO) == {}
+    kube.wait_listed(lambda listed: listed[uuid["gpu-2"]] == "Healthy", "gpu-2 back once claim two is unprepared")
+    assert "195:2" not in leases(kube.ledger)

@@ -32,7 +32,7 @@ Rules (SPEC R-NL-2..4):
   ledger was off, an operator released this plugin's units, a lease file
   nobody can read) is logged at ERROR once while it lasts and counted by
   the allocator (``ledger/conflicts``); nothing is taken from the other
-  owner, and that container's other units stay held (``_hold_the_rest``):
+  owner, and that container's other units stay held (``hold_the_rest``):
   the pod uses them, so they never go back to be handed out again (SPEC
   R-SH-3).
 - At start (the first ``reconcile``: R-NL-3) the holds of every listed
@@ -56,6 +56,7 @@ from actors.ledger import LedgerError, check_holder, kubelet_plugin_owner
 from actors.mig import Unit
 
 from .._errors import FAILED_PRECONDITION, PluginRequestError
+from .._ledger_watch import hold_the_rest
 from ..pod_repair import AssignedDevices
 from ._catalog import DeviceCatalog
 from ._names import ALLOCATE_GRACE_S
@@ -171,7 +172,7 @@ class PodLeases:
                                                      f" {self._named(units)}, but the node ledger refuses them to"
                                                      f" this plugin: {error}. Two front doors granted one GPU; find"
                                                      " which one must give it back")
-                units = await self._hold_the_rest(holder, units)
+                units = await hold_the_rest(self.allocator, units, holder)
                 if units is None:
                     continue
             else:
@@ -207,18 +208,6 @@ class PodLeases:
                             " to the node ledger: %s", ", ".join(unclaimed))
             texts += unclaimed
         return texts
-
-    async def _hold_the_rest(self, holder: str, units: frozenset[Unit]) -> frozenset[Unit] | None:
-        """After a refused hold: ``holder`` holds those of ``units`` no other owner keeps (None: none)."""
-        state = await self.allocator.ledger_state()
-        rest = units - set(state.elsewhere) if state is not None else frozenset()
-        if not rest:
-            return None
-        try:
-            await self.allocator.hold(rest, holder)
-        except AllocatorError:
-            return None  # the ledger changed meanwhile: the next pass tries again
-        return frozenset(rest)
 
     def _named(self, units: Iterable[Unit]) -> str:
         return ", ".join(f"{self.catalog.uuids.get(unit, unit)} ({unit})" for unit in sorted(units))

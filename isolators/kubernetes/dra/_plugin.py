@@ -47,7 +47,9 @@ Rules (issue 37 items 3-5; SPEC section 21):
   reconciles from: every prepared claim holds its units again (claim uid
   as holder), then ``release_unclaimed`` returns what the last run leased
   and no claim holds; a unit the ledger refuses (another front door holds
-  it: two grants) is logged at ERROR and the claim stays prepared.
+  it: two grants) is logged at ERROR and the claim stays prepared, holding
+  its other units (``hold_the_rest``: they never go back to be handed out
+  while its pod may use them).
 - A checkpoint that cannot be decoded (truncated, garbage, a version this
   release does not know: ``UnreadableFile``; SPEC R-SH-3) never stops the
   driver for good: the claims are rebuilt from the API server
@@ -57,7 +59,9 @@ Rules (issue 37 items 3-5; SPEC section 21):
   Rebuilt claims hold their units in the node ledger; one whose unit
   another front door holds is left out (logged at ERROR: answering it
   prepared would hand out a unit in use; the kubelet's next prepare of it
-  is refused naming the holder). Then the checkpoint of the rebuilt
+  is refused naming the holder), its other units held all the same until
+  the kubelet unprepares it (an unprepare lets go of whatever a uid holds,
+  prepared or not). Then the checkpoint of the rebuilt
   claims is written and their specs as above. The file stays where it is
   until the rebuild is known: an API server that cannot be listed (tried
   ``REBUILD_TRIES`` times) stops the start with a ``CheckpointError``
@@ -90,6 +94,7 @@ from runtime import Executor, Failure, MetricSet, spawn
 
 from ...cdi import CdiWriteError, NodeFacts, apply_spec_changes, list_spec_files, read_spec_files
 from ...credential import BearerCredential
+from .._ledger_watch import hold_the_rest
 from .._operator import OperatorRoutes
 from ._claim_spec import claim_spec_file, claim_spec_prefix, render_claim_spec
 from ._claims import ClaimPlan, ClaimRef, ClaimRefused, check_uid, plan_claim
@@ -269,6 +274,7 @@ class DraPluginProcess(OperatorRoutes):
                 await future
             except AllocatorError as error:
                 refused.add(claim.ref.uid)
+                await hold_the_rest(self.allocator, frozenset(self._units(claim.devices)), claim.ref.uid)
                 if rebuilt:
                     logger.error("Not prepared again from the API server: %s: %s; the kubelet's prepare of it is"
                                  " refused while that holds", claim.ref, error)
@@ -444,6 +450,7 @@ class DraPluginProcess(OperatorRoutes):
         """uid -> error ("" when done) for every claim (see module rules)."""
         answers: dict[str, str] = {}
         gone: list[PreparedClaim] = []
+        unknown: list[str] = []
         for ref in refs:
             try:
                 check_uid(ref)
@@ -457,6 +464,8 @@ class DraPluginProcess(OperatorRoutes):
             claim = self.table.claims.get(ref.uid)
             if claim is not None:
                 gone.append(claim)
+            else:
+                unknown.append(ref.uid)  # it may hold units all the same (a claim left out of a rebuild)
             answers[ref.uid] = ""
         if gone:
             try:
@@ -469,6 +478,7 @@ class DraPluginProcess(OperatorRoutes):
                 self.unprepares += 1
                 logger.info("Unprepared %s", claim.ref)
             await self._let_go([claim.ref.uid for claim in gone])
+        await self._let_go(unknown)
         return answers
 
     async def _let_go(self, uids: list[str]) -> None:
