@@ -6,12 +6,13 @@ no file work."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from actors import Gpu, NvidiaGpuAllocator
-from actors.allocator import LINGER, AllocatorError
+from actors.allocator import LINGER, AllocatorError, LedgerState
 from actors.flags import Flags
 from actors.ledger import LedgerDirectory, LedgerError, isolator_owner, serve_owner
 from actors.mig import MigDevice
@@ -293,6 +294,17 @@ async def advance(seconds: float) -> None:
     await Clock.settle()
 
 
+async def state_until(a: NvidiaGpuAllocator, check: Callable[[LedgerState], bool], what: str) -> None:
+    """Wait (bounded) until the allocator's ledger state is one ``check`` holds for: a job
+    the clock started has run and been heard, however busy the machine is."""
+    state = await a.ledger_state()
+    deadline = asyncio.get_running_loop().time() + BOUND
+    while not check(state):
+        assert asyncio.get_running_loop().time() < deadline, f"not within {BOUND:g} s: {what} ({state})"
+        await asyncio.sleep(0.005)
+        state = await a.ledger_state()
+
+
 @pytest.mark.asyncio
 async def test_a_ledger_that_cannot_be_written_is_retried_with_a_growing_pause_and_the_error_logged_once(
         tmp_path: Path, host_file: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -313,10 +325,11 @@ async def test_a_ledger_that_cannot_be_written_is_retried_with_a_growing_pause_a
                 await a.allocate({G[1]}, holder="c3")  # its job (with c2's holder change) fails
             first = await a.ledger_state()
             assert first.failing == 1 and runtime.metrics.snapshot()["ledger/failing_jobs"] == 1
-            for pause in (0.1, 0.2, 0.4):  # c2's holder change waits: retried once each pause, never sooner
+            for retries, pause in enumerate((0.1, 0.2, 0.4)):  # c2's holder change waits: retried once each pause
                 await advance(pause - 0.001)
-                assert (await a.ledger_state()).jobs == first.jobs + round(pause / 0.1).bit_length() - 1
-                await advance(0.001)
+                assert (await a.ledger_state()).jobs == first.jobs + retries  # never sooner
+                await advance(0.002)  # past it (a margin no rounding of the frozen clock's sums eats)
+                await state_until(a, lambda state: state.jobs == first.jobs + retries + 1, f"retry {retries + 1} ran")
             state = await a.ledger_state()
             assert (state.failing, state.jobs) == (4, first.jobs + 3)
             assert leases(ledger) == {"195:0": (A, ("c1",))}
@@ -324,9 +337,9 @@ async def test_a_ledger_that_cannot_be_written_is_retried_with_a_growing_pause_a
             assert failed.startswith(f"Node ledger {ledger}: a job of {A} failed: [Errno 28] No space left on device")
             assert failed.endswith(" (retried in 0.1 s, doubling up to 5 s while it fails)")
             fs.refill()
-            await advance(0.8)
-            state = await a.ledger_state()
-            assert state.failing == 0 and leases(ledger) == {"195:0": (A, ("c2",))}
+            await advance(0.802)
+            await state_until(a, lambda state: state.failing == 0, "the retry after 0.8 s worked")
+            assert leases(ledger) == {"195:0": (A, ("c2",))}
             assert f"Node ledger {ledger}: jobs of {A} work again (after 4 failed)" in caplog.text
             assert await a.available() == {G[1], G[2], G[3]}
             Clock.resume()
