@@ -44,6 +44,10 @@ Rules (R-AL-1..3; Mesos' ``NvidiaGpuAllocatorProcess``):
   memoised (churn asks the same question again and again).
 - Metrics (``_metrics``: GPUs and MIG devices total, free, allocated,
   unhealthy) are published at initialize and given back at finalize.
+- Finalize (the handle's ``close``, or leaving ``Runtime()``, which
+  terminates every process) leaves the node ledger as ``leave_ledger``
+  does: every pending return written, then the owner lock released
+  (SPEC R-SH-4; the link's ``close``).
 """
 
 from __future__ import annotations
@@ -166,19 +170,20 @@ class GpuAllocatorProcess(AllocatorHealth, LedgerCalls, Process):
     def initialize(self) -> None:
         self._metrics = _metrics.publish(self)
 
-    def finalize(self) -> None:
+    def finalize(self) -> Any:
         if self._metrics is not None:
             self._metrics.close()
         if self._ledger_metrics is not None:
             self._ledger_metrics.close()
-        if self.ledger_link is not None:
-            self.ledger_link.shutdown()
         for _gpus, promise in self._watchers:
             promise.fail(ProcessTerminated(f"GPU allocator {self.pid} terminated"))
         self._watchers.clear()
         for promise in self._health_waiters:
             promise.fail(ProcessTerminated(f"GPU allocator {self.pid} terminated"))
         self._health_waiters.clear()
+        if self.ledger_link is not None and self.ledger_link.directory is not None:
+            return self.ledger_link.close(ended=True)  # pending returns written, then the owner lock released
+        return None
 
     # ------------------------------------------------------------ queries
 
