@@ -34,6 +34,7 @@ from typing import Any
 
 from runtime import Future, Promise
 
+from actors.ledger import describe_conflicts
 from actors.mig import Unit
 
 from . import _metrics
@@ -195,4 +196,4 @@ def _as_future(fn: Callable[[], Any]) -> Future:
 
 def refused(conflicts: Iterable[Any]) -> str:
     """A grant refused because another owner of the node holds its units."""
-    return "Held by another front door of this node: " + "; ".join(c.describe() for c in conflicts)
+    return "Held by another front door of this node: " + describe_conflicts(conflicts)

@@ -86,6 +86,7 @@ from actors.ledger import (
     MAX_HOLDER,
     check_holder,
     check_owner,
+    describe_conflicts,
 )
 from actors.mig import Unit
 
@@ -200,7 +201,7 @@ class LedgerLink:
         if isinstance(result, BaseException) or result.conflicts:
             logger.error("Node ledger %s: units handed out before joining could not all be leased: %s", self.path,
                          result if isinstance(result, BaseException) else
-                         "; ".join(c.describe() for c in result.conflicts))
+                         describe_conflicts(result.conflicts))
 
     async def close(self, ended: bool = False) -> None:
         """Return the units no holder has, release the owner lock (see module

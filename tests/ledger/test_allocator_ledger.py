@@ -72,8 +72,7 @@ async def test_two_owners_never_hold_one_unit_and_the_refusal_names_unit_owner_a
             await a.allocate(1, holder="c2")
         assert str(short.value) == (
             "Requested 1 gpus but only 0 available (2 more held by other front doors of this node:"
-            f" {uuids[G[2]]} (195:2) is held by {B} (running) for exec-1;"
-            f" {uuids[G[3]]} (195:3) is held by {B} (running) for exec-1)")
+            f" {uuids[G[2]]} (195:2), {uuids[G[3]]} (195:3) are held by {B} (running) for exec-1)")  # B once
         with pytest.raises(AllocatorError) as named:
             await b.allocate({G[0]}, holder="exec-2")
         assert str(named.value) == (
@@ -140,6 +139,38 @@ async def test_a_dead_owners_units_wait_for_it_and_its_next_start_reconciles_the
 
 
 @pytest.mark.asyncio
+async def test_an_eight_gpu_refusal_names_the_owner_in_the_way_once(tmp_path: Path) -> None:
+    """R-SH-5: every GPU of an 8-GPU node held by one stopped owner; each refusal (a count, named GPUs,
+    a plugin's hold) lists the 8 units and says who holds them, its state and what to do, once."""
+    host, ledger = tmp_path / "node.toml", tmp_path / "ledger"
+    host.write_text('driver_version = "550.54.15"\ngpu_count = 8\n')
+    gpus = [Gpu(195, minor) for minor in range(8)]
+    async with Runtime():
+        b = await joined(host, ledger, B)
+        assert len(await b.allocate(8, holder="exec-1")) == 8
+        await b.close()  # B stops; its command runs on, holding every GPU
+        a = await joined(host, ledger, A)
+        units = ", ".join(f"{a.info(gpu).uuid} ({gpu})" for gpu in gpus)
+        owner = (f"are held by {B} (not running: its units wait for it to restart and reconcile, or for"
+                 f" 'gpu-isolator ledger release --owner {B}') for exec-1")
+        with pytest.raises(AllocatorError) as count:
+            await a.allocate(1, holder="c1")
+        with pytest.raises(AllocatorError) as named:
+            await a.allocate(set(gpus), holder="c1")
+        with pytest.raises(AllocatorError) as held:
+            await a.hold(set(gpus), "ns/pod/gpu")
+        assert str(count.value) == (
+            f"Requested 1 gpus but only 0 available (8 more held by other front doors of this node: {units} {owner})")
+        assert str(named.value) == f"{{{', '.join(map(str, gpus))}}} are not available ({units} {owner})"
+        assert str(held.value) == f"Held by another front door of this node: {units} {owner}"
+        for refusal in (count, named, held):
+            text = str(refusal.value)
+            assert text.count(B) == 2 and text.count("not running") == 1  # the owner, and its release command
+            assert len(text) < 900, len(text)  # it was ~2,400 characters: the owner's sentence 8 times
+        await a.close()
+
+
+@pytest.mark.asyncio
 async def test_one_owner_runs_once_on_a_node(tmp_path: Path, host_file: Path) -> None:
     async with Runtime():
         a, twin = await allocator(host_file), await allocator(host_file)
@@ -162,6 +193,25 @@ async def test_close_returns_the_units_no_holder_has_and_keeps_the_held_ones(tmp
         assert set(leases(ledger)) == {"195:0", "195:1"}  # kept a while, unused
         await a.close()
         assert leases(ledger) == {"195:0": (A, ("c1",))}
+
+
+@pytest.mark.asyncio
+async def test_leaving_the_runtime_returns_the_units_no_holder_has_and_releases_the_owner_lock(
+        tmp_path: Path, host_file: Path) -> None:
+    """R-SH-4: an allocator terminated by leaving ``Runtime()`` (no close) leaves the ledger as close does."""
+    ledger = tmp_path / "ledger"
+    async with Runtime():
+        a = await allocator(host_file)
+        await a.join_ledger(str(ledger), A, linger=3600)
+        await a.allocate(2, holder="c1")
+        await a.deallocate({G[1]})
+        assert set(leases(ledger)) == {"195:0", "195:1"}  # kept a while, unused
+    assert leases(ledger) == {"195:0": (A, ("c1",))}
+    directory = LedgerDirectory.open(str(ledger))
+    try:
+        directory.hold_owner(A).release()  # its lock is free: it may start again
+    finally:
+        directory.close()
 
 
 @pytest.mark.asyncio
