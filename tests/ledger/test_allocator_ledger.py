@@ -17,7 +17,7 @@ from actors.flags import Flags
 from actors.ledger import LedgerDirectory, LedgerError, isolator_owner, serve_owner
 from actors.mig import MigDevice
 from runtime import Clock, Runtime, current_runtime, terminate, wait
-from tests.support.ledger import BOUND, inode_limited, leases, until
+from tests.support.ledger import BOUND, inode_limited, leases, owner_free, until
 
 DATA = Path(__file__).resolve().parents[1] / "inventory" / "data"
 A = isolator_owner("/var/lib/agent-a")
@@ -183,7 +183,11 @@ async def test_one_owner_runs_once_on_a_node(tmp_path: Path, host_file: Path) ->
 
 
 @pytest.mark.asyncio
-async def test_close_returns_the_units_no_holder_has_and_keeps_the_held_ones(tmp_path: Path, host_file: Path) -> None:
+@pytest.mark.parametrize("leave", ["close", "leaving Runtime()"])
+async def test_close_returns_the_units_no_holder_has_and_keeps_the_held_ones(
+        tmp_path: Path, host_file: Path, leave: str) -> None:
+    """An allocator closed, or terminated by leaving ``Runtime()`` with no close (R-SH-4), returns its
+    unused units (in their linger window too), keeps the held ones and releases the owner lock."""
     ledger = tmp_path / "ledger"
     async with Runtime():
         a = await allocator(host_file)
@@ -191,27 +195,10 @@ async def test_close_returns_the_units_no_holder_has_and_keeps_the_held_ones(tmp
         await a.allocate(2, holder="c1")
         await a.deallocate({G[1]})
         assert set(leases(ledger)) == {"195:0", "195:1"}  # kept a while, unused
-        await a.close()
-        assert leases(ledger) == {"195:0": (A, ("c1",))}
-
-
-@pytest.mark.asyncio
-async def test_leaving_the_runtime_returns_the_units_no_holder_has_and_releases_the_owner_lock(
-        tmp_path: Path, host_file: Path) -> None:
-    """R-SH-4: an allocator terminated by leaving ``Runtime()`` (no close) leaves the ledger as close does."""
-    ledger = tmp_path / "ledger"
-    async with Runtime():
-        a = await allocator(host_file)
-        await a.join_ledger(str(ledger), A, linger=3600)
-        await a.allocate(2, holder="c1")
-        await a.deallocate({G[1]})
-        assert set(leases(ledger)) == {"195:0", "195:1"}  # kept a while, unused
-    assert leases(ledger) == {"195:0": (A, ("c1",))}
-    directory = LedgerDirectory.open(str(ledger))
-    try:
-        directory.hold_owner(A).release()  # its lock is free: it may start again
-    finally:
-        directory.close()
+        if leave == "close":
+            await a.close()
+            assert leases(ledger) == {"195:0": (A, ("c1",))}
+    assert leases(ledger) == {"195:0": (A, ("c1",))} and owner_free(ledger, A)  # it may start again
 
 
 @pytest.mark.asyncio

@@ -26,22 +26,11 @@ import json
 import os
 import sys
 
-from actors.ledger import LedgerDirectory, LedgerError, isolator_owner
+from actors.ledger import isolator_owner
 from isolators import ContainerConfig, ContainerID, NvidiaComponents, NvidiaGpuIsolatorProcess, Resources
 from isolators.simulated_node import SimulatedNode
 from runtime import Runtime
-from tests.support.ledger import leases
-
-
-def owner_free(ledger: str, owner: str) -> bool:
-    directory = LedgerDirectory.open(ledger)
-    try:
-        directory.hold_owner(owner).release()
-        return True
-    except LedgerError:
-        return False
-    finally:
-        directory.close()
+from tests.support.ledger import leases, owner_free
 
 
 async def main(directory: str, ledger: str, act: str) -> None:
