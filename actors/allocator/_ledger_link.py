@@ -461,7 +461,7 @@ class LedgerLink:
                         continue
                     return
                 except BaseException:  # cancelled (the process terminated): its work waits for close
-                    self._put_back(batch, takes, refreshes)
+                    self._cancelled(batch, takes, refreshes)
                     raise
                 self._done(result, takes)
                 for promise in refreshes:
@@ -525,28 +525,27 @@ class LedgerLink:
         if self.idle_since or self._rewrites():
             self._wake()
 
-    def _put_back(self, batch: LeaseBatch, takes: list[tuple[TakeRequest, OnResult]],
-                  refreshes: list[Promise]) -> None:
-        """A job whose outcome nobody will hear: its work is pending again."""
+    def _requeue(self, batch: LeaseBatch) -> None:
+        """A job that failed or was cancelled: its returns and health report are pending again, and the
+        next job reads the ledger (one stopped half-way may have left leases)."""
         self.returning = set()
         self._return_due |= {self.unit_of[uuid] for uuid in batch.returns if uuid in self.unit_of}
-        self._takes[:0] = takes
-        self._refreshes[:0] = refreshes
         if batch.health is not None and self._health is None:
             self._health = batch.health
             self._reported = {}
         self._reread = True
 
+    def _cancelled(self, batch: LeaseBatch, takes: list[tuple[TakeRequest, OnResult]],
+                   refreshes: list[Promise]) -> None:
+        """A job whose outcome nobody will hear (cancelled): all its work is pending again."""
+        self._requeue(batch)
+        self._takes[:0] = takes
+        self._refreshes[:0] = refreshes
+
     def _failed(self, batch: LeaseBatch, takes: list[tuple[TakeRequest, OnResult]], refreshes: list[Promise],
                 error: BaseException) -> None:
-        self.returning = set()
-        due = {self.unit_of[uuid] for uuid in batch.returns if uuid in self.unit_of}
-        self._return_due |= due
-        if batch.health is not None and self._health is None:
-            self._health = batch.health
-            self._reported = {}
+        self._requeue(batch)
         self.failures += 1
-        self._reread = True  # a job failing half-way may have left leases: the retry reads them
         wait = min(RETRY_FIRST * 2 ** (self.failures - 1), RETRY_MOST)
         key = f"{type(error).__name__} {error.errno}" if isinstance(error, OSError) else str(error)
         if key != self._failure_text:  # the same error again (on another file, say) is not logged again

@@ -16,7 +16,7 @@ from actors.allocator import LINGER, AllocatorError, LedgerState
 from actors.flags import Flags
 from actors.ledger import LedgerDirectory, LedgerError, isolator_owner, serve_owner
 from actors.mig import MigDevice
-from runtime import Clock, Runtime, current_runtime, terminate, wait
+from runtime import Clock, ProcessTerminated, Runtime, current_runtime, terminate, wait
 from tests.support.ledger import BOUND, inode_limited, leases, owner_free, until
 
 DATA = Path(__file__).resolve().parents[1] / "inventory" / "data"
@@ -199,6 +199,22 @@ async def test_close_returns_the_units_no_holder_has_and_keeps_the_held_ones(
             await a.close()
             assert leases(ledger) == {"195:0": (A, ("c1",))}
     assert leases(ledger) == {"195:0": (A, ("c1",))} and owner_free(ledger, A)  # it may start again
+
+
+@pytest.mark.asyncio
+async def test_grants_in_flight_when_the_runtime_is_left_leave_no_lease(tmp_path: Path, host_file: Path) -> None:
+    """R-SH-4: the runtime is left while grants wait for their leases (their job queued, or running in
+    the ledger's thread): they fail, and whatever the job wrote goes back before the lock is released."""
+    ledger = tmp_path / "ledger"
+    async with Runtime():
+        a = await joined(host_file, ledger, A)
+        first = a.allocate(2, holder="c1")
+        await asyncio.sleep(0)  # its job under way
+        second = a.allocate({G[3]}, holder="c2")  # queued behind it
+    for grant in (first, second):
+        with pytest.raises(ProcessTerminated):
+            await asyncio.wait_for(asyncio.ensure_future(grant), BOUND)  # answered: no grant waits forever
+    assert leases(ledger) == {} and owner_free(ledger, A)
 
 
 @pytest.mark.asyncio
