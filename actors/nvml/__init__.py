@@ -19,6 +19,7 @@ from ._open import embedded_simulated_node, nvml_available, open_nvml
 from ._port import DEFAULT_CONTROL_DEVICES, MAX_MIG_DEVICES, EVENT_TYPE_DOUBLE_BIT_ECC, EVENT_TYPE_XID
 from ._port import HEALTH_EVENT_TYPES, NVLINK_MAX_LINKS, TOPOLOGY_HOSTBRIDGE, TOPOLOGY_INTERNAL
 from ._port import TOPOLOGY_MULTIPLE, TOPOLOGY_NAMES, TOPOLOGY_NODE, TOPOLOGY_SINGLE, TOPOLOGY_SYSTEM
+from ._port import COMPUTE_MODE_DEFAULT, COMPUTE_MODE_EXCLUSIVE_PROCESS, COMPUTE_MODE_NAMES, COMPUTE_MODE_PROHIBITED
 from ._port import EventSet, HealthEvent, MemoryInfo, Nvml, Utilization
 from ._service import NvmlService
 from ._simulated import SimulatedNvml
@@ -35,4 +36,5 @@ __all__ = [
     "TOPOLOGY_HOSTBRIDGE", "TOPOLOGY_INTERNAL", "TOPOLOGY_MULTIPLE", "TOPOLOGY_NAMES",
     "TOPOLOGY_NODE", "TOPOLOGY_SINGLE", "TOPOLOGY_SYSTEM", "HealthEvent", "MemoryInfo",
     "Nvml", "Utilization", "NvmlService", "SimulatedNvml",
+    "COMPUTE_MODE_DEFAULT", "COMPUTE_MODE_EXCLUSIVE_PROCESS", "COMPUTE_MODE_NAMES", "COMPUTE_MODE_PROHIBITED",
 ]

@@ -174,6 +174,12 @@ class BindingsNvml(Nvml):
         current, _pending = self._call("nvmlDeviceGetMigMode", self._nvml.nvmlDeviceGetMigMode, handle)
         return bool(current)
 
+    def compute_mode(self, handle: Any) -> int:
+        return int(self._call("nvmlDeviceGetComputeMode", self._nvml.nvmlDeviceGetComputeMode, handle))
+
+    def set_compute_mode(self, handle: Any, mode: int) -> None:
+        self._call("nvmlDeviceSetComputeMode", self._nvml.nvmlDeviceSetComputeMode, handle, int(mode))
+
     # ------------------------------------------------------------ MIG
 
     def max_mig_device_count(self, handle: Any) -> int:

@@ -23,6 +23,14 @@ Rules:
   (``MIG-…``) and ``memory`` as for a GPU. As NVML does, utilization, power
   and temperature of a MIG device handle are NVML_ERROR_NOT_SUPPORTED, and a
   MIG handle given to any other per-GPU call is NVML_ERROR_INVALID_ARGUMENT.
+- Compute mode (R-MP-1): ``compute_mode(handle)`` and
+  ``set_compute_mode(handle, mode)`` (``nvmlDeviceGetComputeMode`` /
+  ``nvmlDeviceSetComputeMode``) with NVML's values ``COMPUTE_MODE_DEFAULT``
+  0, ``COMPUTE_MODE_PROHIBITED`` 2, ``COMPUTE_MODE_EXCLUSIVE_PROCESS`` 3
+  (``COMPUTE_MODE_NAMES``); the mode is the driver's, so it outlives the
+  process that set it. Whole GPUs only: a MIG device handle is
+  NVML_ERROR_INVALID_ARGUMENT; setting another value (1, NVML's retired
+  EXCLUSIVE_THREAD, or an unknown one) is NVML_ERROR_INVALID_ARGUMENT.
 - Every method blocks (a real NVML call can take milliseconds): actors call
   them only through ``NvmlService``, which runs them on the runtime's
   Executor (R-NV-2).
@@ -64,7 +72,23 @@ __all__ = [
     "DEFAULT_CONTROL_DEVICES",
     "NVLINK_MAX_LINKS",
     "MAX_MIG_DEVICES",
+    "COMPUTE_MODE_DEFAULT",
+    "COMPUTE_MODE_PROHIBITED",
+    "COMPUTE_MODE_EXCLUSIVE_PROCESS",
+    "COMPUTE_MODE_NAMES",
 ]
+
+COMPUTE_MODE_DEFAULT = 0
+COMPUTE_MODE_PROHIBITED = 2
+COMPUTE_MODE_EXCLUSIVE_PROCESS = 3
+
+COMPUTE_MODE_NAMES = {
+    COMPUTE_MODE_DEFAULT: "DEFAULT",
+    1: "EXCLUSIVE_THREAD",
+    COMPUTE_MODE_PROHIBITED: "PROHIBITED",
+    COMPUTE_MODE_EXCLUSIVE_PROCESS: "EXCLUSIVE_PROCESS",
+}
+"""NVML's ``nvmlComputeMode_t`` names (as ``nvidia-smi -c`` takes them)."""
 
 TOPOLOGY_INTERNAL = 0
 TOPOLOGY_SINGLE = 10
@@ -219,6 +243,14 @@ class Nvml(abc.ABC):
     @abc.abstractmethod
     def mig_mode(self, handle: DeviceHandle) -> bool:
         """``nvmlDeviceGetMigMode`` (current mode enabled)."""
+
+    @abc.abstractmethod
+    def compute_mode(self, handle: DeviceHandle) -> int:
+        """``nvmlDeviceGetComputeMode``: a ``COMPUTE_MODE_*`` value."""
+
+    @abc.abstractmethod
+    def set_compute_mode(self, handle: DeviceHandle, mode: int) -> None:
+        """``nvmlDeviceSetComputeMode`` (root only on a real driver)."""
 
     # ------------------------------------------------------------ MIG
 

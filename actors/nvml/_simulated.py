@@ -25,6 +25,11 @@ Rules:
   NVML_ERROR_INVALID_ARGUMENT, as NVML (and the fake NVML) answer a MIG
   handle. A GPU with MIG mode on has ``MAX_MIG_DEVICES`` slots; without it
   ``max_mig_device_count`` is NVML_ERROR_NOT_SUPPORTED.
+- Compute mode: every GPU starts in DEFAULT; ``set_compute_mode`` takes
+  DEFAULT, PROHIBITED or EXCLUSIVE_PROCESS (anything else, and a MIG
+  handle, is NVML_ERROR_INVALID_ARGUMENT, as the fake NVML answers) and
+  appends ``(uuid, mode)`` to ``compute_mode_changes``, the history tests
+  read (as they read the fake NVML's ``$FAKE_NVML_STATE``).
 - Thread-safe: the executor may call it from several threads.
 """
 
@@ -44,6 +49,7 @@ from ._errors import (
     NvmlError,
 )
 from ._hostfile import HostSpec, SimGpu, SimMigDevice, load_host_file, parse_host_file
+from ._port import COMPUTE_MODE_DEFAULT, COMPUTE_MODE_EXCLUSIVE_PROCESS, COMPUTE_MODE_PROHIBITED
 from ._port import HEALTH_EVENT_TYPES, MAX_MIG_DEVICES, HealthEvent, MemoryInfo, Nvml, Utilization
 
 __all__ = ["SimulatedNvml"]
@@ -64,6 +70,9 @@ class SimulatedNvml(Nvml):
         self._initialized = 0
         self._event_sets: list[_EventSet] = []
         self._failures: dict[str, int] = {}
+        self._compute_modes: dict[int, int] = {}
+        self.compute_mode_changes: list[tuple[str, int]] = []
+        """Every ``set_compute_mode`` as ``(uuid, mode)``, in order (see rules)."""
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> "SimulatedNvml":
@@ -240,6 +249,20 @@ class SimulatedNvml(Nvml):
 
     def mig_mode(self, handle: int) -> bool:
         return self._gpu("nvmlDeviceGetMigMode", handle).mig
+
+    def compute_mode(self, handle: int) -> int:
+        self._gpu("nvmlDeviceGetComputeMode", handle)
+        with self._lock:
+            return self._compute_modes.get(handle, COMPUTE_MODE_DEFAULT)
+
+    def set_compute_mode(self, handle: int, mode: int) -> None:
+        function = "nvmlDeviceSetComputeMode"
+        gpu = self._gpu(function, handle)
+        if mode not in (COMPUTE_MODE_DEFAULT, COMPUTE_MODE_PROHIBITED, COMPUTE_MODE_EXCLUSIVE_PROCESS):
+            raise NvmlError.of(function, NVML_ERROR_INVALID_ARGUMENT, detail=f"no compute mode {mode!r}")
+        with self._lock:
+            self._compute_modes[handle] = mode
+            self.compute_mode_changes.append((gpu.uuid, mode))
 
     # ------------------------------------------------------------ MIG
 

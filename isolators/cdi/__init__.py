@@ -9,7 +9,8 @@ writes spec files atomically, names and renders a container's transient
 spec (kind ``gpu-isolator/container``) and the node's static spec (kind
 ``nvidia.com/gpu``), injects the driver volume without touching a
 container's PATH or LD_LIBRARY_PATH (``DriverInjection``: mounts and the
-``update-ldcache`` hook, ``cdi_hook_main``), and merges
+``update-ldcache`` hook, ``cdi_hook_main``), adds an MPS share's pipe
+directory and shared memory (``add_mps``, R-MP-3), and merges
 ``ContainerLaunchInfo.to_oci()`` fragments into a ``config.json``.
 """
 
@@ -23,6 +24,7 @@ from ._document import SpecFormat, decode_spec, encode_spec, spec_format
 from ._files import CdiWriteError, apply_spec_changes, ensure_spec_file, is_temporary_name, list_spec_files
 from ._files import read_spec_files, remove_spec_file, write_spec_file
 from ._grant import VISIBLE_DEVICES, container_grant, control_device
+from ._mps import MPS_PIPE_DIRECTORY, MPS_PIPE_ENV, MPS_SHM, add_mps, mps_edits
 from ._model import CdiContainerEdits, CdiDevice, CdiDeviceNode, CdiHook, CdiMount, CdiSpec
 from ._node import NODE_KIND, NodeFacts, generate_node_spec, node_spec, read_node_facts
 from ._oci import merge_oci
@@ -41,4 +43,5 @@ __all__ = [
     "NODE_KIND", "NodeFacts", "generate_node_spec", "node_spec", "read_node_facts", "merge_oci",
     "SUPPORTED_VERSIONS", "CdiSpecError", "is_valid_device_name", "required_version",
     "validate_device_name", "validate_kind", "validate_spec",
+    "MPS_PIPE_DIRECTORY", "MPS_PIPE_ENV", "MPS_SHM", "add_mps", "mps_edits",
 ]

@@ -143,3 +143,53 @@ def test_both_implementations_deliver_the_same_health_events(probe, data_dir, tm
     assert [(e["index"], e["kind"], e.get("code", 0), e.get("gpu_instance")) for e in expected] == [
         (0, "xid", 79, None), (2, "xid", 13, None), (0, "ecc", 0, None), (3, "xid", 48, 5),
     ]
+
+
+def simulated_compute_steps(path, steps):
+    from tests.support.nvml_probe import compute_steps
+
+    nvml = SimulatedNvml.from_file(path)
+    nvml.init()
+    return nvml, msgspec.json.decode(msgspec.json.encode(compute_steps(nvml, steps)))
+
+
+def test_compute_mode_is_the_drivers_state_and_both_implementations_agree(probe, data_dir, tmp_path):
+    """R-MP-1's NVML part: get/set compute mode over the real pynvml (fake
+    NVML) and the simulated node answer alike; the fake keeps the mode as
+    the driver does (past nvmlShutdown, and in $FAKE_NVML_STATE for other
+    processes), and refuses what NVML refuses."""
+    path = data_dir / "h200-mig.toml"
+    spec = load_host_file(path)
+    mig_gpu = next(g.index for g in spec.gpus if g.mig_devices)
+    steps = [
+        [0, None],       # DEFAULT to begin with
+        [0, 3],          # EXCLUSIVE_PROCESS
+        "reopen",
+        [0, None],       # still EXCLUSIVE_PROCESS: the driver's, not the session's
+        [1, None],       # another GPU untouched
+        [0, 1],          # EXCLUSIVE_THREAD is retired: refused, nothing changed
+        [0, None],
+        [[mig_gpu, 0], 3],  # a MIG device handle: refused
+        [0, 0],          # back to DEFAULT
+    ]
+    state = tmp_path / "driver-state"
+    [result] = probe.run([{"op": "compute_mode", "config": probe.config(spec), "state": str(state), "steps": steps}])
+    assert "error" not in result, result
+    answers = result["steps"]
+    assert answers[:5] == [0, 3, "reopened", 3, 0]
+    assert answers[5]["error"]["function"] == "nvmlDeviceSetComputeMode"
+    assert answers[5]["error"]["code"] == 2  # NVML_ERROR_INVALID_ARGUMENT
+    assert answers[6] == 3
+    assert answers[7]["error"]["code"] == 2 and answers[7]["error"]["function"] == "nvmlDeviceSetComputeMode"
+    assert answers[8] == 0
+    gpu0 = spec.gpus[0].uuid
+    assert state.read_text() == f"compute\t{gpu0}\t3\ncompute\t{gpu0}\t0\n"
+    simulated, expected = simulated_compute_steps(path, steps)
+    assert [a if not isinstance(a, dict) else a["error"]["code"] for a in answers] == [
+        a if not isinstance(a, dict) else a["error"]["code"] for a in expected]
+    assert simulated.compute_mode_changes == [(gpu0, 3), (gpu0, 0)]
+    # Another process reads the mode the last one left.
+    probe.run([{"op": "compute_mode", "config": probe.config(spec), "state": str(state), "steps": [[0, 3]]}])
+    [again] = probe.run([{"op": "compute_mode", "config": probe.config(spec), "state": str(state),
+                          "steps": [[0, None], [1, None]]}])
+    assert again["steps"] == [3, 0]

@@ -45,6 +45,18 @@
  * - NVLink: links 0..17 exist on a GPU with any link (inactive when not
  *   listed); links >= 18 are NVML_ERROR_INVALID_ARGUMENT; a GPU with no
  *   links answers NVML_ERROR_NOT_SUPPORTED.
+ * - Compute mode (nvmlDeviceGetComputeMode / nvmlDeviceSetComputeMode; 0
+ *   DEFAULT, 2 PROHIBITED, 3 EXCLUSIVE_PROCESS; 1, the old EXCLUSIVE_THREAD,
+ *   and anything past 3 are NVML_ERROR_INVALID_ARGUMENT when set): a GPU
+ *   starts in the mode of its config line "compute <gpu index> <mode>"
+ *   (DEFAULT without one). The mode is the driver's state, not the
+ *   process's: when $FAKE_NVML_STATE names a file, every set appends
+ *   "compute <uuid> <mode>" to it and every get answers the last such line
+ *   for the GPU, so a mode outlives nvmlShutdown and the process that set
+ *   it, other processes see it, and the file is the history of every
+ *   change (tests read it). Without the variable the mode lives in this
+ *   process until the config is read again. A MIG device handle is
+ *   NVML_ERROR_INVALID_ARGUMENT, as for every other per-GPU call here.
  */
 
 #include <stdio.h>
@@ -57,6 +69,7 @@
 #define NVML_ERROR_UNINITIALIZED 1
 #define NVML_ERROR_INVALID_ARGUMENT 2
 #define NVML_ERROR_NOT_SUPPORTED 3
+#define NVML_ERROR_NO_PERMISSION 4
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_DRIVER_NOT_LOADED 9
 #define NVML_ERROR_TIMEOUT 10
@@ -76,6 +89,7 @@ struct fake_device {
     unsigned int minor;
     unsigned long long mem_total, mem_used;
     int util_gpu, util_mem, power_mw, temp_c, numa, mig;
+    int compute_mode; /* nvmlComputeMode_t, see the rules */
     char bus_id[32];
     char uuid[96];
     char name[96];
@@ -270,6 +284,12 @@ static nvmlReturn_t load_config(void)
                 }
             } else if (pass == 1 && strcmp(kind, "mig") == 0) {
                 mig_load(&cursor);
+            } else if (pass == 1 && strcmp(kind, "compute") == 0) {
+                unsigned int index = (unsigned int)atoi(field(&cursor));
+                int mode = atoi(field(&cursor));
+                if (index < device_count) {
+                    devices[index].compute_mode = mode;
+                }
             } else if (pass == 1 && strcmp(kind, "events") == 0) {
                 unsigned int index = (unsigned int)atoi(field(&cursor));
                 unsigned long long mask = strtoull(field(&cursor), NULL, 0);
@@ -516,6 +536,66 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, un
     ENTER_DEVICE("nvmlDeviceGetMigMode", device);
     *current = (unsigned int)device->mig;
     *pending = (unsigned int)device->mig;
+    return NVML_SUCCESS;
+}
+
+/* ------------------------------------------------------------ compute mode */
+
+#define COMPUTE_DEFAULT 0
+#define COMPUTE_PROHIBITED 2
+#define COMPUTE_EXCLUSIVE_PROCESS 3
+
+/* The last mode $FAKE_NVML_STATE records for the GPU, or its own (see rules). */
+static int state_compute_mode(const struct fake_device *device)
+{
+    const char *path = getenv("FAKE_NVML_STATE");
+    FILE *file;
+    char line[256];
+    int mode = device->compute_mode;
+    if (path == NULL || *path == '\0') {
+        return mode;
+    }
+    file = fopen(path, "r");
+    if (file == NULL) {
+        return mode; /* nothing set yet */
+    }
+    while (fgets(line, sizeof line, file) != NULL) {
+        char *cursor = line;
+        line[strcspn(line, "\n")] = '\0';
+        if (strcmp(field(&cursor), "compute") == 0 && strcmp(field(&cursor), device->uuid) == 0) {
+            mode = atoi(field(&cursor));
+        }
+    }
+    fclose(file);
+    return mode;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, int *mode)
+{
+    ENTER_DEVICE("nvmlDeviceGetComputeMode", device);
+    if (mode == NULL) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    *mode = state_compute_mode(device);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceSetComputeMode(nvmlDevice_t device, int mode)
+{
+    const char *path = getenv("FAKE_NVML_STATE");
+    ENTER_DEVICE("nvmlDeviceSetComputeMode", device);
+    if (mode != COMPUTE_DEFAULT && mode != COMPUTE_PROHIBITED && mode != COMPUTE_EXCLUSIVE_PROCESS) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    if (path != NULL && *path != '\0') {
+        FILE *file = fopen(path, "a");
+        if (file == NULL) {
+            return NVML_ERROR_NO_PERMISSION;
+        }
+        fprintf(file, "compute\t%s\t%d\n", device->uuid, mode);
+        fclose(file);
+    }
+    device->compute_mode = mode;
     return NVML_SUCCESS;
 }
 

@@ -2,9 +2,11 @@
 
 Rules:
 - Run as root on a GPU host from a source checkout:
-  ``python -m tests.real_gpu.check --out DIR``. It never changes the GPU's
-  settings (MIG mode included): it only reads NVML, creates cgroups under
-  roots of its own (``gpu-isolator-gpucheck*``) and removes them again.
+  ``python -m tests.real_gpu.check --out DIR``. It changes no GPU setting
+  for good (MIG mode included): it reads NVML, creates cgroups under roots
+  of its own (``gpu-isolator-gpucheck*``) and removes them again; the MPS
+  check sets GPU 0 EXCLUSIVE_PROCESS while its daemon runs and DEFAULT
+  after, and runs only when GPU 0 is DEFAULT to begin with.
 - Each check prints ``PASS`` or ``FAIL`` with what it saw; the exit status
   is the number of failures (0: all passed). ``DIR`` receives
   ``summary.json``, the CDI spec and the isolator's log.
@@ -14,7 +16,13 @@ Rules:
   none, and shrinking the first to 0 takes it away; health events are
   registered on the real driver (per type, R-HE-2) and no GPU is reported
   unhealthy; usage readings come from the driver; ``cdi generate`` on the
-  real node; ``serve`` + ``exec --gpus 1 / 0`` with ``nvidia-smi -L``.
+  real node; ``serve`` + ``exec --gpus 1 / 0`` with ``nvidia-smi -L``;
+  MPS (R-MP-7, where ``nvidia-cuda-mps-control`` is installed): the front
+  door's daemon on GPU 0 (``actors.mps``), two clients (CUDA's driver API
+  through ctypes, ``MPS_CLIENT``) at once, each allocating within its
+  share's limit succeeds and past it fails, and the compute mode is
+  EXCLUSIVE_PROCESS while the daemon runs and DEFAULT after. Not yet run
+  on a GPU: written when no GPU was lent (issue 49).
 - Every subprocess and every isolator call is bounded (a hang fails).
 """
 
@@ -243,6 +251,96 @@ def check_cuda(one_dir: str, none_dir: str) -> None:
            "granted 0": [none.returncode, none.stdout.strip(), none.stderr.strip()[-300:]]})
 
 
+MPS_CLIENT = r"""
+import ctypes, sys, time
+cuda = ctypes.CDLL("libcuda.so.1")
+def call(name, *args):
+    return getattr(cuda, name)(*args)
+device, context, within, past = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_uint64()
+codes = [call("cuInit", 0), call("cuDeviceGet", ctypes.byref(device), 0),
+         call("cuCtxCreate_v2", ctypes.byref(context), 0, device)]
+codes.append(call("cuMemAlloc_v2", ctypes.byref(within), ctypes.c_size_t(int(sys.argv[1]))))
+print("within", codes[-1], flush=True)
+time.sleep(float(sys.argv[3]))  # both clients hold their memory at once
+codes.append(call("cuMemAlloc_v2", ctypes.byref(past), ctypes.c_size_t(int(sys.argv[2]))))
+print("past", codes[-1], flush=True)
+print("codes", codes, flush=True)
+"""
+"""One MPS client: CUDA's driver API through ctypes (no toolkit needed), allocating
+``argv[1]`` bytes (within its limit), holding them ``argv[3]`` s, then ``argv[2]`` more
+(past it). It prints each result code (0: CUDA_SUCCESS, 2: CUDA_ERROR_OUT_OF_MEMORY)."""
+
+
+def check_mps(out: str, uuids: list[str]) -> None:
+    """R-MP-7: limits that hold on a real GPU (see module rules)."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        print("SKIP MPS: nvidia-cuda-mps-control is not installed here", flush=True)
+        return
+    import pynvml
+    pynvml.nvmlInit()
+    try:
+        before = pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByIndex(0))
+    finally:
+        pynvml.nvmlShutdown()
+    if before != pynvml.NVML_COMPUTEMODE_DEFAULT:
+        print(f"SKIP MPS: GPU 0's compute mode is {before}, not DEFAULT: this check would not restore it", flush=True)
+        return
+    seen = asyncio.run(_mps_clients(control, uuids[0]))
+    limit, within, past = seen["limit"], seen["within"], seen["past"]
+    answers = [(c.get("within"), c.get("past")) for c in seen["clients"]]
+    check(f"two MPS clients of one share limited to {limit} bytes: {within} bytes each succeed, {past} more fail",
+          answers == [("0", "2"), ("0", "2")], seen)
+    check("the compute mode is EXCLUSIVE_PROCESS while the MPS daemon runs and DEFAULT after",
+          seen["mode while"] == 3 and seen["mode after"] == 0, {k: seen[k] for k in ("mode while", "mode after")})
+    with open(os.path.join(out, "mps-control.log"), "w") as handle:
+        handle.write(seen.get("control.log", ""))
+
+
+async def _mps_clients(control: str, uuid: str) -> dict[str, Any]:
+    from actors.mps import MpsDaemons, ShareLimits
+    from actors.nvml import BindingsNvml, NvmlService
+    from runtime import Runtime
+
+    limit, within, past = 2 << 30, 1 << 30, 3 << 30
+    seen: dict[str, Any] = {"limit": limit, "within": within, "past": past, "clients": []}
+    async with Runtime():
+        nvml = BindingsNvml()
+        nvml.init()
+        service = NvmlService(nvml)
+        shutil.rmtree("/tmp/gpucheck/mps", ignore_errors=True)
+        daemons = MpsDaemons(service, "/tmp/gpucheck/mps", control, timeout_s=TIMEOUT)
+        try:
+            share = await daemons.share(uuid, "gpucheck", ShareLimits(memory_bytes=limit, thread_percentage=50))
+            seen["mode while"] = await service.call(lambda: nvml.compute_mode(nvml.handle(0)))
+            env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": share.pipe_dir}
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+
+            def clients() -> list[dict[str, str]]:
+                running = [subprocess.Popen([sys.executable, "-c", MPS_CLIENT, str(within), str(past), "3"], env=env,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           for _ in range(2)]
+                answers = []
+                for process in running:
+                    try:
+                        stdout, stderr = process.communicate(timeout=TIMEOUT)
+                    except subprocess.TimeoutExpired:
+                        process.kill()
+                        stdout, stderr = process.communicate()
+                    answer = dict(line.split(" ", 1) for line in stdout.splitlines() if " " in line)
+                    answers.append({**answer, "rc": str(process.returncode), "stderr": stderr[-300:]})
+                return answers
+
+            seen["clients"] = await service.call(clients)
+            seen["control.log"] = open(daemons.paths(uuid).control_log).read()[-4000:]
+            await daemons.release("gpucheck")
+            seen["mode after"] = await service.call(lambda: nvml.compute_mode(nvml.handle(0)))
+        finally:
+            await daemons.close()
+            await service.close()
+    return seen
+
+
 def msgspec_to_builtins(value: Any) -> Any:
     import msgspec
     return msgspec.to_builtins(value)
@@ -332,7 +430,8 @@ def main() -> int:
     uuids = [seen[f"gpu {index}"]["uuid"] for index in range(seen["nvml count"])]
     steps = [("inspect", lambda: check_inspect(uuids)), ("cdi", lambda: check_cdi(args.out, uuids)),
              ("isolator", lambda: asyncio.run(check_isolator(args.out, uuids))),
-             ("serve", lambda: check_serve_exec(args.out, uuids)), ("leftovers", leftovers)]
+             ("serve", lambda: check_serve_exec(args.out, uuids)), ("mps", lambda: check_mps(args.out, uuids)),
+             ("leftovers", leftovers)]
     for name, step in steps:
         try:
             step()

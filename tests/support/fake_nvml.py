@@ -161,7 +161,7 @@ class NvmlProbe:
         """Run ``script LIB`` with ``jobs`` as JSON on stdin; its JSON answer."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        for name in ("FAKE_NVML_FAIL", "FAKE_NVML_CONFIG", "FAKE_NVML_EVENTS"):
+        for name in ("FAKE_NVML_FAIL", "FAKE_NVML_CONFIG", "FAKE_NVML_EVENTS", "FAKE_NVML_STATE"):
             env.pop(name, None)
         done = subprocess.run(
             [sys.executable, str(script), str(self.lib)],

@@ -11,7 +11,8 @@ Jobs ("op"): "inventory" (inventory, usage, health-event registration), "uniniti
 host_file None), "allocate" (create an allocator on the bindings and
 allocate counts in order), "mig_usage" (the readings of every MIG device), "events"
 (register every GPU on an event set, append the job's "raise" lines to
-$FAKE_NVML_EVENTS, wait for each event).
+$FAKE_NVML_EVENTS, wait for each event), "compute_mode" (``compute_steps``
+on the bindings with $FAKE_NVML_STATE set to the job's "state").
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def run_job(job: dict) -> dict:
     os.environ["FAKE_NVML_FAIL"] = job.get("fail", "")
     if job.get("events"):
         os.environ["FAKE_NVML_EVENTS"] = job["events"]
+    if job.get("state"):
+        os.environ["FAKE_NVML_STATE"] = job["state"]
+    else:
+        os.environ.pop("FAKE_NVML_STATE", None)
     op = job["op"]
     nvml = BindingsNvml()
     try:
@@ -83,6 +88,8 @@ def run_job(job: dict) -> dict:
                     seen.append(event)
                 nvml.event_set_free(event_set)
                 return {"events": msgspec.to_builtins(seen)}
+            if op == "compute_mode":
+                return {"steps": compute_steps(nvml, job["steps"])}
             if op == "allocate":
                 async def allocate() -> list:
                     picks = []
@@ -104,6 +111,30 @@ def run_job(job: dict) -> dict:
             nvml.close()
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return error_of(exc)
+
+
+def compute_steps(nvml, steps: list) -> list:
+    """Each step ``[target, mode]`` (target: a GPU index, or ``[gpu, mig index]``;
+    mode None: read only) sets then reads the target's compute mode; a step
+    ``"reopen"`` shuts NVML down and inits it again. One answer per step: the
+    mode read, or the error. The simulated node runs the same steps."""
+    answers = []
+    for step in steps:
+        if step == "reopen":
+            nvml.shutdown()
+            nvml.init()
+            answers.append("reopened")
+            continue
+        target, mode = step
+        try:
+            handle = nvml.handle(target) if isinstance(target, int) else nvml.mig_device_handle(
+                nvml.handle(target[0]), target[1])
+            if mode is not None:
+                nvml.set_compute_mode(handle, mode)
+            answers.append(nvml.compute_mode(handle))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            answers.append(error_of(exc))
+    return answers
 
 
 def serve(run: Callable[[dict], dict]) -> None:
