@@ -202,7 +202,7 @@ def test_inspect_a_bad_host_file(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 # -- help and bad arguments -----------------------------------------------------------
 @pytest.mark.parametrize("argv, usage", [
-    (["--help"], "usage: gpu-isolator [-h] [-v] COMMAND ..."),
+    (["--help"], "usage: gpu-isolator [-h] [-v] [--version] COMMAND ..."),
     (["demo", "--help"], "usage: gpu-isolator demo [-h]"),
     (["run", "--help"], "usage: gpu-isolator run [-h] [--backend {memory,cgroups_v1,cgroups_v2}] SCRIPT"),
     (["inspect", "--help"], "usage: gpu-isolator inspect [-h] [--host-file FILE | --simulated]"),
