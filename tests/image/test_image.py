@@ -23,7 +23,7 @@ import pytest
 from actors.nvml import load_host_file
 from scripts import image as image_script
 
-from tests.support.image import ImageBuild
+from tests.support.image import ImageBuild, ImagePluginCommand
 from tests.support.kubelet import DGX8, FakeKubelet, flag_args, plugin_directory, plugin_node
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,16 +104,17 @@ def test_the_image_has_what_the_daemonsets_scripts_run(image: ImageBuild) -> Non
     directory), ``install`` of the CDI hook, whose file ``python3`` (the venv's: the project imports) names."""
     script = ("for tool in sh mkdir ln ldconfig install; do command -v $tool >/dev/null || echo missing $tool; done;"
               " python3 -c 'from isolators.cdi import HOOK_FILE; import os; print(os.path.isfile(HOOK_FILE))';"
-              " command -v python3 gpu-isolator-cdi-hook")
+              " command -v python3; command -v gpu-isolator-cdi-hook")
     done = image.run(["-c", script], entrypoint="/bin/sh")
     assert (done.returncode, done.stdout.split()) == (0, ["True", "/opt/gpu-isolator/bin/python3",
                                                           "/opt/gpu-isolator/bin/gpu-isolator-cdi-hook"]), done.stderr
 
 
 def test_the_image_adds_under_80_mb_to_its_base(image: ImageBuild) -> None:
-    added = image.inspect()["Size"] - image.inspect(image.base)["Size"]
-    print(f"image {image.inspect()['Size'] / 1e6:.1f} MB, base {image.inspect(image.base)['Size'] / 1e6:.1f} MB,"
-          f" added {added / 1e6:.1f} MB; build steps (s): {json.dumps({k: round(v, 1) for k, v in image.timings.items()})}")
+    size, base = image.inspect()["Size"], image.inspect(image.base)["Size"]
+    added = size - base
+    steps = json.dumps({step: round(seconds, 1) for step, seconds in image.timings.items()})
+    print(f"image {size / 1e6:.1f} MB, base {base / 1e6:.1f} MB, added {added / 1e6:.1f} MB; build steps (s): {steps}")
     assert 0 < added < SIZE_BOUND
 
 
@@ -123,12 +124,13 @@ def test_the_device_plugin_in_the_image_registers_with_the_kubelet_through_a_mou
     uuids = [gpu.uuid for gpu in load_host_file(DGX8).gpus]
     with plugin_directory() as directory:
         kubelet = FakeKubelet(directory).start()
-        args = ["kubelet-plugin", *flag_args(node.flag_values(cdi_spec_dir=str(cdi))), f"--device_plugin_dir={directory}"]
-        # The node's files and the kubelet's device-plugins directory, at the same paths inside.
-        plugin = image.start(args, volumes=[f"{tmp_path}:{tmp_path}", f"{directory}:{directory}"],
-                             log=tmp_path / "plugin.log")
+        args = [*flag_args(node.flag_values(cdi_spec_dir=str(cdi))), f"--device_plugin_dir={directory}"]
+        # The node's files (its host file read-only) and the kubelet's device-plugins directory, at the same paths.
+        volumes = [f"{DGX8}:{DGX8}:ro", f"{tmp_path}:{tmp_path}", f"{directory}:{directory}"]
+        plugin = ImagePluginCommand(image, args, tmp_path, volumes=volumes)
         try:
-            plugin.start(ready="offering ")
+            plugin.start()
+            assert f"offering {GPU} (8 devices) in {directory};" in plugin.first_line, plugin.first_line
             [registration] = kubelet.wait_registrations(1)
             assert (registration["resource"], registration["endpoint"], registration["version"]) == (
                 GPU, "gpu-isolator-gpu.sock", "v1beta1")

@@ -19,30 +19,31 @@ Rules:
   container and image it made, and the directory. Each step is bounded
   and timed (``timings``), for the report.
 - ``ImageBuild.run(args, volumes=)`` runs the image's entrypoint to
-  completion (``--rm``, no network, the sandbox's rlimits);
-  ``ImageBuild.start(args, volumes=)`` runs it as a process that keeps
-  running (``ContainerCommand``): ``start()`` waits (bounded) for its first
-  stdout line, ``stop()`` sends SIGTERM to podman, which hands it to the
-  container (``--sig-proxy``), and returns podman's exit status (the
-  container's); ``close()`` kills what is left.
+  completion (``--rm``, no network, the sandbox's rlimits).
+- ``ImagePluginCommand(image, args, directory, volumes)`` is
+  ``tests.support.kubelet.PluginCommand`` run in a container of the image
+  (``podman run --rm`` in the foreground, ``volumes`` mounted): the same
+  ``start()``, ``wait_log()``, ``stop(signal)`` (sent to podman, which
+  hands it to the container: ``--sig-proxy``; the status is the
+  container's) and ``close()`` (podman killed; ``ImageBuild.close()``
+  removes the container).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from scripts import image as image_script
 
 from .engines import PodmanEngine
-from .services import read_line
+from .kubelet import PluginCommand
 
 BUILD_TIMEOUT = 600.0
 """Seconds each build step (mmdebstrap, the wheelhouse, import, build) may take before the fixture fails."""
@@ -128,9 +129,6 @@ class ImageBuild:
         """The image's entrypoint (or ``entrypoint``) with ``args``, to completion."""
         return self.engine.run(self.tag, list(args), volumes=volumes, entrypoint=entrypoint, timeout=timeout)
 
-    def start(self, args: Iterable[str], *, volumes: Iterable[str] = (), log: Path) -> "ContainerCommand":
-        return ContainerCommand(self.engine, self.engine.run_args(self.tag, list(args), volumes=volumes), log)
-
     def close(self) -> None:
         """Every container and image made, their storage and cgroups, the context: removed."""
         try:
@@ -139,57 +137,16 @@ class ImageBuild:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
-class ContainerCommand:
-    """A container of the image that keeps running: podman's process (see module rules)."""
+class ImagePluginCommand(PluginCommand):
+    """``gpu-isolator kubelet-plugin`` in a container of the image, podman in the foreground (see module rules)."""
 
-    def __init__(self, engine: PodmanEngine, args: list[str], log: Path) -> None:
-        self.engine = engine
-        self.args = args
-        self.log_path = log
-        self.process: subprocess.Popen | None = None
-        self.first_line = ""
+    def __init__(self, image: ImageBuild, args: list[str], directory: str | os.PathLike[str],
+                 volumes: Iterable[str]) -> None:
+        super().__init__(args, directory)
+        self.image = image
+        self.volumes = list(volumes)
 
-    def start(self, ready: str, timeout: float = RUN_TIMEOUT) -> "ContainerCommand":
-        with open(self.log_path, "ab") as log:
-            self.process = self.engine.popen(self.args, stdout=subprocess.PIPE, stderr=log,
-                                             stdin=subprocess.DEVNULL, start_new_session=True)
-        line = read_line(self.process.stdout, timeout).decode()
-        if ready not in line:
-            self.close()
-            raise AssertionError(f"the container did not say {ready!r} within {timeout:g}s: {line!r}\n{self.log()}")
-        self.first_line = line.strip()
-        return self
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text()
-        except OSError:
-            return ""
-
-    def stop(self, signo: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        """Send ``signo`` to podman (handed to the container); its exit status, bounded by ``timeout``."""
-        process = self.process
-        assert process is not None
-        process.send_signal(signo)
-        try:
-            code = process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.close()
-            raise AssertionError(f"the container did not stop within {timeout:g}s of signal {signo}\n"
-                                 f"{self.log()[-4000:]}") from None
-        process.stdout.close()
-        self.process = None
-        return code
-
-    def close(self) -> None:
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        process.wait(RUN_TIMEOUT)
-        process.stdout.close()
-        self.process = None
+    def _spawn(self, log: Any) -> subprocess.Popen:
+        engine = self.image.engine
+        return engine.popen(engine.run_args(self.image.tag, [self.COMMAND, *self.args], volumes=self.volumes),
+                            stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
