@@ -12,8 +12,9 @@ Rules:
   ``ldconfig_skip_reason()`` says why it cannot (no static ldconfig). ``make_device_nodes(dir, nodes)`` mknods
   character devices (mode 0666) for the engines to grant.
 - ``PodmanEngine`` keeps everything it makes under its own directory:
-  image storage (vfs unless asked: ``storage_driver="overlay"``), run root and temp dir, a ``containers.conf`` of its
-  own (``CONTAINERS_CONF``), and cgroups under a uniquely named parent
+  image storage (vfs unless asked: ``storage_driver="overlay"``), run root
+  and temp dir, a ``containers.conf`` of its own (``CONTAINERS_CONF``),
+  and cgroups under a uniquely named parent
   (``--cgroup-parent``) that ``close()`` removes. Each podman command runs
   in a private mount namespace where ``/run`` and ``/dev/shm`` are fresh
   tmpfs, ``/run/cdi`` (= ``/var/run/cdi``) is the test's CDI directory, a
@@ -28,9 +29,10 @@ Rules:
   rlimits and cgroup parent (its ``RUN`` steps are containers; one layer
   per stage); ``inspect_image(ref)`` its ``podman image inspect``;
   ``popen(args)`` a podman command that keeps running (a container in
-  the foreground), in the same namespace and storage. A refused CDI spec shows in podman's
-  output only as "unresolvable CDI devices": a failed run is retried once
-  with ``--log-level=debug`` so the error names the reason.
+  the foreground), in the same namespace and storage. A refused CDI spec
+  shows in podman's output only as "unresolvable CDI devices": a failed
+  run is retried once with ``--log-level=debug`` so the error names the
+  reason.
 - ``RuncEngine`` runs a bundle made from ``runc spec`` merged with an OCI
   fragment (``merge_oci``), with its state and cgroups (``cgroupsPath``
   under a uniquely named parent) its own; ``close()`` removes them.

@@ -7,10 +7,10 @@ Rules:
   mmdebstrap``).
 - ``ImageBuild.make(directory)`` builds it as the docs say, with what
   ``scripts.image`` makes: a Debian base (``debian_base``: mmdebstrap of
-  bookworm's python3 and python3-venv, reaching Debian's mirror) and, in a
-  thread meanwhile, a build context of its own (``context``: the
-  Containerfile, the ignore file, the wheelhouse pip made outside the
-  build); then ``podman import`` of the base and ``podman build
+  bookworm's python3, python3-venv and libstdc++6, reaching Debian's
+  mirror) and, in a thread meanwhile, a build context of its own
+  (``context``: the Containerfile, the ignore file, the wheelhouse pip
+  made outside the build); then ``podman import`` of the base and ``podman build
   --network=none --build-arg BASE=<that base>``: the build reaches no
   network. The base's tarball is deleted once imported. Everything
   lives in a ``PodmanEngine`` of its own (storage, configuration, cgroups
@@ -45,7 +45,7 @@ from scripts import image as image_script
 from .engines import PodmanEngine
 from .kubelet import PluginCommand
 
-BUILD_TIMEOUT = 600.0
+BUILD_TIMEOUT = 480.0
 """Seconds each build step (mmdebstrap, the wheelhouse, import, build) may take before the fixture fails."""
 RUN_TIMEOUT = 90.0
 """Seconds one container may run."""
