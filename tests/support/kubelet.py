@@ -42,8 +42,9 @@ Rules:
 - ``PluginCommand(args, env)`` runs ``python -m isolators kubelet-plugin
   ARGS`` (``COMMAND``; a subclass names another, as the DRA driver's
   ``tests.support.dra_kubelet.DraPluginCommand``) with stderr in a log
-  file (``_spawn``: a subclass runs it elsewhere, as the image's tests in a
-  container, ``tests.support.image.ImagePluginCommand``); ``start()`` waits (bounded) for its first stdout line (holding
+  file (``_spawn``: a subclass runs it elsewhere, as the image's tests do
+  in a container, ``tests.support.image.ImagePluginCommand``); ``start()``
+  waits (bounded) for its first stdout line (holding
   ``READY``: ``offering ...``; the metrics address when it listens); ``wait_log(text)`` waits (bounded) for a log line;
   ``stop(signal)`` sends it and returns the exit status, killing after a
   bound; ``close()`` kills what is left.
