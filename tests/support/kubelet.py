@@ -44,7 +44,10 @@ Rules:
   ``tests.support.dra_kubelet.DraPluginCommand``) with stderr in a log
   file, from the source tree ``code`` (its working directory, first on
   its ``sys.path``: this repository unless an earlier release's tree is
-  given, as the rolling update's test does); ``start()`` waits (bounded) for its first stdout line (holding
+  given, as the rolling update's test does; ``_spawn``: a subclass runs it
+  elsewhere, as the image's tests do in a container,
+  ``tests.support.image.ImagePluginCommand``); ``start()`` waits (bounded)
+  for its first stdout line (holding
   ``READY``: ``offering ...``; the metrics address when it listens); ``wait_log(text)`` waits (bounded) for a log line;
   ``stop(signal)`` sends it and returns the exit status, killing after a
   bound; ``close()`` kills what is left.
@@ -401,9 +404,12 @@ class PluginCommand:
     def start(self, timeout: float = 60.0) -> "PluginCommand":
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "isolators", self.COMMAND, *self.args],
-                                            cwd=self.code, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                                            env=self.env)
+  file, from the source tree ``code`` (its working directory, first on
+  its ``sys.path``: this repository unless an earlier release's tree is
+  given, as the rolling update's test does; ``_spawn``: a subclass runs it
+  elsewhere, as the image's tests do in a container,
+  ``tests.support.image.ImagePluginCommand``); ``start()`` waits (bounded)
+  for its first stdout line (holding
         line = read_line(self.process.stdout, timeout).decode()
         if self.READY not in line:
             try:
@@ -417,6 +423,11 @@ class PluginCommand:
         if "metrics at http://" in line:
             self.address = line.split("metrics at http://", 1)[1].split("/", 1)[0]
         return self
+
+    def _spawn(self, log: Any) -> subprocess.Popen:
+        """The command's process, stdout a pipe and stderr ``log`` (a subclass runs it elsewhere: in a container)."""
+        return subprocess.Popen([sys.executable, "-m", "isolators", self.COMMAND, *self.args], cwd=self.code,
+                                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=self.env)
 
     def log(self) -> str:
         try:
