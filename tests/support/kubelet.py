@@ -404,12 +404,7 @@ class PluginCommand:
     def start(self, timeout: float = 60.0) -> "PluginCommand":
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "ab") as log:
-  file, from the source tree ``code`` (its working directory, first on
-  its ``sys.path``: this repository unless an earlier release's tree is
-  given, as the rolling update's test does; ``_spawn``: a subclass runs it
-  elsewhere, as the image's tests do in a container,
-  ``tests.support.image.ImagePluginCommand``); ``start()`` waits (bounded)
-  for its first stdout line (holding
+            self.process = self._spawn(log)
         line = read_line(self.process.stdout, timeout).decode()
         if self.READY not in line:
             try:
