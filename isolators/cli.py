@@ -1,6 +1,8 @@
 """The ``gpu-isolator`` command line (also ``python -m isolators``).
 
 Commands:
+- ``--version``: ``gpu-isolator VERSION``, the installed distribution's version
+  (``importlib.metadata``; SPEC R-SH-1), what the image's labels and tag carry.
 - ``demo``: the built-in script (``isolators/demo/demo.yaml``) on a simulated
   8-GPU node with in-memory devices: no root, no GPU.
 - ``run SCRIPT [--backend B]``: run a message script, printing each step as it
@@ -78,6 +80,33 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
 
 
+class _Version(argparse.Action):
+    """``--version``: ``gpu-isolator VERSION``, the installed distribution's
+    version (its metadata, what the image's label and the chart's tag name),
+    read only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> NoReturn:
+        print(f"{PROG} {version()}")
+        parser.exit()
+
+
+def version() -> str:
+    """The installed ``gpu-isolator`` distribution's version (its metadata);
+    an ``OSError`` naming the next step when it is not installed (a bare
+    checkout on ``sys.path``)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(PROG)
+    except metadata.PackageNotFoundError:
+        raise OSError(f"the {PROG} distribution is not installed, so it has no version: install it"
+                      " ('pip install .' or 'pip install -e .')") from None
+
+
 def _commands(parser: argparse.ArgumentParser, dest: str, required: bool = True) -> Any:
     """``parser``'s sub-commands, each a ``_Parser`` (its usage errors name it)."""
     return parser.add_subparsers(dest=dest, metavar="COMMAND", parser_class=_Parser, required=required)
@@ -92,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log what the isolator does (INFO) to stderr")
+    parser.add_argument("--version", action=_Version, help="print the installed version and exit")
     sub = _commands(parser, "command")
 
     demo = sub.add_parser(

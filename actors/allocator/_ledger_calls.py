@@ -14,7 +14,8 @@ is ``_ledger_link``'s):
   names the unit's UUID, the owner and its holders (and counts
   ``ledger/conflicts``). Units other owners hold are not ``available()``;
   units the owner inherited from an earlier run are out of the pool until
-  reclaimed or ``release_unclaimed()``. What goes back
+  reclaimed or ``release_unclaimed()`` (answered once the ledger has them
+  back, or its job failed: then they are retried; R-SH-4). What goes back
   (``deallocate``, ``let_go``) is returned to the ledger by the link later.
   ``ledger_state()``, ``ledger_since(generation)`` and ``refresh_ledger()``
   tell who else holds what (the Kubernetes plugins' view).
@@ -33,6 +34,7 @@ from typing import Any
 
 from runtime import Future, Promise
 
+from actors.ledger import describe_conflicts
 from actors.mig import Unit
 
 from . import _metrics
@@ -143,14 +145,18 @@ class LedgerCalls:
         link = self._link("refresh_ledger")
         return link.refresh().then(lambda _: link.state())
 
-    def release_unclaimed(self) -> list[str]:
+    def release_unclaimed(self) -> Any:
         """Recovery is done: every unit inherited from an earlier run and not
-        reclaimed goes back (see module rules); what went back, as text."""
+        reclaimed goes back (see module rules); what went back, as text, once
+        the ledger has them back (a Future when there were any)."""
         link = self.ledger_link
         if link is None:
             return []
         units, unmanaged = link.release_unclaimed()
-        return [str(unit) for unit in sorted(units)] + sorted(unmanaged)
+        returned = [str(unit) for unit in sorted(units)] + sorted(unmanaged)
+        if not returned:
+            return returned
+        return link.returned().then(lambda _: returned)
 
     def elsewhere_changed(self, units: frozenset[Unit]) -> None:
         """The link learnt which managed units other owners hold."""
@@ -190,4 +196,4 @@ def _as_future(fn: Callable[[], Any]) -> Future:
 
 def refused(conflicts: Iterable[Any]) -> str:
     """A grant refused because another owner of the node holds its units."""
-    return "Held by another front door of this node: " + "; ".join(c.describe() for c in conflicts)
+    return "Held by another front door of this node: " + describe_conflicts(conflicts)

@@ -36,7 +36,9 @@ Rules (SPEC R-NL-1..3; DESIGN.md "One node, one ledger"):
   the front door has reconciled from its own truth (``reclaim`` keeps those
   its containers hold, and ``hold`` those a plugin's pods or claims hold;
   ``release_unclaimed`` returns the rest, with any unit it leased then that
-  this allocator no longer manages).
+  this allocator no longer manages, in a job of their own at once: its
+  ``returned`` Future is done once that job has run, so a front door's
+  recovery answers with them back in the ledger).
 - Files nobody can read (SPEC R-SH-3): at open, every lease file the
   ledger cannot read is logged as an ERROR naming it, why, and that its
   unit stays out of everyone's reach; the owner's own health file, if
@@ -58,9 +60,17 @@ Rules (SPEC R-NL-1..3; DESIGN.md "One node, one ledger"):
   lease that a job failing half-way left behind is adopted (and returned
   once unused). The error is logged once (again when it changes: another
   errno, another error), and the recovery with how many jobs failed.
-- ``close()``: a last job returns every unit leased with no holder, then the
-  owner lock is released. The leases of units still held stay (their
-  containers run on; the owner's next start reconciles them).
+- ``close()``: a last job returns every unit leased with no holder (those
+  in their linger window too; a lease that job adopts, with no holder, goes
+  back in one more), then the owner lock is released. The leases of units
+  still held stay (their containers run on; the owner's next start
+  reconciles them). The allocator calls it when it leaves the ledger and,
+  with ``ended``, from its ``finalize``: a process terminated by leaving
+  ``Runtime()`` (R-SH-4) writes its pending returns too. Ended, no job of
+  the process runs any more: a job its termination cancelled puts its
+  work back (its thread may still finish: the executor's one thread runs
+  the last job after it), and takes still pending fail with
+  ``ProcessTerminated`` (nobody will use what they would take).
 """
 
 from __future__ import annotations
@@ -85,6 +95,7 @@ from actors.ledger import (
     MAX_HOLDER,
     check_holder,
     check_owner,
+    describe_conflicts,
 )
 from actors.mig import Unit
 
@@ -208,26 +219,44 @@ class LedgerLink:
         if isinstance(result, BaseException) or result.conflicts:
             logger.error("Node ledger %s: units handed out before joining could not all be leased: %s", self.path,
                          result if isinstance(result, BaseException) else
-                         "; ".join(c.describe() for c in result.conflicts))
+                         describe_conflicts(result.conflicts))
 
-    async def close(self) -> None:
-        """Return the units no holder has, release the owner lock (see module rules)."""
-        if self._closing:
-            return
+    async def close(self, ended: bool = False) -> None:
+        """Return the units no holder has, release the owner lock (see module
+        rules); ``ended``: the allocator process has terminated (its finalize)."""
+        if self.directory is None or (self._closing and not ended):
+            return  # closed already, or never opened; or a close is under way
         self._closing = True
         if self._tick_timer is not None:
             self._tick_timer.cancel()
             self._tick_timer = None
+        if ended:  # no job of the process runs any more, nor will a dispatched one
+            self._running = False
+            self._fail_takes(ProcessTerminated(f"GPU allocator {self.allocator.pid} terminated"))
         if self._opened:
-            self._return_due |= {u for u in self.ours if u not in self.allocator.allocated and u not in self.inherited}
             try:
                 while self._running:
                     await self._idle()
-                self._running = True
-                await self._run()
+                for _round in range(3):  # a lease the last job adopted, unused, goes back in one more
+                    due = self._unused()
+                    if _round and (not due or self.failures):  # nothing left, or the ledger fails: stop
+                        break
+                    self._return_due |= due
+                    self._running = True
+                    await self._run()
             except Exception as error:  # the leases stay: the next start reconciles them
                 logger.error("Node ledger %s: could not return the unused units at close: %s", self.path, error)
         self.shutdown()
+
+    def _unused(self) -> set[Unit]:
+        """The units this owner leases with no holder (and not inherited)."""
+        allocated, inherited = self.allocator.allocated, self.inherited
+        return {unit for unit in self.ours if unit not in allocated and unit not in inherited}
+
+    def _fail_takes(self, error: BaseException) -> None:
+        takes, self._takes = self._takes, []
+        for _take, on_result in takes:
+            on_result(error)
 
     def shutdown(self) -> None:
         """Release the owner lock and the files at once (the process ends)."""
@@ -244,9 +273,7 @@ class LedgerLink:
             self.directory = None
         self._executor.shutdown(wait=False)
         error = ProcessTerminated(f"GPU allocator {self.allocator.pid} left the node ledger")
-        for _take, on_result in self._takes:
-            on_result(error)
-        self._takes.clear()
+        self._fail_takes(error)
         for promise in [*self._refreshes, *self._waiters]:
             promise.fail(error)
         self._refreshes.clear()
@@ -372,7 +399,8 @@ class LedgerLink:
 
     def release_unclaimed(self) -> tuple[set[Unit], set[str]]:
         """Every inherited unit not reclaimed goes back to the allocator's pool
-        (and to the ledger once unused); the units, and the unmanaged UUIDs returned."""
+        and to the ledger (a job at once: ``returned``); the units, and the
+        unmanaged UUIDs returned."""
         units, self.inherited = self.inherited, set()
         self.allocator.free.update(units)
         self.unused(units)
@@ -385,6 +413,13 @@ class LedgerLink:
         if units or unmanaged:
             self._start()
         return units, unmanaged
+
+    def returned(self) -> Future[None]:
+        """Done once a job that starts from now has run (the returns pending now
+        written), or failed (they are retried: see module rules, the error is logged)."""
+        promise: Promise = Promise()
+        self.refresh().on_any(lambda _: promise.set_value(None))
+        return promise.future
 
     # -- jobs ----------------------------------------------------------------------------
     def _wake(self) -> None:
@@ -446,6 +481,9 @@ class LedgerLink:
                     if self._takes or self._refreshes:  # asked meanwhile: their callers hear how it goes
                         continue
                     return
+                except BaseException:  # cancelled (the process terminated): its work waits for close
+                    self._cancelled(batch, takes, refreshes)
+                    raise
                 self._done(result, takes)
                 for promise in refreshes:
                     promise.set_value(None)
@@ -512,16 +550,27 @@ class LedgerLink:
         if self.idle_since or self._rewrites():
             self._wake()
 
-    def _failed(self, batch: LeaseBatch, takes: list[tuple[TakeRequest, OnResult]], refreshes: list[Promise],
-                error: BaseException) -> None:
+    def _requeue(self, batch: LeaseBatch) -> None:
+        """A job that failed or was cancelled: its returns and health report are pending again, and the
+        next job reads the ledger (one stopped half-way may have left leases)."""
         self.returning = set()
-        due = {self.unit_of[uuid] for uuid in batch.returns if uuid in self.unit_of}
-        self._return_due |= due
+        self._return_due |= {self.unit_of[uuid] for uuid in batch.returns if uuid in self.unit_of}
         if batch.health is not None and self._health is None:
             self._health = batch.health
             self._reported = {}
+        self._reread = True
+
+    def _cancelled(self, batch: LeaseBatch, takes: list[tuple[TakeRequest, OnResult]],
+                   refreshes: list[Promise]) -> None:
+        """A job whose outcome nobody will hear (cancelled): all its work is pending again."""
+        self._requeue(batch)
+        self._takes[:0] = takes
+        self._refreshes[:0] = refreshes
+
+    def _failed(self, batch: LeaseBatch, takes: list[tuple[TakeRequest, OnResult]], refreshes: list[Promise],
+                error: BaseException) -> None:
+        self._requeue(batch)
         self.failures += 1
-        self._reread = True  # a job failing half-way may have left leases: the retry reads them
         wait = min(RETRY_FIRST * 2 ** (self.failures - 1), RETRY_MOST)
         key = f"{type(error).__name__} {error.errno}" if isinstance(error, OSError) else str(error)
         if key != self._failure_text:  # the same error again (on another file, say) is not logged again

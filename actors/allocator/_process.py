@@ -44,6 +44,10 @@ Rules (R-AL-1..3; Mesos' ``NvidiaGpuAllocatorProcess``):
   memoised (churn asks the same question again and again).
 - Metrics (``_metrics``: GPUs and MIG devices total, free, allocated,
   unhealthy) are published at initialize and given back at finalize.
+- Finalize (the handle's ``close``, or leaving ``Runtime()``, which
+  terminates every process) leaves the node ledger as ``leave_ledger``
+  does: every pending return written, then the owner lock released
+  (SPEC R-SH-4; the link's ``close``).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from runtime import MetricSet, Process, ProcessTerminated, Promise, generate_id
 
 from actors.flags import DEFAULT_IGNORED_XIDS, GPU_ALLOCATIONS
 from actors.gpu import Gpu
+from actors.ledger import describe_conflicts
 from actors.mig import MigDevice, Unit
 from actors.nvml import NodeInventory
 
@@ -166,19 +171,20 @@ class GpuAllocatorProcess(AllocatorHealth, LedgerCalls, Process):
     def initialize(self) -> None:
         self._metrics = _metrics.publish(self)
 
-    def finalize(self) -> None:
+    def finalize(self) -> Any:
         if self._metrics is not None:
             self._metrics.close()
         if self._ledger_metrics is not None:
             self._ledger_metrics.close()
-        if self.ledger_link is not None:
-            self.ledger_link.shutdown()
         for _gpus, promise in self._watchers:
             promise.fail(ProcessTerminated(f"GPU allocator {self.pid} terminated"))
         self._watchers.clear()
         for promise in self._health_waiters:
             promise.fail(ProcessTerminated(f"GPU allocator {self.pid} terminated"))
         self._health_waiters.clear()
+        if self.ledger_link is not None and self.ledger_link.directory is not None:
+            return self.ledger_link.close(ended=True)  # pending returns written, then the owner lock released
+        return None
 
     # ------------------------------------------------------------ queries
 
@@ -238,7 +244,7 @@ class GpuAllocatorProcess(AllocatorHealth, LedgerCalls, Process):
         elsewhere = sorted(pool & self._elsewhere)
         if elsewhere and self.ledger_link is not None:
             self.ledger_link.conflicts += 1
-            described = "; ".join(self.ledger_link.elsewhere[unit].describe() for unit in elsewhere)
+            described = describe_conflicts(self.ledger_link.elsewhere[unit] for unit in elsewhere)
             message += f" ({len(elsewhere)} more held by other front doors of this node: {described})"
         return message
 
@@ -363,11 +369,11 @@ class GpuAllocatorProcess(AllocatorHealth, LedgerCalls, Process):
                 link.conflicts += 1
                 logger.error("Node ledger %s: units recovered from the kernel are held by another front door too"
                              " (two front doors grant them): %s", link.path,
-                             "; ".join(conflict.describe() for conflict in granted))
+                             describe_conflicts(granted))
             if len(granted) < len(result.conflicts):
                 logger.warning("Node ledger %s: units held back for containers of unknown state are another front"
                                " door's, which keeps them (those containers may reach them too; clean them up): %s",
-                               link.path, "; ".join(c.describe() for c in result.conflicts if c not in granted))
+                               link.path, describe_conflicts(c for c in result.conflicts if c not in granted))
             promise.set_value(None)
 
         link.take(wanted, True, on_result, proven=wanted - held_back)  # the kernel grants them: SPEC R-SH-3
@@ -469,6 +475,7 @@ class GpuAllocatorProcess(AllocatorHealth, LedgerCalls, Process):
     def _why(self, gpus: set[Gpu]) -> str:
         reasons = []
         link = self.ledger_link
+        elsewhere = []  # other owners' units: each owner named once, where its first unit comes (R-SH-5)
         for gpu in sorted(gpus):
             if gpu not in self.total:
                 reasons.append(f"{gpu} is not managed by this allocator")
@@ -477,9 +484,13 @@ class GpuAllocatorProcess(AllocatorHealth, LedgerCalls, Process):
             elif link is not None and gpu in link.inherited:
                 reasons.append(f"{gpu} is leased by {link.owner} in an earlier run and not recovered yet")
             elif link is not None and gpu in self._elsewhere:
-                reasons.append(link.elsewhere[gpu].describe())
+                if not elsewhere:
+                    reasons.append("")
+                elsewhere.append(link.elsewhere[gpu])
             elif gpu in self.unhealthy:
                 reasons.append(f"{gpu} is unhealthy: {self.unhealthy[gpu]}")
+        if elsewhere:
+            reasons[reasons.index("")] = describe_conflicts(elsewhere)
         return "; ".join(reasons)
 
 

@@ -17,7 +17,7 @@ from ._batch import BatchResult, LeaseBatch, TakeRequest, TakeResult, decide
 from ._config import DEFAULT_NODE_LEDGER, NODE_LEDGER_ENV, describe_node_ledger, node_ledger_dir
 from ._directory import LOCK_TIMEOUT, LedgerDirectory, LedgerView, OwnerLock
 from ._errors import LedgerError
-from ._lease import UNREADABLE, Lease, LeaseConflict, blocking, unreadable_help
+from ._lease import UNREADABLE, Lease, LeaseConflict, blocking, describe_conflicts, unreadable_help
 from ._names import (
     MAX_HOLDER,
     OWNER_KINDS,
@@ -35,6 +35,6 @@ __all__ = [
     "BatchResult", "LeaseBatch", "TakeRequest", "TakeResult", "decide",
     "DEFAULT_NODE_LEDGER", "NODE_LEDGER_ENV", "describe_node_ledger", "node_ledger_dir",
     "LOCK_TIMEOUT", "LedgerDirectory", "LedgerView", "OwnerLock", "LedgerError", "Lease", "LeaseConflict",
-    "blocking", "UNREADABLE", "unreadable_help", "MAX_HOLDER", "OWNER_KINDS", "check_holder", "check_owner", "dra_plugin_owner", "isolator_owner",
+    "blocking", "describe_conflicts", "UNREADABLE", "unreadable_help", "MAX_HOLDER", "OWNER_KINDS", "check_holder", "check_owner", "dra_plugin_owner", "isolator_owner",
     "kubelet_plugin_owner", "lease_file_name", "owner_file_name", "serve_owner",
 ]

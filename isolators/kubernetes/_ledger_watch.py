@@ -24,6 +24,12 @@ Rules (SPEC R-NL-4, R-K8-2; section 21):
 - The device plugin's ``ListAndWatch`` (a withheld unit is ``Unhealthy``)
   and the DRA driver's ResourceSlice (a unit held elsewhere is left out,
   an unhealthy one tainted) read it.
+- ``hold_the_rest(allocator, units, holder)``: after the ledger refused
+  ``holder`` its ``units`` (another owner keeps one: two grants, a lease
+  nobody can read), the holder holds those no other owner keeps, so a
+  pod or claim in use never loses the units it does have to be handed
+  out again (SPEC R-SH-3); what it holds now, or None (none, or the
+  ledger changed meanwhile: the caller's next pass tries again).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import anyio
 from actors.ledger import LeaseConflict
 from actors.mig import Unit
 
-__all__ = ["OfferView", "offer_views", "refresh_ledger_every"]
+__all__ = ["OfferView", "hold_the_rest", "offer_views", "refresh_ledger_every"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,3 +126,18 @@ async def refresh_ledger_every(allocator: Any, interval_s: float) -> None:
                 logger.info("The node ledger reads again")
             failing = None
         await anyio.sleep(interval_s)
+
+
+async def hold_the_rest(allocator: Any, units: frozenset[Unit], holder: str) -> frozenset[Unit] | None:
+    """``holder`` holds those of ``units`` no other owner keeps (see module rules)."""
+    from actors.allocator import AllocatorError
+
+    state = await allocator.ledger_state()
+    rest = frozenset(units) - set(state.elsewhere) if state is not None else frozenset()
+    if not rest:
+        return None
+    try:
+        await allocator.hold(rest, holder)
+    except AllocatorError:
+        return None
+    return rest

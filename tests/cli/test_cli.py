@@ -37,6 +37,35 @@ def assert_one_line_error(err: str, *needles: str) -> None:
         assert needle in lines[0], err
 
 
+# -- --version (R-SH-1) --------------------------------------------------------------
+def test_version_prints_the_installed_distributions_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import tomllib
+    from importlib import metadata
+
+    code, out, err = run(capsys, "--version")
+    assert (code, err) == (0, "")
+    assert out == f"gpu-isolator {metadata.version('gpu-isolator')}\n"
+    # The installed metadata is pyproject.toml's version (what the image's label and the chart's tag carry).
+    assert out.split()[1] == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    done = subprocess.run([sys.executable, "-m", "isolators", "--version"], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert (done.returncode, done.stdout, done.stderr) == (0, out, "")
+
+
+def test_version_without_an_installed_distribution_is_one_error_naming_the_next_step(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    code, out, err = run(capsys, "--version")
+    assert (code, out) == (2, "")
+    assert_one_line_error(err, "the gpu-isolator distribution is not installed, so it has no version",
+                          "pip install .")
+
+
 # -- demo -------------------------------------------------------------------------
 def test_demo_tells_the_story_and_passes(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "demo")
@@ -173,7 +202,7 @@ def test_inspect_a_bad_host_file(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 # -- help and bad arguments -----------------------------------------------------------
 @pytest.mark.parametrize("argv, usage", [
-    (["--help"], "usage: gpu-isolator [-h] [-v] COMMAND ..."),
+    (["--help"], "usage: gpu-isolator [-h] [-v] [--version] COMMAND ..."),
     (["demo", "--help"], "usage: gpu-isolator demo [-h]"),
     (["run", "--help"], "usage: gpu-isolator run [-h] [--backend {memory,cgroups_v1,cgroups_v2}] SCRIPT"),
     (["inspect", "--help"], "usage: gpu-isolator inspect [-h] [--host-file FILE | --simulated]"),

@@ -6,17 +6,18 @@ no file work."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from actors import Gpu, NvidiaGpuAllocator
-from actors.allocator import LINGER, AllocatorError
+from actors.allocator import LINGER, AllocatorError, LedgerState
 from actors.flags import Flags
 from actors.ledger import LedgerDirectory, LedgerError, isolator_owner, serve_owner
 from actors.mig import MigDevice
-from runtime import Clock, Runtime, current_runtime, terminate, wait
-from tests.support.ledger import BOUND, inode_limited, leases, until
+from runtime import Clock, ProcessTerminated, Runtime, current_runtime, terminate, wait
+from tests.support.ledger import BOUND, inode_limited, leases, owner_free, until
 
 DATA = Path(__file__).resolve().parents[1] / "inventory" / "data"
 A = isolator_owner("/var/lib/agent-a")
@@ -71,8 +72,7 @@ async def test_two_owners_never_hold_one_unit_and_the_refusal_names_unit_owner_a
             await a.allocate(1, holder="c2")
         assert str(short.value) == (
             "Requested 1 gpus but only 0 available (2 more held by other front doors of this node:"
-            f" {uuids[G[2]]} (195:2) is held by {B} (running) for exec-1;"
-            f" {uuids[G[3]]} (195:3) is held by {B} (running) for exec-1)")
+            f" {uuids[G[2]]} (195:2), {uuids[G[3]]} (195:3) are held by {B} (running) for exec-1)")  # B once
         with pytest.raises(AllocatorError) as named:
             await b.allocate({G[0]}, holder="exec-2")
         assert str(named.value) == (
@@ -139,6 +139,38 @@ async def test_a_dead_owners_units_wait_for_it_and_its_next_start_reconciles_the
 
 
 @pytest.mark.asyncio
+async def test_an_eight_gpu_refusal_names_the_owner_in_the_way_once(tmp_path: Path) -> None:
+    """R-SH-5: every GPU of an 8-GPU node held by one stopped owner; each refusal (a count, named GPUs,
+    a plugin's hold) lists the 8 units and says who holds them, its state and what to do, once."""
+    host, ledger = tmp_path / "node.toml", tmp_path / "ledger"
+    host.write_text('driver_version = "550.54.15"\ngpu_count = 8\n')
+    gpus = [Gpu(195, minor) for minor in range(8)]
+    async with Runtime():
+        b = await joined(host, ledger, B)
+        assert len(await b.allocate(8, holder="exec-1")) == 8
+        await b.close()  # B stops; its command runs on, holding every GPU
+        a = await joined(host, ledger, A)
+        units = ", ".join(f"{a.info(gpu).uuid} ({gpu})" for gpu in gpus)
+        owner = (f"are held by {B} (not running: its units wait for it to restart and reconcile, or for"
+                 f" 'gpu-isolator ledger release --owner {B}') for exec-1")
+        with pytest.raises(AllocatorError) as count:
+            await a.allocate(1, holder="c1")
+        with pytest.raises(AllocatorError) as named:
+            await a.allocate(set(gpus), holder="c1")
+        with pytest.raises(AllocatorError) as held:
+            await a.hold(set(gpus), "ns/pod/gpu")
+        assert str(count.value) == (
+            f"Requested 1 gpus but only 0 available (8 more held by other front doors of this node: {units} {owner})")
+        assert str(named.value) == f"{{{', '.join(map(str, gpus))}}} are not available ({units} {owner})"
+        assert str(held.value) == f"Held by another front door of this node: {units} {owner}"
+        for refusal in (count, named, held):
+            text = str(refusal.value)
+            assert text.count(B) == 2 and text.count("not running") == 1  # the owner, and its release command
+            assert len(text) < 900, len(text)  # it was ~2,400 characters: the owner's sentence 8 times
+        await a.close()
+
+
+@pytest.mark.asyncio
 async def test_one_owner_runs_once_on_a_node(tmp_path: Path, host_file: Path) -> None:
     async with Runtime():
         a, twin = await allocator(host_file), await allocator(host_file)
@@ -151,7 +183,11 @@ async def test_one_owner_runs_once_on_a_node(tmp_path: Path, host_file: Path) ->
 
 
 @pytest.mark.asyncio
-async def test_close_returns_the_units_no_holder_has_and_keeps_the_held_ones(tmp_path: Path, host_file: Path) -> None:
+@pytest.mark.parametrize("leave", ["close", "leaving Runtime()"])
+async def test_close_returns_the_units_no_holder_has_and_keeps_the_held_ones(
+        tmp_path: Path, host_file: Path, leave: str) -> None:
+    """An allocator closed, or terminated by leaving ``Runtime()`` with no close (R-SH-4), returns its
+    unused units (in their linger window too), keeps the held ones and releases the owner lock."""
     ledger = tmp_path / "ledger"
     async with Runtime():
         a = await allocator(host_file)
@@ -159,8 +195,26 @@ async def test_close_returns_the_units_no_holder_has_and_keeps_the_held_ones(tmp
         await a.allocate(2, holder="c1")
         await a.deallocate({G[1]})
         assert set(leases(ledger)) == {"195:0", "195:1"}  # kept a while, unused
-        await a.close()
-        assert leases(ledger) == {"195:0": (A, ("c1",))}
+        if leave == "close":
+            await a.close()
+            assert leases(ledger) == {"195:0": (A, ("c1",))}
+    assert leases(ledger) == {"195:0": (A, ("c1",))} and owner_free(ledger, A)  # it may start again
+
+
+@pytest.mark.asyncio
+async def test_grants_in_flight_when_the_runtime_is_left_leave_no_lease(tmp_path: Path, host_file: Path) -> None:
+    """R-SH-4: the runtime is left while grants wait for their leases (their job queued, or running in
+    the ledger's thread): they fail, and whatever the job wrote goes back before the lock is released."""
+    ledger = tmp_path / "ledger"
+    async with Runtime():
+        a = await joined(host_file, ledger, A)
+        first = a.allocate(2, holder="c1")
+        await asyncio.sleep(0)  # its job under way
+        second = a.allocate({G[3]}, holder="c2")  # queued behind it
+    for grant in (first, second):
+        with pytest.raises(ProcessTerminated):
+            await asyncio.wait_for(asyncio.ensure_future(grant), BOUND)  # answered: no grant waits forever
+    assert leases(ledger) == {} and owner_free(ledger, A)
 
 
 @pytest.mark.asyncio
@@ -293,6 +347,17 @@ async def advance(seconds: float) -> None:
     await Clock.settle()
 
 
+async def state_until(a: NvidiaGpuAllocator, check: Callable[[LedgerState], bool], what: str) -> None:
+    """Wait (bounded) until the allocator's ledger state is one ``check`` holds for: a job
+    the clock started has run and been heard, however busy the machine is."""
+    state = await a.ledger_state()
+    deadline = asyncio.get_running_loop().time() + BOUND
+    while not check(state):
+        assert asyncio.get_running_loop().time() < deadline, f"not within {BOUND:g} s: {what} ({state})"
+        await asyncio.sleep(0.005)
+        state = await a.ledger_state()
+
+
 @pytest.mark.asyncio
 async def test_a_ledger_that_cannot_be_written_is_retried_with_a_growing_pause_and_the_error_logged_once(
         tmp_path: Path, host_file: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -313,10 +378,11 @@ async def test_a_ledger_that_cannot_be_written_is_retried_with_a_growing_pause_a
                 await a.allocate({G[1]}, holder="c3")  # its job (with c2's holder change) fails
             first = await a.ledger_state()
             assert first.failing == 1 and runtime.metrics.snapshot()["ledger/failing_jobs"] == 1
-            for pause in (0.1, 0.2, 0.4):  # c2's holder change waits: retried once each pause, never sooner
+            for retries, pause in enumerate((0.1, 0.2, 0.4)):  # c2's holder change waits: retried once each pause
                 await advance(pause - 0.001)
-                assert (await a.ledger_state()).jobs == first.jobs + round(pause / 0.1).bit_length() - 1
-                await advance(0.001)
+                assert (await a.ledger_state()).jobs == first.jobs + retries  # never sooner
+                await advance(0.002)  # past it (a margin no rounding of the frozen clock's sums eats)
+                await state_until(a, lambda state: state.jobs == first.jobs + retries + 1, f"retry {retries + 1} ran")
             state = await a.ledger_state()
             assert (state.failing, state.jobs) == (4, first.jobs + 3)
             assert leases(ledger) == {"195:0": (A, ("c1",))}
@@ -324,9 +390,9 @@ async def test_a_ledger_that_cannot_be_written_is_retried_with_a_growing_pause_a
             assert failed.startswith(f"Node ledger {ledger}: a job of {A} failed: [Errno 28] No space left on device")
             assert failed.endswith(" (retried in 0.1 s, doubling up to 5 s while it fails)")
             fs.refill()
-            await advance(0.8)
-            state = await a.ledger_state()
-            assert state.failing == 0 and leases(ledger) == {"195:0": (A, ("c2",))}
+            await advance(0.802)
+            await state_until(a, lambda state: state.failing == 0, "the retry after 0.8 s worked")
+            assert leases(ledger) == {"195:0": (A, ("c2",))}
             assert f"Node ledger {ledger}: jobs of {A} work again (after 4 failed)" in caplog.text
             assert await a.available() == {G[1], G[2], G[3]}
             Clock.resume()

@@ -22,7 +22,9 @@ from actors.ledger import (
     LedgerDirectory,
     LedgerError,
     TakeRequest,
+    LeaseConflict,
     decide,
+    describe_conflicts,
     describe_node_ledger,
     isolator_owner,
     lease_file_name,
@@ -55,6 +57,31 @@ def test_a_take_is_all_or_nothing_and_names_every_unit_in_the_way() -> None:
     after, [result] = decide(held, A, LeaseBatch(takes=(take(lease(GPU0, A, "c1"), lease(GPU1, A, "c1"),
                                                              partial=True),)))
     assert result.taken == (GPU0,) and after[GPU0].owner == A and after[GPU1].owner == B
+
+
+def test_a_refusal_names_each_other_owner_once_with_its_units() -> None:
+    """R-SH-5: one sentence an owner, its units listed in it; every fact of the per-unit text kept: each
+    unit, the owner and its state (what to do when it is gone), the holders (per unit when they differ),
+    a unit in the way through another, an unreadable file to remove."""
+    dead = " (not running: its units wait for it to restart and reconcile, or for 'gpu-isolator ledger release"
+    units = [f"GPU-{n:04d}" for n in range(4)]
+    conflicts = [LeaseConflict(unit=u, device=f"195:{n}", lease=Lease(unit=u, owner=B, holders=("job",),
+                                                                      device=f"195:{n}"), alive=False)
+                 for n, u in enumerate(units[:3])]
+    conflicts.insert(1, LeaseConflict(unit=units[3], lease=lease(units[3], A, "c1", "c2"), alive=True))
+    mig = LeaseConflict(unit=GPU0, lease=Lease(unit=MIG01, owner=B, holders=("claim-1",), parent=GPU0,
+                                               device="195:0/gi1/ci0"), alive=False)
+    assert describe_conflicts(conflicts + [mig]) == (
+        f"GPU-0000 (195:0), GPU-0001 (195:1), GPU-0002 (195:2), {GPU0} through {MIG01} (195:0/gi1/ci0) are held"
+        f" by {B}{dead} --owner {B}') (195:0, 195:1, 195:2 for job; 195:0/gi1/ci0 for claim-1);"
+        f" GPU-0003 is held by {A} (running) for c1, c2")
+    assert describe_conflicts(conflicts[:1]) == conflicts[0].describe()  # one unit: the text it always was
+    # an unreadable lease file is an owner of its own (one unit each): each file named, to remove
+    unreadable = [LeaseConflict(unit=u, lease=lease(u, f"unreadable:/l/units/{u}.lease")) for u in units[:2]]
+    assert describe_conflicts(unreadable) == "; ".join(
+        f"{u} is held by unreadable:/l/units/{u}.lease (its lease file cannot be read; once no container uses the"
+        f" unit, remove /l/units/{u}.lease) with no holder (its owner keeps it for a moment before returning it,"
+        " or is recovering)" for u in units[:2])
 
 
 def test_a_mig_device_and_its_parent_gpu_conflict_both_ways() -> None:

@@ -12,8 +12,9 @@ Rules:
   ``ldconfig_skip_reason()`` says why it cannot (no static ldconfig). ``make_device_nodes(dir, nodes)`` mknods
   character devices (mode 0666) for the engines to grant.
 - ``PodmanEngine`` keeps everything it makes under its own directory:
-  image storage (vfs), run root and temp dir, a ``containers.conf`` of its
-  own (``CONTAINERS_CONF``), and cgroups under a uniquely named parent
+  image storage (vfs unless asked: ``storage_driver="overlay"``), run root
+  and temp dir, a ``containers.conf`` of its own (``CONTAINERS_CONF``),
+  and cgroups under a uniquely named parent
   (``--cgroup-parent``) that ``close()`` removes. Each podman command runs
   in a private mount namespace where ``/run`` and ``/dev/shm`` are fresh
   tmpfs, ``/run/cdi`` (= ``/var/run/cdi``) is the test's CDI directory, a
@@ -23,9 +24,15 @@ Rules:
   ``/var/lib/containers`` or ``/dev/shm``. Containers run with
   ``--rm --runtime runc --network none --cgroup-manager cgroupfs`` and the
   rlimits these VMs allow (SPEC R-CD-5: crun refuses the hybrid cgroup
-  layout; rlimits cannot be raised). A refused CDI spec shows in podman's
-  output only as "unresolvable CDI devices": a failed run is retried once
-  with ``--log-level=debug`` so the error names the reason.
+  layout; rlimits cannot be raised). ``build(context, tag, build_args)``
+  is ``podman build --layers=false --network none`` with the same runtime,
+  rlimits and cgroup parent (its ``RUN`` steps are containers; one layer
+  per stage); ``inspect_image(ref)`` its ``podman image inspect``;
+  ``popen(args)`` a podman command that keeps running (a container in
+  the foreground), in the same namespace and storage. A refused CDI spec
+  shows in podman's output only as "unresolvable CDI devices": a failed
+  run is retried once with ``--log-level=debug`` so the error names the
+  reason.
 - ``RuncEngine`` runs a bundle made from ``runc spec`` merged with an OCI
   fragment (``merge_oci``), with its state and cgroups (``cgroupsPath``
   under a uniquely named parent) its own; ``close()`` removes them.
@@ -309,9 +316,10 @@ runtime = "runc"
 class PodmanEngine:
     """podman with storage, configuration, CDI directory and cgroups of its own (see rules)."""
 
-    def __init__(self, directory: str, cdi_dir: str) -> None:
+    def __init__(self, directory: str, cdi_dir: str, storage_driver: str = "vfs") -> None:
         self.directory = directory
         self.cdi_dir = cdi_dir
+        self.storage_driver = storage_driver
         self.cgroup_parent = f"gpu-isolator-test-{uuid.uuid4().hex[:12]}"
         for sub in ("storage", "run", "tmp", "varlib-upper", "varlib-work"):
             os.makedirs(os.path.join(directory, sub), exist_ok=True)
@@ -328,18 +336,20 @@ class PodmanEngine:
         options = [
             "podman", "--root", os.path.join(self.directory, "storage"),
             "--runroot", os.path.join(self.directory, "run"), "--tmpdir", os.path.join(self.directory, "tmp"),
-            "--storage-driver", "vfs", "--cgroup-manager", "cgroupfs", "--events-backend", "none",
+            "--storage-driver", self.storage_driver, "--cgroup-manager", "cgroupfs", "--events-backend", "none",
         ]
         return options + (["--log-level=debug"] if debug else [])
 
-    def _call(self, args: Sequence[str], timeout: float, debug: bool = False,
-              cdi_dir: str | None = None) -> subprocess.CompletedProcess:
-        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _NAMESPACE_SCRIPT, "sh",
+    def _argv(self, args: Sequence[str], debug: bool = False, cdi_dir: str | None = None) -> list[str]:
+        """``podman ARGS`` in this engine's namespace, storage and configuration (recorded in ``lines``)."""
+        self.lines.append(shlex.join(["podman", *args]))
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", _NAMESPACE_SCRIPT, "sh",
                 cdi_dir or self.cdi_dir, os.path.join(self.directory, "varlib-upper"),
                 os.path.join(self.directory, "varlib-work"), *self._global(debug), *args]
-        env = dict(os.environ, CONTAINERS_CONF=self.conf)
-        self.lines.append(shlex.join(["podman", *args]))
-        return _run(argv, timeout, env)
+
+    def _call(self, args: Sequence[str], timeout: float, debug: bool = False,
+              cdi_dir: str | None = None) -> subprocess.CompletedProcess:
+        return _run(self._argv(args, debug, cdi_dir), timeout, dict(os.environ, CONTAINERS_CONF=self.conf))
 
     def import_rootfs(self, rootfs: str, reference: str, timeout: float = ENGINE_TIMEOUT, *,
                       default: bool = True) -> str:
@@ -348,21 +358,30 @@ class PodmanEngine:
         tar = os.path.join(self.directory, "rootfs.tar")
         with tarfile.open(tar, "w") as archive:
             archive.add(rootfs, arcname=".")
-        result = self._call(["import", tar, reference], timeout)
-        os.unlink(tar)
-        if result.returncode != 0:
-            raise AssertionError(f"podman import failed ({result.returncode}): {result.stderr.strip()}")
+        try:
+            self.import_tar(tar, reference, timeout)
+        finally:
+            os.unlink(tar)
         if default:
             self.image = reference
         return reference
 
+    def import_tar(self, tar: str, reference: str, timeout: float = ENGINE_TIMEOUT) -> str:
+        """``podman import`` a root filesystem's tarball as the local image ``reference``."""
+        result = self._call(["import", tar, reference], timeout)
+        if result.returncode != 0:
+            raise AssertionError(f"podman import failed ({result.returncode}): {result.stderr.strip()}")
+        return reference
+
     def run_args(self, image: str, command: Sequence[str], *, devices: Iterable[str] = (),
                  volumes: Iterable[str] = (), name: str | None = None,
-                 env: Mapping[str, str] | None = None) -> list[str]:
+                 env: Mapping[str, str] | None = None, entrypoint: str | None = None) -> list[str]:
         """The ``podman run`` arguments (after the global options) for one container."""
         args = ["run", "--rm", "--name", name or f"gpu-isolator-test-{uuid.uuid4().hex[:12]}",
                 "--runtime", "runc", "--network", "none", "--cgroup-parent", "/" + self.cgroup_parent,
                 "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
+        if entrypoint is not None:
+            args += ["--entrypoint", entrypoint]
         for device in devices:
             args += ["--device", device]
         for volume in volumes:
@@ -373,19 +392,44 @@ class PodmanEngine:
 
     def run(self, image: str, command: Sequence[str], *, devices: Iterable[str] = (),
             volumes: Iterable[str] = (), cdi_dir: str | None = None, env: Mapping[str, str] | None = None,
-            timeout: float = ENGINE_TIMEOUT) -> subprocess.CompletedProcess:
+            entrypoint: str | None = None, timeout: float = ENGINE_TIMEOUT) -> subprocess.CompletedProcess:
         """Run a container to completion, with ``cdi_dir`` (default: the
         engine's) as ``/var/run/cdi`` and ``env`` set by ``--env`` (as a user
         starts it); a failure is retried with debug logs to say why."""
         devices, volumes = list(devices), list(volumes)
-        args = self.run_args(image, command, devices=devices, volumes=volumes, env=env)
+        args = self.run_args(image, command, devices=devices, volumes=volumes, env=env, entrypoint=entrypoint)
         result = self._call(args, timeout, cdi_dir=cdi_dir)
         if result.returncode != 0:
-            debug = self._call(self.run_args(image, command, devices=devices, volumes=volumes, env=env), timeout,
-                               True, cdi_dir=cdi_dir)
+            debug = self._call(self.run_args(image, command, devices=devices, volumes=volumes, env=env,
+                                             entrypoint=entrypoint), timeout, True, cdi_dir=cdi_dir)
             reasons = [line for line in debug.stderr.splitlines() if "CDI" in line or "cdi" in line]
             result.stderr += "\n--- with --log-level=debug, CDI lines:\n" + "\n".join(reasons[-20:])
         return result
+
+    def build(self, context: str, tag: str, build_args: Mapping[str, str] | None = None,
+              timeout: float = ENGINE_TIMEOUT) -> subprocess.CompletedProcess:
+        """``podman build`` of ``context`` (its ``Containerfile``) as ``tag``, with no network, the
+        rlimits and the cgroup parent of this engine's containers (its ``RUN`` steps are containers)."""
+        args = ["build", "--layers=false", "--network", "none", "--runtime", "runc",
+                "--cgroup-parent", "/" + self.cgroup_parent,
+                "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024", "--tag", tag]
+        for key, value in (build_args or {}).items():
+            args += ["--build-arg", f"{key}={value}"]
+        return self._call([*args, context], timeout)
+
+    def inspect_image(self, reference: str, timeout: float = ENGINE_TIMEOUT) -> dict:
+        """``podman image inspect`` of one image (its config, labels, size)."""
+        result = self._call(["image", "inspect", reference], timeout)
+        if result.returncode != 0:
+            raise AssertionError(f"podman image inspect {reference} failed: {result.stderr.strip()}")
+        [image] = msgspec.json.decode(result.stdout)
+        return image
+
+    def popen(self, args: Sequence[str], **options: object) -> subprocess.Popen:
+        """One podman command (``run_args`` for a container) as a process that keeps running, in this
+        engine's namespace, storage and configuration; the caller waits for it (bounded) and ends it."""
+        return subprocess.Popen(self._argv(args), env=dict(os.environ, CONTAINERS_CONF=self.conf),
+                                **options)  # type: ignore[call-overload]
 
     def close(self, timeout: float = ENGINE_TIMEOUT) -> None:
         """Remove every container and image this engine made, its storage and cgroups."""

@@ -4,7 +4,8 @@ Rules:
 - ``FakeApiServer()`` serves HTTP on ``127.0.0.1:<free port>`` (threads of
   its own; ``start()`` / ``close()``) the part of ``resource.k8s.io/v1`` a
   DRA driver uses, as JSON documents of that API: ResourceClaims
-  (namespaced: ``GET`` one, ``POST`` create) and ResourceSlices (cluster
+  (namespaced: ``GET`` one, ``POST`` create; ``GET`` the list of one
+  namespace or of all, ``/resourceclaims``) and ResourceSlices (cluster
   scoped: ``GET`` list with ``fieldSelector`` ``spec.nodeName`` /
   ``spec.driver`` and ``labelSelector`` ``k=v``, ``POST`` create, ``GET`` /
   ``PUT`` / ``DELETE`` one). Objects get ``metadata.uid``,
@@ -264,11 +265,20 @@ class FakeApiServer(Waitable):
             parts = path[len(GROUP):].strip("/").split("/") if path.startswith(GROUP + "/") else None
             if parts and parts[0] == "namespaces" and len(parts) >= 3 and parts[2] == "resourceclaims":
                 return self._claims(method, parts[1], parts[3] if len(parts) > 3 else None, body)
+            if parts == ["resourceclaims"] and method == "GET":
+                return 200, self._claim_list(None)
             if parts and parts[0] == "resourceslices":
                 return self._slices(method, parts[1] if len(parts) > 1 else None, query, body)
             return 404, _status(404, "NotFound", f"the fake API server serves no {path}")
 
+    def _claim_list(self, namespace: str | None) -> dict:
+        items = [claim for (ns, _), claim in sorted(self.claims.items()) if namespace is None or ns == namespace]
+        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimList",
+                "metadata": {"resourceVersion": str(next(self._versions))}, "items": json.loads(json.dumps(items))}
+
     def _claims(self, method: str, namespace: str, name: str | None, body: dict | None) -> tuple[int, dict]:
+        if method == "GET" and name is None:
+            return 200, self._claim_list(namespace)
         if method == "GET" and name is not None:
             claim = self.claims.get((namespace, name))
             if claim is None:
@@ -361,6 +371,8 @@ def _summary(method: str, code: int, body: dict | None, answer: dict) -> str:
         return (f"{code} slice {answer['metadata']['name']} pool {spec['pool']['name']} generation"
                 f" {spec['pool']['generation']}: {len(spec.get('devices', []))} devices"
                 + (f", tainted {','.join(tainted)}" if tainted else ""))
+    if answer.get("kind") == "ResourceClaimList":
+        return f"{code} {len(answer['items'])} claims"
     if answer.get("kind") == "ResourceClaim":
         meta = answer["metadata"]
         return f"{code} claim {meta['namespace']}/{meta['name']} uid {meta['uid']}"

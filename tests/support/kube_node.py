@@ -18,7 +18,9 @@ Rules:
   until ``start(dra=True)``: the fakes, then both plugins (each
   registered; the device plugin alone with ``dra=False``).
   ``restart_device_plugin()`` / ``restart_dra_plugin()`` start one again
-  after it stopped or was killed (``kill_device_plugin()`` /
+  after it stopped or was killed (from the source tree ``code``: this
+  repository when None, the default; an earlier release's tree for an
+  upgrade) (``kill_device_plugin()`` /
   ``kill_dra_plugin()``: SIGKILL), registered again.
 - What the kubelet and the scheduler do, as they do it:
   ``allocate(pod, ids, resource=GPU)`` is the kubelet's ``Allocate`` for one container
@@ -101,6 +103,8 @@ class KubeNode:
         self.device_plugin: PluginCommand | None = None
         self.dra_plugin: DraPluginCommand | None = None
         self.registrations = 0
+        self.code: Path | None = None
+        """The source tree the plugins start from (None: this repository)."""
         self._started = False
 
     # -- running ---------------------------------------------------------------------------
@@ -117,14 +121,14 @@ class KubeNode:
 
     def restart_device_plugin(self, timeout: float = 60.0) -> PluginCommand:
         """Start the device plugin (again) and wait until the kubelet holds its new registration."""
-        self.device_plugin = PluginCommand(self.device_plugin_args, self.base, self.env).start(timeout)
+        self.device_plugin = PluginCommand(self.device_plugin_args, self.base, self.env, code=self.code).start(timeout)
         self.registrations += 1
         self.kubelet.wait_registrations(self.registrations, timeout=timeout)
         return self.device_plugin
 
     def restart_dra_plugin(self, timeout: float = 60.0) -> DraPluginCommand:
         """Start the DRA driver (again) and register it with the kubelet's plugin watcher."""
-        self.dra_plugin = DraPluginCommand(self.dra_plugin_args, self.base, self.env).start(timeout)
+        self.dra_plugin = DraPluginCommand(self.dra_plugin_args, self.base, self.env, code=self.code).start(timeout)
         self.dra_kubelet.register(timeout=timeout)
         return self.dra_plugin
 

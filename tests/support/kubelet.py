@@ -39,10 +39,15 @@ Rules:
   the sockets (a unix socket path holds 107 bytes; pytest's are long),
   removed afterwards; ``write_credential(path)`` a root-owned 0600 secret
   file (the secret is returned).
-- ``PluginCommand(args, env)`` runs ``python -m isolators kubelet-plugin
+- ``PluginCommand(args, directory, env, code=)`` runs ``python -m isolators kubelet-plugin
   ARGS`` (``COMMAND``; a subclass names another, as the DRA driver's
   ``tests.support.dra_kubelet.DraPluginCommand``) with stderr in a log
-  file; ``start()`` waits (bounded) for its first stdout line (holding
+  file, from the source tree ``code`` (its working directory, first on
+  its ``sys.path``: this repository unless an earlier release's tree is
+  given, as the rolling update's test does; ``_spawn``: a subclass runs it
+  elsewhere, as the image's tests do in a container,
+  ``tests.support.image.ImagePluginCommand``); ``start()`` waits (bounded)
+  for its first stdout line (holding
   ``READY``: ``offering ...``; the metrics address when it listens); ``wait_log(text)`` waits (bounded) for a log line;
   ``stop(signal)`` sends it and returns the exit status, killing after a
   bound; ``close()`` kills what is left.
@@ -380,8 +385,10 @@ class PluginCommand:
     READY = "offering "
     """What its first stdout line holds once it serves."""
 
-    def __init__(self, args: list[str], directory: str | os.PathLike[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], directory: str | os.PathLike[str], env: dict[str, str] | None = None, *,
+                 code: str | os.PathLike[str] | None = None) -> None:
         self.args = list(args)
+        self.code = Path(code) if code is not None else ROOT
         self.directory = Path(directory)
         self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen | None = None
@@ -397,9 +404,7 @@ class PluginCommand:
     def start(self, timeout: float = 60.0) -> "PluginCommand":
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "isolators", self.COMMAND, *self.args],
-                                            cwd=ROOT, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                                            env=self.env)
+            self.process = self._spawn(log)
         line = read_line(self.process.stdout, timeout).decode()
         if self.READY not in line:
             try:
@@ -413,6 +418,11 @@ class PluginCommand:
         if "metrics at http://" in line:
             self.address = line.split("metrics at http://", 1)[1].split("/", 1)[0]
         return self
+
+    def _spawn(self, log: Any) -> subprocess.Popen:
+        """The command's process, stdout a pipe and stderr ``log`` (a subclass runs it elsewhere: in a container)."""
+        return subprocess.Popen([sys.executable, "-m", "isolators", self.COMMAND, *self.args], cwd=self.code,
+                                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=self.env)
 
     def log(self) -> str:
         try:

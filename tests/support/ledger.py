@@ -4,6 +4,8 @@ Rules:
 - ``leases(directory)`` is every lease of the ledger at ``directory`` as
   ``{device: (owner, holders)}`` (``195:3`` -> the owner and its holders),
   read under the ledger's mutex.
+- ``owner_free(directory, owner)``: whether another process could take
+  ``owner``'s lock now (the kernel's answer: no process of it runs).
 - ``ledger_command(*args)`` runs ``gpu-isolator ledger ARGS`` (bounded),
   its ``CompletedProcess`` with text output.
 - ``until(check, what, bound)`` waits (bounded, ``bound`` seconds, 10 by
@@ -30,9 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.ledger import LedgerDirectory
+from actors.ledger import LedgerDirectory, LedgerError
 
-__all__ = ["leases", "ledger_command", "until", "inode_limited", "InodeLimited", "BOUND"]
+__all__ = ["leases", "owner_free", "ledger_command", "until", "inode_limited", "InodeLimited", "BOUND"]
 
 BOUND = 10.0
 REPO = Path(__file__).resolve().parents[2]
@@ -43,6 +45,18 @@ def leases(directory: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[str,
     ledger = LedgerDirectory.open(os.fspath(directory))
     try:
         return {lease.device: (lease.owner, lease.holders) for lease in ledger.read().values()}
+    finally:
+        ledger.close()
+
+
+def owner_free(directory: str | os.PathLike[str], owner: str) -> bool:
+    """Whether ``owner``'s lock may be taken now (see module rules)."""
+    ledger = LedgerDirectory.open(os.fspath(directory))
+    try:
+        ledger.hold_owner(owner).release()
+        return True
+    except LedgerError:
+        return False
     finally:
         ledger.close()
 

@@ -29,9 +29,12 @@ Rules (SPEC R-NL-2..4):
   holder happen with no ``await`` between (a concurrent ``Allocate`` of
   the same IDs is never let go).
 - PodResources naming a unit another front door holds (two grants: the
-  ledger was off, or an operator released this plugin's units) is
-  logged at ERROR once while it lasts and counted by the allocator
-  (``ledger/conflicts``); nothing is taken from the other owner.
+  ledger was off, an operator released this plugin's units, a lease file
+  nobody can read) is logged at ERROR once while it lasts and counted by
+  the allocator (``ledger/conflicts``); nothing is taken from the other
+  owner, and that container's other units stay held (``hold_the_rest``):
+  the pod uses them, so they never go back to be handed out again (SPEC
+  R-SH-3).
 - At start (the first ``reconcile``: R-NL-3) the holds of every listed
   container come first, then ``release_unclaimed``: units this owner
   leased in its last run that no pod holds go back. Until a ``List``
@@ -53,6 +56,7 @@ from actors.ledger import LedgerError, check_holder, kubelet_plugin_owner
 from actors.mig import Unit
 
 from .._errors import FAILED_PRECONDITION, PluginRequestError
+from .._ledger_watch import hold_the_rest
 from ..pod_repair import AssignedDevices
 from ._catalog import DeviceCatalog
 from ._names import ALLOCATE_GRACE_S
@@ -168,9 +172,12 @@ class PodLeases:
                                                      f" {self._named(units)}, but the node ledger refuses them to"
                                                      f" this plugin: {error}. Two front doors granted one GPU; find"
                                                      " which one must give it back")
-                continue
+                units = await hold_the_rest(self.allocator, units, holder)
+                if units is None:
+                    continue
+            else:
+                self._said = {key for key in self._said if key != ("conflict", holder)}
             self.pods[holder] = units
-            self._said = {key for key in self._said if key != ("conflict", holder)}
             if before - units:
                 narrowed.append(self.allocator.let_go(holder, before - units))
         # decided and let go with no await in between: an Allocate meanwhile renews its record first

@@ -5,7 +5,9 @@ it publishes the node's GPUs (and MIG devices) as a ResourceSlice
 (``DraCatalog`` what, ``render_slice`` / ``SlicePublisher`` how), registers
 with the kubelet's plugin watcher, and prepares the devices the scheduler
 allocated to a ResourceClaim (``plan_claim`` checks it, ``PreparedClaims``
-never grants a device twice and is checkpointed, ``render_claim_spec``
+never grants a device twice and is checkpointed (a format version; an
+unreadable checkpoint is rebuilt from the API server's claims:
+``claims_of_node``), ``render_claim_spec``
 writes a CDI spec per claim); ``DraPluginProcess`` is the actor that
 decides, ``_servicer`` the gRPC translation, ``run_dra_plugin`` the
 command. The kubelet's gRPC APIs are the committed modules generated from
@@ -33,8 +35,9 @@ _EXPORTS = {
     "._devices": ("DeviceFacts", "DraCatalog", "nvlink_islands", "product_family", "semver"),
     "._kube": ("DraSetupError", "api_failure", "kube_client"),
     "._plugin": ("ClaimAnswer", "DRA_PLUGIN_ID", "DraPluginProcess"),
-    "._prepared": ("CheckpointError", "PreparedClaim", "PreparedClaims", "PreparedDevice", "checkpoint_path",
-                   "read_checkpoint", "write_checkpoint"),
+    "._prepared": ("CHECKPOINT_VERSION", "CheckpointError", "PreparedClaim", "PreparedClaims", "PreparedDevice",
+                   "checkpoint_path", "prepared_claim", "read_checkpoint", "write_checkpoint"),
+    "._rebuild": ("RebuildError", "Rebuilt", "claims_of_node"),
     "._run": ("DraOptions", "DraSummary", "run_dra_plugin"),
     "._sharing": ("SHARING_MODES", "ShareLimits", "ShareRefused", "capacity_of", "over_capacity", "share_limits"),
     "._slices": ("SlicePublishError", "SlicePublisher", "keep_published", "render_slice", "slice_name"),
@@ -52,8 +55,9 @@ if TYPE_CHECKING:
     from ._names import (DEFAULT_DRIVER_NAME, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, PLUGIN_TYPE,
                          SUPPORTED_VERSIONS, check_driver_name, check_node_name, dra_socket, registration_socket)
     from ._plugin import DRA_PLUGIN_ID, ClaimAnswer, DraPluginProcess
-    from ._prepared import CheckpointError, PreparedClaim, PreparedClaims, PreparedDevice, checkpoint_path
-    from ._prepared import read_checkpoint, write_checkpoint
+    from ._prepared import CHECKPOINT_VERSION, CheckpointError, PreparedClaim, PreparedClaims, PreparedDevice
+    from ._prepared import checkpoint_path, prepared_claim, read_checkpoint, write_checkpoint
+    from ._rebuild import RebuildError, Rebuilt, claims_of_node
     from ._run import DraOptions, DraSummary, run_dra_plugin
     from ._sharing import SHARING_MODES, ShareLimits, ShareRefused, capacity_of, over_capacity, share_limits
     from ._slices import SlicePublishError, SlicePublisher, keep_published, render_slice, slice_name

@@ -41,8 +41,8 @@ Rules (issue 37 items 3-5; SPEC section 21):
   ledger (``let_go(uid)``). A uid never prepared (or already unprepared) succeeds:
   idempotent. A uid whose prepare is being committed is refused (try
   again): answering done would leave it prepared once that commit lands.
-- ``create`` (restart): the checkpoint is read first (a malformed one stops
-  the start); spec files of prepared claims are rewritten when missing or
+- ``create`` (restart): the checkpoint is read first; spec files of
+  prepared claims are rewritten when missing or
   different, spec files of this driver's prefix no claim holds (a crash
   between the two writes) are removed. A prepared claim holding a device
   this node no longer publishes (a GPU gone, MIG reconfigured) stays
@@ -51,7 +51,27 @@ Rules (issue 37 items 3-5; SPEC section 21):
   reconciles from: every prepared claim holds its units again (claim uid
   as holder), then ``release_unclaimed`` returns what the last run leased
   and no claim holds; a unit the ledger refuses (another front door holds
-  it: two grants) is logged at ERROR and the claim stays prepared.
+  it: two grants) is logged at ERROR and the claim stays prepared, holding
+  its other units (``hold_the_rest``: they never go back to be handed out
+  while its pod may use them).
+- A checkpoint that cannot be decoded (truncated, garbage, a version this
+  release does not know: ``UnreadableFile``; SPEC R-SH-3) never stops the
+  driver for good: the claims are rebuilt from the API server
+  (``claims_of_node``: the ResourceClaims allocated to this node), the
+  file is moved aside (``set_aside``) and an ERROR names it, where it went
+  and how many claims were rebuilt (and each claim left out, and why).
+  Rebuilt claims hold their units in the node ledger; one whose unit
+  another front door holds is left out (logged at ERROR: answering it
+  prepared would hand out a unit in use; the kubelet's next prepare of it
+  is refused naming the holder), its other units held all the same until
+  the kubelet unprepares it (an unprepare lets go of whatever a uid holds,
+  prepared or not). Then the checkpoint of the rebuilt
+  claims is written and their specs as above. The file stays where it is
+  until the rebuild is known: an API server that cannot be listed (tried
+  ``REBUILD_TRIES`` times) stops the start with a ``CheckpointError``
+  naming the file and the API server's answer, and the next start tries
+  again (a missing checkpoint would read as "nothing prepared" and let go
+  of units pods use).
 - MPS shares (``--sharing=mps``, SPEC R-MP-1..3, R-MP-5; ``mps``: the
   front door's ``actors.mps.MpsDaemons``): once a claim's units are held,
   each of its shares is granted by the unit's daemon (started, or joined
@@ -84,30 +104,36 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import msgspec
 
 from actors import NvidiaGpuAllocator
 from actors.allocator import AllocatorError
+from actors.file_format import UnreadableFile, set_aside
 from runtime import Executor, Failure, MetricSet, spawn
 
 from ...cdi import CdiWriteError, NodeFacts, apply_spec_changes, list_spec_files, read_spec_files
 from ...credential import BearerCredential
+from .._ledger_watch import hold_the_rest
 from .._operator import OperatorRoutes
-from ._claim_spec import claim_device_id, claim_spec_file, claim_spec_prefix, render_claim_spec
+from ._claim_spec import claim_spec_file, claim_spec_prefix, render_claim_spec
 from ._claims import ClaimPlan, ClaimRef, ClaimRefused, check_uid, plan_claim
 from ._devices import DraCatalog
 from ._kube import api_failure
+from ._prepared import (CheckpointError, PreparedClaim, PreparedClaims, PreparedDevice, prepared_claim,
+                        read_checkpoint, write_checkpoint)
+from ._rebuild import RebuildError, claims_of_node
 from ._sharing import LiveShares, ShareLimits, over_capacity
-from ._prepared import (CheckpointError, PreparedClaim, PreparedClaims, PreparedDevice, read_checkpoint,
-                        write_checkpoint)
 
 __all__ = ["DraPluginProcess", "ClaimAnswer", "DRA_PLUGIN_ID"]
 
 logger = logging.getLogger(__name__)
 
 DRA_PLUGIN_ID = "dra-plugin"
+REBUILD_TRIES = 3
+"""Lists of the ResourceClaims tried before a start with an unreadable checkpoint gives up (see module rules)."""
 
 
 class ClaimAnswer(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,6 +150,27 @@ def _restore(spec_dir: str, prefix: str, wanted: dict[str, bytes], kept: set[str
     removals = [name for name in list_spec_files(spec_dir, prefix) if name not in wanted and name not in kept]
     apply_spec_changes(spec_dir, writes, removals)
     return [name for name, _ in writes], removals
+
+
+def _replace_unreadable(checkpoint: str, data: bytes, unreadable: UnreadableFile, count: int) -> None:
+    """The unreadable checkpoint moved aside, the rebuilt one written in its place (blocking; one job). A
+    write that fails puts the unreadable one back: the next start rebuilds again, where a missing checkpoint
+    would read as "nothing prepared"."""
+    try:
+        moved: str | None = set_aside(checkpoint)
+    except OSError as error:
+        moved = None
+        logger.error("The prepared-claims checkpoint %s: it cannot be moved aside (%s), so the rebuilt one replaces"
+                     " it", checkpoint, error.strerror)
+    try:
+        write_checkpoint(checkpoint, data)
+    except CheckpointError:
+        if moved is not None:
+            os.rename(moved, checkpoint)
+        raise
+    logger.error("The prepared-claims checkpoint %s. Moved it aside to %s and rebuilt the prepared claims from the"
+                 " ResourceClaims the API server allocated to this node: %d claims", unreadable,
+                 moved or "nowhere", count)
 
 
 def _commit_files(spec_dir: str, writes: list[tuple[str, bytes]], checkpoint: str, data: bytes,
@@ -184,10 +231,22 @@ class DraPluginProcess(OperatorRoutes):
         units held again in the node ledger."""
         executor = Executor(1, name="dra-plugin-start")
         try:
-            prepared = await executor.run(read_checkpoint, checkpoint)
+            unreadable: UnreadableFile | None = None
+            try:
+                prepared = await executor.run(read_checkpoint, checkpoint)
+            except UnreadableFile as error:
+                unreadable = error
+                prepared = await cls._rebuild(client, error, driver=driver, node=node, catalog=catalog)
             plugin = cls(catalog, allocator, facts, client, driver=driver, node=node, spec_dir=spec_dir,
                          dev_dir=dev_dir, checkpoint=checkpoint, prepared=prepared, credential=credential,
                          ledger=ledger, mps=mps)
+            if ledger:
+                refused = await plugin._hold_again(prepared, rebuilt=unreadable is not None)
+                if unreadable is not None:  # a rebuilt claim whose unit another holds is not prepared
+                    prepared = [claim for claim in prepared if claim.ref.uid not in refused]
+                    plugin.table = PreparedClaims(prepared)
+            if unreadable is not None:
+                await executor.run(_replace_unreadable, checkpoint, plugin.table.encode(), unreadable, len(prepared))
             wanted, kept = {}, set()
             for claim in prepared:
                 name = claim_spec_file(driver, claim.ref.uid)
@@ -203,28 +262,58 @@ class DraPluginProcess(OperatorRoutes):
             executor.shutdown(wait=False)
         if prepared or written or removed:
             logger.info("Restored %d prepared claims from %s (specs rewritten: %s; orphans removed: %s)",
-                        len(prepared), checkpoint, ", ".join(written) or "none", ", ".join(removed) or "none")
+                        len(prepared), checkpoint if unreadable is None else "the API server",
+                        ", ".join(written) or "none", ", ".join(removed) or "none")
         if ledger:
-            await plugin._reconcile_ledger(prepared)
+            returned = await allocator.release_unclaimed()
+            if returned:
+                logger.info("Reconciled with the %s: units leased by the last run that no prepared claim holds"
+                            " went back to the node ledger: %s", "checkpoint" if unreadable is None else
+                            "ResourceClaims", ", ".join(returned))
+        plugin._follow_table()  # the table as restored (a rebuild may leave claims out)
         if mps is not None:
-            await plugin._restore_shares(prepared)
+            await plugin._restore_shares(plugin.table.claims.values())
         spawn(plugin)
         return plugin
 
-    async def _reconcile_ledger(self, prepared: list[PreparedClaim]) -> None:
-        """At start: every prepared claim holds its units again, then the rest of the last run's go back."""
+    @staticmethod
+    async def _rebuild(client: Any, unreadable: UnreadableFile, *, driver: str, node: str,
+                       catalog: DraCatalog) -> list[PreparedClaim]:
+        """The claims of the API server allocated to this node, in place of an unreadable checkpoint."""
+        for attempt in range(1, REBUILD_TRIES + 1):
+            try:
+                rebuilt = await claims_of_node(client, driver=driver, node=node, catalog=catalog)
+                break
+            except RebuildError as error:
+                if attempt == REBUILD_TRIES:
+                    raise CheckpointError(
+                        f"The prepared-claims checkpoint {unreadable}; its claims cannot be rebuilt from the API"
+                        f" server ({error}, {REBUILD_TRIES} tries): the file is left in place and the next start"
+                        " tries again") from error
+                logger.warning("Rebuilding the prepared claims: %s (try %d of %d)", error, attempt, REBUILD_TRIES)
+        for line in rebuilt.left_out:
+            logger.error("Not prepared again from the API server: %s", line)
+        return rebuilt.claims
+
+    async def _hold_again(self, prepared: list[PreparedClaim], rebuilt: bool) -> set[str]:
+        """At start: every prepared claim holds its units again; the uids of those the ledger refused (a
+        ``rebuilt`` claim was never answered prepared by this run's checkpoint: it is left out)."""
         holds = [(claim, self.allocator.hold(units, claim.ref.uid)) for claim in prepared
                  if (units := self._units(claim.devices))]
+        refused = set()
         for claim, future in holds:
             try:
                 await future
             except AllocatorError as error:
-                logger.error("Prepared %s holds units the node ledger refuses to this driver: %s. Two front doors"
-                             " granted one GPU; find which one must give it back", claim.ref, error)
-        returned = await self.allocator.release_unclaimed()
-        if returned:
-            logger.info("Reconciled with the checkpoint: units leased by the last run that no prepared claim holds"
-                        " went back to the node ledger: %s", ", ".join(returned))
+                refused.add(claim.ref.uid)
+                await hold_the_rest(self.allocator, frozenset(self._units(claim.devices)), claim.ref.uid)
+                if rebuilt:
+                    logger.error("Not prepared again from the API server: %s: %s; the kubelet's prepare of it is"
+                                 " refused while that holds", claim.ref, error)
+                else:
+                    logger.error("Prepared %s holds units the node ledger refuses to this driver: %s. Two front"
+                                 " doors granted one GPU; find which one must give it back", claim.ref, error)
+        return refused
 
     def _follow_table(self) -> None:
         """``live`` as the prepared claims' shares are now (the slice is published again on a change)."""
@@ -421,10 +510,7 @@ class DraPluginProcess(OperatorRoutes):
         return await self.client.get(ResourceClaim, ref.name, namespace=ref.namespace)
 
     async def _write(self, plans: list[ClaimPlan]) -> dict[str, ClaimAnswer]:
-        claims = [PreparedClaim(ref=plan.ref, devices=[
-            PreparedDevice(request=d.request, pool=d.pool, device=d.device, admin_access=d.admin_access,
-                           share_id=d.share_id, share=d.share, cdi_device_ids=[claim_device_id(self.driver, plan.ref.uid, d.device)])
-            for d in plan.devices]) for plan in plans]
+        claims = [prepared_claim(self.driver, plan) for plan in plans]
         try:
             await self._commit(claims, [])
         except Exception as error:  # noqa: BLE001 - the files' errors, or a commit interrupted: nothing prepared
@@ -496,6 +582,7 @@ class DraPluginProcess(OperatorRoutes):
         """uid -> error ("" when done) for every claim (see module rules)."""
         answers: dict[str, str] = {}
         gone: list[PreparedClaim] = []
+        unknown: list[str] = []
         for ref in refs:
             try:
                 check_uid(ref)
@@ -509,6 +596,8 @@ class DraPluginProcess(OperatorRoutes):
             claim = self.table.claims.get(ref.uid)
             if claim is not None:
                 gone.append(claim)
+            else:
+                unknown.append(ref.uid)  # it may hold units all the same (a claim left out of a rebuild)
             answers[ref.uid] = ""
         if gone:
             try:
@@ -524,6 +613,7 @@ class DraPluginProcess(OperatorRoutes):
                 if await self._return_shares(claim.ref.uid, claim.devices):
                     returned.append(claim.ref.uid)
             await self._let_go(returned)
+        await self._let_go(unknown)
         return answers
 
     async def _let_go(self, uids: list[str]) -> None:

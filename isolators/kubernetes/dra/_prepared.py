@@ -16,10 +16,17 @@ Rules (issue 37 item 3):
 - The checkpoint is a JSON document (``{"version": 1, "claims": [...]}``)
   at ``<work_dir>/dra/<driver>/prepared-claims.json``, written atomically
   (temporary file, fsync, rename, directory fsync) by ``write_checkpoint``
-  before the kubelet is answered; ``read_checkpoint`` of a missing file is
-  an empty table, and of an unreadable or malformed one a
-  ``CheckpointError`` naming the file (the driver will not start and guess
-  which devices are free).
+  before the kubelet is answered. Its format version (SPEC R-SH-3) is
+  ``CHECKPOINT_VERSION``, 1, as release 0.1.0 already wrote it; a file with
+  no version is read as that same shape (0.1.0's reader did so too). It is
+  read through ``decode_versioned``: ``read_checkpoint`` of a missing file
+  is an empty table; of one that is truncated, garbage, the wrong shape or
+  of a version this release does not know, ``UnreadableFile`` naming the
+  file and what is wrong (the driver sets it aside and rebuilds its claims
+  from the API server: ``_rebuild``); of one it cannot open (permissions,
+  I/O), a ``CheckpointError`` naming the file.
+- ``prepared_claim(driver, plan)`` is a plan as prepared: each device with
+  its CDI device id (``claim_device_id``).
 """
 
 from __future__ import annotations
@@ -32,13 +39,22 @@ import msgspec
 
 from runtime import Failure
 
+from actors.file_format import decode_versioned
+
 from ..._durable import discard, write_all
+from ._claim_spec import claim_device_id
 from ._claims import ClaimPlan, ClaimRef, PlannedDevice
 
-__all__ = ["PreparedClaim", "PreparedDevice", "PreparedClaims", "CheckpointError", "read_checkpoint",
-           "write_checkpoint", "checkpoint_path"]
+__all__ = ["CHECKPOINT_VERSION", "PreparedClaim", "PreparedDevice", "PreparedClaims", "CheckpointError",
+           "read_checkpoint", "write_checkpoint", "checkpoint_path", "prepared_claim"]
 
 logger = logging.getLogger(__name__)
+
+
+CHECKPOINT_VERSION = 1
+"""The checkpoint's format version (see module rules)."""
+READS = (0, CHECKPOINT_VERSION)
+"""The versions this release reads: none written (0.1.0 read it as 1's shape) and 1."""
 
 
 class CheckpointError(Failure):
@@ -55,12 +71,21 @@ class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Document(msgspec.Struct, kw_only=True):
-    version: int = 1
+    version: int = CHECKPOINT_VERSION
     claims: list[PreparedClaim] = []
 
 
 def checkpoint_path(work_dir: str, driver: str) -> str:
     return os.path.join(work_dir, "dra", driver, "prepared-claims.json")
+
+
+def prepared_claim(driver: str, plan: ClaimPlan) -> PreparedClaim:
+    """``plan`` as prepared: each device with its CDI device id."""
+    return PreparedClaim(ref=plan.ref, devices=[
+        PreparedDevice(request=d.request, pool=d.pool, device=d.device, admin_access=d.admin_access,
+                       share_id=d.share_id, share=d.share,
+                       cdi_device_ids=[claim_device_id(driver, plan.ref.uid, d.device)])
+        for d in plan.devices])
 
 
 def _holders_allow(new: PlannedDevice, held: PlannedDevice) -> bool:
@@ -108,7 +133,7 @@ class PreparedClaims:
 
 
 def read_checkpoint(path: str) -> list[PreparedClaim]:
-    """The claims a checkpoint holds (see module rules; blocking)."""
+    """The claims a checkpoint holds (see module rules; blocking): ``UnreadableFile`` when it cannot be decoded."""
     try:
         with open(path, "rb") as handle:
             data = handle.read()
@@ -116,11 +141,7 @@ def read_checkpoint(path: str) -> list[PreparedClaim]:
         return []
     except OSError as error:
         raise CheckpointError(f"Cannot read the prepared-claims checkpoint {path}: {error.strerror}") from error
-    try:
-        return msgspec.json.decode(data, type=_Document).claims
-    except msgspec.DecodeError as error:
-        raise CheckpointError(f"The prepared-claims checkpoint {path} is malformed ({error}): move it aside only"
-                              " once no pod uses this node's devices") from error
+    return decode_versioned(data, _Document, path, READS).claims
 
 
 def write_checkpoint(path: str, data: bytes) -> None:

@@ -58,25 +58,31 @@ def test_other_commands_load_neither_grpc_nor_the_kubernetes_client() -> None:
     assert done.stdout.strip() == "[]"
 
 
-def test_a_malformed_checkpoint_stops_the_start_naming_it(tmp_path: Path) -> None:
+def test_a_malformed_checkpoint_with_the_api_server_down_stops_the_start_naming_both_and_stays(tmp_path: Path) -> None:
+    """SPEC R-SH-3: an unreadable checkpoint is rebuilt from the ResourceClaims (tests/upgrades); with no API
+    server to rebuild from, the file stays where it is (a missing one would read as "nothing prepared")."""
     from tests.support.kube_api import FakeApiServer
 
     checkpoint = tmp_path / "work" / "dra" / "gpu.isolator.dev" / "prepared-claims.json"
     checkpoint.parent.mkdir(parents=True)
     checkpoint.write_text('{"version": 1, "claims": [{"ref": 3}]}')
     api = FakeApiServer().start()
-    try:
-        done = subprocess.run([sys.executable, "-m", "isolators", "dra-plugin", "--node_name=n",
-                               f"--kubeconfig={api.kubeconfig(tmp_path / 'kubeconfig')}", f"--host_file={DGX8}",
-                               f"--plugins_registry_dir={tmp_path}/registry", f"--plugins_dir={tmp_path}/plugins",
-                               f"--work_dir={tmp_path}/work", f"--volume_dir={tmp_path}/volume",
-                               f"--cdi_spec_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    finally:
-        api.close()
+    kubeconfig = api.kubeconfig(tmp_path / "kubeconfig")
+    api.close()  # down
+    done = subprocess.run([sys.executable, "-m", "isolators", "dra-plugin", "--node_name=n",
+                           f"--kubeconfig={kubeconfig}", f"--host_file={DGX8}", "--api_timeout=2",
+                           f"--plugins_registry_dir={tmp_path}/registry", f"--plugins_dir={tmp_path}/plugins",
+                           f"--work_dir={tmp_path}/work", f"--volume_dir={tmp_path}/volume",
+                           f"--cdi_spec_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
-    assert (f"gpu-isolator: error: The prepared-claims checkpoint {checkpoint} is malformed (Expected `object`, got"
-            " `int`") in done.stderr
-    assert not (tmp_path / "registry").exists() and api.requests == []  # nothing served, nothing published
+    assert (f"gpu-isolator: error: The prepared-claims checkpoint {checkpoint}: it does not hold what format version 1"
+            " holds (Expected `object`, got `int`") in done.stderr
+    assert ("its claims cannot be rebuilt from the API server (cannot list the ResourceClaims: the API server"
+            f" ({api.address}) could not be reached: ConnectError") in done.stderr
+    assert "3 tries): the file is left in place and the next start tries again" in done.stderr
+    assert checkpoint.read_text() == '{"version": 1, "claims": [{"ref": 3}]}'
+    assert [p.name for p in checkpoint.parent.iterdir()] == ["prepared-claims.json"]
+    assert not (tmp_path / "registry").exists()  # nothing served
 
 
 def test_the_pinned_options_are_there_with_their_documented_defaults(capsys: pytest.CaptureFixture) -> None:

@@ -49,7 +49,8 @@ def test_rbac_grants_what_the_driver_asks_of_the_api_server() -> None:
     verbs = {resource: set(rule.verbs) for rule in role.rules for resource in rule.resources
              if rule.apiGroups == ["resource.k8s.io"]}
     assert verbs["resourceslices"] >= {"list", "watch", "create", "update", "delete"}  # SlicePublisher's requests
-    assert verbs["resourceclaims"] == {"get"}  # DraPluginProcess reads claims, nothing more
+    # DraPluginProcess reads claims, and lists them to rebuild an unreadable checkpoint (R-SH-3); nothing more
+    assert verbs["resourceclaims"] == {"get", "list"}
     assert (binding.roleRef.name, binding.subjects[0].name) == (role.metadata.name, account.metadata.name)
 
 

@@ -11,8 +11,9 @@ import pytest
 from isolators.kubernetes.dra import (ClaimPlan, ClaimRef, DraCatalog, PlannedDevice, PreparedClaims, check_driver_name,
                            render_slice)
 from isolators.kubernetes import PluginSetupError
-from isolators.kubernetes.dra import (CheckpointError, PreparedClaim, product_family, read_checkpoint, semver,
-                                      write_checkpoint)
+from actors.file_format import UnreadableFile
+from isolators.kubernetes.dra import (CHECKPOINT_VERSION, CheckpointError, PreparedClaim, product_family,
+                                      read_checkpoint, semver, write_checkpoint)
 
 from tests.support.dra_kubelet import catalog_of
 
@@ -126,7 +127,7 @@ def _prepared(device: PlannedDevice):
                           admin_access=device.admin_access, share_id=device.share_id, cdi_device_ids=["x=y"])
 
 
-def test_the_checkpoint_round_trips_and_a_malformed_one_is_refused(tmp_path: Path) -> None:
+def test_the_checkpoint_round_trips_and_a_malformed_one_is_unreadable_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "dra" / "drv" / "prepared-claims.json"
     assert read_checkpoint(str(path)) == []
     table = PreparedClaims()
@@ -134,8 +135,19 @@ def test_the_checkpoint_round_trips_and_a_malformed_one_is_refused(tmp_path: Pat
     write_checkpoint(str(path), table.encode([claim]))
     assert read_checkpoint(str(path)) == [claim]
     assert [p.name for p in path.parent.iterdir()] == ["prepared-claims.json"]  # no temporary left
+    assert json.loads(path.read_text())["version"] == CHECKPOINT_VERSION == 1  # SPEC R-SH-3
+    path.write_text(path.read_text().replace('"version":1,', ""))  # none written: 0.1.0's reader took it as 1
+    assert read_checkpoint(str(path)) == [claim]
     path.write_text("{not json")
-    with pytest.raises(CheckpointError, match=f"The prepared-claims checkpoint {path} is malformed"):
+    with pytest.raises(UnreadableFile) as unreadable:
+        read_checkpoint(str(path))
+    assert str(unreadable.value).startswith(f"{path}: it is not a JSON object: truncated or not this project's file")
+    path.write_text('{"version": 2, "claims": []}')
+    with pytest.raises(UnreadableFile, match=r": it is in format version 2, and this release reads versions 0, 1 \(a"):
+        read_checkpoint(str(path))
+    path.unlink()
+    path.mkdir()  # cannot be read at all (root reads through modes): not a format question, nothing set aside
+    with pytest.raises(CheckpointError, match=f"Cannot read the prepared-claims checkpoint {path}: Is a directory"):
         read_checkpoint(str(path))
 
 
@@ -194,3 +206,83 @@ def test_slice_names_are_dns_subdomains_of_at_most_253_characters_for_any_node()
         assert name == slice_name(node, "gpu.isolator.dev")  # stable across restarts
     assert slice_name(long_a, "gpu.isolator.dev") != slice_name(long_b, "gpu.isolator.dev")
     assert slice_name(long_a, "gpu.isolator.dev") != slice_name(long_a, "gpu2.isolator.dev")
+
+
+class _Claims:
+    """A client whose ``list`` yields stored ResourceClaim documents (as lightkube models), or fails."""
+
+    def __init__(self, documents: list[dict], failure: Exception | None = None) -> None:
+        self.documents, self.failure, self.asked = documents, failure, []
+
+    async def list(self, resource: type, namespace: str):
+        self.asked.append((resource.__name__, namespace))
+        if self.failure is not None:
+            raise self.failure
+        for document in self.documents:
+            yield resource.from_dict(document)
+
+
+def _claim(name: str, uid: str, *results: dict) -> dict:
+    from tests.support.kube_api import FakeApiServer
+
+    return FakeApiServer().add_claim("ns", name, list(results) if results else None, uid=uid)
+
+
+@pytest.mark.asyncio
+async def test_the_claims_of_this_node_are_rebuilt_in_uid_order_never_two_exclusive_on_one_device() -> None:
+    """SPEC R-SH-3: what an unreadable checkpoint is rebuilt from."""
+    from isolators.kubernetes.dra import claims_of_node
+    from tests.support.kube_api import allocation_result as result
+
+    node, driver = "node-1", "gpu.isolator.dev"
+    client = _Claims([
+        _claim("b", "uid-b", result("gpus", driver, node, "gpu-1")),
+        _claim("a", "uid-a", result("gpus", driver, node, "gpu-1"), result("gpus", driver, node, "gpu-2")),
+        _claim("watch", "uid-c", result("gpus", driver, node, "gpu-1", admin_access=True)),
+        _claim("gone", "uid-d", result("gpus", driver, node, "gpu-99")),
+        _claim("other-node", "uid-e", result("gpus", driver, "node-2", "gpu-3")),
+        _claim("other-driver", "uid-f", result("gpus", "other.dev", node, "gpu-4")),
+        _claim("pending", "uid-g"),  # not allocated
+    ])
+    rebuilt = await claims_of_node(client, driver=driver, node=node, catalog=catalog("dgx8-nvlink.toml"))
+    assert client.asked == [("ResourceClaim", "*")]  # every namespace, one list
+    assert [(c.ref.name, [d.device for d in c.devices]) for c in rebuilt.claims] == [
+        ("a", ["gpu-1", "gpu-2"]), ("watch", ["gpu-1"])]
+    assert rebuilt.claims[0].devices[1].cdi_device_ids == [f"{driver}/claim=uid-a-gpu-2"]
+    assert rebuilt.left_out == [
+        "claim ns/b (uid uid-b): device gpu-1 (prepared for claim ns/a, uid uid-a) is not shared, so it cannot be"
+        " held twice",
+        f"claim ns/gone (uid uid-d): device gpu-99 is not one driver {driver} publishes on node {node} (gpu-0, gpu-1,"
+        " gpu-2, ...)"]
+
+
+@pytest.mark.asyncio
+async def test_claims_that_cannot_be_listed_are_one_error_naming_the_api_servers_answer() -> None:
+    import httpx2
+
+    from isolators.kubernetes.dra import RebuildError, claims_of_node
+
+    request = httpx2.Request("GET", "http://127.0.0.1:9/apis/resource.k8s.io/v1/resourceclaims")
+    client = _Claims([], failure=httpx2.ConnectError("Connection refused", request=request))
+    with pytest.raises(RebuildError) as failed:
+        await claims_of_node(client, driver="gpu.isolator.dev", node="n", catalog=catalog("dgx8-nvlink.toml"))
+    assert str(failed.value) == ("cannot list the ResourceClaims: the API server (127.0.0.1:9) could not be reached:"
+                                 " ConnectError: Connection refused")
+
+
+def test_a_rebuilt_checkpoint_that_cannot_be_written_puts_the_unreadable_one_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A missing checkpoint would read as "nothing prepared" at the next start: the unreadable one stays."""
+    from isolators.kubernetes.dra import _plugin
+
+    path = tmp_path / "prepared-claims.json"
+    path.write_bytes(b"\x00garbage")
+
+    def full(checkpoint: str, data: bytes) -> None:
+        raise CheckpointError(f"Cannot write the prepared-claims checkpoint {checkpoint}: No space left on device")
+
+    monkeypatch.setattr(_plugin, "write_checkpoint", full)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        _plugin._replace_unreadable(str(path), b"{}", UnreadableFile(str(path), "garbage"), 0)
+    assert [p.name for p in tmp_path.iterdir()] == ["prepared-claims.json"] and path.read_bytes() == b"\x00garbage"
+    assert "Moved it aside" not in caplog.text
