@@ -33,7 +33,7 @@ needs_helm = pytest.mark.skipif(HELM is None, reason=MISSING_HELM)
 
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
 STOP_BOUND_S = 10  # SPEC section 24: a front door exits within 10 s of SIGTERM
-WORKLOADS = {"deploy/dra/two-gpus-one-island.yaml"}
+WORKLOADS = {"deploy/dra/two-gpus-one-island.yaml", "deploy/dra/gpu-share.yaml"}
 """deploy/'s manifests that are not the chart's: a user's workload (a claim template and a pod), shown as an example."""
 
 
@@ -146,9 +146,11 @@ EXAMPLE_KINDS = {
     "time-slicing.yaml": {"Secret", "DaemonSet kubelet-plugin"},
     "dra.yaml": {"Secret", "DaemonSet dra-plugin", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
                  "DeviceClass gpu.isolator.dev", "DeviceClass nvidia-gpu.gpu.isolator.dev",
+                 "DeviceClass share.gpu.isolator.dev",
                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"},
 }
-EXAMPLE_KINDS["migration.yaml"] = EXAMPLE_KINDS["dra.yaml"] | {"DaemonSet kubelet-plugin"}
+EXAMPLE_KINDS["migration.yaml"] = (EXAMPLE_KINDS["dra.yaml"] - {"DeviceClass share.gpu.isolator.dev"}) | {
+    "DaemonSet kubelet-plugin"}
 
 
 @needs_helm
@@ -268,7 +270,10 @@ def test_the_values_reach_the_dra_driver_and_its_objects() -> None:
     assert service_flags(None, extra).nvidia_mig_strategy == "mixed"
     assert driver["spec"]["template"]["spec"]["serviceAccountName"] == "driver"
     classes = {o["metadata"]["name"]: o["spec"] for o in objects(documents, "DeviceClass")}
-    assert set(classes) == {"gpus.example.com", "mig.gpus.example.com", "nvidia-gpu.gpus.example.com"}
+    assert set(classes) == {"gpus.example.com", "mig.gpus.example.com", "nvidia-gpu.gpus.example.com",
+                            "share.gpus.example.com"}
+    assert classes["share.gpus.example.com"]["selectors"][0]["cel"]["expression"] == (
+        'device.driver == "gpus.example.com" && "compute" in device.capacity["gpus.example.com"]')
     for name, kind in (("gpus.example.com", "gpu"), ("mig.gpus.example.com", "mig")):
         expression = classes[name]["selectors"][0]["cel"]["expression"]
         assert 'device.driver == "gpus.example.com"' in expression and f'.type == "{kind}"' in expression
@@ -280,9 +285,26 @@ def test_the_values_reach_the_dra_driver_and_its_objects() -> None:
     assert policy["spec"]["matchConditions"][0]["expression"] == \
         'request.userInfo.username == "system:serviceaccount:kube-system:driver"'
     off = render(EXAMPLES / "dra.yaml", set_values=("dra.admissionPolicy.enabled=false",
-                                                   "dra.deviceClasses.extendedResource=false"))
+                                                   "dra.deviceClasses.extendedResource=false",
+                                                   "dra.deviceClasses.share=false"))
     assert objects(off, "ValidatingAdmissionPolicy") == []
     assert [o["metadata"]["name"] for o in objects(off, "DeviceClass")] == ["gpu.isolator.dev"]
+
+
+@needs_helm
+def test_mps_sharing_values_reach_both_front_doors() -> None:
+    """SPEC R-MP-4, R-MP-5: devicePlugin.mpsReplicas is --mps_replicas, dra.sharing is --sharing; their
+    defaults pass neither, and the schema refuses what the commands would."""
+    documents = render(EXAMPLES / "migration.yaml", set_values=("devicePlugin.mpsReplicas=3", "dra.sharing=mps"))
+    _, plugin_args, _ = command_of(daemonset(documents, "kubelet-plugin"))
+    _, driver_args, _ = command_of(daemonset(documents, "dra-plugin"))
+    assert (plugin_args.mps_replicas, driver_args.sharing) == (3, "mps")
+    plain = render(EXAMPLES / "migration.yaml")
+    assert (command_of(daemonset(plain, "kubelet-plugin"))[1].mps_replicas,
+            command_of(daemonset(plain, "dra-plugin"))[1].sharing) == (1, "none")
+    for bad in ("devicePlugin.mpsReplicas=0", "dra.sharing=time-slicing"):
+        with pytest.raises(HelmError, match=bad.split("=")[0].split(".")[-1]):
+            render(EXAMPLES / "migration.yaml", set_values=(bad,))
 
 
 @needs_helm

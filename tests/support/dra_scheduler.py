@@ -174,7 +174,7 @@ def _fit(api: Any, device: dict, driver: str, pool: str, requests: dict[str, str
 
 
 def allocate(api: Any, namespace: str, name: str, *, driver: str, node: str, requests: dict[str, str] | None = None,
-             request: str = "gpu", device_class: str = "gpu-share.isolator.dev", uid: str | None = None) -> dict:
+             request: str = "gpu", device_class: str = "share.gpu.isolator.dev", uid: str | None = None) -> dict:
     """Allocate one device for the claim's request as the scheduler does, and store the claim (see module rules)."""
     with api._changed:
         passed: list[str] = []

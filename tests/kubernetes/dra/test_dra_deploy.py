@@ -34,7 +34,7 @@ def test_every_manifest_loads_into_typed_models() -> None:
         "admission-policy.yaml": ["admissionregistration_v1.ValidatingAdmissionPolicy",
                                   "admissionregistration_v1.ValidatingAdmissionPolicyBinding"],
         "daemonset.yaml": ["apps_v1.DaemonSet"],
-        "deviceclass-gpu-share.yaml": ["resource_v1.DeviceClass"],
+        "deviceclass-share.yaml": ["resource_v1.DeviceClass"],
         "deviceclass-nvidia-gpu.yaml": ["resource_v1.DeviceClass"],
         "deviceclass.yaml": ["resource_v1.DeviceClass"],
         "gpu-share.yaml": ["resource_v1.ResourceClaimTemplate", "core_v1.Pod"],
@@ -127,7 +127,7 @@ def test_the_share_class_selects_the_shares_a_sharing_driver_publishes_and_its_t
     from isolators.kubernetes.dra import render_slice
     from tests.support.kube_api import FakeApiServer
 
-    [share_class] = load("deviceclass-gpu-share.yaml")
+    [share_class] = load("deviceclass-share.yaml")
     template, pod = load("gpu-share.yaml")
     expression = share_class.spec.selectors[0].cel.expression
     host = Path(__file__).resolve().parents[2] / "inventory" / "data" / "dgx8-nvlink.toml"
