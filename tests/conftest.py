@@ -16,6 +16,11 @@
   ``@pytest.mark.host_facts`` (it reads the host's own on purpose); so does
   touching the host's node ledger (``/run/gpu-isolator/ledger``), or making
   it from a child process: a test's front doors have a ledger of their own.
+- The image tests' build (``tests.support.image.session_build``) starts in
+  the background as the first test outside ``tests/benchmarks`` starts and
+  the image tests run last, so the build overlaps the suite,
+  where the session holds image tests and the image can be built here; a
+  session that ends before they took it still waits for it and removes it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,35 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{host_facts.MARKER}: the test reads the host's own loader cache or"
                             " /proc/devices on purpose")
     host_facts.watch()
+
+
+_IMAGE_TESTS = "tests/image/"
+_image_wanted = False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.nodeid.startswith(_IMAGE_TESTS))  # stable: image tests last
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    global _image_wanted
+    from tests.support.image import image_skip_reason
+    _image_wanted = (any(item.nodeid.startswith(_IMAGE_TESTS) and "image" in getattr(item, "fixturenames", ())
+                         for item in session.items) and image_skip_reason() is None)
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    if _image_wanted and not nodeid.startswith("tests/benchmarks/"):
+        from tests.support.image import session_build
+        session_build()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _image_wanted:
+        from tests.support.image import session_build
+        build = session_build(start=False)
+        if build is not None and not build.taken:
+            build.close()
 
 
 @pytest.fixture(autouse=True)

@@ -2,21 +2,20 @@
 
 - ``image`` (session): the project's image, built once, offline, from a
   Debian base and the wheels made outside the build
-  (``tests.support.image.ImageBuild``); every container and image it made,
-  its storage and its build context removed at the end of the session.
-  Skips with the reason where root, podman, runc or mmdebstrap is missing.
+  (``tests.support.image.ImageBuild``), in the background from early in
+  the session (``tests.support.image.session_build``, started by the
+  suite's conftest); every container and image it made, its storage and
+  its build context removed at the end of the session. Skips with the
+  reason where root, podman, runc or mmdebstrap is missing.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from tests.support.image import ImageBuild, image_skip_reason
+from tests.support.image import ImageBuild, image_skip_reason, session_build
 
 
 @pytest.fixture(scope="session")
@@ -24,12 +23,10 @@ def image() -> Iterator[ImageBuild]:
     reason = image_skip_reason()
     if reason:
         pytest.skip(reason)
-    directory = Path(tempfile.mkdtemp(prefix="gpu-isolator-image-"))
-    try:
-        built = ImageBuild.make(directory)
-    except BaseException:
-        shutil.rmtree(directory, ignore_errors=True)
-        raise
+    build = session_build()
+    assert build is not None
+    build.taken = True
+    built = build.wait()
     try:
         yield built
     finally:

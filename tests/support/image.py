@@ -18,6 +18,15 @@ Rules:
   copies the whole root filesystem, ~10 s each); ``close()`` removes every
   container and image it made, and the directory. Each step is bounded
   and timed (``timings``), for the report.
+- ``BackgroundBuild``: ``ImageBuild.make`` in a thread of its own, for a
+  session that will use the image: the build (a minute or two, mostly
+  mmdebstrap unpacking ~90 packages on one core) overlaps the suite on the
+  machine's other core instead of adding to its time. ``session_build()``
+  is the session's one (started at the first call); ``wait()`` joins it
+  (bounded: ``WAIT_S``) and returns the image or raises the build's error;
+  ``close()`` waits and removes what it made. The suite's conftest starts
+  it as the first test outside ``tests/benchmarks`` starts (their smoke
+  tests measure ratios and run first) when the session holds image tests.
 - ``ImageBuild.run(args, volumes=)`` runs the image's entrypoint to
   completion (``--rm``, no network, the sandbox's rlimits).
 - ``ImagePluginCommand(image, args, directory, volumes)`` is
@@ -34,6 +43,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -135,6 +145,57 @@ class ImageBuild:
             self.engine.close(timeout=BUILD_TIMEOUT)
         finally:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+WAIT_S = 4 * BUILD_TIMEOUT + 60
+"""The most ``BackgroundBuild.wait`` waits: the build's four steps' bounds, and a minute."""
+
+
+class BackgroundBuild:
+    """``ImageBuild.make`` in a thread, started once; its image or its error (see module rules)."""
+
+    def __init__(self) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="gpu-isolator-image-"))
+        self.built: ImageBuild | None = None
+        self.error: BaseException | None = None
+        self.taken = False
+        """Whether a fixture took the image (and so closes it)."""
+        self.thread = threading.Thread(target=self._make, name="image-build", daemon=True)
+        self.thread.start()
+
+    def _make(self) -> None:
+        try:
+            self.built = ImageBuild.make(self.directory)
+        except BaseException as error:  # handed to whoever waits
+            self.error = error
+
+    def wait(self) -> ImageBuild:
+        self.thread.join(WAIT_S)
+        if self.thread.is_alive():
+            raise AssertionError(f"the image was not built within {WAIT_S:g}s")
+        if self.error is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise self.error
+        assert self.built is not None
+        return self.built
+
+    def close(self) -> None:
+        try:
+            self.wait().close()
+        except BaseException:
+            pass
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_session_build: BackgroundBuild | None = None
+
+
+def session_build(start: bool = True) -> BackgroundBuild | None:
+    """The session's one background build, started by the first call (``start=False``: only if started)."""
+    global _session_build
+    if _session_build is None and start:
+        _session_build = BackgroundBuild()
+    return _session_build
 
 
 class ImagePluginCommand(PluginCommand):
