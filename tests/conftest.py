@@ -11,6 +11,8 @@
 - ``probes()`` spawns a ``DeviceProbe`` (killed at teardown).
 - ``fake_nvml_lib`` (session): the fake NVML (``tests/native/fake_nvml.c``)
   built once with gcc into ``libnvidia-ml.so.1``; skips when gcc is absent.
+- ``mps_control`` (session): the stand-in ``nvidia-cuda-mps-control``
+  (``actors.mps.testing``) built once with gcc; skips when gcc is absent.
 - Every test is watched (``tests.support.host_facts``): opening the host's
   ``/etc/ld.so.cache`` or ``/proc/devices`` fails it unless it is marked
   ``@pytest.mark.host_facts`` (it reads the host's own on purpose); so does
@@ -143,3 +145,13 @@ def fake_nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Any:
     if lib is None:
         pytest.skip(NO_GCC)
     return lib
+
+
+@pytest.fixture(scope="session")
+def mps_control(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The stand-in MPS control daemon, built with gcc (skips when gcc is absent)."""
+    from actors.mps.testing import build_mps_control
+    built = build_mps_control(tmp_path_factory.mktemp("mps-control"))
+    if built is None:
+        pytest.skip(NO_GCC)
+    return built

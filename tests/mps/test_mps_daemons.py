@@ -21,21 +21,13 @@ from pathlib import Path
 import pytest
 
 from actors.mps import MpsDaemonFailed, MpsDaemons, MpsError, ShareLimits
-from actors.mps.testing import NO_GCC, build_mps_control, read_record
+from actors.mps.testing import read_record
 from actors.nvml import COMPUTE_MODE_EXCLUSIVE_PROCESS, NvmlService, SimulatedNvml
 from runtime import Runtime, current_runtime
 from tests.support.ledger import until
 
 GIB = 1024**3
 HALF = ShareLimits(memory_bytes=40 * GIB, thread_percentage=50)
-
-
-@pytest.fixture(scope="session")
-def mps_control(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    built = build_mps_control(tmp_path_factory.mktemp("mps-control"))
-    if built is None:
-        pytest.skip(NO_GCC)
-    return built
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from isolators.cli import main
 from isolators.kubernetes import PluginSetupError
 from isolators.kubernetes.device_plugin._catalog import DeviceCatalog, MpsShare, check_sharing
 
-from actors.mps.testing import NO_GCC, build_mps_control, read_record
+from actors.mps.testing import read_record
 
 from tests.kubernetes.device_plugin.test_kubelet_mig_and_sharing import DGX8, H200, run_plugin
 from tests.support.kube_node import end_mps_daemons
@@ -75,18 +75,10 @@ def test_mps_with_time_slicing_or_too_few_replicas_is_one_clear_error(time_slici
 
 
 @pytest.fixture(scope="module")
-def stand_in(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    control = build_mps_control(tmp_path_factory.mktemp("mps-control"))
-    if control is None:
-        pytest.skip(NO_GCC)
-    return control
-
-
-@pytest.fixture(scope="module")
-def mps(tmp_path_factory: pytest.TempPathFactory, stand_in: Path) -> Iterator[tuple]:
+def mps(tmp_path_factory: pytest.TempPathFactory, mps_control: Path) -> Iterator[tuple]:
     runtime_dir = tempfile.mkdtemp(prefix="mps-", dir="/tmp")  # short: the daemon's socket path is bounded
     try:
-        yield from run_plugin(tmp_path_factory.mktemp("mps"), DGX8, "--mps_replicas=2", f"--mps_control={stand_in}",
+        yield from run_plugin(tmp_path_factory.mktemp("mps"), DGX8, "--mps_replicas=2", f"--mps_control={mps_control}",
                               f"--runtime_dir={runtime_dir}")
     finally:
         end_mps_daemons(runtime_dir)  # the shares of this module's Allocates were never returned: no pod ended
@@ -139,7 +131,7 @@ def test_the_kubelet_lists_two_shares_per_gpu_and_a_container_gets_one_share_of_
 
 @pytest.mark.asyncio
 async def test_in_the_node_ledger_the_gpu_is_the_plugins_and_each_pods_share_a_holder(tmp_path: Path,
-                                                                                      stand_in: Path) -> None:
+                                                                                      mps_control: Path) -> None:
     """SPEC R-MP-6 (and R-MP-1, R-MP-2 from the device plugin): shares of one GPU stay inside the device
     plugin, granted by the GPU's one daemon with 1/2 of its memory and 50 % of its threads; the GPU and its
     daemon go with the last pod."""
@@ -154,7 +146,7 @@ async def test_in_the_node_ledger_the_gpu_is_the_plugins_and_each_pods_share_a_h
     record = tmp_path / "mps-record"
     with plugin_directory() as sockets:
         kube = KubeNode(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"), env={"FAKE_MPS_RECORD": str(record)},
-                        device_plugin_options=("--mps_replicas=2", f"--mps_control={stand_in}",
+                        device_plugin_options=("--mps_replicas=2", f"--mps_control={mps_control}",
                                                f"--runtime_dir={runtime_dir}"))
         try:
             kube.start()
@@ -189,7 +181,7 @@ async def test_in_the_node_ledger_the_gpu_is_the_plugins_and_each_pods_share_a_h
 
 @pytest.mark.asyncio
 async def test_a_restarted_plugin_grants_the_shares_of_running_pods_again_through_the_same_daemon(
-        tmp_path: Path, stand_in: Path) -> None:
+        tmp_path: Path, mps_control: Path) -> None:
     """SIGKILL of the device plugin: the daemon keeps serving the pod; the next start's pass finds the pod's
     share in PodResources and grants it again (the daemon taken over, not started twice); the pod gone, the
     daemon stops and the GPU goes back."""
@@ -203,7 +195,7 @@ async def test_a_restarted_plugin_grants_the_shares_of_running_pods_again_throug
     record = tmp_path / "mps-record"
     with plugin_directory() as sockets:
         kube = KubeNode(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"), env={"FAKE_MPS_RECORD": str(record)},
-                        device_plugin_options=("--mps_replicas=2", f"--mps_control={stand_in}",
+                        device_plugin_options=("--mps_replicas=2", f"--mps_control={mps_control}",
                                                f"--runtime_dir={runtime_dir}"))
         try:
             kube.start(dra=False)
