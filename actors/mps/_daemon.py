@@ -40,7 +40,8 @@ Rules:
   process: ``-d`` forks it away).
 - ``running_pid(paths)``: the PID in the pid file when that process lives
   and is not a zombie (a daemon left by an earlier life of the front door),
-  else None.
+  else None. ``running_units(runtime_dir)``: the UUIDs of the units under
+  ``<runtime_dir>/mps`` whose pid file names such a process.
 - ``send(control, paths, commands, timeout_s)`` runs the client once with
   the commands as its stdin and returns its stdout; a non-zero exit or a
   timeout is ``MpsError`` naming the commands and what the client said.
@@ -74,6 +75,7 @@ __all__ = [
     "prepare",
     "start",
     "running_pid",
+    "running_units",
     "send",
     "configure",
     "wait_gone",
@@ -195,6 +197,15 @@ def running_pid(paths: DaemonPaths) -> int | None:
     """The PID of a live daemon in the pid file, or None (see module rules)."""
     pid = _read_pid(paths)
     return pid if pid is not None and _alive(pid) else None
+
+
+def running_units(runtime_dir: str) -> list[str]:
+    """The units under ``runtime_dir`` whose daemon runs (see module rules)."""
+    try:
+        names = sorted(os.listdir(os.path.join(runtime_dir, "mps")))
+    except OSError:
+        return []
+    return [name for name in names if running_pid(DaemonPaths.under(runtime_dir, name)) is not None]
 
 
 def start(control: str, paths: DaemonPaths, uuid: str, timeout_s: float) -> int:

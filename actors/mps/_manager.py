@@ -42,6 +42,16 @@ Rules:
   units do not wait for one another. Every blocking step (directories, the
   control program, NVML) is one job on an Executor: nothing blocks the
   loop. Every wait is bounded (``timeout_s``).
+- A daemon left running with no share (its front door died while the
+  unit's last share went: a pod removed, a claim never answered
+  prepared) is nobody's to stop but the front door that comes back:
+  ``left_running()`` names the units under the runtime directory whose
+  daemon runs (their pid file names a live process) with no share here,
+  and ``stop_left(uuid)`` stops one (``quit``, SIGKILL past the timeout,
+  compute mode DEFAULT: the earlier life set it) unless a share came
+  first. The front door calls them once its live shares are granted
+  again, and only for units no other front door holds in the node ledger
+  (the runtime directory may be shared by every front door of the node).
 - Metrics (``runtime.MetricSet``, given back by ``close()``):
   ``mps/daemons`` (daemons running), ``mps/daemon_restarts`` (daemons
   started again after exiting), ``mps/shares`` (live shares).
@@ -269,6 +279,32 @@ class MpsDaemons:
                 unit.limits = None
                 await self._stop(unit)
         return True
+
+    async def left_running(self) -> list[str]:
+        """Units whose daemon runs with no share here (see module rules)."""
+        running = await self.executor.run(_daemon.running_units, self.runtime_dir)
+        return [uuid for uuid in running if uuid not in self._units or not self._units[uuid].shares]
+
+    async def stop_left(self, uuid: str) -> bool:
+        """Stop ``uuid``'s daemon left running with no share (see module rules); whether one was stopped."""
+        if self._closed:
+            return False
+        unit = self._units.get(uuid)
+        if unit is None:
+            unit = self._units[uuid] = _Unit(uuid, self.paths(uuid))
+        async with unit.lock:
+            if unit.shares:
+                return False
+            if unit.pid is None:
+                pid = await self.executor.run(_daemon.running_pid, unit.paths)
+                if pid is None:
+                    return False
+                unit.pid = pid
+                unit.mode_set = unit.whole_gpu is not False  # an earlier life set it EXCLUSIVE_PROCESS
+            logger.warning("MPS control daemon of %s (pid %d) runs with no share (left by an earlier life of this"
+                           " front door): stopping it", uuid, unit.pid)
+            await self._stop(unit)
+            return True
 
     async def close(self) -> None:
         """Stop every daemon and restore compute modes (idempotent)."""

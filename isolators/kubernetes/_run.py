@@ -19,6 +19,18 @@ Rules (R-K8-8; SPEC section 21):
   normally: the command exits 0.
 - ``mps_daemons(nvml, runtime_dir, control)`` is a sharing front door's
   ``actors.mps.MpsDaemons`` (SPEC R-MP-1, R-MP-8).
+  ``stop_left_daemons(mps, allocator, units)``, once a restarted sharing
+  front door has granted its live shares again (and before it returns
+  what the earlier life leased and nothing holds now): every daemon left
+  running with no share (its last share went while the front door was
+  down) is stopped (``MpsDaemons.left_running`` / ``stop_left``). With the
+  node ledger (``allocator`` given) the unit is held first for
+  ``LEFT_DAEMON_HOLDER`` (take before any effect, R-NL-2) and let go once
+  the daemon stopped; a unit another front door holds is refused there and
+  its daemon left alone: it is theirs (the runtime directory may be the
+  node's, shared by every front door). A unit the front door does not
+  manage (not in ``units``, UUID -> unit) is left alone. A failure is
+  logged; the next start tries again.
 - ``DEFAULT_CDI_SPEC_DIR`` (``/var/run/cdi``) is where a front door writes
   its CDI specs when ``--cdi_spec_dir`` is not given.
 """
@@ -27,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
@@ -36,8 +48,8 @@ import anyio
 from actors.flags import Flags
 from runtime import PID, Executor, Runtime, terminate, wait
 
-__all__ = ["DEFAULT_CDI_SPEC_DIR", "STOP_SIGNALS", "NodeParts", "mps_daemons", "node_parts", "serve_until_stopped",
-           "stop_on_signal"]
+__all__ = ["DEFAULT_CDI_SPEC_DIR", "LEFT_DAEMON_HOLDER", "STOP_SIGNALS", "NodeParts", "mps_daemons", "node_parts",
+           "serve_until_stopped", "stop_left_daemons", "stop_on_signal"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +91,40 @@ def mps_daemons(nvml: Any, runtime_dir: str, control: str | None) -> Any:
     from actors.mps import DEFAULT_MPS_CONTROL, MpsDaemons
 
     return MpsDaemons(nvml, runtime_dir, control or DEFAULT_MPS_CONTROL)
+
+
+LEFT_DAEMON_HOLDER = "mps-daemon-left-running"
+"""The node ledger holder a front door stops a daemon left running under (see module rules)."""
+
+
+async def stop_left_daemons(mps: Any, allocator: Any, units: Mapping[str, Any]) -> list[str]:
+    """Stop the daemons left running with no share (see module rules); the units whose daemon stopped."""
+    from actors.allocator import AllocatorError
+
+    stopped = []
+    for uuid in await mps.left_running():
+        unit = units.get(uuid)
+        if unit is None:
+            continue
+        if allocator is not None:
+            try:
+                await allocator.hold([unit], LEFT_DAEMON_HOLDER)
+            except AllocatorError as error:
+                logger.info("MPS control daemon of %s runs with no share of this front door, and the unit is not"
+                            " its to stop: %s", uuid, error)
+                continue
+        try:
+            if await mps.stop_left(uuid):
+                stopped.append(uuid)
+        except Exception as error:  # noqa: BLE001 - said loudly; the next start tries again
+            logger.error("MPS control daemon of %s, left running with no share, could not be stopped: %s", uuid,
+                         error)
+        finally:
+            if allocator is not None:
+                await allocator.let_go(LEFT_DAEMON_HOLDER, [unit])
+    if stopped:
+        logger.info("MPS control daemons left running with no share stopped: %s", ", ".join(stopped))
+    return stopped
 
 
 async def stop_on_signal(signals: Any, removing: str) -> None:

@@ -125,7 +125,8 @@ async def run_plugin(flags: Flags, options: PluginOptions,
         shares = mps = None
         if options.mps_replicas > 1:  # SPEC R-MP-4: the front door's MPS daemons, one per shared unit
             mps = mps_daemons(components.nvml, flags.runtime_dir, options.mps_control)
-            shares = PodShares(catalog, mps, grace_s=options.allocate_grace)
+            shares = PodShares(catalog, mps, grace_s=options.allocate_grace,
+                               allocator=components.allocator if ledger else None)
         try:
             plugin = await KubeletPluginProcess.create(
                 catalog, components.allocator, facts, spec, spec_dir=spec_dir, dev_dir=flags.dev_dir,

@@ -15,7 +15,12 @@ Rules (SPEC R-MP-1..4, with ``--mps_replicas``):
   running is taken over); a share the List does not name is returned once
   a List named it before (its pod is gone) or once a List that began
   ``grace_s`` after its Allocate does not (an admission that failed). A
-  unit's last share returned stops its daemon.
+  unit's last share returned stops its daemon. The first reconcile (a
+  start's) then stops every daemon left running with no share -- its
+  pod went while the plugin was down -- through
+  ``stop_left_daemons`` (the unit held first in the node ledger when
+  ``allocator`` is given), before the node ledger gets back what no pod
+  holds.
 - The CDI spec ``gpu-isolator-mps.json`` (``mps_spec``: kind
   ``nvidia.com/gpu-mps``, one device per shared unit named by its UUID,
   the daemon's pipe directory at ``/tmp/nvidia-mps`` with
@@ -68,10 +73,15 @@ def mps_spec(catalog: DeviceCatalog, mps: Any) -> bytes:
 class PodShares:
     """The plugin's live MPS shares by device ID (see module rules)."""
 
-    def __init__(self, catalog: DeviceCatalog, mps: Any, *, grace_s: float = ALLOCATE_GRACE_S) -> None:
+    def __init__(self, catalog: DeviceCatalog, mps: Any, *, grace_s: float = ALLOCATE_GRACE_S,
+                 allocator: Any = None) -> None:
         self.catalog = catalog
         self.mps = mps
         self.grace_s = grace_s
+        self.allocator = allocator
+        """The allocator of the node ledger (None: no ledger), to hold a unit whose left daemon it stops."""
+        self.swept = False
+        """The daemons left running by an earlier life were stopped (the first reconcile)."""
         self.granted: dict[str, tuple[OfferedDevice, float, bool]] = {}
         """Device ID -> (device, when its Allocate answered, whether a List named it since)."""
 
@@ -138,4 +148,11 @@ class PodShares:
                 returned.append(device_id)
         if returned:
             logger.info("MPS shares no pod holds returned: %s", ", ".join(returned))
+        if not self.swept:
+            from .._run import stop_left_daemons
+
+            units = {device.uuid: device.unit for offer in self.catalog.offers for device in offer.devices
+                     if device.share is not None}
+            await stop_left_daemons(self.mps, self.allocator, units)
+            self.swept = True
         return returned

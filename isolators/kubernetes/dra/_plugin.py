@@ -89,7 +89,10 @@ Rules (issue 37 items 3-5; SPEC section 21):
   scheduler allocates only equal shares beside them.
   At start every prepared claim's shares are granted again (a daemon left
   running is taken over); one refused is logged at ERROR and the claim
-  stays prepared.
+  stays prepared. Then every daemon left running with no share (a claim
+  whose prepare was never answered, or whose unprepare landed as the
+  driver died) is stopped (``stop_left_daemons``: its unit held first in
+  the node ledger), before the units no prepared claim holds go back.
 - ``registered(ok, error)`` records what the kubelet's plugin watcher said.
 - Metrics: counters ``dra/prepares`` (claims prepared, repeats included),
   ``dra/unprepares``, ``dra/prepare_failures`` (claims refused);
@@ -264,6 +267,12 @@ class DraPluginProcess(OperatorRoutes):
             logger.info("Restored %d prepared claims from %s (specs rewritten: %s; orphans removed: %s)",
                         len(prepared), checkpoint if unreadable is None else "the API server",
                         ", ".join(written) or "none", ", ".join(removed) or "none")
+        if mps is not None:  # first: a unit goes back to the node ledger once its daemon stopped
+            await plugin._restore_shares(plugin.table.claims.values())
+            from .._run import stop_left_daemons
+
+            await stop_left_daemons(mps, allocator if ledger else None,
+                                    {facts.uuid: facts.unit for facts in catalog.by_name.values()})
         if ledger:
             returned = await allocator.release_unclaimed()
             if returned:
@@ -271,8 +280,6 @@ class DraPluginProcess(OperatorRoutes):
                             " went back to the node ledger: %s", "checkpoint" if unreadable is None else
                             "ResourceClaims", ", ".join(returned))
         plugin._follow_table()  # the table as restored (a rebuild may leave claims out)
-        if mps is not None:
-            await plugin._restore_shares(plugin.table.claims.values())
         spawn(plugin)
         return plugin
 

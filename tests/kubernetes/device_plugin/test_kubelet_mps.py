@@ -27,6 +27,7 @@ from actors.mps.testing import read_record
 
 from tests.kubernetes.device_plugin.test_kubelet_mig_and_sharing import DGX8, H200, run_plugin
 from tests.support.kube_node import end_mps_daemons
+from isolators.kubernetes.device_plugin import PLUGIN_OWNER as PLUGIN_OWNER_NAME
 
 GPU_UUIDS = [gpu.uuid for gpu in load_host_file(DGX8).gpus]
 MIB = 1 << 20
@@ -212,6 +213,47 @@ async def test_a_restarted_plugin_grants_the_shares_of_running_pods_again_throug
             kube.remove_pod("a")
             await until(lambda: "195:0" not in leases(kube.ledger), "gpu-0 back once the pod is gone")
             assert [d for u, e, d in read_record(record) if u == gpu0 and e == "command"][-1] == "quit"
+        finally:
+            kube.close()
+            end_mps_daemons(runtime_dir)
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+@pytest.mark.asyncio
+async def test_a_daemon_whose_last_pod_went_while_the_plugin_was_down_is_stopped_when_it_comes_back(
+        tmp_path: Path, mps_control: Path) -> None:
+    """R-MP-1 across a SIGKILL (issue 49's fault run found it): the pod of the last share of gpu-0 goes while the
+    device plugin is down; the plugin that comes back grants nothing there, and stops the daemon its earlier life
+    left (``quit``) before the node ledger gets gpu-0 back; the daemon of gpu-1, whose pod still runs, stays."""
+    from tests.support.kernel import process_state, wait_gone
+    from tests.support.kube_node import KubeNode
+    from tests.support.kubelet import plugin_directory
+    from tests.support.ledger import leases, until
+
+    runtime_dir = tempfile.mkdtemp(prefix="mps-", dir="/tmp")
+    record = tmp_path / "mps-record"
+    with plugin_directory() as sockets:
+        kube = KubeNode(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"), env={"FAKE_MPS_RECORD": str(record)},
+                        device_plugin_options=("--mps_replicas=2", f"--mps_control={mps_control}",
+                                               f"--runtime_dir={runtime_dir}"))
+        try:
+            kube.start(dra=False)
+            gpu0, gpu1 = kube.uuids["gpu-0"], kube.uuids["gpu-1"]
+            kube.allocate("a", [f"{gpu0}::0"])
+            kube.allocate("b", [f"{gpu1}::1"])
+            await until(lambda: {"195:0", "195:1"} <= set(leases(kube.ledger)), "gpu-0 and gpu-1 held")
+            pids = {gpu: int(Path(runtime_dir, "mps", gpu, "pipe", "nvidia-cuda-mps-control.pid").read_text())
+                    for gpu in (gpu0, gpu1)}
+            kube.kill_device_plugin()
+            kube.remove_pod("a")  # the kubelet does not wait for a device plugin
+            kube.restart_device_plugin()
+            assert wait_gone(pids[gpu0], 20.0), "the daemon of gpu-0, whose last pod went, still runs"
+            await until(lambda: "195:0" not in leases(kube.ledger), "gpu-0 back once its left daemon stopped")
+            kube.device_plugin.wait_log(f"MPS control daemon of {gpu0} (pid {pids[gpu0]}) runs with no share")
+            assert [d for u, e, d in read_record(record) if u == gpu0 and e == "command"][-1] == "quit"
+            assert process_state(pids[gpu1]) not in (None, "Z")  # pod b's share: granted again through its daemon
+            kube.device_plugin.wait_log(f"MPS share {gpu1}::1 of pod ns/b granted again")
+            assert leases(kube.ledger)["195:1"] == (PLUGIN_OWNER_NAME, ("ns/b/gpu",))
         finally:
             kube.close()
             end_mps_daemons(runtime_dir)

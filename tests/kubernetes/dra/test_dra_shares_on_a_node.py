@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import uuid
 from pathlib import Path
@@ -213,3 +214,54 @@ async def test_a_restarted_driver_takes_its_running_daemon_over_and_keeps_the_sh
         assert kube.unprepare(claim) == {}
         await until(lambda: "195:0" not in leases(kube.ledger), "gpu-0 back once the share is gone")
         assert daemon_commands(kube, gpu0)[-1] == "quit"
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_driver_stops_a_daemon_left_with_no_share_and_leaves_another_front_doors_alone(
+        tmp_path: Path) -> None:
+    """R-MP-1, R-MP-6 across a SIGKILL (issue 49's fault run): both front doors share one runtime directory, as
+    on a node. A daemon of gpu-5 left running with no share (a claim whose prepare was never answered) is
+    stopped by the driver that comes back, gpu-5 held in the node ledger while it stops and let go after; the
+    daemon of gpu-0, whose share the device plugin's pod holds, is the device plugin's and is left alone."""
+    from isolators.kubernetes.device_plugin import PLUGIN_OWNER
+
+    from tests.support.kernel import process_state, wait_gone
+
+    control = build_mps_control(tmp_path)
+    if control is None:
+        pytest.skip(NO_GCC)
+    runtime_dir = tempfile.mkdtemp(prefix="mps-", dir="/tmp")
+    record = tmp_path / "mps-record"
+    common = (f"--mps_control={control}", f"--runtime_dir={runtime_dir}")
+    with plugin_directory() as sockets:
+        kube = Node(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"), env={"FAKE_MPS_RECORD": str(record)},
+                    device_plugin_options=("--mps_replicas=2", *common), dra_plugin_options=("--sharing=mps", *common))
+        kube.record, kube.runtime_dir = record, runtime_dir
+        try:
+            kube.start()
+            gpu0, gpu5 = kube.uuids["gpu-0"], kube.uuids["gpu-5"]
+            kube.allocate("a", [f"{gpu0}::0"])
+            await until(lambda: leases(kube.ledger).get("195:0") == (PLUGIN_OWNER, ("ns/a/gpu",)), "gpu-0 held")
+            kube.kill_dra_plugin()
+            left = Path(runtime_dir, "mps", gpu5)
+            for name in ("pipe", "log"):
+                (left / name).mkdir(parents=True)
+            env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(left / "pipe"), "CUDA_MPS_LOG_DIRECTORY":
+                   str(left / "log"), "CUDA_VISIBLE_DEVICES": gpu5, "FAKE_MPS_RECORD": str(record)}
+            subprocess.run([str(control), "-d"], env=env, check=True, timeout=10, stdin=subprocess.DEVNULL)
+            pids = {gpu: int(Path(runtime_dir, "mps", gpu, "pipe", "nvidia-cuda-mps-control.pid").read_text())
+                    for gpu in (gpu0, gpu5)}
+            kube.restart_dra_plugin()
+            assert wait_gone(pids[gpu5], 20.0), "the daemon of gpu-5, left with no share, still runs"
+            kube.dra_plugin.wait_log(f"MPS control daemon of {gpu5} (pid {pids[gpu5]}) runs with no share")
+            kube.dra_plugin.wait_log(f"MPS control daemons left running with no share stopped: {gpu5}")
+            assert daemon_commands(kube, gpu5)[-1] == "quit"
+            assert process_state(pids[gpu0]) not in (None, "Z")  # the device plugin's: left alone
+            assert "quit" not in daemon_commands(kube, gpu0)
+            assert f"MPS control daemon of {gpu0} runs with no share of this front door, and the unit is not its to" \
+                   " stop" in kube.dra_plugin.log()
+            assert leases(kube.ledger) == {"195:0": (PLUGIN_OWNER, ("ns/a/gpu",))}  # gpu-5 let go once stopped
+        finally:
+            kube.close()
+            end_mps_daemons(runtime_dir)
+            shutil.rmtree(runtime_dir, ignore_errors=True)
