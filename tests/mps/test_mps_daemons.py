@@ -318,6 +318,32 @@ async def test_a_daemon_left_by_an_earlier_life_is_taken_over_not_started_twice(
 
 
 @pytest.mark.asyncio
+async def test_a_daemon_an_earlier_life_left_with_no_share_is_named_and_stopped_unless_a_share_came_first(
+        mps_control, runtime_dir, record):
+    """R-MP-1 across a front door's death (issue 49's fault run): the unit's last share went while it was down."""
+    nvml = SimulatedNvml.with_gpus(2)
+    async with Runtime():
+        earlier = await manager(nvml, runtime_dir, mps_control)
+        gpu0, gpu1 = nvml.uuid(0), nvml.uuid(1)
+        await earlier.share(gpu0, "pod-a", HALF)
+        await earlier.share(gpu1, "pod-b", HALF)
+        pids = {gpu: earlier.daemon_pid(gpu) for gpu in (gpu0, gpu1)}
+        # The front door dies (no close); pod-a goes meanwhile; the next life grants pod-b again.
+        later = await manager(nvml, runtime_dir, mps_control)
+        await later.share(gpu1, "pod-b", HALF)
+        assert await later.left_running() == [gpu0]
+        assert await later.stop_left(gpu1) is False and alive(pids[gpu1])  # it has a share: kept
+        assert await later.stop_left(gpu0) is True
+        assert not alive(pids[gpu0]) and commands(record, gpu0)[-1] == "quit"
+        assert nvml.compute_mode(0) == 0 and nvml.compute_mode(1) == COMPUTE_MODE_EXCLUSIVE_PROCESS
+        assert await later.left_running() == [] and await later.stop_left(gpu0) is False  # nothing runs there now
+        await later.close()
+        assert not alive(pids[gpu1])
+        earlier._units.clear()  # its daemons are gone: nothing of it to close
+        await earlier.close()
+
+
+@pytest.mark.asyncio
 @pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace of its own needs root")
 async def test_the_daemon_shares_memory_in_the_units_directory_only(mps_control, runtime_dir, record):
     """The daemon (and the servers it forks) see the unit's shm directory at
