@@ -12,10 +12,15 @@ the scheduler, one random step at a time:
 - a claim asking ``capacity.requests.memory`` allocated by the fake API
   server as the scheduler does (``KubeNode.share``) and prepared, or a
   prepared claim unprepared (and removed);
-- a front door SIGKILLed; sometimes, while it is down, its pods go (the
-  kubelet does not wait for a device plugin), or one of its daemons is
-  SIGKILLed too; then it is started again on the same directories, as its
-  DaemonSet would;
+- a front door SIGKILLed, now or while an Allocate or a prepare is in
+  flight (a thread makes the call; its answer, when one came, counts, and
+  a prepare not answered is unprepared once the driver is back);
+  sometimes, while it is down, its pods go (the kubelet does not wait for
+  a device plugin), or one of its daemons is SIGKILLed too; then it is
+  started again on the same directories, as its DaemonSet would (a kill
+  mid-call lands after a seeded delay, but where the call had got to is
+  the machine's timing: such a run replays its decisions, not always its
+  interleaving);
 - an MPS daemon SIGKILLed (found by the PID its pid file names,
   ``<runtime_dir>/mps/<uuid>/pipe/nvidia-cuda-mps-control.pid``).
 
@@ -56,6 +61,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +97,8 @@ class Figures:
     plugin_kills: int = 0
     driver_kills: int = 0
     daemon_kills: int = 0
+    mid_call_kills: int = 0
+    """Front doors SIGKILLed while an Allocate or a prepare was in flight."""
     pods_gone_while_down: int = 0
     pod_lifecycles: int = 0
     claim_lifecycles: int = 0
@@ -110,10 +118,11 @@ class Figures:
     def line(self) -> str:
         return (f"seed {self.seed}, {self.steps} steps, {self.judgements} judgements, {self.plugin_kills} device"
                 f" plugin kills ({self.pods_gone_while_down} pods gone while it was down), {self.driver_kills} DRA"
-                f" driver kills, {self.daemon_kills} daemon kills, {self.pod_lifecycles} pods,"
-                f" {self.claim_lifecycles} claims, {self.refused} refused: {self.double_grants} double grants,"
-                f" {self.unleased_grants} unleased grants, {self.shares_without_daemon} shares without a daemon,"
-                f" {self.daemons_without_share} daemons without a share, {self.hangs} hangs, {self.leaks} leaks")
+                f" driver kills ({self.mid_call_kills} of all kills mid-call), {self.daemon_kills} daemon kills,"
+                f" {self.pod_lifecycles} pods, {self.claim_lifecycles} claims, {self.refused} refused:"
+                f" {self.double_grants} double grants, {self.unleased_grants} unleased grants,"
+                f" {self.shares_without_daemon} shares without a daemon, {self.daemons_without_share} daemons without"
+                f" a share, {self.hangs} hangs, {self.leaks} leaks")
 
 
 def _alive(pid: int) -> bool:
@@ -282,6 +291,56 @@ class Run:
             self.figures.hangs += 1
             self.problem("hang", f"the {which} did not start and register again: {str(error)[:1000]}")
 
+    def kill_mid_call(self) -> None:
+        """A front door SIGKILLed while an Allocate or a prepare is in flight (after a random delay), started
+        again; an Allocate answered is the pod's, a prepare not answered is unprepared once the driver is back
+        (the kubelet tries again until it is)."""
+        which = "device_plugin" if self.rng.random() < 0.5 else "dra_plugin"
+        delay = self.rng.uniform(0.0, 0.12)  # an Allocate or a prepare takes about that long here
+        done: dict[str, Any] = {}
+        if which == "device_plugin":
+            uuids = [self.kube.uuids[f"gpu-{minor}"] for minor in range(CONTENDED)]
+            free = sorted({f"{unit}::{i}" for unit in uuids for i in range(2)} - set(self.pods.values()))
+            if not free:
+                return
+            share, pod = self.rng.choice(free), f"p{self._n}"
+            self._n += 1
+            call = lambda: self.kube.allocate(pod, [share])  # noqa: E731
+        else:
+            from tests.support.dra_scheduler import Unschedulable
+
+            try:
+                claim = self.kube.share({"memory": "8Gi"})
+            except Unschedulable:
+                return
+            call = lambda: self.kube.prepare(claim, timeout=CALL_BOUND)  # noqa: E731
+
+        def calling() -> None:
+            try:
+                done["answer"] = call()
+            except Exception as error:  # noqa: BLE001 - killed under it, or refused: told apart below
+                done["error"] = error
+
+        thread = threading.Thread(target=calling, daemon=True)
+        thread.start()
+        time.sleep(delay)
+        self.kill_front_door(which)
+        thread.join(CALL_BOUND)
+        if thread.is_alive():
+            self.figures.hangs += 1
+            self.problem("hang", f"a call to the {which} did not end once it was killed")
+            return
+        self.figures.mid_call_kills += 1
+        if which == "device_plugin":
+            if "answer" in done:  # answered before it died: the kubelet assigned it
+                self.pods[pod] = share
+            return
+        answer = done.get("answer", {})
+        if "devices" in answer:
+            self.claims[claim[2]] = claim
+        else:
+            self.unprepare(claim)
+
     # -- the judge ------------------------------------------------------------------------
     def live_shares(self) -> dict[str, set[str]]:
         """Front door -> the units with a live share (PodResources' share IDs, the DRA checkpoint's devices)."""
@@ -335,8 +394,10 @@ class Run:
             self.unprepare(self.claims[self.rng.choice(sorted(self.claims))])
         elif action < 0.82:
             self.kill_front_door("device_plugin")
-        elif action < 0.9:
+        elif action < 0.86:
             self.kill_front_door("dra_plugin")
+        elif action < 0.94:
+            self.kill_mid_call()
         else:
             self.kill_daemon()
 
