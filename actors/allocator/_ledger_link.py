@@ -47,7 +47,8 @@ Rules (SPEC R-NL-1..3; DESIGN.md "One node, one ledger"):
   units the kernel grants its containers: an unreadable lease of such a
   unit is re-taken and its file moved aside, an ERROR naming the file,
   where it went, why, and the unit.
-- After every job, ``ours`` is exactly what the ledger says the owner
+- After every job (its outcome is ``JobOutcomes``'s, in
+  ``_ledger_outcomes``), ``ours`` is exactly what the ledger says the owner
   holds: a lease a failed job left behind is adopted (and returned once
   unused), so nothing leaks.
 - A job that fails (the ledger unreadable or full, its mutex held past the
@@ -76,22 +77,19 @@ Rules (SPEC R-NL-1..3; DESIGN.md "One node, one ledger"):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from runtime import Executor, Future, ProcessTerminated, Promise, delay, dispatch
 
 from actors.ledger import (
-    BatchResult,
     Lease,
     LeaseBatch,
     LeaseConflict,
     LedgerDirectory,
     OwnerLock,
     TakeRequest,
-    TakeResult,
     UNREADABLE,
-    blocking,
     MAX_HOLDER,
     check_holder,
     check_owner,
@@ -99,7 +97,7 @@ from actors.ledger import (
 )
 from actors.mig import Unit
 
-from ._errors import AllocatorError
+from ._ledger_outcomes import JobOutcomes, OnResult
 from ._ledger_state import LedgerState, UnitName
 
 if TYPE_CHECKING:
@@ -113,17 +111,9 @@ LINGER = 0.02
 """Seconds a unit stays leased, unused, before it goes back (between one and two of them)."""
 HOLDER_TICKS = 10
 """Ticks between jobs that only bring the holders a lease names up to date."""
-RETRY_FIRST = 0.1
-"""Seconds before the first retry after a failed job (doubling while jobs fail)."""
-RETRY_MOST = 5.0
-"""The longest wait between two retries of a failing ledger."""
 
 
-OnResult = Callable[[TakeResult], Any]
-"""Called on the allocator with a take's result (or an AllocatorError when its job failed)."""
-
-
-class LedgerLink:
+class LedgerLink(JobOutcomes):
     """The allocator's leases in one node ledger (see module rules)."""
 
     def __init__(self, allocator: "GpuAllocatorProcess", owner: str, names: dict[Unit, UnitName],
@@ -511,102 +501,6 @@ class LedgerLink:
         self.returning = due
         return batch, takes, refreshes
 
-    def _done(self, result: BatchResult, takes: list[tuple[TakeRequest, OnResult]]) -> None:
-        self.returning = set()
-        if self.failures:
-            logger.warning("Node ledger %s: jobs of %s work again (after %d failed)", self.path, self.owner,
-                           self.failures)
-            self.failures, self._failure_text = 0, ""
-            if self._retry_timer is not None:
-                self._retry_timer.cancel()
-                self._retry_timer = None
-        ours: set[Unit] = set()
-        unmanaged: set[str] = set()
-        for uuid, lease in result.leases.items():
-            if lease.owner != self.owner:
-                continue
-            unit = self.unit_of.get(uuid)
-            if unit is None:
-                unmanaged.add(uuid)
-                continue
-            ours.add(unit)
-            self.written[unit] = lease.holders
-        for unit in self.ours - ours:
-            self.written.pop(unit, None)
-            self.idle_since.pop(unit, None)
-        allocated = self.allocator.allocated
-        for unit in ours - self.ours:  # adopted (a lease an earlier job left): returned once unused
-            if unit not in allocated and unit not in self.inherited:
-                self.idle_since.setdefault(unit, self.epoch)
-        self.ours = ours
-        self.ours_unmanaged = unmanaged - set(self.unit_of)
-        for uuid, (file, moved, why) in sorted(result.set_aside.items()):
-            logger.error("Node ledger %s: the lease file %s could not be read (%s); %s uses unit %s (the kernel"
-                         " grants it to its containers), so it took the unit again: the file was moved aside to %s",
-                         self.path, file, why, self.owner, uuid, moved)
-        self._learn(result.leases, result.alive)
-        for (_take, on_result), outcome in zip(takes, result.takes):
-            on_result(outcome)
-        if self.idle_since or self._rewrites():
-            self._wake()
-
-    def _requeue(self, batch: LeaseBatch) -> None:
-        """A job that failed or was cancelled: its returns and health report are pending again, and the
-        next job reads the ledger (one stopped half-way may have left leases)."""
-        self.returning = set()
-        self._return_due |= {self.unit_of[uuid] for uuid in batch.returns if uuid in self.unit_of}
-        if batch.health is not None and self._health is None:
-            self._health = batch.health
-            self._reported = {}
-        self._reread = True
-
-    def _cancelled(self, batch: LeaseBatch, takes: list[tuple[TakeRequest, OnResult]],
-                   refreshes: list[Promise]) -> None:
-        """A job whose outcome nobody will hear (cancelled): all its work is pending again."""
-        self._requeue(batch)
-        self._takes[:0] = takes
-        self._refreshes[:0] = refreshes
-
-    def _failed(self, batch: LeaseBatch, takes: list[tuple[TakeRequest, OnResult]], refreshes: list[Promise],
-                error: BaseException) -> None:
-        self._requeue(batch)
-        self.failures += 1
-        wait = min(RETRY_FIRST * 2 ** (self.failures - 1), RETRY_MOST)
-        key = f"{type(error).__name__} {error.errno}" if isinstance(error, OSError) else str(error)
-        if key != self._failure_text:  # the same error again (on another file, say) is not logged again
-            self._failure_text = key
-            logger.error("Node ledger %s: a job of %s failed: %s (retried in %.1f s, doubling up to %.0f s while"
-                         " it fails)", self.path, self.owner, error, wait, RETRY_MOST)
-        failure = AllocatorError(f"The node ledger {self.path} could not be changed: {error}")
-        failure.__cause__ = error
-        for _take, on_result in takes:
-            on_result(failure)
-        for promise in refreshes:
-            promise.fail(failure)
-        if self._retry_timer is not None:
-            self._retry_timer.cancel()
-        self._retry_timer = None if self._closing else delay(wait, self.allocator.pid, _retry)
-        self._wake()
-
-    def _learn(self, leases: dict[str, Lease], alive: dict[str, bool]) -> None:
-        """What other owners hold, per managed unit."""
-        elsewhere: dict[Unit, LeaseConflict] = {}
-        for unit, name in self.names.items():
-            found = blocking(leases, name.uuid, name.parent, self.owner)
-            if found:
-                lease = found[0]
-                elsewhere[unit] = LeaseConflict(unit=name.uuid, device=name.device, lease=lease,
-                                                alive=alive.get(lease.owner))
-        if elsewhere != self.elsewhere:
-            self.elsewhere = elsewhere
-            self.allocator.elsewhere_changed(frozenset(elsewhere))
-            self.generation += 1
-            waiters, self._waiters = self._waiters, []
-            if waiters:
-                state = self.state()
-                for promise in waiters:
-                    promise.set_value(state)
-
 
 def _open(path: str, owner: str) -> tuple[LedgerDirectory, OwnerLock, dict[str, Lease], tuple[str, str, str] | None]:
     """In the executor: open the directory, take the owner's lock, set aside its
@@ -629,12 +523,6 @@ def _tick(process: "GpuAllocatorProcess") -> None:
     link = process.ledger_link
     if link is not None:
         link.tick()
-
-
-def _retry(process: "GpuAllocatorProcess") -> None:
-    link = process.ledger_link
-    if link is not None:
-        link.retry()
 
 
 async def _run_jobs(process: "GpuAllocatorProcess") -> None:
