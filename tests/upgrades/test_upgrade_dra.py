@@ -103,7 +103,7 @@ def test_an_unreadable_checkpoint_is_set_aside_and_the_claims_rebuilt_from_the_a
               "garbage": "it is not a JSON object: truncated or not this project's file",
               "unknown-version": "it is in format version 99, and this release reads versions 0, 1"}[how]
     line = next(line for line in log.splitlines() if "Moved it aside" in line)
-    assert line.startswith(f"ERROR isolators.kubernetes.dra._plugin: The prepared-claims checkpoint {checkpoint}:"
+    assert line.startswith(f"ERROR isolators.kubernetes.dra._rebuild: The prepared-claims checkpoint {checkpoint}:"
                            f" {reason}"), line
     assert line.endswith(f"Moved it aside to {aside[0]} and rebuilt the prepared claims from the ResourceClaims the"
                          " API server allocated to this node: 2 claims"), line

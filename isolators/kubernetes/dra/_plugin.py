@@ -68,7 +68,7 @@ Rules (issue 37 items 3-5; SPEC section 21):
   prepared or not). Then the checkpoint of the rebuilt
   claims is written and their specs as above. The file stays where it is
   until the rebuild is known: an API server that cannot be listed (tried
-  ``REBUILD_TRIES`` times) stops the start with a ``CheckpointError``
+  ``REBUILD_TRIES`` times: ``_rebuild``) stops the start with a ``CheckpointError``
   naming the file and the API server's answer, and the next start tries
   again (a missing checkpoint would read as "nothing prepared" and let go
   of units pods use).
@@ -107,14 +107,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 import msgspec
 
 from actors import NvidiaGpuAllocator
 from actors.allocator import AllocatorError
-from actors.file_format import UnreadableFile, set_aside
+from actors.file_format import UnreadableFile
 from runtime import Executor, Failure, MetricSet, spawn
 
 from ...cdi import CdiWriteError, NodeFacts, apply_spec_changes, list_spec_files, read_spec_files
@@ -127,7 +126,7 @@ from ._devices import DraCatalog
 from ._kube import api_failure
 from ._prepared import (CheckpointError, PreparedClaim, PreparedClaims, PreparedDevice, prepared_claim,
                         read_checkpoint, write_checkpoint)
-from ._rebuild import RebuildError, claims_of_node
+from ._rebuild import rebuild_claims, replace_unreadable
 from ._sharing import LiveShares, ShareLimits, over_capacity
 
 __all__ = ["DraPluginProcess", "ClaimAnswer", "DRA_PLUGIN_ID"]
@@ -135,8 +134,6 @@ __all__ = ["DraPluginProcess", "ClaimAnswer", "DRA_PLUGIN_ID"]
 logger = logging.getLogger(__name__)
 
 DRA_PLUGIN_ID = "dra-plugin"
-REBUILD_TRIES = 3
-"""Lists of the ResourceClaims tried before a start with an unreadable checkpoint gives up (see module rules)."""
 
 
 class ClaimAnswer(msgspec.Struct, frozen=True, kw_only=True):
@@ -153,27 +150,6 @@ def _restore(spec_dir: str, prefix: str, wanted: dict[str, bytes], kept: set[str
     removals = [name for name in list_spec_files(spec_dir, prefix) if name not in wanted and name not in kept]
     apply_spec_changes(spec_dir, writes, removals)
     return [name for name, _ in writes], removals
-
-
-def _replace_unreadable(checkpoint: str, data: bytes, unreadable: UnreadableFile, count: int) -> None:
-    """The unreadable checkpoint moved aside, the rebuilt one written in its place (blocking; one job). A
-    write that fails puts the unreadable one back: the next start rebuilds again, where a missing checkpoint
-    would read as "nothing prepared"."""
-    try:
-        moved: str | None = set_aside(checkpoint)
-    except OSError as error:
-        moved = None
-        logger.error("The prepared-claims checkpoint %s: it cannot be moved aside (%s), so the rebuilt one replaces"
-                     " it", checkpoint, error.strerror)
-    try:
-        write_checkpoint(checkpoint, data)
-    except CheckpointError:
-        if moved is not None:
-            os.rename(moved, checkpoint)
-        raise
-    logger.error("The prepared-claims checkpoint %s. Moved it aside to %s and rebuilt the prepared claims from the"
-                 " ResourceClaims the API server allocated to this node: %d claims", unreadable,
-                 moved or "nowhere", count)
 
 
 def _commit_files(spec_dir: str, writes: list[tuple[str, bytes]], checkpoint: str, data: bytes,
@@ -239,7 +215,7 @@ class DraPluginProcess(OperatorRoutes):
                 prepared = await executor.run(read_checkpoint, checkpoint)
             except UnreadableFile as error:
                 unreadable = error
-                prepared = await cls._rebuild(client, error, driver=driver, node=node, catalog=catalog)
+                prepared = await rebuild_claims(client, error, driver=driver, node=node, catalog=catalog)
             plugin = cls(catalog, allocator, facts, client, driver=driver, node=node, spec_dir=spec_dir,
                          dev_dir=dev_dir, checkpoint=checkpoint, prepared=prepared, credential=credential,
                          ledger=ledger, mps=mps)
@@ -249,7 +225,7 @@ class DraPluginProcess(OperatorRoutes):
                     prepared = [claim for claim in prepared if claim.ref.uid not in refused]
                     plugin.table = PreparedClaims(prepared)
             if unreadable is not None:
-                await executor.run(_replace_unreadable, checkpoint, plugin.table.encode(), unreadable, len(prepared))
+                await executor.run(replace_unreadable, checkpoint, plugin.table.encode(), unreadable, len(prepared))
             wanted, kept = {}, set()
             for claim in prepared:
                 name = claim_spec_file(driver, claim.ref.uid)
@@ -282,25 +258,6 @@ class DraPluginProcess(OperatorRoutes):
         plugin._follow_table()  # the table as restored (a rebuild may leave claims out)
         spawn(plugin)
         return plugin
-
-    @staticmethod
-    async def _rebuild(client: Any, unreadable: UnreadableFile, *, driver: str, node: str,
-                       catalog: DraCatalog) -> list[PreparedClaim]:
-        """The claims of the API server allocated to this node, in place of an unreadable checkpoint."""
-        for attempt in range(1, REBUILD_TRIES + 1):
-            try:
-                rebuilt = await claims_of_node(client, driver=driver, node=node, catalog=catalog)
-                break
-            except RebuildError as error:
-                if attempt == REBUILD_TRIES:
-                    raise CheckpointError(
-                        f"The prepared-claims checkpoint {unreadable}; its claims cannot be rebuilt from the API"
-                        f" server ({error}, {REBUILD_TRIES} tries): the file is left in place and the next start"
-                        " tries again") from error
-                logger.warning("Rebuilding the prepared claims: %s (try %d of %d)", error, attempt, REBUILD_TRIES)
-        for line in rebuilt.left_out:
-            logger.error("Not prepared again from the API server: %s", line)
-        return rebuilt.claims
 
     async def _hold_again(self, prepared: list[PreparedClaim], rebuilt: bool) -> set[str]:
         """At start: every prepared claim holds its units again; the uids of those the ledger refused (a

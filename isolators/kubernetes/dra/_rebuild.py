@@ -19,6 +19,15 @@ Rules (SPEC R-SH-3):
   for each claim left out, one line naming it and why. A list that fails
   raises ``RebuildError`` naming the API server's answer; nothing is
   decided from a partial list.
+- ``rebuild_claims(client, unreadable, ...)`` is what a start with an
+  unreadable checkpoint does first: ``claims_of_node`` tried
+  ``REBUILD_TRIES`` times, each claim left out logged at ERROR; a list that
+  never answers is a ``CheckpointError`` naming the file and the answer
+  (the file stays: a missing one would read as "nothing prepared").
+- ``replace_unreadable(checkpoint, data, unreadable, count)`` (blocking;
+  one job) moves the unreadable checkpoint aside and writes the rebuilt one
+  in its place, an ERROR naming both; a write that fails puts the
+  unreadable one back, so the next start rebuilds again.
 - The caller (``DraPluginProcess.create``) holds their units in the node
   ledger (a claim whose unit another front door holds is left out too:
   answering it prepared would hand out a unit in use), writes the
@@ -27,18 +36,26 @@ Rules (SPEC R-SH-3):
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import msgspec
 
+from actors.file_format import UnreadableFile, set_aside
 from runtime import Failure
 
 from ._claims import ClaimRef, ClaimRefused, plan_claim
 from ._devices import DraCatalog
 from ._kube import api_failure
-from ._prepared import PreparedClaim, PreparedClaims, prepared_claim
+from ._prepared import CheckpointError, PreparedClaim, PreparedClaims, prepared_claim, write_checkpoint
 
-__all__ = ["Rebuilt", "RebuildError", "claims_of_node"]
+__all__ = ["Rebuilt", "RebuildError", "REBUILD_TRIES", "claims_of_node", "rebuild_claims", "replace_unreadable"]
+
+logger = logging.getLogger(__name__)
+
+REBUILD_TRIES = 3
+"""Lists of the ResourceClaims tried before a start with an unreadable checkpoint gives up (see module rules)."""
 
 
 class RebuildError(Failure):
@@ -83,3 +100,43 @@ async def claims_of_node(client: Any, *, driver: str, node: str, catalog: DraCat
             continue
         table.add(prepared_claim(driver, plan))
     return Rebuilt(claims=sorted(table.claims.values(), key=lambda c: c.ref.uid), left_out=left_out)
+
+
+async def rebuild_claims(client: Any, unreadable: UnreadableFile, *, driver: str, node: str,
+                         catalog: DraCatalog) -> list[PreparedClaim]:
+    """The claims of the API server allocated to this node, in place of an unreadable checkpoint."""
+    for attempt in range(1, REBUILD_TRIES + 1):
+        try:
+            rebuilt = await claims_of_node(client, driver=driver, node=node, catalog=catalog)
+            break
+        except RebuildError as error:
+            if attempt == REBUILD_TRIES:
+                raise CheckpointError(
+                    f"The prepared-claims checkpoint {unreadable}; its claims cannot be rebuilt from the API"
+                    f" server ({error}, {REBUILD_TRIES} tries): the file is left in place and the next start"
+                    " tries again") from error
+            logger.warning("Rebuilding the prepared claims: %s (try %d of %d)", error, attempt, REBUILD_TRIES)
+    for line in rebuilt.left_out:
+        logger.error("Not prepared again from the API server: %s", line)
+    return rebuilt.claims
+
+
+def replace_unreadable(checkpoint: str, data: bytes, unreadable: UnreadableFile, count: int) -> None:
+    """The unreadable checkpoint moved aside, the rebuilt one written in its place (blocking; one job). A
+    write that fails puts the unreadable one back: the next start rebuilds again, where a missing checkpoint
+    would read as "nothing prepared"."""
+    try:
+        moved: str | None = set_aside(checkpoint)
+    except OSError as error:
+        moved = None
+        logger.error("The prepared-claims checkpoint %s: it cannot be moved aside (%s), so the rebuilt one replaces"
+                     " it", checkpoint, error.strerror)
+    try:
+        write_checkpoint(checkpoint, data)
+    except CheckpointError:
+        if moved is not None:
+            os.rename(moved, checkpoint)
+        raise
+    logger.error("The prepared-claims checkpoint %s. Moved it aside to %s and rebuilt the prepared claims from the"
+                 " ResourceClaims the API server allocated to this node: %d claims", unreadable,
+                 moved or "nowhere", count)

@@ -273,7 +273,7 @@ async def test_claims_that_cannot_be_listed_are_one_error_naming_the_api_servers
 def test_a_rebuilt_checkpoint_that_cannot_be_written_puts_the_unreadable_one_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A missing checkpoint would read as "nothing prepared" at the next start: the unreadable one stays."""
-    from isolators.kubernetes.dra import _plugin
+    from isolators.kubernetes.dra import _rebuild
 
     path = tmp_path / "prepared-claims.json"
     path.write_bytes(b"\x00garbage")
@@ -281,8 +281,8 @@ def test_a_rebuilt_checkpoint_that_cannot_be_written_puts_the_unreadable_one_bac
     def full(checkpoint: str, data: bytes) -> None:
         raise CheckpointError(f"Cannot write the prepared-claims checkpoint {checkpoint}: No space left on device")
 
-    monkeypatch.setattr(_plugin, "write_checkpoint", full)
+    monkeypatch.setattr(_rebuild, "write_checkpoint", full)
     with pytest.raises(CheckpointError, match="No space left on device"):
-        _plugin._replace_unreadable(str(path), b"{}", UnreadableFile(str(path), "garbage"), 0)
+        _rebuild.replace_unreadable(str(path), b"{}", UnreadableFile(str(path), "garbage"), 0)
     assert [p.name for p in tmp_path.iterdir()] == ["prepared-claims.json"] and path.read_bytes() == b"\x00garbage"
     assert "Moved it aside" not in caplog.text
