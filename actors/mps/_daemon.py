@@ -19,14 +19,18 @@ Rules:
   there) and refuses, naming the path
   and the reason, a directory it cannot make or write, and a pipe
   directory too long for a unix socket (108 bytes with ``/control``).
-- ``start(control, paths, uuid, timeout_s)`` runs ``control -d`` with the
+- ``start(control, paths, uuid, timeout_s, cgroup_procs=())`` runs ``control -d`` with the
   three variables (the unit's UUID alone visible), its stdin /dev/null and
   its output captured, for at most ``timeout_s``. As root it runs in a
   mount namespace of its own (util-linux ``unshare --mount --propagation
   private``) where the unit's shm directory is bound over ``/dev/shm``:
   the daemon, the servers it forks and the share's containers (which get
   the same directory at ``/dev/shm``) share memory there and nowhere else,
-  as NVIDIA's DRA driver gives each MPS daemon a tmpfs of its own. Not
+  as NVIDIA's DRA driver gives each MPS daemon a tmpfs of its own; and
+  first the launcher writes itself into each of ``cgroup_procs`` (the
+  daemons' cgroups, ``_cgroup.procs_files``), so the daemon and its servers
+  are born out of the front door's cgroup (one it cannot enter fails the
+  start naming it, exit 125). Not
   root, it sees the front door's ``/dev/shm`` (and says so in the log):
   without root there is no mount namespace, and no real MPS either
   (compute mode needs root). a non-zero exit, a
@@ -62,6 +66,7 @@ import select
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -208,7 +213,18 @@ def running_units(runtime_dir: str) -> list[str]:
     return [name for name in names if running_pid(DaemonPaths.under(runtime_dir, name)) is not None]
 
 
-def start(control: str, paths: DaemonPaths, uuid: str, timeout_s: float) -> int:
+_LAUNCH = r"""
+shm=$1; control=$2; shift 2
+for procs in "$@"; do
+    echo $$ 2>/dev/null >"$procs" || { echo "cannot move the MPS control daemon into the cgroup of $procs" >&2; exit 125; }
+done
+mount --bind "$shm" /dev/shm && exec "$control" -d
+"""
+"""The launcher ``unshare`` runs as root: into the daemons' cgroups (``cgroup_procs``), the unit's shm at
+``/dev/shm``, then the daemon (see module rules)."""
+
+
+def start(control: str, paths: DaemonPaths, uuid: str, timeout_s: float, cgroup_procs: Sequence[str] = ()) -> int:
     """Start the unit's daemon with ``control -d``; its PID (see module rules)."""
     for name in os.listdir(paths.pipe):
         stale = os.path.join(paths.pipe, name)
@@ -228,8 +244,8 @@ def start(control: str, paths: DaemonPaths, uuid: str, timeout_s: float) -> int:
         )
     argv = [control, "-d"]
     if os.geteuid() == 0:
-        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-                'mount --bind "$0" /dev/shm && exec "$1" -d', paths.shm, shutil.which(control)]
+        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _LAUNCH, "sh", paths.shm,
+                shutil.which(control), *cgroup_procs]
     else:
         logger.warning("MPS control daemon of %s: not root, so it shares the front door's /dev/shm"
                        " (no mount namespace of its own)", uuid)

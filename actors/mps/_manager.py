@@ -52,6 +52,11 @@ Rules:
   first. The front door calls them once its live shares are granted
   again, and only for units no other front door holds in the node ledger
   (the runtime directory may be shared by every front door of the node).
+- ``cgroup`` (None or ``none``: the front door's own): where a daemon is
+  started, ``<mount>/<cgroup>`` in every cgroup hierarchy (``_cgroup``),
+  so that stopping the front door's container (its cgroup killed) leaves
+  the daemon and its clients' server running for the front door that
+  comes back. Not root, it is ignored with a warning.
 - Metrics (``runtime.MetricSet``, given back by ``close()``):
   ``mps/daemons`` (daemons running), ``mps/daemon_restarts`` (daemons
   started again after exiting), ``mps/shares`` (live shares).
@@ -75,6 +80,7 @@ from runtime import Executor, MetricSet, current_runtime
 from actors.nvml import COMPUTE_MODE_DEFAULT, COMPUTE_MODE_EXCLUSIVE_PROCESS, Nvml, NvmlError, NvmlService
 
 from . import _daemon
+from ._cgroup import NO_CGROUP, procs_files, validate_mps_cgroup
 from ._daemon import DaemonPaths
 from ._errors import MpsDaemonFailed, MpsError
 
@@ -145,6 +151,12 @@ class _Unit:
         """Its daemon exited while shares lived, and has not been started again."""
 
 
+def _launch(control: str, paths: DaemonPaths, uuid: str, timeout_s: float, cgroup: str | None) -> int:
+    """Start ``uuid``'s daemon in the daemons' cgroup (made first), or in the front door's (None)."""
+    procs = procs_files(cgroup) if cgroup is not None else ()
+    return _daemon.start(control, paths, uuid, timeout_s, procs)
+
+
 def _find_gpu(nvml: Nvml, uuid: str) -> Any:
     """The handle of the whole GPU ``uuid``; None when it is not one (a MIG device)."""
     for index in range(nvml.device_count()):
@@ -177,7 +189,13 @@ class MpsDaemons:
         backoff_max_s: float = 5.0,
         max_restarts: int = 5,
         executor: Executor | None = None,
+        cgroup: str | None = None,
     ) -> None:
+        self.cgroup = None if cgroup in (None, NO_CGROUP) else validate_mps_cgroup(cgroup)  # type: ignore[arg-type]
+        if self.cgroup is not None and os.geteuid() != 0:
+            logger.warning("MPS control daemons stay in the front door's cgroups, not %r: only root moves a process"
+                           " between cgroups", self.cgroup)
+            self.cgroup = None
         self.nvml = nvml
         self.runtime_dir = os.fspath(runtime_dir)
         self.control = control
@@ -339,7 +357,8 @@ class MpsDaemons:
             unit.mode_set = unit.whole_gpu
         if pid is None:
             try:
-                pid = await self.executor.run(_daemon.start, self.control, unit.paths, unit.uuid, self.timeout_s)
+                pid = await self.executor.run(_launch, self.control, unit.paths, unit.uuid, self.timeout_s,
+                                              self.cgroup)
             except MpsError as exc:
                 unit.failure = exc
                 await self._restore_mode(unit)

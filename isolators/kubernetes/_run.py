@@ -17,8 +17,9 @@ Rules (R-K8-8; SPEC section 21):
   cancelled (each socket removes its own file, nothing else) and the
   front door's actor ``process`` terminated and waited for. It returns
   normally: the command exits 0.
-- ``mps_daemons(nvml, runtime_dir, control)`` is a sharing front door's
-  ``actors.mps.MpsDaemons`` (SPEC R-MP-1, R-MP-8).
+- ``mps_daemons(nvml, runtime_dir, control, cgroup)`` is a sharing front
+  door's ``actors.mps.MpsDaemons`` (SPEC R-MP-1, R-MP-8), its daemons
+  started in ``cgroup`` (``--mps_cgroup``).
   ``stop_left_daemons(mps, allocator, units)``, once a restarted sharing
   front door has granted its live shares again (and before it returns
   what the earlier life leased and nothing holds now): every daemon left
@@ -83,14 +84,14 @@ async def node_parts(flags: Flags, listen: str | None, name: str) -> AsyncIterat
                 await components.close()
 
 
-def mps_daemons(nvml: Any, runtime_dir: str, control: str | None) -> Any:
+def mps_daemons(nvml: Any, runtime_dir: str, control: str | None, cgroup: str = "none") -> Any:
     """The front door's MPS daemons (``actors.mps.MpsDaemons``, SPEC R-MP-1): one per shared unit under
     ``runtime_dir``, ``control`` the ``nvidia-cuda-mps-control`` to run (None: found on PATH, where the
-    driver's binaries are). Never closed by the front door's stop: prepared shares' pods keep their daemons,
+    driver's binaries are), started in ``cgroup`` (``--mps_cgroup``; ``none``: the front door's own). Never closed by the front door's stop: prepared shares' pods keep their daemons,
     and the next start takes them over."""
     from actors.mps import DEFAULT_MPS_CONTROL, MpsDaemons
 
-    return MpsDaemons(nvml, runtime_dir, control or DEFAULT_MPS_CONTROL)
+    return MpsDaemons(nvml, runtime_dir, control or DEFAULT_MPS_CONTROL, cgroup=cgroup)
 
 
 LEFT_DAEMON_HOLDER = "mps-daemon-left-running"

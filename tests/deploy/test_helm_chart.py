@@ -299,11 +299,30 @@ def test_mps_sharing_values_reach_both_front_doors() -> None:
     _, plugin_args, _ = command_of(daemonset(documents, "kubelet-plugin"))
     _, driver_args, _ = command_of(daemonset(documents, "dra-plugin"))
     assert (plugin_args.mps_replicas, driver_args.sharing) == (3, "mps")
+    # The daemons outlive the plugins' containers (R-MP-1): started in the host's cgroup gpu-isolator-mps,
+    # so both pods run with hostPID and the host's /sys/fs/cgroup.
+    assert plugin_args.mps_cgroup == driver_args.mps_cgroup == "gpu-isolator-mps"
+    assert plugin_args.mps_control is None and driver_args.mps_control is None
+    for component in ("kubelet-plugin", "dra-plugin"):
+        pod = daemonset(documents, component)["spec"]["template"]["spec"]
+        assert pod["hostPID"] is True
+        assert {"name": "cgroup", "hostPath": {"path": "/sys/fs/cgroup"}} in pod["volumes"]
+        assert {"name": "cgroup", "mountPath": "/sys/fs/cgroup"} in pod["containers"][0]["volumeMounts"]
+    own = render(EXAMPLES / "migration.yaml", set_values=(
+        "devicePlugin.mpsReplicas=2", "devicePlugin.podRepair.enabled=false", "dra.sharing=mps", "mps.cgroup=none",
+        "mps.control=/opt/mps/nvidia-cuda-mps-control"))
+    for component in ("kubelet-plugin", "dra-plugin"):
+        _, args, _ = command_of(daemonset(own, component))
+        assert (args.mps_cgroup, args.mps_control) == ("none", "/opt/mps/nvidia-cuda-mps-control")
+        pod = daemonset(own, component)["spec"]["template"]["spec"]
+        assert "hostPID" not in pod and "cgroup" not in {v["name"] for v in pod["volumes"]}
     plain = render(EXAMPLES / "migration.yaml")
     assert (command_of(daemonset(plain, "kubelet-plugin"))[1].mps_replicas,
             command_of(daemonset(plain, "dra-plugin"))[1].sharing) == (1, "none")
-    for bad in ("devicePlugin.mpsReplicas=0", "dra.sharing=time-slicing"):
-        with pytest.raises(HelmError, match=bad.split("=")[0].split(".")[-1]):
+    assert "hostPID" not in daemonset(plain, "dra-plugin")["spec"]["template"]["spec"]
+    for bad in ("devicePlugin.mpsReplicas=0", "dra.sharing=time-slicing", "mps.cgroup=../escape",
+                "mps.control=relative/nvidia-cuda-mps-control"):
+        with pytest.raises(HelmError, match="/".join(bad.split("=")[0].split("."))):
             render(EXAMPLES / "migration.yaml", set_values=(bad,))
 
 

@@ -108,6 +108,7 @@ def _cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     flags = front_door_flags(args, "kubelet-plugin")
     options = PluginOptions(device_plugin_dir=args.device_plugin_dir, time_slicing_replicas=args.time_slicing_replicas,
                             mps_replicas=args.mps_replicas, mps_control=args.mps_control,
+                            mps_cgroup=args.mps_cgroup,
                             listen=args.listen, credential=args.credential,
                             pass_device_specs=args.pass_device_specs, poll_interval=args.poll_interval,
                             pass_interval=args.repair_interval, pod_resources_socket=args.pod_resources_socket,

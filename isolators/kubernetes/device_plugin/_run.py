@@ -81,6 +81,8 @@ class PluginOptions(msgspec.Struct, frozen=True, kw_only=True):
     """``--mps_replicas``: MPS shares per GPU (1: no MPS; SPEC R-MP-4)."""
     mps_control: str | None = None
     """``--mps_control``: the control daemon to run for shared units (None: where the driver's binaries are)."""
+    mps_cgroup: str = "none"
+    """``--mps_cgroup``: where the daemons are started (``none``: the front door's own cgroup)."""
     listen: str | None = None
     credential: str | None = None
     pass_device_specs: bool = False
@@ -124,7 +126,7 @@ async def run_plugin(flags: Flags, options: PluginOptions,
         leases = PodLeases(catalog, components.allocator, grace_s=options.allocate_grace) if ledger else None
         shares = mps = None
         if options.mps_replicas > 1:  # SPEC R-MP-4: the front door's MPS daemons, one per shared unit
-            mps = mps_daemons(components.nvml, flags.runtime_dir, options.mps_control)
+            mps = mps_daemons(components.nvml, flags.runtime_dir, options.mps_control, options.mps_cgroup)
             shares = PodShares(catalog, mps, grace_s=options.allocate_grace,
                                allocator=components.allocator if ledger else None)
         try:

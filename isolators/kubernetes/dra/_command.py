@@ -95,7 +95,8 @@ def _cmd_dra_plugin(args: argparse.Namespace) -> int:
     options = DraOptions(node_name=node, driver_name=args.driver_name, plugins_registry_dir=args.plugins_registry_dir,
                          plugins_dir=args.plugins_dir, kubeconfig=args.kubeconfig, listen=args.listen,
                          credential=args.credential, api_timeout_s=args.api_timeout, poll_interval=args.poll_interval,
-                         sharing=args.sharing, mps_control=args.mps_control)
+                         sharing=args.sharing, mps_control=args.mps_control,
+                         mps_cgroup=args.mps_cgroup)
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one INFO line per API request otherwise
 
     def ready(summary: DraSummary) -> None:

@@ -74,6 +74,8 @@ class DraOptions(msgspec.Struct, frozen=True, kw_only=True):
     """``--sharing``: ``none`` or ``mps`` (SPEC R-MP-5)."""
     mps_control: str | None = None
     """``--mps_control``: the control daemon to run for shared units (None: where the driver's binaries are)."""
+    mps_cgroup: str = "none"
+    """``--mps_cgroup``: where the daemons are started (``none``: the front door's own cgroup)."""
 
 
 class DraSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,7 +119,7 @@ async def run_dra_plugin(flags: Flags, options: DraOptions, ready: Callable[[Dra
             ledger = await components.join_ledger(dra_plugin_owner(driver))
             catalog = DraCatalog.build(components.allocator.pools(), components.inventory, options.sharing)
             facts = await read_node_facts(flags, components.inventory, components.volume)
-            mps = mps_daemons(components.nvml, flags.runtime_dir, options.mps_control) \
+            mps = mps_daemons(components.nvml, flags.runtime_dir, options.mps_control, options.mps_cgroup) \
                 if options.sharing == "mps" else None
             plugin = await DraPluginProcess.create(
                 catalog, components.allocator, facts, client, driver=driver, node=node, spec_dir=spec_dir,

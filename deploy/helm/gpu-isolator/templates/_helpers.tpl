@@ -100,6 +100,14 @@ container's args, one each.
 {{- end }}
 {{- end }}
 
+{{/* A sharing front door's MPS options (values.mps). */}}
+{{- define "gpu-isolator.mpsArgs" -}}
+- --mps_cgroup={{ .Values.mps.cgroup }}
+{{- with .Values.mps.control }}
+- --mps_control={{ . }}
+{{- end }}
+{{- end }}
+
 {{/* The scheduling and pod-level fields both DaemonSets share. */}}
 {{- define "gpu-isolator.podCommon" -}}
 {{- with .Values.imagePullSecrets }}
