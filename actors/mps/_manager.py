@@ -17,10 +17,13 @@ Rules:
   an MPS claim, never on its MIG devices.
 - Limits (R-MP-2) are set through the control daemon, not only in the
   client's environment: on every share, ``set_default_device_pinned_mem_limit
-  <uuid> <MiB>M`` and ``set_default_active_thread_percentage <pct>`` (what the
+  0 <MiB>M`` and ``set_default_active_thread_percentage <pct>`` (what the
   next server of the daemon gets), and for every server already running
-  (``get_server_list``) ``set_device_pinned_mem_limit <pid> <uuid> <MiB>M``
-  and ``set_active_thread_percentage <pid> <pct>``. MPS holds these limits
+  (``get_server_list``) ``set_device_pinned_mem_limit <pid> 0 <MiB>M``
+  and ``set_active_thread_percentage <pid> <pct>``. The device is named by
+  its index in the daemon, 0 (its ``CUDA_VISIBLE_DEVICES`` is the unit
+  alone), never by UUID: NVIDIA's device plugin found the real daemon does
+  not apply a limit set by UUID (NVIDIA/k8s-device-plugin#572). MPS holds these limits
   per server, and one server serves every client of a daemon, so shares of
   one unit are equal: a share asking other limits than the unit's live
   shares have is refused naming both. Memory is given in whole MiB, as
@@ -90,6 +93,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MPS_CONTROL = "nvidia-cuda-mps-control"
 _MIB = 1024 * 1024
+UNIT_INDEX = 0
+"""The unit's device index in its own daemon, which sees it alone (see module rules)."""
 
 
 class ShareLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -435,16 +440,15 @@ class MpsDaemons:
             unit.restart_task = None
 
     async def _apply_limits(self, unit: _Unit, limits: ShareLimits) -> None:
-        uuid = unit.uuid
         commands = [
-            f"set_default_device_pinned_mem_limit {uuid} {limits.memory_text}",
+            f"set_default_device_pinned_mem_limit {UNIT_INDEX} {limits.memory_text}",
             f"set_default_active_thread_percentage {limits.thread_percentage}",
         ]
 
         def apply() -> None:
             servers = _daemon.send(self.control, unit.paths, ["get_server_list"], self.timeout_s).split()
             for server in servers:
-                commands.append(f"set_device_pinned_mem_limit {server} {uuid} {limits.memory_text}")
+                commands.append(f"set_device_pinned_mem_limit {server} {UNIT_INDEX} {limits.memory_text}")
                 commands.append(f"set_active_thread_percentage {server} {limits.thread_percentage}")
             _daemon.configure(self.control, unit.paths, commands, self.timeout_s)
 

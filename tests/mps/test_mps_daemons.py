@@ -97,9 +97,11 @@ async def test_a_share_starts_the_units_daemon_sets_limits_through_it_and_the_la
         # Limits through the daemon's commands (R-MP-2): 40 GiB in MiB, 50 %.
         assert commands(record, gpu0) == [
             "get_server_list",
-            f"set_default_device_pinned_mem_limit {gpu0} 40960M",
+            "set_default_device_pinned_mem_limit 0 40960M",
             "set_default_active_thread_percentage 50",
         ]
+        # Set by the unit's index in its daemon (0), as the real daemon applies it; by UUID it would not.
+        assert _answer(daemons, gpu0, "get_default_device_pinned_mem_limit 0").strip() == "40960M"
         snapshot = current_runtime().metrics.snapshot()
         assert (snapshot["mps/daemons"], snapshot["mps/shares"], snapshot["mps/daemon_restarts"]) == (1, 1, 0)
 
@@ -111,9 +113,9 @@ async def test_a_share_starts_the_units_daemon_sets_limits_through_it_and_the_la
         server = int(_answer(daemons, gpu0, "get_server_list"))  # recorded too: the last line
         assert commands(record, gpu0)[-6:-1] == [
             "get_server_list",
-            f"set_default_device_pinned_mem_limit {gpu0} 40960M",
+            "set_default_device_pinned_mem_limit 0 40960M",
             "set_default_active_thread_percentage 50",
-            f"set_device_pinned_mem_limit {server} {gpu0} 40960M",
+            f"set_device_pinned_mem_limit {server} 0 40960M",
             f"set_active_thread_percentage {server} 50",
         ]
         # Shares of one unit are equal: other limits are refused by name, nothing changes.
@@ -173,7 +175,7 @@ async def test_a_killed_daemon_is_started_again_and_its_shares_are_told_apart_fr
         assert new_pid not in (None, pid) and alive(new_pid)
         assert not stale.exists()  # the dead daemon's leftovers went before the new one started
         assert starts(record, gpu) == [pid, new_pid]
-        assert commands(record, gpu)[-2:] == [f"set_default_device_pinned_mem_limit {gpu} 40960M",
+        assert commands(record, gpu)[-2:] == ["set_default_device_pinned_mem_limit 0 40960M",
                                               "set_default_active_thread_percentage 50"]
         assert current_runtime().metrics.snapshot()["mps/daemon_restarts"] == 1
         # The share it served is told apart from a new one.
@@ -309,7 +311,7 @@ async def test_a_daemon_left_by_an_earlier_life_is_taken_over_not_started_twice(
         later = await manager(nvml, runtime_dir, mps_control)
         await later.share(gpu, "claim", HALF)
         assert later.daemon_pid(gpu) == pid and starts(record, gpu) == [pid]
-        assert commands(record, gpu)[-2:] == [f"set_default_device_pinned_mem_limit {gpu} 40960M",
+        assert commands(record, gpu)[-2:] == ["set_default_device_pinned_mem_limit 0 40960M",
                                               "set_default_active_thread_percentage 50"]
         await later.release("claim")
         assert not alive(pid) and nvml.compute_mode(0) == 0

@@ -26,8 +26,13 @@
  *   get_default_active_thread_percentage; set_default_device_pinned_mem_limit
  *   <dev> <value>; get_default_device_pinned_mem_limit <dev>;
  *   set_active_thread_percentage <server pid> <pct>;
- *   set_device_pinned_mem_limit <server pid> <dev> <value>. <dev> is 0 or
- *   the UUID in the daemon's $CUDA_VISIBLE_DEVICES; <value> is a whole
+ *   set_device_pinned_mem_limit <server pid> <dev> <value>. <dev> is 0 (the
+ *   index of the one device a daemon of one unit sees) or the UUID in the
+ *   daemon's $CUDA_VISIBLE_DEVICES, which is accepted but, as NVIDIA's device
+ *   plugin found of the real daemon (NVIDIA/k8s-device-plugin#572: limits
+ *   set by UUID are not applied), changes nothing:
+ *   get_default_device_pinned_mem_limit still answers the limit set by
+ *   index (0 when none was); <value> is a whole
  *   number with an optional K, M or G suffix; <pct> is in (0, 100]. A
  *   command it cannot accept is answered with a line starting "Error:"
  *   (the stand-in's own wording), anything else with its value or nothing.
@@ -250,7 +255,9 @@ static int run_command(char *line, char *answer, size_t size)
             snprintf(answer, size, "Error: invalid device or limit %s %s\n", words[1], words[2]);
             return 0;
         }
-        snprintf(default_limit, sizeof default_limit, "%s", words[2]);
+        if (strcmp(words[1], "0") == 0) {
+            snprintf(default_limit, sizeof default_limit, "%s", words[2]);
+        }
         return 0;
     }
     if (strcmp(words[0], "get_default_device_pinned_mem_limit") == 0 && count == 2) {

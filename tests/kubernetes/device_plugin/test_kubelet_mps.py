@@ -161,7 +161,7 @@ async def test_in_the_node_ledger_the_gpu_is_the_plugins_and_each_pods_share_a_h
                 return [detail for unit, event, detail in read_record(record) if unit == gpu0 and event == "command"]
 
             assert [e for u, e, _ in read_record(record) if e == "start"] == ["start"]  # one daemon, two shares
-            assert commands()[:3] == ["get_server_list", f"set_default_device_pinned_mem_limit {gpu0} 16384M",
+            assert commands()[:3] == ["get_server_list", "set_default_device_pinned_mem_limit 0 16384M",
                                       "set_default_active_thread_percentage 50"]
             kube.wait_slice(lambda devices: "gpu-0" not in devices, "gpu-0 left out of the DRA driver's slice")
             claim = kube.claim(["gpu-0"])

@@ -100,7 +100,7 @@ async def test_claims_share_one_gpu_through_its_daemon_with_their_limits_held_by
 
     # one daemon for the unit, started by the first share, its limits set through it (R-MP-1, R-MP-2)
     assert [e for u, e, _ in read_record(kube.record) if e == "start"] == ["start"]
-    assert daemon_commands(kube, gpu0)[:3] == ["get_server_list", f"set_default_device_pinned_mem_limit {gpu0} 10240M",
+    assert daemon_commands(kube, gpu0)[:3] == ["get_server_list", "set_default_device_pinned_mem_limit 0 10240M",
                                                "set_default_active_thread_percentage 30"]
     # what the claim's containers get (R-MP-3): the daemon's pipes at /tmp/nvidia-mps, the unit's /dev/shm
     spec = json.loads((kube.cdi / f"{DRIVER}-claim_{first[2]}.json").read_text())
