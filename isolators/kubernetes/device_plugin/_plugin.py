@@ -172,14 +172,14 @@ class KubeletPluginProcess(OperatorRoutes):
         """Make the spec file hold the node spec: None when it did, else why it was written."""
         state = await self.executor.run(ensure_spec_file, self.spec_dir, NODE_SPEC_FILE, self.spec)
         if state is not None:
-            logger.info("Wrote the CDI node spec %s/%s (it was %s)", self.spec_dir, NODE_SPEC_FILE, state)
+            logger.info("Wrote the CDI node spec %s/%s (it %s)", self.spec_dir, NODE_SPEC_FILE, _spec_was(state))
         if self.mps_spec is not None:
             from ._shares import MPS_SPEC_FILE
 
             written = await self.executor.run(ensure_spec_file, self.spec_dir, MPS_SPEC_FILE, self.mps_spec)
             if written is not None:
-                logger.info("Wrote the CDI spec of MPS shares %s/%s (it was %s)", self.spec_dir, MPS_SPEC_FILE,
-                            written)
+                logger.info("Wrote the CDI spec of MPS shares %s/%s (it %s)", self.spec_dir, MPS_SPEC_FILE,
+                            _spec_was(written))
             state = state or written
         return state
 
@@ -292,3 +292,7 @@ class KubeletPluginProcess(OperatorRoutes):
         assert result is not None
         return Response.json(result.answer())
 
+
+def _spec_was(state: str) -> str:
+    """What ``ensure_spec_file``'s answer says of the file before it was written."""
+    return "was missing" if state == "missing" else "differed from what this plugin serves"

@@ -112,7 +112,8 @@ def test_the_kubelet_lists_two_shares_per_gpu_and_a_container_gets_one_share_of_
     one = kubelet.allocate("nvidia.com/gpu", [f"{GPU_UUIDS[2]}::1"])
     # the unit, and its MPS edits (the daemon's pipes at /tmp/nvidia-mps, the unit's /dev/shm: R-MP-3)
     assert [d.name for d in one.cdi_devices] == [f"nvidia.com/gpu={GPU_UUIDS[2]}", f"nvidia.com/gpu-mps={GPU_UUIDS[2]}"]
-    _, _, _, cdi = mps
+    plugin, _, _, cdi = mps
+    plugin.wait_log(f"Wrote the CDI spec of MPS shares {cdi}/gpu-isolator-mps.json (it was missing)")
     spec = json.loads((cdi / "gpu-isolator-mps.json").read_text())
     assert spec["kind"] == "nvidia.com/gpu-mps" and [d["name"] for d in spec["devices"]] == sorted(GPU_UUIDS)
     edits = next(d for d in spec["devices"] if d["name"] == GPU_UUIDS[2])["containerEdits"]
