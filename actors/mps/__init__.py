@@ -13,8 +13,8 @@ rely on are cited in docs/guides/mps.md.
 
 from ._cgroup import DEFAULT_MPS_CGROUP, NO_CGROUP, validate_mps_cgroup
 from ._daemon import DaemonPaths
-from ._errors import MpsDaemonFailed, MpsError
+from ._errors import MpsDaemonFailed, MpsError, UnequalShare
 from ._manager import DEFAULT_MPS_CONTROL, MpsDaemons, ShareLimits, ShareState
 
 __all__ = ["DEFAULT_MPS_CGROUP", "DEFAULT_MPS_CONTROL", "NO_CGROUP", "DaemonPaths", "MpsDaemonFailed", "MpsError",
-           "MpsDaemons", "ShareLimits", "ShareState", "validate_mps_cgroup"]
+           "MpsDaemons", "ShareLimits", "ShareState", "UnequalShare", "validate_mps_cgroup"]

@@ -9,17 +9,25 @@ Rules:
   died: ``None``) and ``log_tail`` (the last lines of its ``control.log``)
   are in the message, so a refused share says why (R-MP-1), never a bare
   "error waiting for MPS daemon".
+- ``UnequalShare`` is a share asking other limits than its unit's live
+  shares have (MPS holds limits per server: the shares of one unit are
+  equal). The unit's limits are free again once its last share is
+  returned, so the same ask can succeed later.
 """
 
 from __future__ import annotations
 
 from runtime import Failure
 
-__all__ = ["MpsError", "MpsDaemonFailed"]
+__all__ = ["MpsError", "MpsDaemonFailed", "UnequalShare"]
 
 
 class MpsError(Failure):
     """An MPS operation failed (see module rules)."""
+
+
+class UnequalShare(MpsError):
+    """A share asking other limits than its unit's live shares have (see module rules)."""
 
 
 class MpsDaemonFailed(MpsError):

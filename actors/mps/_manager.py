@@ -85,7 +85,7 @@ from actors.nvml import COMPUTE_MODE_DEFAULT, COMPUTE_MODE_EXCLUSIVE_PROCESS, Nv
 from . import _daemon
 from ._cgroup import NO_CGROUP, procs_files, validate_mps_cgroup
 from ._daemon import DaemonPaths
-from ._errors import MpsDaemonFailed, MpsError
+from ._errors import MpsError, UnequalShare
 
 __all__ = ["MpsDaemons", "ShareLimits", "ShareState", "DEFAULT_MPS_CONTROL"]
 
@@ -268,7 +268,7 @@ class MpsDaemons:
                                    f" not {limits}")
                 return self.share_state(share_id)  # type: ignore[return-value]
             if unit.shares and unit.limits is not None and unit.limits != limits:
-                raise MpsError(
+                raise UnequalShare(
                     f"cannot share {uuid} with {_describe(limits)}: its live shares have {_describe(unit.limits)},"
                     " and MPS holds limits per server, one server for every client of a unit, so the shares of"
                     " one unit are equal (R-MP-2); ask for the same limits or another unit"

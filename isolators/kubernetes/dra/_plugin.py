@@ -339,10 +339,15 @@ class DraPluginProcess(OperatorRoutes):
             try:
                 await self._grant(plan.ref.uid, plan.devices)
             except Exception as error:  # noqa: BLE001 - the daemons' refusal, named in the claim's answer
+                from actors.mps import UnequalShare
+
                 self.table.release(plan.ref.uid)
                 await self._let_go([plan.ref.uid])
+                later = ("; the kubelet tries again, and it is prepared once the unit's other shares are unprepared"
+                         " (or delete its pod, for the scheduler to allocate the claim anew)"
+                         if isinstance(error, UnequalShare) else "")
                 answers[plan.ref.uid] = self._refused(ClaimRefused(
-                    f"{plan.ref}: its MPS share cannot be granted: {error}; nothing was prepared"))
+                    f"{plan.ref}: its MPS share cannot be granted: {error}; nothing was prepared{later}"))
                 continue
             shared.append(plan)
         return shared

@@ -138,7 +138,9 @@ async def test_claims_share_one_gpu_through_its_daemon_with_their_limits_held_by
     refusal = kube.prepare(raced)["error"]
     assert refusal.startswith(f"claim ns/raced (uid {raced[2]}): its MPS share cannot be granted: cannot share"
                               f" {gpu0} with ")
-    assert "the shares of one unit are equal (R-MP-2)" in refusal and refusal.endswith("nothing was prepared")
+    assert "the shares of one unit are equal (R-MP-2)" in refusal and refusal.endswith(
+        "nothing was prepared; the kubelet tries again, and it is prepared once the unit's other shares are"
+        " unprepared (or delete its pod, for the scheduler to allocate the claim anew)")
     assert raced[2] not in checkpointed(kube)
     # one the scheduler should never have allocated (a fourth 10Gi share): the driver checks the sums itself
     crowded = ("ns", "crowded", str(uuid.uuid4()))
@@ -175,6 +177,11 @@ async def test_claims_share_one_gpu_through_its_daemon_with_their_limits_held_by
     assert daemon_commands(kube, gpu0)[-1] == "quit"
     assert kube.dra_plugin.metrics()["mps_shares"] == 0
     kube.api.wait_for(lambda api: "validRange" in gpu0_policies(api)["memory"], "gpu-0 offered for any share again")
+    # the raced claim, tried again by the kubelet once gpu-0's other shares are gone, is prepared with its own
+    assert [d["device_name"] for d in kube.prepare(raced)["devices"]] == ["gpu-0"]
+    assert daemon_commands(kube, gpu0)[-2:] == ["set_default_device_pinned_mem_limit 0 1024M",
+                                                "set_default_active_thread_percentage 100"]
+    assert kube.unprepare(raced) == {}
 
 
 def test_a_share_whose_daemon_cannot_start_is_refused_naming_its_exit_and_log(tmp_path: Path) -> None:
