@@ -20,8 +20,10 @@ Rules:
   removed first, so the wheelhouse holds one version of each.
 - ``debian_base(tar)``: a base without a registry, from Debian's packages:
   ``mmdebstrap`` (as root; it reaches Debian's mirror) of ``bookworm``'s
-  essential packages with ``python3``, ``python3-venv`` and ``libstdc++6``
-  (grpcio's compiled module needs it), without
+  essential packages with ``python3``, ``python3-venv``, ``libstdc++6``
+  (grpcio's compiled module needs it) and ``mount`` (the MPS daemons'
+  launcher binds a unit's shared memory with it; Debian's slim images have
+  it, the essential set does not), without
   manuals, docs (copyright files kept) and locales, dpkg's fsyncs skipped
   (mmdebstrap's eatmydata hook), as a tarball for ``podman import``. The
   ``essential`` variant, not ``apt``: an image installs nothing after its
@@ -68,9 +70,10 @@ PYTHON_VERSION = "3.11"
 GLIBC = "2.36"
 """Debian bookworm's glibc: the newest manylinux tag the image's Python takes."""
 DEBIAN_SUITE = "bookworm"
-DEBIAN_PACKAGES = ("python3", "python3-venv", "libstdc++6")
-"""What a Debian base needs for the Containerfile: python3, its venv module, and the C++ runtime grpcio's
-compiled module loads (manylinux wheels take it from the system; Debian's slim images have it, with apt)."""
+DEBIAN_PACKAGES = ("python3", "python3-venv", "libstdc++6", "mount")
+"""What a Debian base needs for the Containerfile: python3, its venv module, the C++ runtime grpcio's
+compiled module loads (manylinux wheels take it from the system; Debian's slim images have it, with apt),
+and ``mount``, which the MPS daemons' launcher runs (``actors.mps``; util-linux's ``unshare`` is essential)."""
 EATMYDATA = Path("/usr/share/mmdebstrap/hooks/eatmydata")
 """mmdebstrap's hook that runs dpkg without fsync (a root filesystem is written once, then packed)."""
 _SOURCE_FILES = ("pyproject.toml", "README.md")

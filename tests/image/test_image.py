@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import tomllib
+import uuid
 from importlib import metadata
 from pathlib import Path
 
@@ -101,8 +104,9 @@ def test_the_image_holds_the_venv_without_pip_wheels_or_compilers(image: ImageBu
 
 def test_the_image_has_what_the_daemonsets_scripts_run(image: ImageBuild) -> None:
     """deploy/'s DaemonSets run a shell script in the image: ``ldconfig`` (a loader cache of the host's driver
-    directory), ``install`` of the CDI hook, whose file ``python3`` (the venv's: the project imports) names."""
-    script = ("for tool in sh mkdir ln ldconfig install; do command -v $tool >/dev/null || echo missing $tool; done;"
+    directory), ``install`` of the CDI hook, whose file ``python3`` (the venv's: the project imports) names;
+    a sharing front door starts each MPS daemon through ``unshare`` and ``mount`` (``actors.mps``)."""
+    script = ("for tool in sh mkdir ln ldconfig install unshare mount; do command -v $tool >/dev/null || echo missing $tool; done;"
               " python3 -c 'from isolators.cdi import HOOK_FILE; import os; print(os.path.isfile(HOOK_FILE))';"
               " command -v python3; command -v gpu-isolator-cdi-hook")
     done = image.run(["-c", script], entrypoint="/bin/sh")
@@ -147,3 +151,69 @@ def test_the_device_plugin_in_the_image_registers_with_the_kubelet_through_a_mou
         finally:
             plugin.close()
             kubelet.close()
+
+
+def test_a_sharing_plugin_in_the_image_leaves_its_mps_daemon_to_the_next_one_when_its_container_stops(
+        image: ImageBuild, tmp_path: Path) -> None:
+    """R-MP-1 under a real container runtime, run as the chart runs a sharing plugin (privileged, the host's
+    PID namespace and cgroups, ``--mps_cgroup``): a pod's share starts the GPU's MPS daemon (the stand-in) from
+    inside the container, through the image's ``unshare`` and ``mount``, in a cgroup of the test's own; the
+    container stops (podman, then runc, which kills what is left in the container's cgroup), the daemon lives
+    on, and the plugin in a new container takes it over, grants the running pod's share again and stops the
+    daemon with the pod."""
+    from actors.mps.testing import NO_GCC, build_mps_control
+    from isolators.kubernetes.device_plugin import PLUGIN_OWNER
+    from tests.mps.test_daemon_cgroup import _cgroups_of
+    from tests.support.engines import remove_cgroup_trees
+    from tests.support.kernel import process_state, wait_gone
+    from tests.support.kube_node import KubeNode, end_mps_daemons
+    from tests.support.ledger import leases
+
+    stand_in_dir = tmp_path / "mps-control"
+    stand_in_dir.mkdir()
+    control = build_mps_control(stand_in_dir, static=True)  # the image has no compiler; a static stand-in runs there
+    if control is None:
+        pytest.skip(NO_GCC)
+    runtime_dir = tempfile.mkdtemp(prefix="mps-", dir="/tmp")  # short: the daemon's socket path is bounded
+    test_cgroup = f"gpu-isolator-test-mps-{uuid.uuid4().hex[:8]}"
+    with plugin_directory() as sockets:
+        kube = KubeNode(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"), device_plugin_options=(
+            "--mps_replicas=2", f"--mps_control={control}", f"--runtime_dir={runtime_dir}",
+            f"--mps_cgroup={test_cgroup}/mps", "--device_worker=thread"))
+        volumes = [f"{DGX8}:{DGX8}:ro", f"{tmp_path}:{tmp_path}", f"{sockets}:{sockets}", f"{runtime_dir}:{runtime_dir}",
+                   "/sys/fs/cgroup:/sys/fs/cgroup"]
+
+        def plugin_in_a_container() -> ImagePluginCommand:
+            command = ImagePluginCommand(image, kube.device_plugin_args, kube.base, volumes=volumes,
+                                         options=["--privileged", "--pid=host", "--cgroupns=host"])
+            kube.device_plugin = command.start()
+            kube.registrations += 1
+            kube.kubelet.wait_registrations(kube.registrations)
+            return command
+
+        try:
+            kube.pod_resources.start()
+            kube.kubelet.start()
+            kube._started = True
+            first = plugin_in_a_container()
+            gpu0 = kube.uuids["gpu-0"]
+            answer = kube.allocate("a", [f"{gpu0}::0"])
+            assert [d.name for d in answer.cdi_devices] == [f"{GPU}={gpu0}", f"nvidia.com/gpu-mps={gpu0}"]
+            pid_file = Path(runtime_dir, "mps", gpu0, "pipe", "nvidia-cuda-mps-control.pid")
+            pid = int(pid_file.read_text().split()[0])  # the host's PID: the container shares its namespace
+            assert _cgroups_of(pid) == {f"/{test_cgroup}/mps"}  # out of the container's, in every hierarchy
+
+            assert first.stop(signal.SIGTERM) == 0, first.log()
+            assert process_state(pid) not in (None, "Z"), "the daemon died with the plugin's container"
+            second = plugin_in_a_container()
+            second.wait_log(f"MPS control daemon of {gpu0} taken over (pid {pid},")
+            second.wait_log(f"MPS share {gpu0}::0 of pod ns/a granted again")
+            assert leases(kube.ledger)["195:0"] == (PLUGIN_OWNER, ("ns/a/gpu",))
+            kube.remove_pod("a")
+            assert wait_gone(pid, 30), "the daemon stopped with the pod's share"
+            assert second.stop(signal.SIGTERM) == 0, second.log()
+        finally:
+            kube.close()
+            end_mps_daemons(runtime_dir)
+            remove_cgroup_trees(test_cgroup)
+            shutil.rmtree(runtime_dir, ignore_errors=True)

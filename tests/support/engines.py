@@ -375,8 +375,10 @@ class PodmanEngine:
 
     def run_args(self, image: str, command: Sequence[str], *, devices: Iterable[str] = (),
                  volumes: Iterable[str] = (), name: str | None = None,
-                 env: Mapping[str, str] | None = None, entrypoint: str | None = None) -> list[str]:
-        """The ``podman run`` arguments (after the global options) for one container."""
+                 env: Mapping[str, str] | None = None, entrypoint: str | None = None,
+                 options: Sequence[str] = ()) -> list[str]:
+        """The ``podman run`` arguments (after the global options) for one container (``options``: more of
+        ``podman run``'s own, e.g. ``--privileged``)."""
         args = ["run", "--rm", "--name", name or f"gpu-isolator-test-{uuid.uuid4().hex[:12]}",
                 "--runtime", "runc", "--network", "none", "--cgroup-parent", "/" + self.cgroup_parent,
                 "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
@@ -388,7 +390,7 @@ class PodmanEngine:
             args += ["-v", volume]
         for key, value in (env or {}).items():
             args += ["--env", f"{key}={value}"]
-        return args + [image, *command]
+        return args + list(options) + [image, *command]
 
     def run(self, image: str, command: Sequence[str], *, devices: Iterable[str] = (),
             volumes: Iterable[str] = (), cdi_dir: str | None = None, env: Mapping[str, str] | None = None,

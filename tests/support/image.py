@@ -29,9 +29,10 @@ Rules:
   tests measure ratios and run first) when the session holds image tests.
 - ``ImageBuild.run(args, volumes=)`` runs the image's entrypoint to
   completion (``--rm``, no network, the sandbox's rlimits).
-- ``ImagePluginCommand(image, args, directory, volumes)`` is
+- ``ImagePluginCommand(image, args, directory, volumes, options=())`` is
   ``tests.support.kubelet.PluginCommand`` run in a container of the image
-  (``podman run --rm`` in the foreground, ``volumes`` mounted): the same
+  (``podman run --rm`` in the foreground, ``volumes`` mounted, ``options``
+  more of ``podman run``'s, as a pod's spec gives them): the same
   ``start()``, ``wait_log()``, ``stop(signal)`` (sent to podman, which
   hands it to the container: ``--sig-proxy``; the status is the
   container's) and ``close()`` (podman killed; ``ImageBuild.close()``
@@ -202,12 +203,14 @@ class ImagePluginCommand(PluginCommand):
     """``gpu-isolator kubelet-plugin`` in a container of the image, podman in the foreground (see module rules)."""
 
     def __init__(self, image: ImageBuild, args: list[str], directory: str | os.PathLike[str],
-                 volumes: Iterable[str]) -> None:
+                 volumes: Iterable[str], options: Iterable[str] = ()) -> None:
         super().__init__(args, directory)
         self.image = image
         self.volumes = list(volumes)
+        self.options = list(options)
 
     def _spawn(self, log: Any) -> subprocess.Popen:
         engine = self.image.engine
-        return engine.popen(engine.run_args(self.image.tag, [self.COMMAND, *self.args], volumes=self.volumes),
+        return engine.popen(engine.run_args(self.image.tag, [self.COMMAND, *self.args], volumes=self.volumes,
+                                            options=self.options),
                             stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
