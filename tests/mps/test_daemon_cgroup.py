@@ -27,7 +27,7 @@ from runtime import Runtime
 
 from tests.kubernetes.device_plugin.test_kubelet_mig_and_sharing import DGX8
 from tests.support.engines import remove_cgroup_trees
-from tests.support.kernel import members
+from tests.support.kernel import members, wait_gone
 from tests.support.kube_node import KubeNode, end_mps_daemons
 from tests.support.kubelet import plugin_directory
 from tests.support.ledger import leases, until
@@ -166,8 +166,6 @@ async def test_a_daemon_outlives_the_front_doors_container_and_the_next_one_take
             _stop_container(container)
             assert kube.device_plugin.process.wait(10) == -signal.SIGKILL
             if not kept:
-                from tests.support.kernel import wait_gone
-
                 assert wait_gone(pid), "the daemon in the front door's cgroup died with its container"
                 return
             os.kill(pid, 0)  # the daemon, and its clients' server, outlived the container
@@ -179,3 +177,30 @@ async def test_a_daemon_outlives_the_front_doors_container_and_the_next_one_take
             kube.close()
             end_mps_daemons(runtime_dir)
             shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+@needs_root
+def test_the_dra_drivers_daemon_outlives_its_container_and_the_next_driver_takes_it_over(
+        tmp_path: Path, test_cgroup: str) -> None:
+    """The same through ``dra-plugin --sharing=mps --mps_cgroup``: a prepared claim's daemon lives through the
+    driver's container stop; the driver started again takes it over and the claim's unprepare stops it."""
+    from tests.kubernetes.dra.test_dra_shares_on_a_node import daemon_commands, sharing_node
+
+    container = f"{test_cgroup}/driver"
+    with sharing_node(tmp_path, (f"--mps_cgroup={test_cgroup}/mps", "--device_worker=thread")) as kube:
+        _enter(kube.dra_plugin.pid, container)
+        gpu0 = kube.uuids["gpu-0"]
+        kube.wait_slice(lambda devices: len(devices) == 8, "the sharing slice published")
+        claim = kube.share({"memory": "8Gi", "compute": "50"})
+        assert [d["device_name"] for d in kube.prepare(claim)["devices"]] == ["gpu-0"]
+        pid = int(Path(kube.runtime_dir, "mps", gpu0, "pipe", "nvidia-cuda-mps-control.pid").read_text().split()[0])
+        assert _cgroups_of(pid) == {f"/{test_cgroup}/mps"}
+        _stop_container(container)
+        assert kube.dra_plugin.process.wait(10) == -signal.SIGKILL
+        os.kill(pid, 0)  # the daemon, and the claim's clients' server, outlived the container
+        kube.restart_dra_plugin()
+        kube.dra_plugin.wait_log(f"MPS control daemon of {gpu0} taken over (pid {pid},")
+        assert [e for _, e, _ in read_record(kube.record) if e == "start"] == ["start"]
+        assert kube.unprepare(claim) == {}
+        assert wait_gone(pid), "the daemon stopped with the claim's share"
+        assert daemon_commands(kube, gpu0)[-1] == "quit"
