@@ -295,10 +295,13 @@ def test_the_values_reach_the_dra_driver_and_its_objects() -> None:
 def test_mps_sharing_values_reach_both_front_doors() -> None:
     """SPEC R-MP-4, R-MP-5: devicePlugin.mpsReplicas is --mps_replicas, dra.sharing is --sharing; their
     defaults pass neither, and the schema refuses what the commands would."""
-    documents = render(EXAMPLES / "migration.yaml", set_values=("devicePlugin.mpsReplicas=3", "dra.sharing=mps"))
+    documents = render(EXAMPLES / "migration.yaml", set_values=("devicePlugin.mpsReplicas=3", "dra.sharing=mps",
+                                                                "dra.mpsReplicas=4"))
     _, plugin_args, _ = command_of(daemonset(documents, "kubelet-plugin"))
     _, driver_args, _ = command_of(daemonset(documents, "dra-plugin"))
-    assert (plugin_args.mps_replicas, driver_args.sharing) == (3, "mps")
+    assert (plugin_args.mps_replicas, driver_args.sharing, driver_args.mps_replicas) == (3, "mps", 4)
+    with pytest.raises(HelmError, match="dra.mpsReplicas needs dra.sharing mps"):
+        render(EXAMPLES / "migration.yaml", set_values=("dra.mpsReplicas=2",))
     # The daemons outlive the plugins' containers (R-MP-1): started in the host's cgroup gpu-isolator-mps,
     # so both pods run with hostPID and the host's /sys/fs/cgroup.
     assert plugin_args.mps_cgroup == driver_args.mps_cgroup == "gpu-isolator-mps"
@@ -320,7 +323,7 @@ def test_mps_sharing_values_reach_both_front_doors() -> None:
     assert (command_of(daemonset(plain, "kubelet-plugin"))[1].mps_replicas,
             command_of(daemonset(plain, "dra-plugin"))[1].sharing) == (1, "none")
     assert "hostPID" not in daemonset(plain, "dra-plugin")["spec"]["template"]["spec"]
-    for bad in ("devicePlugin.mpsReplicas=0", "dra.sharing=time-slicing", "mps.cgroup=../escape",
+    for bad in ("devicePlugin.mpsReplicas=0", "dra.sharing=time-slicing", "dra.mpsReplicas=0", "mps.cgroup=../escape",
                 "mps.control=relative/nvidia-cuda-mps-control"):
         with pytest.raises(HelmError, match="/".join(bad.split("=")[0].split("."))):
             render(EXAMPLES / "migration.yaml", set_values=(bad,))

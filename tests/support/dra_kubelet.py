@@ -52,8 +52,8 @@ def _as_dict(message: Any) -> dict:
     return MessageToDict(message, preserving_proto_field_name=True)
 
 
-def catalog_of(host_file: str | os.PathLike[str], sharing: str = "none", **flags: Any) -> Any:
-    """The devices the driver publishes for ``host_file`` under ``flags`` (and ``--sharing``)."""
+def catalog_of(host_file: str | os.PathLike[str], sharing: str = "none", mps_replicas: int = 1, **flags: Any) -> Any:
+    """The devices the driver publishes for ``host_file`` under ``flags`` (and ``--sharing``, ``--mps_replicas``)."""
     from actors import NvidiaGpuAllocator
     from actors.allocator import managed_units
     from actors.flags import Flags
@@ -65,7 +65,7 @@ def catalog_of(host_file: str | os.PathLike[str], sharing: str = "none", **flags
     nvml.init()
     inventory = read_inventory(nvml)
     return DraCatalog.build(managed_units(values, NvidiaGpuAllocator.resources(values), inventory), inventory,
-                            sharing)
+                            sharing, mps_replicas)
 
 
 class DraPluginCommand(PluginCommand):

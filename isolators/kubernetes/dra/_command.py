@@ -8,11 +8,15 @@ Rules (issue 37 item 1; SPEC section 21):
   ``--flags FILE``) and, as extra options, every ``Flags`` field
   (``--host_file=``, ``--dev_dir=``, ``--cdi_spec_dir=``, ``--work_dir=`` ...),
   spelled ``--name=value`` as ``kubelet-plugin`` takes them.
+- ``--mps_replicas N`` (with ``--sharing=mps``; default 1): every
+  shareable unit is N equal shares (``_sharing``); below 1, or above 1
+  without ``--sharing=mps``, is a usage error.
 - ``--sharing=none|mps`` (SPEC R-MP-5, R-MP-8; default ``none``): with
   ``mps`` every unit is published for MPS shares with consumable capacity
   (``_sharing``); ``--mps_control=PATH`` (every front door's) names the
   control daemon.
-- Bad options exit 2 with one line: no node name, an unknown ``--sharing``, an invalid driver name,
+- Bad options exit 2 with one line: no node name, an unknown ``--sharing``, a bad ``--mps_replicas``,
+  an invalid driver name,
   ``--credential`` without ``--listen``, a kubeconfig that cannot be used.
   It logs at INFO on stderr and prints one line on stdout once it serves:
   the driver, node, devices, sockets, and ``/metrics`` with ``--listen``;
@@ -60,6 +64,10 @@ def add_command(sub: Any) -> None:
                         help="none (default: every GPU is one device, allocated whole) or mps: every GPU is published"
                              " for shares with consumable capacity memory (bytes) and compute (percent of its"
                              " threads), each share limited through the GPU's MPS control daemon")
+    plugin.add_argument("--mps_replicas", "--mps-replicas", metavar="N", type=int, default=1,
+                        help="with --sharing=mps: every GPU is N equal shares (1/N of its memory, 100/N %% of its"
+                             " threads), so claims scheduled at once never ask one GPU for different limits (default"
+                             " 1: any size a claim asks, in steps of 256Mi)")
     plugin.add_argument("--api_timeout", "--api-timeout", metavar="SECONDS", type=float, default=10.0,
                         help="the bound of every API server request (default 10)")
     plugin.set_defaults(func=_cmd_dra_plugin, accepts_flags=True)
@@ -89,13 +97,18 @@ def _cmd_dra_plugin(args: argparse.Namespace) -> int:
 
     if args.sharing not in SHARING_MODES:
         raise _usage(f"--sharing takes {' or '.join(SHARING_MODES)}, got {args.sharing!r}")
+    if args.mps_replicas < 1:
+        raise _usage(f"--mps_replicas must be a whole number >= 2 (1, the default, lets each claim ask its own"
+                     f" size), got {args.mps_replicas}")
+    if args.mps_replicas > 1 and args.sharing != "mps":
+        raise _usage(f"--mps_replicas {args.mps_replicas} needs --sharing=mps (it cuts every GPU into MPS shares)")
     if not args.api_timeout > 0:
         raise _usage(f"--api_timeout must be > 0, got {args.api_timeout}")
     flags = front_door_flags(args, "dra-plugin")
     options = DraOptions(node_name=node, driver_name=args.driver_name, plugins_registry_dir=args.plugins_registry_dir,
                          plugins_dir=args.plugins_dir, kubeconfig=args.kubeconfig, listen=args.listen,
                          credential=args.credential, api_timeout_s=args.api_timeout, poll_interval=args.poll_interval,
-                         sharing=args.sharing, mps_control=args.mps_control,
+                         sharing=args.sharing, mps_replicas=args.mps_replicas, mps_control=args.mps_control,
                          mps_cgroup=args.mps_cgroup)
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one INFO line per API request otherwise
 

@@ -22,8 +22,9 @@ Rules (SPEC section 21):
   parent's island. A ``matchAttribute: gpu.isolator.dev/nvlinkIsland``
   constraint keeps a claim's devices on one island.
 - Capacity ``memory`` in MiB (``<n>Mi``). With ``sharing`` ``mps`` (SPEC
-  R-MP-5) every unit that can hold two shares is ``shared``: published
-  once, for shares only, with the consumable capacity of ``_sharing``.
+  R-MP-5) every unit that can hold two shares (``mps_replicas`` > 1: that
+  many shares of a step or more) is ``shared``: published once, for shares
+  only, with the consumable capacity of ``_sharing``.
 - ``by_name`` / ``by_uuid`` / ``by_unit`` find devices; as a
   ``UnitCatalog``, ``uuids`` / ``unit_of_uuid`` find units and
   ``units_of`` names none (the kubelet's PodResources reports DRA devices
@@ -125,10 +126,12 @@ class DeviceFacts(msgspec.Struct, frozen=True, kw_only=True):
 class DraCatalog(UnitCatalog):
     """Every device the driver publishes (see module rules)."""
 
-    def __init__(self, devices: Iterable[DeviceFacts], sharing: str = "none") -> None:
+    def __init__(self, devices: Iterable[DeviceFacts], sharing: str = "none", mps_replicas: int = 1) -> None:
         self.devices = tuple(devices)
         self.sharing = sharing
         """``--sharing``: ``none`` or ``mps``."""
+        self.mps_replicas = mps_replicas
+        """``--mps_replicas``: equal shares per shareable unit (1: any size)."""
         self.by_name = {device.name: device for device in self.devices}
         self.by_uuid = {device.uuid: device for device in self.devices}
         self.by_unit = {device.unit: device for device in self.devices}
@@ -138,7 +141,7 @@ class DraCatalog(UnitCatalog):
 
     @classmethod
     def build(cls, pools: Mapping[str, Iterable[Unit]], inventory: NodeInventory,
-              sharing: str = "none") -> "DraCatalog":
+              sharing: str = "none", mps_replicas: int = 1) -> "DraCatalog":
         if sharing not in SHARING_MODES:
             raise PluginSetupError(f"Unknown --sharing {sharing!r}: expected one of {', '.join(SHARING_MODES)}")
         islands = nvlink_islands(inventory.gpus)
@@ -173,12 +176,13 @@ class DraCatalog(UnitCatalog):
                 attributes["architecture"] = ("string", architecture)
                 attributes["cudaComputeCapability"] = ("version", f"{major}.{minor}.0")
             devices.append(DeviceFacts(name=name, unit=unit.unit, uuid=unit.uuid, attributes=attributes,
-                                       memory_mib=memory, shared=sharing == "mps" and shareable(memory)))
+                                       memory_mib=memory,
+                                       shared=sharing == "mps" and shareable(memory, mps_replicas)))
         if not devices:
             raise PluginSetupError(
                 f"The node ({inventory.source}) has nothing to publish: no GPU and no MIG device is managed"
                 " (check --resources, --nvidia_gpu_devices and --nvidia_mig_strategy)")
-        return cls(devices, sharing)
+        return cls(devices, sharing, mps_replicas)
 
     def units_of(self, resource: str, ids: Iterable[str]) -> list[Unit] | None:
         """None: the kubelet names no device-plugin resource of a DRA driver (see module rules)."""

@@ -72,6 +72,8 @@ class DraOptions(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds between checks that the sockets are still there."""
     sharing: str = "none"
     """``--sharing``: ``none`` or ``mps`` (SPEC R-MP-5)."""
+    mps_replicas: int = 1
+    """``--mps_replicas``: equal MPS shares per unit (1: any size a claim asks)."""
     mps_control: str | None = None
     """``--mps_control``: the control daemon to run for shared units (None: where the driver's binaries are)."""
     mps_cgroup: str = "none"
@@ -117,7 +119,8 @@ async def run_dra_plugin(flags: Flags, options: DraOptions, ready: Callable[[Dra
         async with node_parts(flags, options.listen, "dra") as parts:
             components = parts.components
             ledger = await components.join_ledger(dra_plugin_owner(driver))
-            catalog = DraCatalog.build(components.allocator.pools(), components.inventory, options.sharing)
+            catalog = DraCatalog.build(components.allocator.pools(), components.inventory, options.sharing,
+                                       options.mps_replicas)
             facts = await read_node_facts(flags, components.inventory, components.volume)
             mps = mps_daemons(components.nvml, flags.runtime_dir, options.mps_control, options.mps_cgroup) \
                 if options.sharing == "mps" else None

@@ -20,6 +20,16 @@ the scheduler's allocator in k8s.io/dynamic-resource-allocation/structured):
   reserved by the shares of one unit never sums past 100.
   A unit of less than two steps of memory (``shareable``) cannot hold two
   shares and is published exclusive, as with ``none``.
+- ``--mps_replicas N`` (N >= 2; default 1: any size, as above) makes every
+  shareable unit N equal shares: ``memory`` ``validValues`` of the one
+  size, the unit's memory over N rounded down to a whole step, and that
+  size the default; ``compute`` ``validValues`` of ``100 // N``, and that
+  the default. The scheduler rounds every request up to that size (a
+  larger one does not fit there), so claims allocated at once can never
+  ask a unit for different limits (see below), at the price of a claim
+  asking less getting, and holding, the whole share. A unit whose share
+  would be under one step (``shareable(memory, N)``) is published
+  exclusive.
 - The scheduler, not the driver, allocates: for each capacity of the
   device it consumes the request rounded up to the next step (below
   ``min``: ``min``), or the default when not asked; a request past ``max``
@@ -47,7 +57,7 @@ the scheduler's allocator in k8s.io/dynamic-resource-allocation/structured):
   tells the slice's publisher when it changes. A claim allocated and not
   yet prepared is not in it: two claims of different limits allocated on a
   free unit before either is prepared still meet, and the second is
-  refused at prepare naming both.
+  refused at prepare naming both (``--mps_replicas`` rules that out).
 - ``over_capacity`` is the driver's own check of what the scheduler
   promises: the shares of one device never sum past its memory, nor
   their thread percentages past 100; a share that would is named with
@@ -63,7 +73,7 @@ from typing import Any
 import msgspec
 
 __all__ = ["SHARING_MODES", "MEMORY", "COMPUTE", "MEMORY_STEP_MIB", "ShareLimits", "ShareRefused", "capacity_of",
-           "shareable", "share_limits", "over_capacity", "parse_quantity", "LiveShares"]
+           "shareable", "share_size_mib", "share_limits", "over_capacity", "parse_quantity", "LiveShares"]
 
 SHARING_MODES = ("none", "mps")
 MEMORY = "memory"
@@ -83,12 +93,15 @@ class ShareLimits(msgspec.Struct, frozen=True, kw_only=True):
     thread_percent: int | None = None
 
 
-def capacity_of(memory_mib: int, sharing: str, live: "ShareLimits | None" = None) -> dict[str, dict[str, Any]]:
-    """A device's ``capacity`` as resource.k8s.io/v1 JSON (``live``: the limits of its live shares; see module
-    rules)."""
+def capacity_of(memory_mib: int, sharing: str, live: "ShareLimits | None" = None,
+                replicas: int = 1) -> dict[str, dict[str, Any]]:
+    """A device's ``capacity`` as resource.k8s.io/v1 JSON (``live``: the limits of its live shares;
+    ``replicas``: ``--mps_replicas``; see module rules)."""
     memory = {"value": f"{memory_mib}Mi"}
-    if sharing == "none" or not shareable(memory_mib):
+    if sharing == "none" or not shareable(memory_mib, replicas):
         return {MEMORY: memory}
+    if replicas > 1:
+        live = ShareLimits(memory_bytes=share_size_mib(memory_mib, replicas) * MIB, thread_percent=100 // replicas)
     if live is not None:
         size = f"{live.memory_bytes // MIB}Mi" if live.memory_bytes % MIB == 0 else str(live.memory_bytes)
         percent = str(live.thread_percent or 0)
@@ -105,9 +118,17 @@ def capacity_of(memory_mib: int, sharing: str, live: "ShareLimits | None" = None
     }
 
 
-def shareable(memory_mib: int) -> bool:
-    """Whether a unit can hold two shares of one step (the API server refuses a range of less than one step)."""
+def shareable(memory_mib: int, replicas: int = 1) -> bool:
+    """Whether a unit can hold two shares of one step (the API server refuses a range of less than one step),
+    or ``replicas`` > 1 shares of at least one step each."""
+    if replicas > 1:
+        return share_size_mib(memory_mib, replicas) >= MEMORY_STEP_MIB
     return memory_mib >= 2 * MEMORY_STEP_MIB
+
+
+def share_size_mib(memory_mib: int, replicas: int) -> int:
+    """One of ``replicas`` equal shares of a unit's memory, rounded down to a whole step (``--mps_replicas``)."""
+    return memory_mib // replicas // MEMORY_STEP_MIB * MEMORY_STEP_MIB
 
 
 def parse_quantity(text: str) -> Decimal:

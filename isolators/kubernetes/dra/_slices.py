@@ -120,7 +120,8 @@ def render_slice(catalog: DraCatalog, *, driver: str, node: str, generation: int
             attributes={name: DeviceAttribute(**{kind: value}) for name, (kind, value) in device.attributes.items()},
             capacity={name: DeviceCapacity.from_dict(value)
                       for name, value in capacity_of(device.memory_mib, "mps" if device.shared else "none",
-                                                     (shares or {}).get(device.name)).items()},
+                                                     (shares or {}).get(device.name),
+                                                     catalog.mps_replicas).items()},
             allowMultipleAllocations=True if device.shared else None,
             taints=[DeviceTaint(key=taint_key(driver), value=_label_value(reason), effect=TAINT_EFFECT)]
             if reason is not None else None,

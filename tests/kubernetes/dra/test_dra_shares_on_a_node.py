@@ -273,3 +273,40 @@ async def test_a_restarted_driver_stops_a_daemon_left_with_no_share_and_leaves_a
             kube.close()
             end_mps_daemons(runtime_dir)
             shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+@pytest.mark.asyncio
+async def test_with_mps_replicas_claims_allocated_at_once_share_a_gpu_in_equal_shares(tmp_path: Path) -> None:
+    """``--mps_replicas 4``: five claims asking different sizes are allocated before any is prepared (what
+    collides without it); each gets a quarter of a GPU, four on gpu-0 and the fifth on gpu-1, and every one is
+    prepared, gpu-0's daemon limiting each to 8Gi and 25 %."""
+    with sharing_node(tmp_path, ("--mps_replicas=4",)) as kube:
+        gpu0 = kube.uuids["gpu-0"]
+        kube.wait_slice(lambda devices: len(devices) == 8, "the sharing slice published")
+        claims = [kube.share(requests) for requests in ({"memory": "5Gi"}, {"memory": "1Gi", "compute": "10"}, None,
+                                                         {"memory": "8Gi"}, {"memory": "2Gi"})]
+        results = [kube.api.claims[(c[0], c[1])]["status"]["allocation"]["devices"]["results"][0] for c in claims]
+        assert [(r["device"], r["consumedCapacity"]) for r in results] == [
+            ("gpu-0", {"memory": "8Gi", "compute": "25"})] * 4 + [("gpu-1", {"memory": "8Gi", "compute": "25"})]
+        assert [[d["device_name"] for d in kube.prepare(claim)["devices"]] for claim in claims] == [
+            ["gpu-0"]] * 4 + [["gpu-1"]]
+        assert daemon_commands(kube, gpu0)[:3] == ["get_server_list", "set_default_device_pinned_mem_limit 0 8192M",
+                                                   "set_default_active_thread_percentage 25"]
+        four = {c[2] for c in claims[:4]}
+        await until(lambda: (lambda lease: lease is not None and lease[0] == DRA_OWNER and set(lease[1]) == four)(
+            leases(kube.ledger).get("195:0")), "gpu-0 held by the driver for its four shares")
+        for claim in claims:
+            assert kube.unprepare(claim) == {}
+        await until(lambda: not {"195:0", "195:1"} & set(leases(kube.ledger)), "both GPUs back")
+
+
+def test_mps_replicas_without_sharing_or_below_one_is_one_usage_error(capsys: pytest.CaptureFixture) -> None:
+    from isolators.cli import main
+
+    for args, error in [
+        (["--mps_replicas=2"], "--mps_replicas 2 needs --sharing=mps (it cuts every GPU into MPS shares)"),
+        (["--sharing=mps", "--mps_replicas=0"], "--mps_replicas must be a whole number >= 2 (1, the default, lets"
+                                                 " each claim ask its own size), got 0"),
+    ]:
+        assert main(["dra-plugin", "--node_name=n", *args]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"gpu-isolator dra-plugin: error: {error}"

@@ -243,3 +243,27 @@ def test_live_shares_tell_the_publisher_only_of_a_change() -> None:
     live.update([device])
     live.update([])
     assert heard == [{"gpu-0": share}, {}]
+
+
+def test_with_mps_replicas_every_unit_is_n_equal_shares_whatever_a_claim_asks() -> None:
+    """``--mps_replicas 4``: one size a unit (a quarter of its memory in whole steps, 25 % of its threads), so
+    the scheduler rounds every request up to it and claims allocated at once cannot ask one unit for different
+    limits; the slice stays valid against Kubernetes' schemas and its API server's checks."""
+    document = sharing_slice(mps_replicas=4)
+    quarter = {"memory": {"value": "32768Mi", "requestPolicy": {"default": "8192Mi", "validValues": ["8192Mi"]}},
+               "compute": {"value": "100", "requestPolicy": {"default": "25", "validValues": ["25"]}}}
+    assert all(d["capacity"] == quarter and d["allowMultipleAllocations"] for d in document["spec"]["devices"])
+    check_kubernetes(json.loads(json.dumps(document)), "the sharing slice of 4 shares a GPU")
+    assert capacity_errors(document) == []
+    capacity = document["spec"]["devices"][0]["capacity"]
+    for requests in (None, {"memory": "5Gi"}, {"memory": "100Mi", "compute": "10"}, {"memory": "8Gi"}):
+        assert consumed_capacity(requests, capacity, DRIVER) == {"memory": Decimal(8 * GI), "compute": Decimal(25)}
+    for requests in ({"memory": "9Gi"}, {"compute": "30"}):
+        assert consumed_capacity(requests, capacity, DRIVER) is None  # past the one share: not on this unit
+    # odd sizes end on a whole step below their share; a share under one step is no share: the unit is exclusive
+    assert capacity_of(40537, "mps", replicas=3)["memory"]["requestPolicy"]["validValues"] == ["13312Mi"]
+    assert capacity_of(1000, "mps", replicas=4) == {"memory": {"value": "1000Mi"}}
+    mig = sharing_slice(host="h200-mig.toml", nvidia_mig_strategy="mixed", resources="mig-1g.18gb:1", mps_replicas=8)
+    small = next(d for d in mig["spec"]["devices"] if d["name"] == "mig-0-3-0")
+    assert small["capacity"]["memory"]["requestPolicy"] == {"default": "2048Mi", "validValues": ["2048Mi"]}
+    assert small["capacity"]["compute"]["requestPolicy"] == {"default": "12", "validValues": ["12"]}
