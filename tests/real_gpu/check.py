@@ -21,7 +21,8 @@ Rules:
   door's daemon on GPU 0 (``actors.mps``), two clients (CUDA's driver API
   through ctypes, ``MPS_CLIENT``) at once, each allocating within its
   share's limit succeeds and past it fails, and the compute mode is
-  EXCLUSIVE_PROCESS while the daemon runs and DEFAULT after. Not yet run
+  EXCLUSIVE_PROCESS while the daemon runs and DEFAULT after (the daemon's
+  answers to its get_* commands are recorded, for the stand-in). Not yet run
   on a GPU: written when no GPU was lent (issue 49).
 - Every subprocess and every isolator call is bounded (a hang fails).
 """
@@ -313,6 +314,12 @@ async def _mps_clients(control: str, uuid: str) -> dict[str, Any]:
         try:
             share = await daemons.share(uuid, "gpucheck", ShareLimits(memory_bytes=limit, thread_percentage=50))
             seen["mode while"] = await service.call(lambda: nvml.compute_mode(nvml.handle(0)))
+            # What the real daemon answers (its formats are not documented): recorded, for the stand-in to follow.
+            from actors.mps import _daemon
+            seen["daemon answers"] = await service.call(lambda: {
+                command: _daemon.send(control, daemons.paths(uuid), [command], TIMEOUT)
+                for command in ("get_default_device_pinned_mem_limit 0", "get_default_active_thread_percentage",
+                                "get_server_list")})
             env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": share.pipe_dir}
             env.pop("CUDA_VISIBLE_DEVICES", None)
 
