@@ -19,6 +19,13 @@ Rules:
   there) and refuses, naming the path
   and the reason, a directory it cannot make or write, and a pipe
   directory too long for a unix socket (108 bytes with ``/control``).
+  Where SELinux is on (``SELINUX_ENFORCE``, selinuxfs' ``enforce`` file,
+  exists: enforcing or permissive) the pipe and shm directories are
+  labeled ``CONTAINER_FILE_LABEL`` (``security.selinux``), as NVIDIA's
+  plugins label their MPS directories: a container's processes may open
+  only files of that type, and an unlabeled pipe directory is what most
+  often leaves a client "waiting for MPS daemon". A label that cannot be
+  set is ``MpsError`` naming the directory.
 - ``start(control, paths, uuid, timeout_s, cgroup_procs=())`` runs ``control -d`` with the
   three variables (the unit's UUID alone visible), its stdin /dev/null and
   its output captured, for at most ``timeout_s``. As root it runs in a
@@ -120,6 +127,12 @@ class DaemonPaths(msgspec.Struct, frozen=True):
         return os.path.join(self.pipe, PID_FILE)
 
 
+SELINUX_ENFORCE = "/sys/fs/selinux/enforce"
+"""selinuxfs' mode file: present where SELinux is on (enforcing or permissive)."""
+CONTAINER_FILE_LABEL = "system_u:object_r:container_file_t:s0"
+"""The SELinux label of files a container may use (container-selinux's type)."""
+
+
 def prepare(paths: DaemonPaths) -> None:
     """Make the pipe and log directories (see module rules)."""
     socket = os.path.join(paths.pipe, _SOCKET)
@@ -153,6 +166,15 @@ def prepare(paths: DaemonPaths) -> None:
                 f"cannot write in the MPS {what} directory {directory}: {exc.strerror or exc};"
                 " make the front door's runtime directory writable by it"
             ) from None
+    if os.path.exists(SELINUX_ENFORCE):
+        for directory in (paths.pipe, paths.shm):
+            try:
+                os.setxattr(directory, "security.selinux", CONTAINER_FILE_LABEL.encode() + b"\0")
+            except OSError as exc:
+                raise MpsError(
+                    f"cannot label the MPS directory {directory} {CONTAINER_FILE_LABEL} for containers (SELinux is"
+                    f" on): {exc.strerror or exc}; containers could not reach the daemon through it"
+                ) from None
 
 
 def _daemon_env(paths: DaemonPaths, uuid: str | None) -> dict[str, str]:

@@ -402,3 +402,37 @@ async def test_a_compute_mode_nvml_refuses_fails_the_share_and_starts_nothing(mp
         nvml.fail("nvmlDeviceSetComputeMode", None)
         await daemons.close()
         assert nvml.compute_mode(0) == 0
+
+
+@pytest.mark.asyncio
+async def test_where_selinux_is_on_the_pipe_and_shm_directories_are_labeled_for_containers(
+        mps_control, runtime_dir, record, tmp_path, monkeypatch):
+    """NVIDIA's MPS users' most reported failure is a client "waiting for MPS daemon" behind SELinux: the pipe
+    directory must be a type containers may open. Where selinuxfs says SELinux is on, the pipe and shm
+    directories get container_file_t; where it is off, nothing is labeled."""
+    from actors.mps import _daemon
+
+    nvml = SimulatedNvml.with_gpus(2)
+    try:
+        os.setxattr(tmp_path, "security.selinux", b"probe\0")
+    except OSError as exc:
+        pytest.skip(f"this filesystem takes no security.selinux label: {exc.strerror}")
+    enforce = tmp_path / "enforce"
+    monkeypatch.setattr(_daemon, "SELINUX_ENFORCE", str(enforce))
+    async with Runtime():
+        daemons = await manager(nvml, runtime_dir, mps_control)
+        await daemons.share(nvml.uuid(0), "off", HALF)  # no selinuxfs: nothing labeled
+        enforce.write_text("1")
+        await daemons.share(nvml.uuid(1), "on", HALF)
+        paths = [daemons.paths(nvml.uuid(i)) for i in (0, 1)]
+        await daemons.close()
+
+    def label(directory: str) -> bytes | None:
+        try:
+            return os.getxattr(directory, "security.selinux")
+        except OSError:
+            return None
+
+    assert [label(paths[0].pipe), label(paths[0].shm)] == [None, None]
+    assert [label(paths[1].pipe), label(paths[1].shm)] == [b"system_u:object_r:container_file_t:s0\0"] * 2
+    assert label(paths[1].log) is None  # the daemon's own: no container reads it
