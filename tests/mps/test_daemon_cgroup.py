@@ -27,7 +27,7 @@ from runtime import Runtime
 
 from tests.kubernetes.device_plugin.test_kubelet_mig_and_sharing import DGX8
 from tests.support.engines import remove_cgroup_trees
-from tests.support.kernel import members, wait_gone
+from tests.support.kernel import in_cgroups, stop_cgroups, wait_gone
 from tests.support.kube_node import KubeNode, end_mps_daemons
 from tests.support.kubelet import plugin_directory
 from tests.support.ledger import leases, until
@@ -82,30 +82,6 @@ def _cgroups_of(pid: int) -> set[str]:
     return {line.split(":", 2)[2] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()}
 
 
-def _enter(pid: int, name: str) -> None:
-    """Move ``pid`` into ``<hierarchy>/name`` of every hierarchy, as a container runtime places a container."""
-    for procs in procs_files(name):
-        Path(procs).write_text(str(pid))
-
-
-def _stop_container(name: str, timeout: float = 10.0) -> None:
-    """SIGKILL every process in ``<hierarchy>/name`` of every hierarchy until none is left (runc, then the
-    kubelet's pod cgroup teardown)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    directories = [os.path.join(mount, name) for mount, _ in cgroup_mounts()]
-    while any(members(d) for d in directories):
-        assert time.monotonic() < deadline, f"processes left in {name} after {timeout} s"
-        for directory in directories:
-            for pid in members(directory):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        time.sleep(0.01)
-
-
 @pytest.fixture
 def test_cgroup() -> str:
     name = f"gpu-isolator-test-mps-{uuid.uuid4().hex[:8]}"
@@ -138,7 +114,7 @@ async def test_a_daemon_is_started_in_the_daemons_cgroup_of_every_hierarchy(mps_
 @pytest.mark.parametrize("kept", [True, False], ids=["mps_cgroup", "none"])
 async def test_a_daemon_outlives_the_front_doors_container_and_the_next_one_takes_it_over(
         tmp_path: Path, mps_control: Path, test_cgroup: str, kept: bool) -> None:
-    """The device plugin in a "container" (cgroups of the test's own); a pod's share starts the GPU's daemon;
+    """The device plugin in a "container" (born in cgroups of the test's own); a pod's share starts the GPU's daemon;
     the container is stopped as a runtime stops it. With --mps_cgroup the daemon lives on, out of the
     container's cgroups, and the plugin started again takes it over (one start in the stand-in's record) and
     grants the running pod's share again; with ``none`` (the front door's own cgroup) it dies with the
@@ -152,18 +128,17 @@ async def test_a_daemon_outlives_the_front_doors_container_and_the_next_one_take
     with plugin_directory() as sockets:
         kube = KubeNode(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"), env={"FAKE_MPS_RECORD": str(record)},
                         device_plugin_options=("--mps_replicas=2", f"--mps_control={mps_control}",
-                                               f"--runtime_dir={runtime_dir}", f"--mps_cgroup={where}",
-                                               "--device_worker=thread"))
+                                               f"--runtime_dir={runtime_dir}", f"--mps_cgroup={where}"),
+                        prefixes={"kubelet-plugin": in_cgroups(container)})
         try:
             kube.start(dra=False)
-            _enter(kube.device_plugin.pid, container)
             gpu0 = kube.uuids["gpu-0"]
             kube.allocate("a", [f"{gpu0}::0"])
             await until(lambda: leases(kube.ledger).get("195:0") == (PLUGIN_OWNER, ("ns/a/gpu",)), "gpu-0 held for a")
             pid = int(Path(runtime_dir, "mps", gpu0, "pipe", "nvidia-cuda-mps-control.pid").read_text().split()[0])
             assert _cgroups_of(pid) == {f"/{where if kept else container}"}
 
-            _stop_container(container)
+            stop_cgroups(container)
             assert kube.device_plugin.process.wait(10) == -signal.SIGKILL
             if not kept:
                 assert wait_gone(pid), "the daemon in the front door's cgroup died with its container"
@@ -187,15 +162,15 @@ def test_the_dra_drivers_daemon_outlives_its_container_and_the_next_driver_takes
     from tests.kubernetes.dra.test_dra_shares_on_a_node import daemon_commands, sharing_node
 
     container = f"{test_cgroup}/driver"
-    with sharing_node(tmp_path, (f"--mps_cgroup={test_cgroup}/mps", "--device_worker=thread")) as kube:
-        _enter(kube.dra_plugin.pid, container)
+    with sharing_node(tmp_path, (f"--mps_cgroup={test_cgroup}/mps",), prefixes={"dra-plugin": in_cgroups(container)}) \
+            as kube:
         gpu0 = kube.uuids["gpu-0"]
         kube.wait_slice(lambda devices: len(devices) == 8, "the sharing slice published")
         claim = kube.share({"memory": "8Gi", "compute": "50"})
         assert [d["device_name"] for d in kube.prepare(claim)["devices"]] == ["gpu-0"]
         pid = int(Path(kube.runtime_dir, "mps", gpu0, "pipe", "nvidia-cuda-mps-control.pid").read_text().split()[0])
         assert _cgroups_of(pid) == {f"/{test_cgroup}/mps"}
-        _stop_container(container)
+        stop_cgroups(container)
         assert kube.dra_plugin.process.wait(10) == -signal.SIGKILL
         os.kill(pid, 0)  # the daemon, and the claim's clients' server, outlived the container
         kube.restart_dra_plugin()

@@ -24,6 +24,15 @@ the scheduler, one random step at a time:
 - an MPS daemon SIGKILLed (found by the PID its pid file names,
   ``<runtime_dir>/mps/<uuid>/pipe/nvidia-cuda-mps-control.pid``).
 
+With ``containers`` (the default as root, where cgroups are mounted) each
+front door runs as in a pod: born in a "container" of its own, cgroups
+``<root>/<command>`` of every hierarchy under a test root
+(``tests.support.kernel.in_cgroups``), with ``--mps_cgroup=<root>/mps``;
+a kill is the container's stop, every process of its cgroups SIGKILLed
+(``stop_cgroups``), a launcher or daemon still in there included, as a
+runtime and the kubelet stop a pod. Without, a kill is the front door's
+process alone.
+
 After every step the node is judged by the processes and files, never by
 the front doors' own view. A *live share* is a share ID PodResources
 assigns to a pod (its Allocate answered) or a device of a claim the DRA
@@ -63,6 +72,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,11 +97,14 @@ LOG_TAIL = 3000
 """Characters of each front door's log (its last life's) kept with the problems of a failed run."""
 PID_FILE = "nvidia-cuda-mps-control.pid"
 OWNERS = {"kubelet-plugin": PLUGIN_OWNER, "dra-plugin": dra_plugin_owner(DRIVER)}
+COMMANDS = {"device_plugin": "kubelet-plugin", "dra_plugin": "dra-plugin"}
 
 
 @dataclass
 class Figures:
     seed: int = 0
+    containers: bool = False
+    """Each front door ran in cgroups of its own, killed as a container is stopped (see module rules)."""
     steps: int = 0
     judgements: int = 0
     plugin_kills: int = 0
@@ -116,7 +129,7 @@ class Figures:
                 + self.hangs + self.leaks)
 
     def line(self) -> str:
-        return (f"seed {self.seed}, {self.steps} steps, {self.judgements} judgements, {self.plugin_kills} device"
+        return (f"seed {self.seed}, {self.steps} steps{', front doors in containers' if self.containers else ''}, {self.judgements} judgements, {self.plugin_kills} device"
                 f" plugin kills ({self.pods_gone_while_down} pods gone while it was down), {self.driver_kills} DRA"
                 f" driver kills ({self.mid_call_kills} of all kills mid-call), {self.daemon_kills} daemon kills,"
                 f" {self.pod_lifecycles} pods, {self.claim_lifecycles} claims, {self.refused} refused:"
@@ -179,8 +192,11 @@ def end_stand_ins(runtime_dir: str, control: str) -> list[int]:
 class Run:
     """One fault run (see module rules)."""
 
-    def __init__(self, kube: KubeNode, runtime_dir: str, control: str, seed: int, log: Any) -> None:
+    def __init__(self, kube: KubeNode, runtime_dir: str, control: str, seed: int, log: Any,
+                 containers: str | None = None) -> None:
         self.kube = kube
+        self.containers = containers
+        """The test root of the front doors' cgroups (None: they run in the run's own)."""
         self.runtime_dir = runtime_dir
         self.control = control
         self.rng = random.Random(seed)
@@ -275,6 +291,10 @@ class Run:
             self.figures.daemon_kills += 1
 
     def kill_front_door(self, which: str) -> None:
+        if self.containers is not None:  # the container stopped: everything in its cgroups
+            from tests.support.kernel import stop_cgroups
+
+            stop_cgroups(f"{self.containers}/{COMMANDS[which]}")
         getattr(self.kube, f"kill_{which}")()
         if which == "device_plugin":
             self.figures.plugin_kills += 1
@@ -430,20 +450,36 @@ class Run:
             self.problem("leak", f"daemons left running once every share went: {daemons}")
 
 
-def run(steps: int, seed: int, control: str | os.PathLike[str], log: Any = None) -> Figures:
-    """The fault run (see module rules); its figures."""
+def containers_here() -> bool:
+    """Whether front doors can run in cgroups of their own here (root, cgroups mounted)."""
+    from actors.mps._cgroup import cgroup_mounts
+
+    return os.geteuid() == 0 and bool(cgroup_mounts())
+
+
+def run(steps: int, seed: int, control: str | os.PathLike[str], log: Any = None,
+        containers: bool | None = None) -> Figures:
+    """The fault run (see module rules); its figures. ``containers`` None: where ``containers_here()``."""
+    from tests.support.kernel import in_cgroups
+
     control = os.path.realpath(control)
     base = tempfile.mkdtemp(prefix="gpu-isolator-mps-faults-")
     runtime_dir = tempfile.mkdtemp(prefix="mps-", dir="/tmp")  # short: the daemon's socket path is bounded
+    root = f"gpu-isolator-test-mps-faults-{uuid.uuid4().hex[:8]}" \
+        if (containers_here() if containers is None else containers) else None
     this: Run | None = None
     try:
         with plugin_directory() as sockets:
-            common = (f"--mps_control={control}", f"--runtime_dir={runtime_dir}")
+            common = (f"--mps_control={control}", f"--runtime_dir={runtime_dir}",
+                      *([f"--mps_cgroup={root}/mps"] if root else []))
             kube = KubeNode(Path(base, "kube"), sockets, DGX8, os.path.join(base, "ledger"),
                             allocate_grace_s=ALLOCATE_GRACE_S,
                             device_plugin_options=("--mps_replicas=2", *common),
-                            dra_plugin_options=("--sharing=mps", *common))
-            this = Run(kube, runtime_dir, control, seed, log)
+                            dra_plugin_options=("--sharing=mps", *common),
+                            prefixes={command: in_cgroups(f"{root}/{command}") for command in COMMANDS.values()}
+                            if root else None)
+            this = Run(kube, runtime_dir, control, seed, log, root)
+            this.figures.containers = root is not None
             try:
                 kube.start()
                 kube.wait_slice(lambda devices: len(devices) == len(kube.uuids), "the sharing slice published")
@@ -464,6 +500,10 @@ def run(steps: int, seed: int, control: str | os.PathLike[str], log: Any = None)
         if left and this is not None:
             this.figures.leaks += len(left)
             this.problem("leak", f"stand-in daemons still running at teardown, killed: {left}")
+        if root is not None:
+            from tests.support.engines import remove_cgroup_trees
+
+            remove_cgroup_trees(root)
         shutil.rmtree(runtime_dir, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
 
@@ -474,13 +514,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=49)
+    parser.add_argument("--containers", action=argparse.BooleanOptionalAction, default=None,
+                        help="front doors in cgroups of their own, killed as containers (default: as root)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         control = build_mps_control(scratch)
         if control is None:
             print("gcc is not installed: cannot build the stand-in MPS control daemon", file=sys.stderr)
             return 2
-        figures = run(args.steps, args.seed, control, log=sys.stderr)
+        figures = run(args.steps, args.seed, control, log=sys.stderr, containers=args.containers)
     print(figures.line())
     return 1 if figures.bad() else 0
 

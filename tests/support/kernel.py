@@ -10,6 +10,13 @@ Rules:
 - Every eBPF program id a test sees on a test cgroup goes into
   ``SEEN_PROGRAMS``, so a session check can find programs that outlived
   their cgroups.
+- A "container" of the test's own, as a runtime makes one: ``in_cgroups(name)``
+  is an argv prefix that starts a command in ``<hierarchy>/<name>`` of every
+  cgroup hierarchy (made, under a test root), born there;
+  ``stop_cgroups(name)`` SIGKILLs every process there, in every hierarchy,
+  until none is left (bounded), as a runtime stops a container and the
+  kubelet its pod. The caller removes the test root
+  (``tests.support.engines.remove_cgroup_trees``).
 """
 
 from __future__ import annotations
@@ -283,3 +290,24 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
         if time.monotonic() >= deadline:
             raise AssertionError(f"process {pid} did not stop within {timeout:g}s of SIGSTOP")
         time.sleep(0.001)
+
+
+def in_cgroups(name: str) -> list[str]:
+    """An argv prefix that runs a command born in ``<hierarchy>/<name>`` of every hierarchy (see module rules)."""
+    from actors.mps._cgroup import procs_files
+
+    return ["sh", "-c", 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"', "sh",
+            *procs_files(name), "--"]
+
+
+def stop_cgroups(name: str, timeout: float = 10.0) -> None:
+    """SIGKILL every process in ``<hierarchy>/<name>`` of every hierarchy until none is left (see module rules)."""
+    from actors.mps._cgroup import cgroup_mounts
+
+    directories = [os.path.join(mount, name) for mount, _ in cgroup_mounts()]
+    deadline = time.monotonic() + timeout
+    while any(members(d) for d in directories):
+        assert time.monotonic() < deadline, f"processes left in {name} after {timeout} s"
+        for directory in directories:
+            kill_members(directory)
+        time.sleep(0.01)

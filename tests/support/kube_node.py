@@ -14,7 +14,8 @@ Rules:
   ``device_plugin_options``; ``dra_plugin``: ``gpu-isolator dra-plugin`` of
   driver ``DRIVER`` on node ``NODE``, with ``dra_plugin_options``), each with ``--node_ledger=ledger``,
   ``--listen`` on loopback and passes of ``pass_s`` seconds, ``env`` added
-  to their environment. Nothing runs
+  to their environment, ``prefixes[command]`` the argv each is started
+  under (e.g. ``tests.support.kernel.in_cgroups``). Nothing runs
   until ``start(dra=True)``: the fakes, then both plugins (each
   registered; the device plugin alone with ``dra=False``).
   ``restart_device_plugin()`` / ``restart_dra_plugin()`` start one again
@@ -74,7 +75,7 @@ class KubeNode:
     def __init__(self, base: Path, sockets: Path, host_file: str | os.PathLike[str], ledger: str, *,
                  pass_s: float = 0.2, allocate_grace_s: float | None = None, repair_pods: bool = False,
                  device_plugin_options: tuple[str, ...] = (), dra_plugin_options: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, prefixes: dict[str, list[str]] | None = None) -> None:
         from isolators.simulated_node import SimulatedNode
 
         self.base = Path(base)
@@ -100,6 +101,8 @@ class KubeNode:
             f"--plugins_registry_dir={self.sockets / 'registry'}", f"--plugins_dir={self.sockets / 'plugins'}",
             f"--node_name={NODE}", f"--kubeconfig={self.base / 'kubeconfig'}", "--api_timeout=5", *dra_plugin_options]
         self.env = env
+        self.prefixes = prefixes or {}
+        """Command name (``kubelet-plugin``, ``dra-plugin``) -> the argv it is started under."""
         self.device_plugin: PluginCommand | None = None
         self.dra_plugin: DraPluginCommand | None = None
         self.registrations = 0
@@ -121,14 +124,16 @@ class KubeNode:
 
     def restart_device_plugin(self, timeout: float = 60.0) -> PluginCommand:
         """Start the device plugin (again) and wait until the kubelet holds its new registration."""
-        self.device_plugin = PluginCommand(self.device_plugin_args, self.base, self.env, code=self.code).start(timeout)
+        self.device_plugin = PluginCommand(self.device_plugin_args, self.base, self.env, code=self.code,
+                                           prefix=self.prefixes.get(PluginCommand.COMMAND, ())).start(timeout)
         self.registrations += 1
         self.kubelet.wait_registrations(self.registrations, timeout=timeout)
         return self.device_plugin
 
     def restart_dra_plugin(self, timeout: float = 60.0) -> DraPluginCommand:
         """Start the DRA driver (again) and register it with the kubelet's plugin watcher."""
-        self.dra_plugin = DraPluginCommand(self.dra_plugin_args, self.base, self.env, code=self.code).start(timeout)
+        self.dra_plugin = DraPluginCommand(self.dra_plugin_args, self.base, self.env, code=self.code,
+                                           prefix=self.prefixes.get(DraPluginCommand.COMMAND, ())).start(timeout)
         self.dra_kubelet.register(timeout=timeout)
         return self.dra_plugin
 

@@ -39,12 +39,14 @@ Rules:
   the sockets (a unix socket path holds 107 bytes; pytest's are long),
   removed afterwards; ``write_credential(path)`` a root-owned 0600 secret
   file (the secret is returned).
-- ``PluginCommand(args, directory, env, code=)`` runs ``python -m isolators kubelet-plugin
+- ``PluginCommand(args, directory, env, code=, prefix=)`` runs ``python -m isolators kubelet-plugin
   ARGS`` (``COMMAND``; a subclass names another, as the DRA driver's
   ``tests.support.dra_kubelet.DraPluginCommand``) with stderr in a log
   file, from the source tree ``code`` (its working directory, first on
   its ``sys.path``: this repository unless an earlier release's tree is
-  given, as the rolling update's test does; ``_spawn``: a subclass runs it
+  given, as the rolling update's test does; ``prefix``: an argv it is
+  run under, e.g. ``tests.support.kernel.in_cgroups`` (the cgroups of a
+  container of the test's own); ``_spawn``: a subclass runs it
   elsewhere, as the image's tests do in a container,
   ``tests.support.image.ImagePluginCommand``); ``start()`` waits (bounded)
   for its first stdout line (holding
@@ -60,7 +62,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 import signal
 import stat
@@ -386,8 +388,9 @@ class PluginCommand:
     """What its first stdout line holds once it serves."""
 
     def __init__(self, args: list[str], directory: str | os.PathLike[str], env: dict[str, str] | None = None, *,
-                 code: str | os.PathLike[str] | None = None) -> None:
+                 code: str | os.PathLike[str] | None = None, prefix: Sequence[str] = ()) -> None:
         self.args = list(args)
+        self.prefix = list(prefix)
         self.code = Path(code) if code is not None else ROOT
         self.directory = Path(directory)
         self.env = {**os.environ, **(env or {})}
@@ -421,7 +424,8 @@ class PluginCommand:
 
     def _spawn(self, log: Any) -> subprocess.Popen:
         """The command's process, stdout a pipe and stderr ``log`` (a subclass runs it elsewhere: in a container)."""
-        return subprocess.Popen([sys.executable, "-m", "isolators", self.COMMAND, *self.args], cwd=self.code,
+        return subprocess.Popen([*self.prefix, sys.executable, "-m", "isolators", self.COMMAND, *self.args],
+                                cwd=self.code,
                                 stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=self.env)
 
     def log(self) -> str:

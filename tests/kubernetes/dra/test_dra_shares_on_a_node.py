@@ -41,7 +41,8 @@ class Node(KubeNode):
 
 
 @contextlib.contextmanager
-def sharing_node(tmp_path: Path, options: tuple[str, ...] = (), **env: str) -> Iterator[Node]:
+def sharing_node(tmp_path: Path, options: tuple[str, ...] = (), prefixes: dict[str, list[str]] | None = None,
+                 **env: str) -> Iterator[Node]:
     control = build_mps_control(tmp_path)
     if control is None:
         pytest.skip(NO_GCC)
@@ -51,7 +52,7 @@ def sharing_node(tmp_path: Path, options: tuple[str, ...] = (), **env: str) -> I
         node = Node(tmp_path / "kube", sockets, DGX8, str(tmp_path / "ledger"),
                     env={"FAKE_MPS_RECORD": str(record), **env},
                     dra_plugin_options=("--sharing=mps", f"--mps_control={control}", f"--runtime_dir={runtime_dir}",
-                                        *options))
+                                        *options), prefixes=prefixes)
         node.record, node.runtime_dir = record, runtime_dir
         try:
             node.start()
