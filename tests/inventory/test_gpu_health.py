@@ -187,7 +187,8 @@ async def test_the_first_backoff_is_the_flags_and_doubles_up_to_30_seconds(caplo
             )
 
             def failures() -> list[str]:
-                return [r.getMessage() for r in caplog.records if "Waiting for NVML health events failed" in r.getMessage()]
+                return [r.getMessage() for r in caplog.records
+                        if "Waiting for NVML health events failed" in r.getMessage()]
 
             for count, backoff in enumerate([10, 20, 30], start=1):
                 await eventually(lambda: len(failures()) == count)
