@@ -38,7 +38,10 @@ Rules:
   applications cause; ``"13,31"`` on the command line, ``""`` for none)
   are logged and change nothing; ``nvidia_health_wait`` is how long one
   ``nvmlEventSetWait_v2`` waits (at most 60 seconds; a duration on the
-  command line): how soon NVML is shut down after the components close.
+  command line): how soon NVML is shut down after the components close;
+  ``nvidia_health_backoff`` (default 1 second, at most 30; a duration on the
+  command line) is the first wait after a failed ``nvmlEventSetWait_v2``,
+  doubled for each failure in a row up to 30 seconds.
 - ``nvidia_usage_max_age`` (seconds, a duration on the command line; default
   1, NVML's own longest sample period for utilisation; 0: never) is how
   old the NVML readings a ``usage`` answers with may be: readings taken
@@ -183,6 +186,9 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Xids that are the application's fault: logged, the GPU is kept (R-HE-3)."""
     nvidia_health_wait: float = 5.0
     """Seconds one ``nvmlEventSetWait_v2`` waits for health events."""
+    nvidia_health_backoff: float = 1.0
+    """Seconds before the first retry of a failed ``nvmlEventSetWait_v2``,
+    doubled for each failure in a row up to 30 (R-HE-3)."""
     nvidia_usage_max_age: float = 1.0
     """Seconds old the NVML readings a ``usage`` answers with may be (0: read
     NVML for every usage)."""
@@ -235,6 +241,11 @@ class Flags(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 60:
             raise FlagsError(
                 f"Invalid '--nvidia_health_wait' {wait!r}: expected seconds, more than 0 and at most 60"
+            )
+        backoff = self.nvidia_health_backoff
+        if isinstance(backoff, bool) or not isinstance(backoff, (int, float)) or not 0 < backoff <= 30:
+            raise FlagsError(
+                f"Invalid '--nvidia_health_backoff' {backoff!r}: expected seconds, more than 0 and at most 30"
             )
         age = self.nvidia_usage_max_age
         if isinstance(age, bool) or not isinstance(age, (int, float)) or not 0 <= age <= 3600:
@@ -397,7 +408,7 @@ def _coerce(name: str, value: Any) -> Any:
                 )
             indices.append(int(token))
         return indices
-    if name in ("nvidia_health_wait", "nvidia_usage_max_age"):
+    if name in ("nvidia_health_wait", "nvidia_health_backoff", "nvidia_usage_max_age"):
         try:
             return parse_duration(text)
         except ValueError as exc:

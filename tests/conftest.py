@@ -18,6 +18,12 @@
   ``@pytest.mark.host_facts`` (it reads the host's own on purpose); so does
   touching the host's node ledger (``/run/gpu-isolator/ledger``), or making
   it from a child process: a test's front doors have a ledger of their own.
+- The project's bytecode (``tests.support.bytecode.compile_project``) is
+  written once as the session is configured, so the Python processes the
+  tests start read it instead of compiling the project again each time
+  (the environment may say ``PYTHONDONTWRITEBYTECODE=1``); the session's
+  own process keeps what it compiles (``keep_bytecode``: pytest's rewritten
+  test modules), for the next session to read.
 - The image tests' build (``tests.support.image.session_build``) starts in
   the background as the first test outside ``tests/benchmarks`` starts and
   the image tests run last, so the build overlaps the suite,
@@ -32,6 +38,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from tests.support import host_facts
+from tests.support.bytecode import compile_project, keep_bytecode
 from tests.support.fake_nvml import NO_GCC, build_fake_nvml
 from tests.support.kernel import skip_reason
 from tests.support.nodes import TEST_ROOT_PREFIX, Node
@@ -42,6 +49,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{host_facts.MARKER}: the test reads the host's own loader cache or"
                             " /proc/devices on purpose")
     host_facts.watch()
+    keep_bytecode()
+    compile_project()
 
 
 _IMAGE_TESTS = "tests/image/"

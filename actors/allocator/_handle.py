@@ -159,7 +159,8 @@ class NvidiaGpuAllocator:
         pid = spawn(process)
         monitor = None
         if watching:
-            monitor = spawn(HealthMonitorProcess(service, pid, wait_s=flags.nvidia_health_wait))
+            monitor = spawn(HealthMonitorProcess(service, pid, wait_s=flags.nvidia_health_wait,
+                                                 backoff_s=flags.nvidia_health_backoff))
         handle = cls(pid, units, inventory=inventory, nvml=service, owns_nvml=owns, pools=pools, monitor=monitor)
         handle._wrapped_nvml = wrapped
         return handle

@@ -10,7 +10,8 @@ Rules:
   allocator actor (``GpuAllocatorProcess.health_event``), in the order NVML
   gave them. A timeout just waits again.
 - A wait that fails otherwise is logged and retried after a backoff on the
-  runtime Clock (``backoff_s``, doubling up to ``max_backoff_s``). The
+  runtime Clock (``backoff_s``, ``Flags.nvidia_health_backoff``, doubling
+  up to ``max_backoff_s``). The
   ``unknown_after``-th failure in a row marks every GPU unhealthy
   (``GpuAllocatorProcess.health_unknown``: the node's health is unknown);
   they come back only through ``mark_healthy``. A successful wait resets

@@ -13,6 +13,7 @@ import pytest
 from actors.devices import Policy, DeviceControl, DeviceControlError, DeviceOperation, DeviceRule
 from actors.devices import DeviceRuleError, InvalidCgroupError, KernelOperationError, MemoryBackend
 from actors.devices import container_policy
+from actors.devices import _drivers as drivers
 from actors.devices.testing import FaultInjectingBackend
 from runtime import Future, ProcessTerminated, Runtime, collect, dispatch
 from tests.support.probes import assert_verdicts
@@ -181,12 +182,14 @@ async def _settle(future) -> Any:
 
 
 @pytest.mark.asyncio
-async def test_termination_fails_queued_and_in_flight_calls() -> None:
+async def test_termination_fails_queued_and_in_flight_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    # close() waits for the job held in its thread for STOP_TIMEOUT (5 s), then returns: that bound, shorter
+    monkeypatch.setattr(drivers, "STOP_TIMEOUT", 0.2)
     async with Runtime():
         backend, control, in_flight = await one_job_held()
         queued = control.configure("c1", *POLICY)
         await dispatch(control.pid, lambda process: None)  # c1 has been taken in: queued behind the job
-        await control.close()
+        await control.close()  # returns with the job still held: the bound
         backend.gate.set()
         for future in (in_flight, queued):
             with pytest.raises(ProcessTerminated, match="terminated before the operation completed"):

@@ -58,7 +58,9 @@ def test_both_implementations_report_the_same_inventory(probe, data_dir, tmp_pat
 
 def test_allocation_over_the_bindings_picks_the_same_gpus(probe, data_dir):
     config = probe.config(load_host_file(data_dir / "dgx8-nvlink.toml"))
-    [result] = probe.run([{"op": "allocate", "config": config, "counts": [1, 4, 2]}])
+    # closing the allocator waits for its health monitor's event wait in progress: 0.2 s, not the default 5
+    [result] = probe.run([{"op": "allocate", "config": config, "counts": [1, 4, 2],
+                           "flags": {"nvidia_health_wait": 0.2}}])
     assert result == {"picks": [[0], [4, 5, 6, 7], [2, 3]]}
 
 

@@ -175,6 +175,32 @@ async def test_wait_errors_back_off_then_every_gpu_is_withheld(caplog):
 
 
 @pytest.mark.asyncio
+async def test_the_first_backoff_is_the_flags_and_doubles_up_to_30_seconds(caplog):
+    """``Flags.nvidia_health_backoff`` is the first retry's wait; each failure in a row doubles it, at most 30 s."""
+    nvml = node("gpu_count = 1")
+    nvml.fail("nvmlEventSetWait_v2", 999)
+    with caplog.at_level(logging.WARNING, logger="actors.allocator"):
+        async with Runtime():
+            Clock.pause()
+            allocator = await NvidiaGpuAllocator.create(
+                Flags(nvidia_health_wait=0.05, nvidia_health_backoff=10), Resources.parse("gpus:1"), nvml
+            )
+
+            def failures() -> list[str]:
+                return [r.getMessage() for r in caplog.records
+                        if "Waiting for NVML health events failed" in r.getMessage()]
+
+            for count, backoff in enumerate([10, 20, 30], start=1):
+                await eventually(lambda: len(failures()) == count)
+                Clock.advance(backoff)
+            await eventually(lambda: len(failures()) == 4)
+            assert [m.split("; ")[-1] for m in failures()] == [
+                "retrying in 10s", "retrying in 20s", "retrying in 30s", "retrying in 30s",
+            ]
+            await allocator.close()
+
+
+@pytest.mark.asyncio
 async def test_events_on_a_mig_gpu_withhold_its_mig_devices(data_dir):
     nvml = SimulatedNvml.from_file(data_dir / "h200-mig.toml")
     nvml.init()

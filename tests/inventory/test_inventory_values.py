@@ -135,6 +135,8 @@ def test_flags_from_args_take_dashes_or_underscores():
     assert Flags().nvidia_usage_max_age == 1.0  # NVML's own longest utilisation sample
     assert Flags.from_args(["--nvidia_usage_max_age=250ms"]).nvidia_usage_max_age == 0.25
     assert Flags.from_args(["--nvidia_usage_max_age=0"]).nvidia_usage_max_age == 0.0  # read every time
+    assert Flags().nvidia_health_backoff == 1.0
+    assert Flags.from_args(["--nvidia_health_backoff=50ms"]).nvidia_health_backoff == 0.05
 
 
 @pytest.mark.parametrize(
@@ -154,6 +156,10 @@ def test_flags_from_args_take_dashes_or_underscores():
         (["--resources"], "Failed to load flag 'resources': missing value"),
         (["--nvidia_usage_max_age=2hrs"], "Invalid '--nvidia_usage_max_age' 7200.0: expected seconds, from 0"),
         (["--nvidia_usage_max_age=soon"], "Failed to load flag 'nvidia_usage_max_age': Invalid duration 'soon'"),
+        (["--nvidia_health_backoff=0"], "Invalid '--nvidia_health_backoff' 0.0: expected seconds, more than 0 and at"
+                                        " most 30"),
+        (["--nvidia_health_backoff=1mins"], "Invalid '--nvidia_health_backoff' 60.0: expected seconds, more than 0"),
+        (["--nvidia_health_backoff=soon"], "Failed to load flag 'nvidia_health_backoff': Invalid duration 'soon'"),
         (["--cdi_hook=bin/hook"], "Invalid '--cdi_hook' 'bin/hook': expected the absolute path of a program on the"
                                   " host"),
     ],

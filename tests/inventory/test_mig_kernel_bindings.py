@@ -35,6 +35,7 @@ def test_the_kernel_scenario_on_the_real_bindings(backend, probe, tmp_path, node
         "node_ledger": str(tmp_path / "ledger"),  # the real NVML has one by default: the test's own
         "volume_dir": str(tmp_path / "volume"), "gpu_allocation": "lowest",
         "ld_cache": write_ld_cache(tmp_path / "ld.so.cache"),  # the node's own, never the host's
+        "nvidia_health_wait": 0.2,  # closing waits for the event wait in progress: 0.2 s, not the default 5
     }
     try:
         [seen] = probe.run([{"config": probe.config(host_spec_from_dict(HOST)), "flags": flags, "dev_dir": dev_dir}],

@@ -156,14 +156,14 @@ async def test_a_daemon_outlives_the_front_doors_container_and_the_next_one_take
 
 @needs_root
 def test_the_dra_drivers_daemon_outlives_its_container_and_the_next_driver_takes_it_over(
-        tmp_path: Path, test_cgroup: str) -> None:
+        tmp_path: Path, mps_control: Path, test_cgroup: str) -> None:
     """The same through ``dra-plugin --sharing=mps --mps_cgroup``: a prepared claim's daemon lives through the
     driver's container stop; the driver started again takes it over and the claim's unprepare stops it."""
     from tests.kubernetes.dra.test_dra_shares_on_a_node import daemon_commands, sharing_node
 
     container = f"{test_cgroup}/driver"
-    with sharing_node(tmp_path, (f"--mps_cgroup={test_cgroup}/mps",), prefixes={"dra-plugin": in_cgroups(container)}) \
-            as kube:
+    with sharing_node(tmp_path, mps_control, (f"--mps_cgroup={test_cgroup}/mps",),
+                      prefixes={"dra-plugin": in_cgroups(container)}) as kube:
         gpu0 = kube.uuids["gpu-0"]
         kube.wait_slice(lambda devices: len(devices) == 8, "the sharing slice published")
         claim = kube.share({"memory": "8Gi", "compute": "50"})

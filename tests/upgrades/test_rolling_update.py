@@ -36,6 +36,7 @@ import pytest
 from actors.devices import Policy, build_device_program
 from actors.ledger import dra_plugin_owner
 from isolators.kubernetes.device_plugin import PLUGIN_OWNER
+from tests.support.bytecode import compile_project
 from tests.support.kernel import V1_HIERARCHY, V2_HIERARCHY, attach_program, bpf_unusable, remove_test_cgroups
 from tests.support.kube_node import DRIVER, NODE, KubeNode
 from tests.support.kubelet import DGX8, plugin_directory
@@ -76,6 +77,7 @@ def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     imported = subprocess.run([sys.executable, "-c", "import isolators; print(isolators.__file__)"], cwd=tree,
                               capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     assert imported == str(tree / "isolators" / "__init__.py")  # the old code, not this checkout's
+    compile_project(tree)  # its plugins start several times: they read its bytecode, not compile it each time
     return tree
 
 

@@ -39,7 +39,10 @@ NODE = {
 }
 SPEC = host_spec_from_dict(NODE)
 UUIDS = [gpu.uuid for gpu in SPEC.gpus]
-NVML_LOST_WAIT = 40  # seconds: five failed waits back off 1 + 2 + 4 + 8 s before the node's health is unknown
+HEALTH_BACKOFF = "--nvidia_health_backoff=50ms"
+"""Five failed waits back off 0.05 + 0.1 + 0.2 + 0.4 s before the node's health is unknown (1 + 2 + 4 + 8 s by
+default: the doubling is ``test_gpu_health``'s, on a paused clock)."""
+NVML_LOST_WAIT = 40  # seconds: a hang guard, never a timing assertion
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the real-NVML node needs mknod'ed control devices"
                                                             " and a root-owned credential: run as root")
@@ -60,7 +63,7 @@ def test_xid_unhealthy_then_healthy_again_then_every_gpu_unhealthy_when_nvml_is_
     with plugin_directory() as directory:
         kubelet = FakeKubelet(directory).start()
         plugin = PluginCommand([*options, f"--device_plugin_dir={directory}", "--listen=127.0.0.1:0",
-                                f"--credential={tmp_path / 'credential'}"], tmp_path, env=env)
+                                f"--credential={tmp_path / 'credential'}", HEALTH_BACKOFF], tmp_path, env=env)
         try:
             plugin.start()
             kubelet.wait_registrations(1)

@@ -25,7 +25,7 @@ import grpc
 import pytest
 
 from actors.ledger import dra_plugin_owner
-from actors.mps.testing import NO_GCC, build_mps_control, read_record
+from actors.mps.testing import read_record
 
 from tests.support.kube_node import DRIVER, KubeNode, end_mps_daemons
 from tests.support.kubelet import DGX8, plugin_directory
@@ -41,11 +41,8 @@ class Node(KubeNode):
 
 
 @contextlib.contextmanager
-def sharing_node(tmp_path: Path, options: tuple[str, ...] = (), prefixes: dict[str, list[str]] | None = None,
-                 **env: str) -> Iterator[Node]:
-    control = build_mps_control(tmp_path)
-    if control is None:
-        pytest.skip(NO_GCC)
+def sharing_node(tmp_path: Path, control: Path, options: tuple[str, ...] = (),
+                 prefixes: dict[str, list[str]] | None = None, **env: str) -> Iterator[Node]:
     runtime_dir = tempfile.mkdtemp(prefix="mps-", dir="/tmp")  # short: the daemon's socket path is bounded
     record = tmp_path / "mps-record"
     with plugin_directory() as sockets:
@@ -64,8 +61,8 @@ def sharing_node(tmp_path: Path, options: tuple[str, ...] = (), prefixes: dict[s
 
 
 @pytest.fixture
-def kube(tmp_path: Path) -> Iterator[Node]:
-    with sharing_node(tmp_path) as node:
+def kube(tmp_path: Path, mps_control: Path) -> Iterator[Node]:
+    with sharing_node(tmp_path, mps_control) as node:
         yield node
 
 
@@ -186,9 +183,11 @@ async def test_claims_share_one_gpu_through_its_daemon_with_their_limits_held_by
     assert kube.unprepare(raced) == {}
 
 
-def test_a_share_whose_daemon_cannot_start_is_refused_naming_its_exit_and_log(tmp_path: Path) -> None:
+def test_a_share_whose_daemon_cannot_start_is_refused_naming_its_exit_and_log(tmp_path: Path,
+                                                                              mps_control: Path) -> None:
     """R-MP-1 through the driver: never a bare "error waiting for MPS daemon"; nothing stays held."""
-    with sharing_node(tmp_path, FAKE_MPS_FAIL="3:Failed to start: no CUDA-capable device is detected") as kube:
+    fail = "3:Failed to start: no CUDA-capable device is detected"
+    with sharing_node(tmp_path, mps_control, FAKE_MPS_FAIL=fail) as kube:
         gpu0 = kube.uuids["gpu-0"]
         kube.wait_slice(lambda devices: len(devices) == 8, "the sharing slice published")
         claim = kube.share({"memory": "4Gi"})
@@ -203,10 +202,11 @@ def test_a_share_whose_daemon_cannot_start_is_refused_naming_its_exit_and_log(tm
 
 
 @pytest.mark.asyncio
-async def test_a_restarted_driver_takes_its_running_daemon_over_and_keeps_the_share(tmp_path: Path) -> None:
+async def test_a_restarted_driver_takes_its_running_daemon_over_and_keeps_the_share(tmp_path: Path,
+                                                                                    mps_control: Path) -> None:
     """SIGKILL of the driver: the daemon keeps serving the claim's pods; the next start grants the prepared
     share again through the same daemon (taken over, not started twice), and unprepare still stops it."""
-    with sharing_node(tmp_path) as kube:
+    with sharing_node(tmp_path, mps_control) as kube:
         gpu0 = kube.uuids["gpu-0"]
         kube.wait_slice(lambda devices: len(devices) == 8, "the sharing slice published")
         claim = kube.share({"memory": "8Gi", "compute": "50"})
@@ -227,7 +227,7 @@ async def test_a_restarted_driver_takes_its_running_daemon_over_and_keeps_the_sh
 
 @pytest.mark.asyncio
 async def test_a_restarted_driver_stops_a_daemon_left_with_no_share_and_leaves_another_front_doors_alone(
-        tmp_path: Path) -> None:
+        tmp_path: Path, mps_control: Path) -> None:
     """R-MP-1, R-MP-6 across a SIGKILL (issue 49's fault run): both front doors share one runtime directory, as
     on a node. A daemon of gpu-5 left running with no share (a claim whose prepare was never answered) is
     stopped by the driver that comes back, gpu-5 held in the node ledger while it stops and let go after; the
@@ -236,9 +236,7 @@ async def test_a_restarted_driver_stops_a_daemon_left_with_no_share_and_leaves_a
 
     from tests.support.kernel import process_state, wait_gone
 
-    control = build_mps_control(tmp_path)
-    if control is None:
-        pytest.skip(NO_GCC)
+    control = mps_control
     runtime_dir = tempfile.mkdtemp(prefix="mps-", dir="/tmp")
     record = tmp_path / "mps-record"
     common = (f"--mps_control={control}", f"--runtime_dir={runtime_dir}")
@@ -277,11 +275,12 @@ async def test_a_restarted_driver_stops_a_daemon_left_with_no_share_and_leaves_a
 
 
 @pytest.mark.asyncio
-async def test_with_mps_replicas_claims_allocated_at_once_share_a_gpu_in_equal_shares(tmp_path: Path) -> None:
+async def test_with_mps_replicas_claims_allocated_at_once_share_a_gpu_in_equal_shares(tmp_path: Path,
+                                                                                    mps_control: Path) -> None:
     """``--mps_replicas 4``: five claims asking different sizes are allocated before any is prepared (what
     collides without it); each gets a quarter of a GPU, four on gpu-0 and the fifth on gpu-1, and every one is
     prepared, gpu-0's daemon limiting each to 8Gi and 25 %."""
-    with sharing_node(tmp_path, ("--mps_replicas=4",)) as kube:
+    with sharing_node(tmp_path, mps_control, ("--mps_replicas=4",)) as kube:
         gpu0 = kube.uuids["gpu-0"]
         kube.wait_slice(lambda devices: len(devices) == 8, "the sharing slice published")
         claims = [kube.share(requests) for requests in ({"memory": "5Gi"}, {"memory": "1Gi", "compute": "10"}, None,
