@@ -34,7 +34,13 @@ import pytest
 from actors.devices import DeviceControl, DeviceControlError, Policy, WorkerError, container_policy
 from runtime import Runtime, collect
 from tests.support.probes import DENIED, GRANTED
-from tests.support.kernel import children, process_state, wait_gone
+from tests.support.kernel import children, process_state, wait_gone, zombies_left
+
+
+@pytest.fixture
+def earlier() -> set[int]:
+    """This process's children (running or not yet reaped) before the test: other work's, not the test's."""
+    return children() | children(zombies=True)
 
 GPU0 = container_policy([], ["c 195:0 rwm"])
 NO_GPU = container_policy([], [])
@@ -164,7 +170,7 @@ async def test_calls_a_dead_worker_held_fail_with_effects_unknown_and_the_kernel
 
 # -- 6. start-up: zombies, EMFILE, nothing blocking on the loop ----------------------------------
 @pytest.mark.asyncio
-async def test_a_worker_whose_backend_fails_to_start_is_reaped(kernel, sandbox, tmp_path):
+async def test_a_worker_whose_backend_fails_to_start_is_reaped(kernel, sandbox, tmp_path, earlier):
     """A hierarchy that is not one (v1: no devices.allow; v2: no
     cgroup.controllers): the worker answers the backend's error, which
     create raises; no worker is left, not even as a zombie, however often
@@ -177,7 +183,7 @@ async def test_a_worker_whose_backend_fails_to_start_is_reaped(kernel, sandbox, 
     else:
         error = (f"'{not_a_hierarchy}' is not a cgroup2 hierarchy (no cgroup.controllers); mount cgroup2 there or"
                  " choose another device backend")
-    before = children()  # processes of earlier tests may still be on their way out
+    before = earlier  # processes of earlier tests may still be on their way out
     async with Runtime():
         for _ in range(3):
             with pytest.raises(DeviceControlError, match=re.escape(error)):
@@ -185,9 +191,9 @@ async def test_a_worker_whose_backend_fails_to_start_is_reaped(kernel, sandbox, 
                                            hierarchy=str(not_a_hierarchy), cgroups_root=sandbox.cgroups_root,
                                            work_dir=str(tmp_path / "work"), worker="process")
     deadline = time.monotonic() + 10
-    while (children(zombies=True) or children() - before) and time.monotonic() < deadline:
+    while children() - before and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert children(zombies=True) == set()
+    assert zombies_left(before) == set()
     assert children() - before == set()  # no worker left running
 
 
@@ -282,7 +288,7 @@ its end of the pipe first, so that not a byte sent to it can reach it)."""
 
 
 @pytest.mark.asyncio
-async def test_a_worker_that_never_answers_is_killed_and_a_thread_used(v1_sandbox, monkeypatch, caplog):
+async def test_a_worker_that_never_answers_is_killed_and_a_thread_used(v1_sandbox, monkeypatch, caplog, earlier):
     from actors.devices import _worker
 
     monkeypatch.setattr(_worker, "BOOT", HANGS)
@@ -298,7 +304,7 @@ async def test_a_worker_that_never_answers_is_killed_and_a_thread_used(v1_sandbo
                    and "uses a thread of this process instead" in w for w in warning), warning
         assert await control.exists("c1") is False
         await control.close()
-    assert children(zombies=True) == set()
+    assert zombies_left(earlier) == set()
 
 
 @pytest.mark.asyncio
@@ -334,7 +340,7 @@ def _worker_child_boot() -> str:
 
 @pytest.mark.asyncio
 async def test_workers_that_keep_dying_unreached_fail_the_calls_instead_of_restarting_for_ever(
-    kernel, sandbox, tmp_path, monkeypatch
+    kernel, sandbox, tmp_path, monkeypatch, earlier
 ):
     """Each new worker says it is ready and goes away before a byte of the
     batch reaches it: the batch is sent again to the next one, but after
@@ -360,11 +366,12 @@ async def test_workers_that_keep_dying_unreached_fail_the_calls_instead_of_resta
         with anyio.fail_after(30):  # the next call starts a worker again; nothing of the failed calls was applied
             assert await control.list_cgroups() == []
         await control.close()
-    assert children(zombies=True) == set()
+    assert zombies_left(earlier) == set()
 
 
 @pytest.mark.asyncio
-async def test_workers_that_keep_dying_fail_the_calls_instead_of_restarting_for_ever(v1_sandbox, monkeypatch):
+async def test_workers_that_keep_dying_fail_the_calls_instead_of_restarting_for_ever(v1_sandbox, monkeypatch,
+                                                                                     earlier):
     from actors.devices import _worker
 
     async with Runtime():
@@ -380,4 +387,4 @@ async def test_workers_that_keep_dying_fail_the_calls_instead_of_restarting_for_
         assert all(isinstance(r, WorkerError) for r in results), results
         assert control._process.driver.starts <= 1 + _worker.MAX_QUICK_DEATHS + 1
         await control.close()
-    assert children(zombies=True) == set()
+    assert zombies_left(earlier) == set()

@@ -17,6 +17,10 @@ Rules:
   until none is left (bounded), as a runtime stops a container and the
   kubelet its pod. The caller removes the test root
   (``tests.support.engines.remove_cgroup_trees``).
+- ``children()`` are this process's children; ``zombies_left(before)`` the
+  zombies among them a test made (not in ``before``), once the bounded wait
+  for them to be reaped is over: the session's other work (the image
+  build's thread) has children of its own, on their way out at any time.
 """
 
 from __future__ import annotations
@@ -243,6 +247,17 @@ def children(parent: int | None = None, *, zombies: bool = False) -> set[int]:
         if int(fields[1]) == me and (fields[0] == "Z") == zombies:
             found.add(int(entry))
     return found
+
+
+def zombies_left(before: set[int], timeout: float = 10.0) -> set[int]:
+    """This process's zombie children that were not its children at all when ``before`` (``children() |
+    children(zombies=True)``) was taken, once none is left or after ``timeout`` (bounded): what a test left
+    unreaped, not what other work of the session (the image build's thread, an earlier test's process on its
+    way out) has yet to reap."""
+    deadline = time.monotonic() + timeout
+    while (left := children(zombies=True) - before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return left
 
 
 def process_state(pid: int) -> str | None:
